@@ -1,0 +1,1 @@
+"""ckptctl: asynchronous sharded checkpoints you can trust."""

@@ -1,0 +1,170 @@
+"""The storage interface: the only way ckptctl touches bytes at rest.
+
+A ``Storage`` is rooted at one URL (a directory or an ``s3://bucket/prefix``) and addresses
+everything below it by *relative keys*: ``/``-separated, no empty, ``.`` or ``..`` components,
+never absolute. ``sub(key)`` gives a storage rooted deeper, so code that handles one checkpoint
+cannot name anything outside it.
+
+Storage moves bytes; it does not interpret them (format/ does). Backends raise
+``ckptctl.errors.NotFound`` for a missing key and ``ckptctl.errors.StorageError`` (exit 3) for
+everything environmental (permission denied, disk full, unreachable, throttled past retries).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from ckptctl.errors import StorageError
+
+EntryKind = Literal["file", "dir", "link"]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One file or object. ``key`` is relative to the storage root that listed it."""
+
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch
+    kind: EntryKind = "file"
+
+
+class Reader(ABC):
+    """Random-access reads of one object, kept open for many ranged reads."""
+
+    size: int
+
+    @abstractmethod
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` (writable, contiguous bytes) from ``offset``; raises NotFound-free
+        ``InvalidCheckpoint`` if the object ends before ``len(out)`` bytes were read."""
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Writer(ABC):
+    """A streaming write of one object. Nothing is visible as complete until ``commit``."""
+
+    @abstractmethod
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the object durable (fsync of file and directory; completed PUT/multipart)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard what was written (removes the partial file; aborts the multipart upload)."""
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class Storage(ABC):
+    """A small interface with two backends: ``LocalStorage`` (POSIX) and ``S3Storage``."""
+
+    url: str  # the URL this storage is rooted at, as a user would type it
+
+    @abstractmethod
+    def sub(self, key: str) -> "Storage":
+        """A storage rooted at ``key`` below this one."""
+
+    @abstractmethod
+    def children(self, prefix: str = "") -> list[ObjectInfo]:
+        """Immediate children of ``prefix``: files, dirs (S3: common prefixes) and, locally,
+        symlinks (kind "link", never followed). Sorted by key."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every file/object below ``prefix``, recursively (symlinks reported, not followed)."""
+
+    @abstractmethod
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size and mtime of ``key``, or None when it does not exist."""
+
+    @abstractmethod
+    def open_reader(self, key: str) -> Reader:
+        """Open ``key`` for ranged reads. A symlink is refused (NotFound-like InvalidCheckpoint)."""
+
+    def read(self, key: str, *, max_size: int = 64 << 20) -> bytes:
+        """The whole (small) object. ``max_size`` guards against a hostile huge file."""
+        with self.open_reader(key) as r:
+            if r.size > max_size:
+                raise StorageError(
+                    f"{self.url_of(key)}: {r.size} bytes is larger than the {max_size} allowed",
+                    hint="this file is not what ckptctl expects here",
+                )
+            return r.read(0, r.size)
+
+    @abstractmethod
+    def open_writer(self, key: str) -> Writer:
+        """Stream an object to ``key`` (created or replaced on ``commit``)."""
+
+    @abstractmethod
+    def write_atomic(self, key: str, data: bytes) -> None:
+        """Replace ``key`` atomically and durably: a reader sees the old or the new bytes, never
+        a mix (POSIX: temp name, fsync, rename, directory fsync; S3: one PUT)."""
+
+    @abstractmethod
+    def write_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist; False if it already did. Atomic against
+        concurrent callers (O_EXCL; S3 ``If-None-Match: *``)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove one file/object (a symlink itself, never its target). False if absent."""
+
+    @abstractmethod
+    def remove_dir(self, prefix: str) -> None:
+        """Remove the now-empty directory ``prefix`` (and empty subdirectories). No-op on S3."""
+
+    def local_path(self, key: str = "") -> str | None:
+        """The filesystem path of ``key`` on a POSIX backend; None for object stores."""
+        return None
+
+    def url_of(self, key: str = "") -> str:
+        """The user-facing URL of ``key``, for messages."""
+        return self.url.rstrip("/") + ("/" + key if key else "")
+
+
+def check_key(key: str, *, allow_empty: bool = False) -> str:
+    """Validate a relative key. Raises ``InvalidCheckpoint`` for anything that could escape the
+    storage root: absolute paths, ``..``, empty or ``.`` components, backslashes, NUL."""
+    from ckptctl.errors import InvalidCheckpoint
+
+    if key == "" and allow_empty:
+        return key
+    bad = (
+        not key
+        or key.startswith("/")
+        or "\\" in key
+        or "\0" in key
+        or any(part in ("", ".", "..") for part in key.split("/"))
+    )
+    if bad:
+        raise InvalidCheckpoint(
+            f"refusing path {key!r}: it is absolute or escapes its checkpoint",
+            hint="the manifest or header was altered; treat this checkpoint as untrusted",
+        )
+    return posixpath.normpath(key)
