@@ -1,0 +1,320 @@
+"""Retention policies: which checkpoints to keep, and why.
+
+Modelled on Orbax's composable preservation policies, with three differences that matter for a
+tool that deletes things:
+
+* every policy says *why* it keeps a checkpoint, so ``prune --dry-run`` can print a reason next
+  to each kept step;
+* results never depend on the order of the input (Orbax's ``LatestN`` assumes a sorted list);
+  candidates are sorted by step as integers, so step 10000 is newer than step 9000;
+* there is no "keep nothing" policy: a :class:`RetentionPolicy` needs at least one rule, and the
+  anchor (the newest checkpoint that verified, chosen by the caller) is always kept.
+
+Everything here is pure: no I/O and no clock. ``KeepWithin`` measures from the newest
+candidate's creation time, like restic's ``--keep-within``, so a job that has been down for a
+week does not have every checkpoint age out of the window.
+
+>>> cands = [Candidate(step=s, time=1000.0 + s) for s in (1000, 2000, 3000, 4000)]
+>>> policy = from_options(keep_last=2, keep_every=2000, keep_within=None, keep=())
+>>> {step: d.keep for step, d in policy.decide(cands, anchor_step=3000).items()}
+{1000: False, 2000: True, 3000: True, 4000: True}
+>>> policy.decide(cands, anchor_step=3000)[3000].reasons
+('anchor: newest verified checkpoint', 'keep-last 2')
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ckptctl.durations import format_duration
+from ckptctl.errors import UsageError
+
+__all__ = [
+    "ANCHOR_REASON",
+    "Candidate",
+    "Decision",
+    "KeepEvery",
+    "KeepLast",
+    "KeepSteps",
+    "KeepWithin",
+    "Policy",
+    "RetentionPolicy",
+    "from_options",
+]
+
+ANCHOR_REASON = "anchor: newest verified checkpoint"
+NO_POLICY_MESSAGE = (
+    "no retention policy given; pass --keep-last, --keep-every, --keep-within or --keep"
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed checkpoint that retention may keep or delete.
+
+    ``step`` is the training step (an int, never a directory name: "10000" < "9000" as strings);
+    ``time`` its creation time in epoch seconds.
+
+    >>> Candidate(step=3000, time=1_700_000_000.0)
+    Candidate(step=3000, time=1700000000.0)
+    """
+
+    step: int
+    time: float
+
+    def __post_init__(self) -> None:
+        # bool is an int subclass; True as a step is a bug upstream, not step 1.
+        if not isinstance(self.step, int) or isinstance(self.step, bool):
+            raise TypeError(f"Candidate.step must be an int, got {self.step!r}")
+        if self.step < 0:
+            raise ValueError(f"Candidate.step must be >= 0, got {self.step}")
+        # NaN compares false with everything and would make KeepWithin keep or drop at random.
+        if not math.isfinite(self.time):
+            raise ValueError(f"Candidate.time must be finite, got {self.time!r} (step {self.step})")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What retention decided for one step, and every reason it is kept (empty when deleted).
+
+    >>> Decision(keep=True, reasons=("keep-last 3",))
+    Decision(keep=True, reasons=('keep-last 3',))
+    """
+
+    keep: bool
+    reasons: tuple[str, ...]
+
+
+def _sorted_unique(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Candidates sorted by step; duplicate steps are an error, not a tie to break silently."""
+    ordered = sorted(candidates, key=lambda c: c.step)
+    for before, after in zip(ordered, ordered[1:]):
+        if before.step == after.step:
+            raise ValueError(f"duplicate checkpoint step {after.step} among retention candidates")
+    return ordered
+
+
+def _require_int(value: object, option: str, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UsageError(
+            f"{option} must be a whole number, got {value!r}", hint=f"e.g. {option} 3"
+        )
+    if value < minimum:
+        raise UsageError(
+            f"{option} must be at least {minimum}, got {value}",
+            hint=f"pass {option} {minimum} or more, or leave it out",
+        )
+    return value
+
+
+class Policy(abc.ABC):
+    """One retention rule. ``reasons`` maps each step it keeps to a short reason string.
+
+    Implementations must be pure and order-independent: same candidates in any order, same
+    answer. Duplicate steps raise ``ValueError``.
+    """
+
+    @abc.abstractmethod
+    def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        """Steps this policy keeps, each with its reason."""
+
+    @property
+    @abc.abstractmethod
+    def label(self) -> str:
+        """The reason string this policy gives, e.g. ``"keep-last 3"``."""
+
+
+@dataclass(frozen=True)
+class KeepLast(Policy):
+    """Keep the ``n`` highest steps.
+
+    >>> KeepLast(2).reasons([Candidate(5, 0.0), Candidate(30, 0.0), Candidate(4, 0.0)])
+    {5: 'keep-last 2', 30: 'keep-last 2'}
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _require_int(self.n, "--keep-last", 1)
+
+    @property
+    def label(self) -> str:
+        return f"keep-last {self.n}"
+
+    def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        ordered = _sorted_unique(candidates)
+        return {c.step: self.label for c in ordered[-self.n :]}
+
+
+@dataclass(frozen=True)
+class KeepEvery(Policy):
+    """Keep steps that are multiples of ``steps`` (step 0 included).
+
+    >>> KeepEvery(1000).reasons([Candidate(1500, 0.0), Candidate(2000, 0.0)])
+    {2000: 'keep-every 1000'}
+    """
+
+    steps: int
+
+    def __post_init__(self) -> None:
+        _require_int(self.steps, "--keep-every", 1)
+
+    @property
+    def label(self) -> str:
+        return f"keep-every {self.steps}"
+
+    def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        return {c.step: self.label for c in _sorted_unique(candidates) if c.step % self.steps == 0}
+
+
+@dataclass(frozen=True)
+class KeepWithin(Policy):
+    """Keep checkpoints created within ``seconds`` of the newest candidate (inclusive).
+
+    Measured from the newest candidate's ``time`` (the largest), not from now: a paused job
+    keeps its recent history however long it has been down (restic's ``--keep-within``).
+
+    >>> KeepWithin(3600).reasons([Candidate(1, 0.0), Candidate(2, 5000.0), Candidate(3, 8000.0)])
+    {2: 'within 1h of newest', 3: 'within 1h of newest'}
+    """
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
+            raise UsageError(
+                f"--keep-within must be a duration, got {self.seconds!r}",
+                hint="e.g. --keep-within 6h",
+            )
+        if not math.isfinite(self.seconds) or self.seconds < 0:
+            raise UsageError(
+                f"--keep-within must be a finite duration >= 0, got {self.seconds!r}",
+                hint="e.g. --keep-within 6h",
+            )
+
+    @property
+    def label(self) -> str:
+        return f"within {format_duration(self.seconds)} of newest"
+
+    def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        ordered = _sorted_unique(candidates)
+        if not ordered:
+            return {}
+        newest = max(c.time for c in ordered)
+        return {c.step: self.label for c in ordered if newest - c.time <= self.seconds}
+
+
+@dataclass(frozen=True)
+class KeepSteps(Policy):
+    """Keep pinned steps (``--keep STEP``). Pinned steps that do not exist are ignored here;
+    :meth:`missing` lists them so a caller can warn.
+
+    >>> KeepSteps(frozenset({2000, 7})).reasons([Candidate(2000, 0.0), Candidate(3000, 0.0)])
+    {2000: 'pinned'}
+    """
+
+    steps: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        # Accept any iterable of ints but store a frozenset, so the policy stays hashable.
+        steps = frozenset(_require_int(s, "--keep", 0) for s in self.steps)
+        if not steps:
+            raise UsageError("--keep needs at least one step", hint="e.g. --keep 3000")
+        object.__setattr__(self, "steps", steps)
+
+    @property
+    def label(self) -> str:
+        return "pinned"
+
+    def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        return {c.step: self.label for c in _sorted_unique(candidates) if c.step in self.steps}
+
+    def missing(self, candidates: Sequence[Candidate]) -> frozenset[int]:
+        """Pinned steps with no candidate (a typo, or already deleted)."""
+        return self.steps - {c.step for c in _sorted_unique(candidates)}
+
+
+@dataclass(frozen=True, init=False)
+class RetentionPolicy:
+    """Keep a checkpoint if ANY policy keeps it; the anchor is always kept.
+
+    >>> RetentionPolicy([])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ckptctl.errors.UsageError: no retention policy given; pass --keep-last, ... or --keep
+    """
+
+    policies: tuple[Policy, ...]
+
+    def __init__(self, policies: Iterable[Policy]) -> None:
+        policies = tuple(policies)
+        for p in policies:
+            if not isinstance(p, Policy):
+                raise TypeError(f"not a retention policy: {p!r}")
+        # An empty policy must never mean "delete everything but the anchor".
+        if not policies:
+            raise UsageError(
+                NO_POLICY_MESSAGE, hint="e.g. ckptctl prune ROOT --keep-last 3 --dry-run"
+            )
+        object.__setattr__(self, "policies", policies)
+
+    def describe(self) -> str:
+        """The rules in one line, e.g. ``"keep-last 3, keep-every 1000"``."""
+        return ", ".join(p.label for p in self.policies)
+
+    def decide(
+        self, candidates: Sequence[Candidate], anchor_step: int | None
+    ) -> dict[int, Decision]:
+        """Decide every candidate, keyed by step in ascending order.
+
+        ``anchor_step`` is the newest checkpoint that passed verification; it is kept whatever
+        the policies say and must be one of the candidates. ``None`` means nothing verified:
+        the decisions then follow the policies alone, for display, and a caller must refuse to
+        delete anything (PRODUCT.md: prune deletes nothing if the checkpoint it would rely on
+        fails verification).
+        """
+        ordered = _sorted_unique(candidates)
+        steps = [c.step for c in ordered]
+        if anchor_step is not None and anchor_step not in steps:
+            raise ValueError(f"anchor step {anchor_step} is not among the retention candidates")
+
+        collected: dict[int, list[str]] = {step: [] for step in steps}
+        if anchor_step is not None:
+            collected[anchor_step].append(ANCHOR_REASON)
+        for policy in self.policies:
+            for step, reason in policy.reasons(ordered).items():
+                # Two identical rules (keep-last 3 twice) should not print the reason twice.
+                if reason not in collected[step]:
+                    collected[step].append(reason)
+        return {step: Decision(bool(why), tuple(why)) for step, why in collected.items()}
+
+
+def from_options(
+    keep_last: int | None,
+    keep_every: int | None,
+    keep_within: float | None,
+    keep: Iterable[int] = (),
+) -> RetentionPolicy:
+    """Build the policy from CLI-style options (``None`` / empty means "not given").
+
+    >>> from_options(keep_last=3, keep_every=None, keep_within=6 * 3600, keep=[500]).describe()
+    'keep-last 3, within 6h of newest, pinned'
+    >>> from_options(None, None, None, ())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ckptctl.errors.UsageError: no retention policy given; pass --keep-last, ... or --keep
+    """
+    policies: list[Policy] = []
+    if keep_last is not None:
+        policies.append(KeepLast(keep_last))
+    if keep_every is not None:
+        policies.append(KeepEvery(keep_every))
+    if keep_within is not None:
+        policies.append(KeepWithin(keep_within))
+    pinned = tuple(keep)
+    if pinned:
+        policies.append(KeepSteps(frozenset(pinned)))
+    return RetentionPolicy(policies)
