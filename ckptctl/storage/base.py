@@ -39,8 +39,9 @@ class Reader(ABC):
 
     @abstractmethod
     def read_into(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` (writable, contiguous bytes) from ``offset``; raises NotFound-free
-        ``InvalidCheckpoint`` if the object ends before ``len(out)`` bytes were read."""
+        """Fill ``out`` (writable, contiguous; any item format, addressed as bytes) from
+        ``offset``; raises ``InvalidCheckpoint`` ("truncated") if the object ends before
+        ``out.nbytes`` bytes were read."""
 
     def read(self, offset: int, length: int) -> bytes:
         buf = bytearray(length)
@@ -105,7 +106,8 @@ class Storage(ABC):
 
     @abstractmethod
     def open_reader(self, key: str) -> Reader:
-        """Open ``key`` for ranged reads. A symlink is refused (NotFound-like InvalidCheckpoint)."""
+        """Open ``key`` for ranged reads. Raises NotFound if absent; a symlink (or a path
+        through one) is refused with InvalidCheckpoint."""
 
     def read(self, key: str, *, max_size: int = 64 << 20) -> bytes:
         """The whole (small) object. ``max_size`` guards against a hostile huge file."""
@@ -146,6 +148,18 @@ class Storage(ABC):
     def url_of(self, key: str = "") -> str:
         """The user-facing URL of ``key``, for messages."""
         return self.url.rstrip("/") + ("/" + key if key else "")
+
+
+def byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """``data`` as a flat memoryview of bytes, without copying.
+
+    Callers hand over views of typed buffers (a float32 numpy array, a tensor's storage); both
+    backends address bytes, so the view is recast. Non-contiguous buffers raise TypeError.
+    """
+    view = memoryview(data)
+    if view.ndim == 1 and view.format == "B":
+        return view
+    return view.cast("B")
 
 
 def check_key(key: str, *, allow_empty: bool = False) -> str:
