@@ -1,0 +1,3 @@
+from ckptctl.cli.app import main
+
+main()

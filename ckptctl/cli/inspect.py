@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, out
+from ckptctl.ops.inspect import inspect_checkpoint
+from ckptctl.storage import open_storage
+
+
+@command
+def inspect(
+    ckpt: Annotated[str, typer.Argument(help="One checkpoint directory, e.g. ROOT/step-0000001000.")],
+    tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor: name, dtype, shape, bytes, chunks.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Show what a committed checkpoint holds: step, time, world size, bytes by group (model,
+    optimizer, other), non-tensor state keys and save statistics. Reads only the manifest."""
+    r = inspect_checkpoint(open_storage(ckpt), tensors=tensors)
+    if json:
+        emit_json(r.to_dict())
+        return
+    tensor_bytes = sum(r.bytes_by_group.values()) or 1
+    out.print(f"checkpoint  {r.url}", markup=False, highlight=False)
+    out.print(f"step        {r.step}")
+    out.print(f"created     {dt.datetime.fromtimestamp(r.created).isoformat(timespec='seconds')}")
+    out.print(f"world size  {r.world_size}   files {len(r.files)}   tensors {r.tensor_count}   on storage {human_bytes(r.total_bytes)}")
+    for group, n in r.bytes_by_group.items():
+        out.print(f"  {group:<10}{human_bytes(n):>12}  {100 * n / tensor_bytes:5.1f}%")
+    out.print(f"state keys  {', '.join(r.state_keys) or '-'}", markup=False)
+    if r.stats:
+        s = r.stats
+        out.print(
+            f"save        stall {s.get('stall_s', 0):.3f}s   write {s.get('write_s', 0):.3f}s   "
+            f"waited {s.get('wait_s', 0):.3f}s for the previous save"
+        )
+    if tensors:
+        table = Table(box=None, pad_edge=False)
+        for col in ("NAME", "DTYPE", "SHAPE", "BYTES", "CHUNKS", "GROUP"):
+            table.add_column(col)
+        for t in r.tensors:
+            table.add_row(t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.bytes), str(t.chunks), t.group)
+        out.print(table)

@@ -1,0 +1,32 @@
+"""Checksums: XXH3-64, chosen by measurement.
+
+On the development machine (2-core x86_64) one core hashes XXH3-64 at ~34 GB/s, CRC32C at
+~16 GB/s, zlib CRC32 at ~7 GB/s and SHA-256 at ~2 GB/s (``python scripts/bench_checksums.py``).
+Both xxhash and crc32c release the GIL, so hashing in the writer thread does not stall
+training. The algorithm's name is recorded in every manifest so that a later version can change
+it without misreading old checkpoints.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+ALGORITHM = "xxh3-64"
+
+
+def digest(data: bytes | bytearray | memoryview) -> str:
+    """Hex digest of a whole buffer. ``digest(b"") == "2d06800538d394c2"``."""
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+class Hasher:
+    """Incremental form of ``digest``: ``update`` piece by piece, then ``hexdigest``."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return f"{self._h.intdigest():016x}"

@@ -1,0 +1,197 @@
+"""Shard files: safetensors files whose header also carries ckptctl's chunk index.
+
+A shard is an ordinary safetensors file (``safetensors.safe_open`` reads it). Each entry is one
+*chunk*: the region of a global tensor that this shard holds. The safetensors header's
+``__metadata__`` has one extra key, ``ckptctl``, a JSON object::
+
+    {"version": 1, "rank": 3,
+     "chunks": {"model/fc.weight": {"offsets": [512, 0], "checksum": "9f2c..."}},
+     "rank_state": {...}}
+
+``offsets`` place the chunk inside its global tensor (the chunk's shape is the safetensors
+entry's shape); ``checksum`` is the XXH3-64 of the chunk's bytes, so ``verify`` names the
+corrupt tensor. Keeping the chunk index here, not in the manifest, keeps the manifest's size
+linear in ranks + tensors instead of ranks x tensors.
+
+Parsing is defensive: the header is untrusted input. Its length is bounded, every offset is
+checked against the file size, and entries must tile the data section exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ckptctl.errors import InvalidCheckpoint
+from ckptctl.format import dtypes
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger claim is an attack or garbage
+METADATA_KEY = "ckptctl"
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One tensor region stored in a shard."""
+
+    name: str  # the global tensor's name
+    dtype: str  # manifest dtype name
+    shape: tuple[int, ...]  # the chunk's own shape
+    offsets: tuple[int, ...]  # where the chunk starts in the global tensor
+    begin: int  # byte offset in the shard's data section
+    end: int
+    checksum: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class ShardHeader:
+    """A parsed shard header. ``data_start`` is the file offset of the data section."""
+
+    chunks: list[Chunk]
+    data_start: int
+    rank: int | None
+    rank_state: dict[str, Any] = field(default_factory=dict)
+    header_bytes: bytes = b""
+
+    @property
+    def data_size(self) -> int:
+        return max((c.end for c in self.chunks), default=0)
+
+
+def build_header(
+    chunks: Sequence[Chunk], *, rank: int, rank_state: dict[str, Any] | None = None
+) -> bytes:
+    """The bytes that precede the data section: 8-byte little-endian length, then JSON padded
+    with spaces so the data section starts 8-byte aligned (as safetensors itself does)."""
+    meta = {
+        "version": 1,
+        "rank": rank,
+        "chunks": {c.name: {"offsets": list(c.offsets), "checksum": c.checksum} for c in chunks},
+        "rank_state": rank_state or {},
+    }
+    header: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(meta, separators=(",", ":"))}}
+    for c in chunks:
+        header[c.name] = {
+            "dtype": dtypes.code_of(c.dtype),
+            "shape": list(c.shape),
+            "data_offsets": [c.begin, c.end],
+        }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
+    """Parse a header from the first bytes of a shard. ``prefix`` must hold at least the 8-byte
+    length and the JSON it announces (see ``header_length``). ``where`` names the file."""
+    n = header_length(prefix[:8], file_size, where)
+    raw = prefix[8 : 8 + n]
+    if len(raw) != n:
+        raise InvalidCheckpoint(f"{where}: header truncated ({len(raw)} of {n} bytes)")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidCheckpoint(f"{where}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise InvalidCheckpoint(f"{where}: safetensors header is not a JSON object")
+    meta_raw = header.pop("__metadata__", None) or {}
+    ours: dict[str, Any] = {}
+    if isinstance(meta_raw, dict) and METADATA_KEY in meta_raw:
+        try:
+            ours = json.loads(meta_raw[METADATA_KEY])
+        except (TypeError, json.JSONDecodeError):
+            raise InvalidCheckpoint(f"{where}: ckptctl chunk index in the header is garbled") from None
+        if not isinstance(ours, dict):
+            raise InvalidCheckpoint(f"{where}: ckptctl chunk index in the header is garbled")
+    index = ours.get("chunks", {}) if isinstance(ours.get("chunks", {}), dict) else {}
+    data_start = 8 + n
+    data_size = file_size - data_start
+    chunks = [_parse_entry(name, entry, index.get(name), data_size, where) for name, entry in header.items()]
+    chunks.sort(key=lambda c: (c.begin, c.end))
+    _check_tiling(chunks, data_size, where)
+    rank = ours.get("rank")
+    rank_state = ours.get("rank_state") or {}
+    return ShardHeader(
+        chunks=chunks,
+        data_start=data_start,
+        rank=rank if isinstance(rank, int) else None,
+        rank_state=rank_state if isinstance(rank_state, dict) else {},
+        header_bytes=bytes(prefix[:data_start]),
+    )
+
+
+def header_length(first8: bytes, file_size: int, where: str) -> int:
+    """The JSON length announced by a shard's first 8 bytes, bounds-checked."""
+    if len(first8) < 8 or file_size < 8:
+        raise InvalidCheckpoint(f"{where}: too short to be a safetensors file ({file_size} bytes)")
+    (n,) = struct.unpack("<Q", first8[:8])
+    if n > MAX_HEADER_BYTES or n > file_size - 8:
+        raise InvalidCheckpoint(
+            f"{where}: header claims {n} bytes but the file has {file_size}",
+            hint="the shard is truncated or its header is corrupt",
+        )
+    return n
+
+
+def _parse_entry(name: str, entry: Any, index: Any, data_size: int, where: str) -> Chunk:
+    if not isinstance(entry, dict):
+        raise InvalidCheckpoint(f"{where}: tensor {name!r}: header entry is not an object")
+    code, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    dtype = dtypes.name_from_code(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise InvalidCheckpoint(f"{where}: tensor {name!r}: unknown dtype {code!r}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise InvalidCheckpoint(f"{where}: tensor {name!r}: bad shape {shape!r}")
+    if not (
+        isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+        and 0 <= offs[0] <= offs[1] <= data_size
+    ):
+        raise InvalidCheckpoint(
+            f"{where}: tensor {name!r}: data_offsets {offs!r} fall outside the "
+            f"{data_size}-byte data section",
+            hint="the shard is truncated or its header is corrupt",
+        )
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtypes.itemsize(dtype) != offs[1] - offs[0]:
+        raise InvalidCheckpoint(
+            f"{where}: tensor {name!r}: shape {shape} of {dtype} needs "
+            f"{numel * dtypes.itemsize(dtype)} bytes, header gives {offs[1] - offs[0]}"
+        )
+    offsets: tuple[int, ...] = tuple(0 for _ in shape)
+    checksum = None
+    if isinstance(index, dict):
+        o = index.get("offsets")
+        if isinstance(o, list) and len(o) == len(shape) and all(isinstance(x, int) and x >= 0 for x in o):
+            offsets = tuple(o)
+        elif o is not None:
+            raise InvalidCheckpoint(f"{where}: tensor {name!r}: bad chunk offsets {o!r}")
+        c = index.get("checksum")
+        checksum = c if isinstance(c, str) else None
+    return Chunk(name, dtype, tuple(shape), offsets, offs[0], offs[1], checksum)
+
+
+def _check_tiling(chunks: list[Chunk], data_size: int, where: str) -> None:
+    """Entries must cover the data section exactly: overlaps would let two tensors alias the
+    same bytes, gaps or a tail would hide unchecked bytes."""
+    pos = 0
+    for c in chunks:
+        if c.begin != pos:
+            what = "overlaps the previous tensor" if c.begin < pos else f"leaves a gap at byte {pos}"
+            raise InvalidCheckpoint(
+                f"{where}: tensor {c.name!r} at bytes {c.begin}-{c.end} {what}",
+                hint="the header is corrupt or was crafted; do not trust this shard",
+            )
+        pos = c.end
+    if pos != data_size:
+        raise InvalidCheckpoint(
+            f"{where}: data section has {data_size} bytes but its tensors cover {pos}",
+            hint="the shard is truncated or has trailing garbage",
+        )

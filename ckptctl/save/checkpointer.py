@@ -1,0 +1,191 @@
+"""The hook library's front door: ``Checkpointer``.
+
+    >>> from ckptctl import Checkpointer
+    >>> with Checkpointer("/ckpt") as ckpt:                       # doctest: +SKIP
+    ...     step = ckpt.load_latest(state) or 0                   # resume, or start fresh
+    ...     for step in range(step + 1, total):
+    ...         train_step()
+    ...         if step % 500 == 0:
+    ...             ckpt.save(step, state)                        # returns after the host copy
+
+``save`` copies every tensor into a reusable host staging buffer and returns; a background
+thread checksums and writes the shard, then the manifest, then the marker. A second ``save``
+while one is still writing first waits for it (back-pressure: memory stays one snapshot).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, RefusedForSafety, SaveFailed
+from ckptctl.format.checkpoint import newest_committed
+from ckptctl.format.layout import MARKER, shard_name, step_dir
+from ckptctl.load.reader import CheckpointReader
+from ckptctl.load.restore import restore
+from ckptctl.save.commit import build_manifest, commit
+from ckptctl.save.plan import Plan, make_plan, signature_of
+from ckptctl.save.shard_writer import write_shard
+from ckptctl.save.staging import StagingBuffer
+from ckptctl.state.capture import capture
+from ckptctl.state.ranks import current_rank, world_size
+from ckptctl.storage import Storage, open_storage
+
+log = logging.getLogger("ckptctl")
+
+
+class SaveHandle:
+    """One save in flight. ``wait()`` returns the committed checkpoint's URL or raises
+    ``SaveFailed`` (the underlying error is its ``__cause__``)."""
+
+    def __init__(self, step: int, url: str, future: "Future[str]") -> None:
+        self.step = step
+        self.url = url
+        self._future = future
+        self.observed = False  # whether the caller has seen this save's outcome
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        self.observed = True
+        return self._future.result(timeout)
+
+
+class Checkpointer:
+    """Asynchronous checkpoints under ``root`` (a path or ``s3://bucket/prefix``)."""
+
+    def __init__(self, root: str, *, async_save: bool = True, storage: Storage | None = None) -> None:
+        self.root = storage or open_storage(root)
+        self.async_save = async_save
+        self.rank = current_rank()
+        self.world_size = world_size()
+        self._staging = StagingBuffer()
+        self._plan: Plan | None = None
+        self._pending: SaveHandle | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-writer")
+        self._lock = threading.Lock()  # one save() at a time, even from several threads
+        self._closed = False
+
+    # --- saving -----------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+        """Snapshot ``state`` into host memory and return; the write happens in the background.
+
+        Raises the previous save's error if it failed and nobody has seen it yet, and
+        ``RefusedForSafety`` if ``step`` is already committed (a checkpoint is never overwritten).
+        """
+        if self._closed:
+            raise RuntimeError("Checkpointer is closed")
+        with self._lock:
+            t0 = time.perf_counter()
+            self._drain()  # back-pressure: the staging buffer is still being written
+            waited = time.perf_counter() - t0
+            ckpt = self.root.sub(step_dir(step))
+            if ckpt.stat(MARKER) is not None:
+                raise RefusedForSafety(
+                    f"{ckpt.url} is already committed; a checkpoint is never overwritten",
+                    hint="save under a new step, or delete the old checkpoint with `ckptctl prune`",
+                )
+            t1 = time.perf_counter()
+            captured = capture(state)
+            sig = signature_of(captured.tensors)
+            if self._plan is None or self._plan.signature != sig:
+                self._plan = make_plan(captured.tensors, sig)
+            plan = self._plan
+            buf = self._staging.snapshot(plan, captured.tensors)
+            stall = time.perf_counter() - t1
+            stats = {"bytes": float(plan.nbytes), "stall_s": stall, "wait_s": waited}
+
+            def job() -> str:
+                t = time.perf_counter()
+                report = write_shard(ckpt, shard_name(self.rank, self.world_size), plan, buf, rank=self.rank, rank_state=captured.rank_state)
+                stats["write_s"] = time.perf_counter() - t
+                manifest = build_manifest(step, self.world_size, [report], captured.tree, stats)
+                commit(ckpt, manifest)
+                stats["commit_s"] = time.perf_counter() - t
+                return ckpt.url
+
+            future = self._pool.submit(_wrap(step, ckpt.url, job))
+            handle = self._pending = SaveHandle(step, ckpt.url, future)
+        if not self.async_save:
+            handle.wait()
+        return handle
+
+    def wait(self) -> str | None:
+        """Wait for every pending save; returns the last committed URL, raises if it failed."""
+        h = self._pending
+        return h.wait() if h is not None else None
+
+    def _drain(self) -> None:
+        h, self._pending = self._pending, None
+        if h is None:
+            return
+        try:
+            h._future.result()
+        except SaveFailed:
+            if not h.observed:  # raise each failure once: to wait(), or else here
+                h.observed = True
+                raise
+
+    # --- loading ----------------------------------------------------------------------------
+
+    def load(self, path: str, state: dict[str, Any], *, strict: bool = True) -> int:
+        """Restore ``state`` in place from the committed checkpoint at ``path``; returns its step."""
+        ckpt = open_storage(path) if isinstance(path, str) else path
+        with CheckpointReader(ckpt) as reader:
+            return restore(reader, state, strict=strict).step
+
+    def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
+        """Restore from the newest committed checkpoint; None when there is none.
+
+        If the newest one turns out to be corrupt while reading (a checksum mismatch), the
+        next older committed checkpoint is loaded instead and a warning is logged: every
+        tensor is overwritten again, so nothing of the bad one survives.
+        """
+        for entry, ckpt in newest_committed(self.root):
+            try:
+                return self.load(ckpt, state, strict=strict)
+            except (InvalidCheckpoint, NotFound) as e:
+                log.warning("skipping %s: %s", ckpt.url, e)
+        return None
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for pending saves, release the thread and buffers. Raises a failed save's
+        error if nobody has seen it."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                self._drain()
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            self._staging.release()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the caller's exception with a save error
+            try:
+                self.close()
+            except CkptError as e:
+                log.error("while closing after an error: %s", e)
+
+
+def _wrap(step: int, url: str, job):
+    def run() -> str:
+        try:
+            return job()
+        except Exception as e:  # any failure of the background write becomes SaveFailed
+            raise SaveFailed(f"save of step {step} to {url} failed: {e}", hint=getattr(e, "hint", None)) from e
+
+    return run

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install ckptctl with its test dependencies. Idempotent; used by demo.sh,
+# test.sh and CI. torch is pinned (the CPU build on this machine's disk) by the test extra.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# groff lints the manual pages (tests/test_manpages.py skips without it); install it where we may.
+if ! command -v groff >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq groff-base >/dev/null) ||
+    echo "setup.sh: could not install groff-base; the man page lint will be skipped" >&2
+fi

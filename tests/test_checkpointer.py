@@ -1,0 +1,158 @@
+"""Round trip and resume through the public Checkpointer API, on real files."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from ckptctl import Checkpointer
+from ckptctl.demo import ToyJob
+from ckptctl.errors import RefusedForSafety, SaveFailed, StateError
+from ckptctl.format.layout import MARKER, step_dir
+
+
+def _snapshot(job: ToyJob) -> dict:
+    return copy.deepcopy({
+        "model": job.model.state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "scheduler": job.scheduler.state_dict(),
+        "loader": job.loader.state_dict(),
+    })
+
+
+def test_round_trip_is_bitwise_and_training_resumes_identically(tmp_path):
+    ref = ToyJob()
+    losses_ref = [ref.step() for _ in range(25)]
+
+    job = ToyJob()
+    for _ in range(10):
+        job.step()
+    with Checkpointer(str(tmp_path)) as ckpt:
+        path = ckpt.save(10, job.state()).wait()
+    assert path.endswith(step_dir(10))
+    at_save = _snapshot(job)
+    after_save = [job.step() for _ in range(15)]
+
+    resumed = ToyJob(seed=123)  # different init, data order and RNG: all must be overwritten
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.load_latest(resumed.state()) == 10
+    resumed.reset_iterator()
+    assert _deep_equal(_snapshot(resumed), at_save)
+    losses = [resumed.step() for _ in range(15)]
+    assert losses == after_save == losses_ref[10:]
+
+
+def _deep_equal(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_deep_equal(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_deep_equal, x, y))
+    return x == y
+
+
+def test_plain_tensors_nested_json_and_tuples_round_trip(tmp_path):
+    state = {
+        "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "extra": {"epoch": 3, "name": "run-7", "betas": (0.9, 0.95), "nan": math.inf, "ids": {1: "a"}, "mask": torch.tensor([True, False])},
+        "seen": [1, 2, 3],
+    }
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, state).wait()
+        target = {"t": torch.zeros(2, 3, dtype=torch.bfloat16), "extra": {}, "seen": None}
+        t_before = target["t"]
+        assert ckpt.load_latest(target) == 1
+    assert target["t"] is t_before and torch.equal(target["t"], state["t"])  # in place
+    assert target["extra"]["betas"] == (0.9, 0.95) and target["extra"]["ids"] == {1: "a"}
+    assert target["extra"]["nan"] == math.inf and target["seen"] == [1, 2, 3]
+    assert torch.equal(target["extra"]["mask"], state["extra"]["mask"])
+
+
+def test_rng_states_are_restored(tmp_path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, {"x": torch.zeros(1)}).wait()
+        expected = (torch.rand(3), random.random(), np.random.rand())
+        torch.manual_seed(9), random.seed(9), np.random.seed(9)
+        ckpt.load_latest({"x": torch.zeros(1)})
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_non_json_value_is_refused_naming_the_key(tmp_path):
+    with Checkpointer(str(tmp_path)) as ckpt:
+        with pytest.raises(StateError, match="extra/fn"):
+            ckpt.save(1, {"extra": {"fn": object()}})
+
+
+def test_committed_step_is_never_overwritten(tmp_path):
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(5, {"x": torch.ones(3)}).wait()
+        with pytest.raises(RefusedForSafety, match="already committed"):
+            ckpt.save(5, {"x": torch.zeros(3)})
+
+
+def test_saves_are_serialised_and_each_commits(tmp_path):
+    with Checkpointer(str(tmp_path)) as ckpt:
+        handles = [ckpt.save(s, {"x": torch.full((1000,), float(s))}) for s in range(1, 6)]
+        ckpt.wait()
+    for h in handles:
+        assert h.done() and os.path.exists(os.path.join(h.url, MARKER))
+    with Checkpointer(str(tmp_path)) as ckpt:
+        target = {"x": torch.zeros(1000)}
+        ckpt.load(os.path.join(str(tmp_path), step_dir(3)), target)
+        assert torch.equal(target["x"], torch.full((1000,), 3.0))
+
+
+def test_failed_background_write_leaves_no_marker_and_raises_everywhere(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    # A regular file where the step directory must go: the background write fails for real.
+    (root / step_dir(2)).write_text("in the way")
+    ckpt = Checkpointer(str(root))
+    ckpt.save(1, {"x": torch.ones(4)}).wait()
+    h = ckpt.save(2, {"x": torch.ones(4)})
+    with pytest.raises(SaveFailed, match="step 2"):
+        h.wait()
+    ckpt.save(3, {"x": torch.ones(4)}).wait()  # already seen by wait(): not raised again
+    (root / step_dir(5)).write_text("in the way")
+    ckpt.save(5, {"x": torch.ones(4)})
+    with pytest.raises(SaveFailed, match="step 5"):
+        ckpt.close()
+    assert not (root / step_dir(2) / MARKER).exists()
+
+
+def test_unseen_failure_is_raised_by_the_next_save(tmp_path):
+    (tmp_path / step_dir(1)).write_text("in the way")
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, {"x": torch.ones(2)})
+    with pytest.raises(SaveFailed, match="step 1"):
+        ckpt.save(2, {"x": torch.ones(2)})
+    ckpt.save(3, {"x": torch.ones(2)}).wait()
+    ckpt.close()
+
+
+def test_strict_load_names_the_mismatch_and_non_strict_skips_it(tmp_path):
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, {"model": nn.Linear(4, 3)}).wait()
+        with pytest.raises(StateError, match="weight"):
+            ckpt.load_latest({"model": nn.Linear(4, 2)})
+        other = nn.Linear(4, 2)
+        bias_before = other.bias.detach().clone()
+        assert ckpt.load_latest({"model": other}, strict=False) == 1
+        assert torch.equal(other.bias, bias_before)  # skipped, untouched
+
+
+def test_load_latest_returns_none_on_an_empty_root(tmp_path):
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.load_latest({"x": torch.zeros(1)}) is None
