@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from ckptctl.cli import inspect, latest, ls, verify
+from ckptctl.cli import cp, restore
 
 app = typer.Typer(
     name="ckptctl",
@@ -26,6 +27,8 @@ app.command("ls")(ls.ls)
 app.command("inspect")(inspect.inspect)
 app.command("verify")(verify.verify)
 app.command("latest")(latest.latest)
+app.command("restore")(restore.restore)
+app.command("cp")(cp.cp)
 
 
 def main() -> None:

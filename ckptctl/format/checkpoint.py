@@ -21,6 +21,23 @@ Status = Literal["committed", "partial", "corrupt"]
 def read_committed(ckpt: Storage) -> tuple[Manifest, Marker]:
     """Marker, then the manifest it commits. Raises NotFound (no marker: not committed) or
     InvalidCheckpoint (garbled, or the manifest does not match its marker)."""
+    committed = read_committed_raw(ckpt)
+    return committed.manifest, committed.marker
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint's metadata, parsed and as the exact bytes read: a copy writes
+    the same bytes so that its marker still commits its manifest."""
+
+    manifest: Manifest
+    marker: Marker
+    manifest_raw: bytes
+    marker_raw: bytes
+
+
+def read_committed_raw(ckpt: Storage) -> Committed:
+    """``read_committed``, keeping the raw bytes of both files."""
     where = ckpt.url
     try:
         marker_raw = ckpt.read(MARKER, max_size=1 << 20)
@@ -38,7 +55,7 @@ def read_committed(ckpt: Storage) -> tuple[Manifest, Marker]:
             hint="the checkpoint was damaged after commit; do not resume from it",
         ) from None
     marker.check(raw, ckpt.url_of(MANIFEST))
-    return Manifest.from_json(raw, ckpt.url_of(MANIFEST)), marker
+    return Committed(Manifest.from_json(raw, ckpt.url_of(MANIFEST)), marker, raw, marker_raw)
 
 
 def read_header(ckpt: Storage, name: str) -> ShardHeader:

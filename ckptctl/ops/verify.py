@@ -16,6 +16,7 @@ are checked in parallel. Every problem found is reported, not just the first.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -92,12 +93,12 @@ def verify_checkpoint(ckpt: Storage, level: Level = "checksums", progress: Progr
     report.step, report.files, report.tensors = manifest.step, len(manifest.files), len(manifest.tensors)
     headers: dict[str, ShardHeader] = {}
     for f in manifest.files:
-        h = _check_file(ckpt, f, manifest, report)
+        h = check_file(ckpt, f, manifest, report.problems)
         if h is not None:
             headers[f.name] = h
     if level != "quick":
         with ThreadPoolExecutor(THREADS) as pool:
-            results = pool.map(lambda f: _stream(ckpt, f, headers[f.name], level, progress), [f for f in manifest.files if f.name in headers])
+            results = pool.map(lambda f: stream_file(ckpt, f, headers[f.name], level, progress), [f for f in manifest.files if f.name in headers])
             for problems, nbytes in results:
                 report.problems.extend(problems)
                 report.bytes_read += nbytes
@@ -108,41 +109,56 @@ def verify_checkpoint(ckpt: Storage, level: Level = "checksums", progress: Progr
     return report
 
 
-def _check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, report: VerifyReport) -> ShardHeader | None:
+def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[Problem]) -> ShardHeader | None:
+    """The quick checks of one listed file (present, right size, header agrees with the
+    manifest); appends what is wrong to ``problems`` and returns the header when all is well."""
     info = ckpt.stat(f.name)
     if info is None:
-        report.problems.append(Problem("missing", file=f.name, hint="a shard was deleted or never written; resume from an older checkpoint"))
+        problems.append(Problem("missing", file=f.name, hint="a shard was deleted or never written; resume from an older checkpoint"))
         return None
     if info.kind == "link":
-        report.problems.append(Problem("is a symlink; ckptctl never follows links inside a checkpoint", file=f.name))
+        problems.append(Problem("is a symlink; ckptctl never follows links inside a checkpoint", file=f.name))
         return None
     if info.size != f.size:
-        report.problems.append(Problem(f"has {info.size} bytes, manifest says {f.size}", file=f.name, hint="the shard is truncated or was replaced"))
+        problems.append(Problem(f"has {info.size} bytes, manifest says {f.size}", file=f.name, hint="the shard is truncated or was replaced"))
         return None
     try:
         h = read_header(ckpt, f.name)
     except CkptError as e:
-        report.problems.append(Problem(str(e), file=f.name, hint=e.hint))
+        problems.append(Problem(str(e), file=f.name, hint=e.hint))
         return None
     ok = True
     for c in h.chunks:
         t = manifest.tensors.get(c.name)
         if t is None:
-            report.problems.append(Problem("chunk of a tensor the manifest does not list", file=f.name, tensor=c.name))
+            problems.append(Problem("chunk of a tensor the manifest does not list", file=f.name, tensor=c.name))
             ok = False
         elif c.dtype != t.dtype or len(c.shape) != len(t.shape) or any(o + s > g for o, s, g in zip(c.offsets, c.shape, t.shape)):
-            report.problems.append(Problem(
+            problems.append(Problem(
                 f"chunk {c.dtype}{list(c.shape)} at {list(c.offsets)} does not fit the tensor's {t.dtype}{list(t.shape)}",
                 file=f.name, tensor=c.name, byte_range=(h.data_start + c.begin, h.data_start + c.end)))
             ok = False
     if len(h.chunks) != f.chunks:
-        report.problems.append(Problem(f"header has {len(h.chunks)} chunks, manifest says {f.chunks}", file=f.name))
+        problems.append(Problem(f"header has {len(h.chunks)} chunks, manifest says {f.chunks}", file=f.name))
         ok = False
     return h if ok else None
 
 
-def _stream(ckpt: Storage, f: FileEntry, h: ShardHeader, level: Level, progress: Progress | None) -> tuple[list[Problem], int]:
-    """Read the file once, in pieces, feeding the file hash and each chunk's hash."""
+def stream_file(
+    ckpt: Storage,
+    f: FileEntry,
+    h: ShardHeader,
+    level: Level,
+    progress: Progress | None,
+    sink: Callable[[memoryview], None] | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[list[Problem], int]:
+    """Read the file once, in pieces, feeding the file hash and each chunk's hash.
+
+    ``sink`` receives every piece, in order, after it was hashed (the buffer is reused, so it
+    must consume the bytes before returning): ``copy_checkpoint`` writes the copy from it, so
+    copying and checking read the source once. ``stop``, once set, ends the read early with
+    no verdict (another file of the same copy already failed)."""
     problems: list[Problem] = []
     file_hash = Hasher()
     chunks = sorted(h.chunks, key=lambda c: c.begin)
@@ -153,6 +169,8 @@ def _stream(ckpt: Storage, f: FileEntry, h: ShardHeader, level: Level, progress:
         for pos in range(0, f.size, PIECE):
             n = min(PIECE, f.size - pos)
             view = memoryview(buf)[:n]
+            if stop is not None and stop.is_set():
+                return problems, pos
             r.read_into(pos, view)
             file_hash.update(view)
             # Hand each part of the piece to the chunk it belongs to (the header is no chunk's).
@@ -170,6 +188,8 @@ def _stream(ckpt: Storage, f: FileEntry, h: ShardHeader, level: Level, progress:
                     ci += 1
                 else:
                     break
+            if sink is not None:
+                sink(view)
             if progress:
                 progress(n)
     if file_hash.hexdigest() != f.checksum:

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.progress import byte_progress
+from ckptctl.errors import UsageError
+from ckptctl.ops.transfer import Skipped, restore_latest
+from ckptctl.storage import open_storage
+
+
+@command
+def restore(
+    src: Annotated[str, typer.Argument(help="Checkpoint root to restore from: s3://bucket/prefix or a directory.")],
+    dst: Annotated[str, typer.Argument(help="Root to restore into, usually fast local disk; the checkpoint lands in DST/step-XXXXXXXXXX.")],
+    step: Annotated[Optional[int], typer.Option("--step", help="Restore this step; exit 1 if it does not verify (no fallback).")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Ranks the restored copy is for; must match the saved world size until `ckptctl reshard` can run on the way.")] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Copy the newest committed checkpoint that verifies from SRC into DST, and print its path.
+
+    Every shard is copied in parallel and checked on the fly (file and tensor chunk
+    checksums); the copy gets its marker last, only when every byte checked out. A corrupt
+    newest checkpoint is reported on stderr and the next newest is restored instead, unless
+    --step pins one. Run again after an interruption: shards already in place that verify are
+    kept, and a DST that already holds the same checkpoint is left as is.
+
+    Example: CKPT=$(ckptctl restore s3://bucket/run7 /nvme/ckpt) && torchrun train.py --resume "$CKPT"
+    """
+    if step is not None and step < 0:
+        raise UsageError(f"--step {step} is negative", hint="give a step number >= 0")
+    if world_size is not None and world_size < 1:
+        raise UsageError(f"--world-size {world_size} must be at least 1", hint="give the number of ranks")
+
+    def skipped(s: Skipped) -> None:
+        err.print(f"skipping step {s.step}: {s.reason}", markup=False, highlight=False)
+
+    with byte_progress("restore") as progress:
+        result = restore_latest(open_storage(src), open_storage(dst), step, progress, world_size=world_size, on_skip=skipped)
+    c = result.copy
+    if c.status == "already present":
+        err.print(f"{result.path} already holds step {result.step}; left as is", markup=False, highlight=False)
+    else:
+        rate = f", {human_bytes(c.bytes_copied / c.seconds)}/s" if c.seconds and c.bytes_copied else ""
+        err.print(f"restored step {result.step}: {c.files} files, {human_bytes(c.bytes_copied)} copied and verified "
+                  f"in {c.seconds:.2f}s{rate}", markup=False, highlight=False)
+    if json:
+        emit_json(result.to_dict())
+    else:
+        out.print(result.path, markup=False, highlight=False)

@@ -1,0 +1,280 @@
+"""Copying committed checkpoints between storages: ``cp`` and ``restore``.
+
+A copy reads every source byte once and checks it on the way (file XXH3 and each tensor
+chunk's checksum, the same streaming check as ``verify``), writes the shards through the
+destination's atomic writers, then the manifest, then the marker, last and only when every
+byte checked out. So a destination without a marker is never mistaken for a checkpoint, an
+interrupted copy run again restarts cleanly (shards whose bytes already verify in place are
+kept), and a corrupt source commits nothing.
+
+Memory: ``threads`` files at once, each holding one read piece plus what its writer buffers
+(on S3, ``max_inflight_parts`` parts); never a whole file.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Literal
+
+from ckptctl.errors import (
+    CheckpointError,
+    InvalidCheckpoint,
+    NoValidCheckpoint,
+    NotFound,
+    RefusedForSafety,
+    UsageError,
+)
+from ckptctl.format.checkpoint import Committed, marked, read_committed_raw
+from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir, step_dir
+from ckptctl.format.manifest import FileEntry
+from ckptctl.format.shard import ShardHeader
+from ckptctl.ops.verify import Problem, Progress, check_file, stream_file
+from ckptctl.storage.base import Storage
+
+THREADS = 4  # files copied at once; each S3 writer adds its own parallel part uploads
+
+CopyStatus = Literal["copied", "already present"]
+
+
+@dataclass
+class CopyResult:
+    src: str
+    dst: str
+    step: int
+    status: CopyStatus
+    files: int = 0
+    bytes_copied: int = 0
+    files_reused: int = 0  # already in place with verified bytes (an interrupted copy re-run)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _describe(problems: list[Problem], where: str) -> str:
+    # The most precise problem first: a tensor and byte range say more than "file checksum".
+    first = min(problems, key=lambda p: (p.tensor is None, p.byte_range is None))
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"{where}: {first}{more}"
+
+
+def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None, *, threads: int = THREADS) -> CopyResult:
+    """Copy the committed checkpoint at ``src`` to ``dst`` (a checkpoint directory).
+
+    Raises NotFound (src not committed), InvalidCheckpoint (src corrupt: nothing is committed
+    at dst, and the shards this call wrote are removed), RefusedForSafety (dst already holds a
+    different committed checkpoint) or StorageError.
+    """
+    t0 = time.perf_counter()
+    source = read_committed_raw(src)
+    manifest = source.manifest
+    result = CopyResult(src.url, dst.url, manifest.step, "copied", files=len(manifest.files))
+    if _already_present(source, dst):
+        result.status = "already present"
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    problems: list[Problem] = []
+    headers: dict[str, ShardHeader] = {}
+    for f in manifest.files:
+        h = check_file(src, f, manifest, problems)
+        if h is not None:
+            headers[f.name] = h
+    if problems:
+        raise InvalidCheckpoint(_describe(problems, src.url), hint=problems[0].hint or "copy an older checkpoint")
+
+    written: list[str] = []  # committed by this call: removed again if the source is corrupt
+    lock = threading.Lock()
+    stop = threading.Event()  # one corrupt or failed file ends the others early
+
+    def copy_one(f: FileEntry) -> tuple[list[Problem], bool]:
+        if _reusable(dst, f, headers[f.name]):
+            if progress:
+                progress(f.size)
+            return [], True
+        writer = dst.open_writer(f.name)
+        try:
+            found, _ = stream_file(src, f, headers[f.name], "checksums", progress, sink=writer.write, stop=stop)
+        except BaseException:
+            stop.set()
+            writer.abort()
+            raise
+        if found or stop.is_set():
+            stop.set()
+            writer.abort()
+            return found, False
+        writer.commit()
+        with lock:
+            written.append(f.name)
+        return [], False
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-copy") as pool:
+        futures: list[Future[tuple[list[Problem], bool]]] = [pool.submit(copy_one, f) for f in manifest.files]
+        wait(futures)
+    for future in futures:
+        future.result()  # a storage error or interrupt in any worker surfaces here
+    for future in futures:
+        found, reused = future.result()
+        problems.extend(found)
+        result.files_reused += reused
+    if problems:
+        # The source is corrupt: take back what we wrote so no half copy is left behind.
+        for name in written:
+            dst.delete(name)
+        dst.remove_dir("")  # only if now empty; a no-op on S3
+        raise InvalidCheckpoint(_describe(problems, src.url), hint="the source was modified after it was written; copy an older checkpoint")
+
+    dst.write_atomic(MANIFEST, source.manifest_raw)
+    # The marker last: the copy is a checkpoint only once every byte above checked out.
+    dst.write_atomic(MARKER, source.marker_raw)
+    result.bytes_copied = sum(f.size for f in manifest.files if f.name in written)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _already_present(source: Committed, dst: Storage) -> bool:
+    """True when ``dst`` already commits the same manifest and its files pass the quick check.
+
+    A committed destination holding anything else is refused, never overwritten: it may be
+    the only copy of another checkpoint."""
+    if dst.stat(MARKER) is None:
+        return False
+    try:
+        existing = read_committed_raw(dst)
+    except CheckpointError as e:
+        raise RefusedForSafety(
+            f"{dst.url} already has a {MARKER} marker but is not a valid checkpoint ({e})",
+            hint=f"inspect it with `ckptctl verify {dst.url}`; remove it (marker first) to replace it",
+        ) from None
+    if existing.manifest_raw != source.manifest_raw:
+        raise RefusedForSafety(
+            f"{dst.url} already holds a different committed checkpoint (step {existing.manifest.step})",
+            hint="choose another destination, or delete that checkpoint first",
+        )
+    problems: list[Problem] = []
+    for f in existing.manifest.files:
+        check_file(dst, f, existing.manifest, problems)
+    if not problems:
+        return True
+    # Same checkpoint, damaged in place: uncommit it (marker first), then copy it again.
+    dst.delete(MARKER)
+    return False
+
+
+def _reusable(dst: Storage, f: FileEntry, h: ShardHeader) -> bool:
+    """A shard an interrupted copy already wrote: kept when its bytes verify in place.
+
+    Only on a filesystem, where reading back is far cheaper than fetching again."""
+    if dst.local_path() is None:
+        return False
+    info = dst.stat(f.name)
+    if info is None or info.kind != "file" or info.size != f.size:
+        return False
+    found, _ = stream_file(dst, f, h, "checksums", None)
+    return not found
+
+
+# --- restore -----------------------------------------------------------------------------
+
+
+@dataclass
+class Skipped:
+    url: str
+    step: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RestoreResult:
+    path: str  # what a job script resumes from: a filesystem path, or the URL on S3
+    step: int
+    copy: CopyResult
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "step": self.step, "copy": self.copy.to_dict(), "skipped": [s.to_dict() for s in self.skipped]}
+
+
+def restore_latest(
+    src_root: Storage,
+    dst_root: Storage,
+    step: int | None = None,
+    progress: Progress | None = None,
+    *,
+    world_size: int | None = None,
+    on_skip: Callable[[Skipped], None] | None = None,
+    threads: int = THREADS,
+) -> RestoreResult:
+    """Copy the newest committed checkpoint of ``src_root`` that verifies (or ``step``) to
+    ``dst_root/step-XXXXXXXXXX``, checked on the fly; returns where it landed.
+
+    A corrupt candidate is reported through ``on_skip`` and the next newest is tried; with
+    ``step`` pinned, corruption raises InvalidCheckpoint instead. ``src_root`` may also name
+    one checkpoint directly (it has a marker). Raises NoValidCheckpoint when nothing verifies.
+    """
+    candidates = _candidates(src_root, step)
+    skipped: list[Skipped] = []
+    for cand_step, src in candidates:
+        dst = dst_root.sub(step_dir(cand_step))
+        try:
+            if world_size is not None:
+                _check_world_size(src, world_size)
+            copied = copy_checkpoint(src, dst, progress, threads=threads)
+        except (InvalidCheckpoint, NotFound) as e:
+            if step is not None:
+                raise
+            skip = Skipped(src.url, cand_step, str(e))
+            skipped.append(skip)
+            if on_skip is not None:
+                on_skip(skip)
+            continue
+        return RestoreResult(dst.local_path() or dst.url, cand_step, copied, skipped)
+    raise NoValidCheckpoint(
+        f"{src_root.url}: none of {len(candidates)} committed checkpoints verifies",
+        hint="run `ckptctl verify SRC --all` to see what is wrong with each",
+    )
+
+
+def _candidates(src_root: Storage, step: int | None) -> list[tuple[int, Storage]]:
+    """Newest first. SRC with a marker of its own is one checkpoint, not a root."""
+    if src_root.stat(MARKER) is not None:
+        own = read_committed_raw(src_root).manifest.step
+        if step is not None and step != own:
+            raise NoValidCheckpoint(
+                f"{src_root.url} is the checkpoint of step {own}, not {step}",
+                hint="give the checkpoint root as SRC to choose a step",
+            )
+        return [(own, src_root)]
+    found = [(e.step, ckpt) for e, ckpt in marked(src_root)]
+    if step is not None:
+        found = [(s, c) for s, c in found if s == step]
+        if not found:
+            raise NoValidCheckpoint(
+                f"{src_root.url}: no committed checkpoint at step {step}",
+                hint=f"list what is there with `ckptctl ls {src_root.url}`",
+            )
+    if not found:
+        raise NoValidCheckpoint(f"{src_root.url}: no committed checkpoint", hint="check SRC; nothing has been saved there")
+    return found
+
+
+def _check_world_size(src: Storage, world_size: int) -> None:
+    have = read_committed_raw(src).manifest.world_size
+    if have != world_size:
+        raise UsageError(
+            f"{src.url} was saved by {have} ranks; re-sharding to {world_size} on restore is not supported yet",
+            hint=f"restore without --world-size, then run `ckptctl reshard` on the copy with --world-size {world_size}",
+        )
+
+
+def checkpoint_dir_for(dst: Storage, step: int) -> Storage:
+    """Where ``cp`` puts a checkpoint: DST itself when it is named like a step directory,
+    otherwise a step directory under DST (so that DST works as a root)."""
+    last = dst.url.rstrip("/").rsplit("/", 1)[-1]
+    return dst if parse_step_dir(last) is not None else dst.sub(step_dir(step))
