@@ -10,6 +10,7 @@ import typer
 
 from ckptctl.cli import inspect, latest, ls, verify
 from ckptctl.cli import cp, restore
+from ckptctl.cli import reshard
 
 app = typer.Typer(
     name="ckptctl",
@@ -29,6 +30,7 @@ app.command("verify")(verify.verify)
 app.command("latest")(latest.latest)
 app.command("restore")(restore.restore)
 app.command("cp")(cp.cp)
+app.command("reshard")(reshard.reshard)
 
 
 def main() -> None:

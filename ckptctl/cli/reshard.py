@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, out
+from ckptctl.cli.progress import byte_progress
+from ckptctl.ops.reshard import reshard as run_reshard
+from ckptctl.storage import open_storage
+
+
+@command
+def reshard(
+    src: Annotated[str, typer.Argument(help="A committed checkpoint, e.g. ROOT/step-0000001000.")],
+    dst: Annotated[str, typer.Argument(help="A new checkpoint directory for the result.")],
+    world_size: Annotated[int, typer.Option("--world-size", "-w", help="Ranks of the job that will load the result: one shard file per rank.", metavar="M")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (its marker is removed first).")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Rewrite a checkpoint for a job of M ranks, one shard file per rank.
+
+    SRC is verified (every checksum) first and is never modified. Large or already sharded
+    tensors are split along dim 0 like torch.chunk; small ones are spread over the ranks to
+    balance shard sizes. DST gets its shards, then the manifest, then the marker, and is
+    verified before success is reported. Memory stays bounded by the largest tensor plus a
+    fixed buffer. Under torchrun each rank writes its share of the target shards.
+
+    Exit 0 success; 1 SRC is not a valid committed checkpoint, or DST exists without
+    --overwrite; 2 bad arguments (DST is SRC); 3 storage error.
+
+    Example: ckptctl reshard /ckpt/step-0000001000 /ckpt-8/step-0000001000 --world-size 8
+    """
+    with byte_progress("reshard") as progress:
+        r = run_reshard(open_storage(src), open_storage(dst), world_size, overwrite=overwrite, progress=progress)
+    if json:
+        emit_json(r.to_dict())
+        return
+    out.print(f"ok  {r.dst}  step {r.step}: {r.source_world_size} -> {r.world_size} ranks, {r.tensors} tensors "
+              f"({r.split_tensors} split), {human_bytes(r.bytes_written)} written in {r.seconds:.2f}s; verified",
+              markup=False, highlight=False)

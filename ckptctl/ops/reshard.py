@@ -1,0 +1,221 @@
+"""``reshard``: rewrite a committed checkpoint for a job of M ranks, one shard file per rank.
+
+The layout rule (what a target rank holds):
+
+- A tensor is *split* when the source already shards it (more than one chunk) or it is large
+  (``SPLIT_BYTES`` or more), it has at least one dimension and its first dimension has at
+  least 2 rows. It is split along dim 0 exactly like ``torch.chunk(t, M)`` (and FSDP2): each
+  rank gets ``ceil(rows / M)`` rows, the last ranks fewer or none. Row splits keep every target
+  chunk contiguous in the source chunks that hold it, so reads are plain ranged reads.
+- Every other tensor (scalars, small replicated tensors) is stored once, on the rank with the
+  fewest bytes so far, largest first: shard sizes stay balanced.
+- Rank ``r`` of the target keeps source rank ``r``'s per-rank state (RNG); new ranks have none
+  (they seed fresh, as a rank that joins a job would).
+
+Safety: the source is verified (every checksum) before anything is written and is only ever
+read. The target gets its shards, then the manifest, then the marker, and is verified before
+success is reported; if that verification fails its marker is removed. A target that already
+exists is refused (exit 1, ``RefusedForSafety``) unless ``overwrite``, which removes the old
+marker first so that an interrupted overwrite never looks committed.
+
+Memory: one buffer as large as the largest target chunk (at most the largest tensor) plus the
+reader's bounded temporaries; see ``stream_shard`` for why each chunk is read twice.
+
+Under torchrun (torch.distributed initialised) the target shards are split over the ranks: rank
+k writes target shards k, k+n, ...; rank 0 verifies the source first, gathers the file entries,
+commits and verifies the result.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ckptctl.errors import InvalidCheckpoint, RefusedForSafety, UsageError
+from ckptctl.format import dtypes
+from ckptctl.format.layout import MARKER, shard_name
+from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
+from ckptctl.load.reader import CheckpointReader, ReadJob
+from ckptctl.ops.stream_shard import ChunkBuffer, ChunkSpec, write_shard_streaming
+from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
+from ckptctl.save.commit import commit
+from ckptctl.storage.base import Storage
+from ckptctl.version import __version__
+
+SPLIT_BYTES = 1 << 20  # tensors this large are split even when the source holds them whole
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class ReshardReport:
+    src: str
+    dst: str
+    step: int
+    world_size: int
+    source_world_size: int
+    files: int = 0
+    tensors: int = 0
+    split_tensors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    shard_bytes: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_layout(manifest: Manifest, world_size: int, known: dict[tuple[str, tuple[int, ...], tuple[int, ...]], str] | None = None,
+                split_bytes: int = SPLIT_BYTES) -> list[list[ChunkSpec]]:
+    """The chunks each target rank holds (see the module docstring for the rule). ``known``
+    maps (name, offsets, shape) of verified source chunks to their checksums."""
+    if world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, got {world_size}")
+    known = known or {}
+    ranks: list[list[ChunkSpec]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    whole = []
+    for name, t in sorted(manifest.tensors.items()):
+        split = world_size > 1 and len(t.shape) >= 1 and t.shape[0] >= 2 and (t.chunks > 1 or t.nbytes >= split_bytes)
+        if not split:
+            whole.append((name, t))
+            continue
+        rows = math.ceil(t.shape[0] / world_size)
+        for r in range(world_size):
+            lo, hi = r * rows, min((r + 1) * rows, t.shape[0])
+            if lo >= hi:
+                break  # torch.chunk: the last ranks may get nothing
+            shape = (hi - lo, *t.shape[1:])
+            offsets = (lo, *(0 for _ in t.shape[1:]))
+            ranks[r].append(ChunkSpec(name, t.dtype, shape, offsets, known.get((name, offsets, shape))))
+            load[r] += math.prod(shape) * dtypes.itemsize(t.dtype)
+    for name, t in sorted(whole, key=lambda nt: (-nt[1].nbytes, nt[0])):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        offsets = tuple(0 for _ in t.shape)
+        ranks[r].append(ChunkSpec(name, t.dtype, t.shape, offsets, known.get((name, offsets, t.shape))))
+        load[r] += t.nbytes
+    return ranks
+
+
+def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = False,
+            progress: Progress | None = None, split_bytes: int = SPLIT_BYTES) -> ReshardReport:
+    """Rewrite the committed checkpoint ``src`` into ``dst`` for ``world_size`` ranks."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    if world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, got {world_size}", hint="pass the number of ranks of the job that will load it")
+    dist_on = dist.is_available() and dist.is_initialized()
+    me, n = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
+    if me == 0:
+        prepare_target(src, dst, overwrite=overwrite)
+        require_verified(src)
+    if dist_on:
+        dist.barrier()  # nobody writes before rank 0 has checked the source and cleared the target
+    with CheckpointReader(src) as reader:
+        m = reader.manifest
+        known = {(c.name, tuple(c.offsets), tuple(c.shape)): c.checksum for h in reader.headers.values() for c in h.chunks if c.checksum}
+        plan = plan_layout(m, world_size, known, split_bytes)
+        rank_states = reader.rank_states()
+        report = ReshardReport(src.url, dst.url, m.step, world_size, m.world_size, tensors=len(m.tensors))
+
+        def fill(spec: ChunkSpec, out: torch.Tensor) -> None:
+            reader.read_into(ReadJob(spec.name, out, spec.offsets))
+            if progress:
+                progress(out.numel() * out.element_size())
+
+        buf = ChunkBuffer()
+        mine: list[FileEntry] = []
+        for r in range(me, world_size, n):
+            w = write_shard_streaming(dst, shard_name(r, world_size), plan[r], fill, rank=r, rank_state=rank_states.get(r), buffer=buf)
+            mine.append(w.file)
+            report.bytes_read += w.bytes_read
+        del buf
+    files = mine
+    if dist_on:
+        gathered: list[list[FileEntry] | None] = [None] * n
+        dist.all_gather_object(gathered, mine)
+        files = [f for part in gathered for f in (part or [])]
+        totals = [None] * n
+        dist.all_gather_object(totals, report.bytes_read)
+        report.bytes_read = sum(int(x or 0) for x in totals)
+    if me == 0:
+        counts: dict[str, int] = {}
+        for specs in plan:
+            for s in specs:
+                counts[s.name] = counts.get(s.name, 0) + 1
+        report.split_tensors = sum(1 for c in counts.values() if c > 1)
+        files.sort(key=lambda f: (f.rank, f.name))
+        manifest = Manifest(
+            step=m.step,
+            created=time.time(),
+            world_size=world_size,
+            files=files,
+            tensors={name: TensorEntry(t.dtype, t.shape, t.group, counts.get(name, 0)) for name, t in m.tensors.items()},
+            state=m.state,
+            stats={"bytes": float(sum(f.size for f in files)), "reshard_s": time.perf_counter() - t0},
+            tool={"ckptctl": __version__, "torch": torch.__version__, "python": platform.python_version()},
+            extra={**m.extra, "resharded_from": {"url": src.url, "world_size": m.world_size}},
+        )
+        commit(dst, manifest)
+        require_verified(dst, after_write=True)
+        report.files = len(files)
+        report.shard_bytes = [f.size for f in files]
+        report.bytes_written = sum(report.shard_bytes)
+    if dist_on:
+        dist.barrier()  # every rank returns only once the result is committed and verified
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def prepare_target(src: Storage, dst: Storage, *, overwrite: bool) -> None:
+    """Refuse to write onto the source or, without ``overwrite``, onto anything that exists.
+    With ``overwrite`` the old target is removed, marker first."""
+    if same_place(src, dst):
+        raise UsageError(f"{dst.url} is the source itself", hint="write the result to a new directory; the source is never modified")
+    existing = list(dst.list())
+    if not existing:
+        return
+    if not overwrite:
+        raise RefusedForSafety(f"{dst.url} already exists and holds {len(existing)} file(s)",
+                               hint="choose a new directory, or pass --overwrite to replace it")
+    dst.delete(MARKER)  # first: an interrupted overwrite must never leave a committed-looking target
+    for info in existing:
+        if info.key != MARKER:
+            dst.delete(info.key)
+    dst.remove_dir("")
+
+
+def same_place(a: Storage, b: Storage) -> bool:
+    import os
+
+    pa, pb = a.local_path(), b.local_path()
+    if pa is not None and pb is not None:
+        ra, rb = os.path.realpath(pa), os.path.realpath(pb)
+        return ra == rb or rb.startswith(ra.rstrip("/") + "/") or ra.startswith(rb.rstrip("/") + "/")
+    ua, ub = a.url.rstrip("/") + "/", b.url.rstrip("/") + "/"
+    return ua.startswith(ub) or ub.startswith(ua)
+
+
+def require_verified(ckpt: Storage, *, level: Level = "checksums", after_write: bool = False) -> VerifyReport:
+    """Verify ``ckpt``; raise InvalidCheckpoint naming the first problem. A freshly written
+    target that fails loses its marker, so it never looks committed."""
+    rep = verify_checkpoint(ckpt, level)
+    if rep.ok:
+        return rep
+    if after_write:
+        ckpt.delete(MARKER)
+    first = rep.problems[0]
+    more = f" (and {len(rep.problems) - 1} more problem(s))" if len(rep.problems) > 1 else ""
+    what = "the result" if after_write else "the source"
+    raise InvalidCheckpoint(
+        f"{ckpt.url}: {what} failed verification: {first}{more}",
+        hint=first.hint or ("nothing was committed; check the target storage and retry" if after_write
+                            else "run `ckptctl verify` on it; reshard a good checkpoint instead (`ckptctl latest`)"),
+    )

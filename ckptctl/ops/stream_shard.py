@@ -1,0 +1,144 @@
+"""Writing a ckptctl shard with bounded memory: one chunk in memory at a time.
+
+The checkpointer's ``write_shard`` takes a whole staging buffer, which offline verbs cannot
+afford (a shard may be far larger than memory). The catch is the format: a shard is a
+safetensors file, whose header comes first and carries each chunk's checksum. So every
+checksum must be known before the first data byte is written. The options weighed:
+
+1. spill: write the data to a temporary object while hashing, then header + a copy of it.
+   Reads the source once but writes every byte twice and needs scratch space as large as the
+   biggest shard (a 1-rank target of a 1 TB checkpoint needs 1 TB of scratch).
+2. reserve the header and seek back: the header's length is known in advance (checksums are
+   fixed-width), but ``Storage.open_writer`` streams (S3 multipart cannot rewrite its first
+   5 MiB part), so this only works on POSIX and splits the code in two.
+3. two passes (chosen): pass 1 reads each chunk into one reusable buffer and keeps only its
+   8-byte checksum; pass 2 writes the header, then reads each chunk again into the same buffer,
+   checks it against the pass-1 checksum (what is written is exactly what was checksummed, even
+   if the source changed underneath) and writes it. Chunks whose checksum is already known (a
+   chunk that is a whole, already-verified source chunk) skip pass 1 entirely.
+
+Option 3 reads the source at most twice, writes once, needs no scratch space, works the same
+on every backend, and memory is one buffer of the largest chunk. Re-reads are cheap when the
+source sits in the page cache; ``scripts/bench_reshard.py`` measures the cost.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ckptctl.errors import InvalidCheckpoint
+from ckptctl.format import dtypes
+from ckptctl.format.checksum import Hasher, digest
+from ckptctl.format.manifest import FileEntry
+from ckptctl.format.shard import Chunk, build_header
+from ckptctl.storage.base import Storage
+
+WRITE_PIECE = 64 << 20
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One region of a global tensor that a target shard will hold."""
+
+    name: str
+    dtype: str  # manifest dtype name
+    shape: tuple[int, ...]  # the chunk's shape
+    offsets: tuple[int, ...]  # where it starts in the global tensor
+    checksum: str | None = None  # known already (a whole verified source chunk): no pass 1
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+
+# Fills ``out`` (a contiguous tensor of the spec's dtype and shape) with the chunk's bytes.
+Fill = Callable[[ChunkSpec, torch.Tensor], None]
+
+
+@dataclass
+class ShardWritten:
+    file: FileEntry
+    chunks: list[Chunk] = field(default_factory=list)
+    bytes_read: int = 0  # source bytes read, both passes
+
+
+def layout(specs: Sequence[ChunkSpec]) -> list[ChunkSpec]:
+    """Largest element size first, then by name and offsets: every chunk's byte offset is a
+    multiple of its element size (as in ``save.plan``), and the order is reproducible."""
+    return sorted(specs, key=lambda s: (-dtypes.itemsize(s.dtype), s.name, s.offsets))
+
+
+class ChunkBuffer:
+    """One reusable byte buffer, grown to the largest chunk seen, viewed as each chunk."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, spec: ChunkSpec) -> torch.Tensor:
+        n = spec.nbytes
+        if self._buf.numel() < n:
+            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old one before growing
+            self._buf = torch.empty(n, dtype=torch.uint8)
+        return self._buf[:n].view(dtypes.torch_dtype(spec.dtype)).view(spec.shape)
+
+
+def write_shard_streaming(
+    storage: Storage,
+    name: str,
+    specs: Sequence[ChunkSpec],
+    fill: Fill,
+    *,
+    rank: int,
+    rank_state: dict[str, Any] | None = None,
+    buffer: ChunkBuffer | None = None,
+) -> ShardWritten:
+    """Write shard ``name`` holding ``specs``, reading each chunk through ``fill``."""
+    buf = buffer or ChunkBuffer()
+    ordered = layout(specs)
+    result = ShardWritten(FileEntry(name, 0, "", rank, 0))
+    checksums: list[str] = []
+    for s in ordered:  # pass 1: checksums only
+        if s.checksum is None:
+            out = buf.view(s)
+            fill(s, out)
+            result.bytes_read += s.nbytes
+            checksums.append(digest(_bytes(out)))
+        else:
+            checksums.append(s.checksum)
+    pos, chunks = 0, []
+    for s, c in zip(ordered, checksums):
+        chunks.append(Chunk(s.name, s.dtype, s.shape, s.offsets, pos, pos + s.nbytes, c))
+        pos += s.nbytes
+    header = build_header(chunks, rank=rank, rank_state=rank_state)
+    file_hash = Hasher()
+    file_hash.update(header)
+    with storage.open_writer(name) as w:  # an exception aborts: no partial file is published
+        w.write(header)
+        for s, c in zip(ordered, chunks):  # pass 2: read again, check, write
+            out = buf.view(s)
+            fill(s, out)
+            result.bytes_read += s.nbytes
+            data = _bytes(out)
+            if digest(data) != c.checksum:
+                raise InvalidCheckpoint(
+                    f"tensor {s.name!r} at offsets {list(s.offsets)}: source bytes changed between "
+                    f"reads, or do not match the source checksum, while writing {storage.url_of(name)}",
+                    hint="the source is being modified or is corrupt; verify it and retry",
+                )
+            for p in range(0, len(data), WRITE_PIECE):
+                piece = data[p : p + WRITE_PIECE]
+                file_hash.update(piece)
+                w.write(piece)
+    result.file = FileEntry(name, len(header) + pos, file_hash.hexdigest(), rank, len(chunks))
+    result.chunks = chunks
+    return result
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,178 @@
+"""``ckptctl reshard``: bitwise across world sizes, refusals, and memory bounded by the largest
+tensor, through the real CLI on real files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptctl import Checkpointer
+from ckptctl.format.layout import MARKER, shard_name
+from ckptctl.load.reader import CheckpointReader
+from ckptctl.ops.reshard import plan_layout
+from ckptctl.format.manifest import Manifest, TensorEntry
+from ckptctl.storage import open_storage
+from helpers import cli
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 700), torch.nn.ReLU(), torch.nn.Linear(700, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 600)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def saved(tmp_path) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
+    model, opt = make_model()
+    with Checkpointer(str(tmp_path / "root")) as ck:
+        path = ck.save(5, {"model": model, "optimizer": opt, "extra": {"epoch": 2}}).wait()
+    return path, model, opt
+
+
+def tensors_of(path: str) -> dict[str, torch.Tensor]:
+    with CheckpointReader(open_storage(path)) as r:
+        return {n: r.read(n) for n in r.manifest.tensors}
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, n
+        assert torch.equal(a[n].view(torch.uint8) if a[n].dim() else a[n], b[n].view(torch.uint8) if b[n].dim() else b[n]), n
+
+
+def test_reshard_1_3_1_4_bitwise_and_loads(tmp_path):
+    src, model, opt = saved(tmp_path)
+    original = tensors_of(src)
+    prev = src
+    for m in (3, 1, 4):
+        dst = str(tmp_path / f"ws{m}")
+        r = cli("reshard", prev, dst, "--world-size", str(m), "--json")
+        assert r.exit_code == 0, r.stderr
+        doc = r.json()
+        assert doc["world_size"] == m and doc["files"] == m
+        assert sorted(f for f in os.listdir(dst) if f.endswith(".safetensors")) == [shard_name(i, m) for i in range(m)]
+        assert_bitwise(original, tensors_of(dst))
+        assert cli("verify", dst).exit_code == 0
+        prev = dst
+    # The 1-rank result loads into a fresh model and optimizer, bitwise.
+    fresh, fresh_opt = make_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    extra: dict = {}
+    Checkpointer(str(tmp_path / "unused")).load(str(tmp_path / "ws1"), {"model": fresh, "optimizer": fresh_opt, "extra": extra})
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    for k in sa:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa[k][key], sb[k][key])
+    # The source was never touched.
+    assert_bitwise(original, tensors_of(src))
+
+
+def test_layout_splits_large_tensors_like_torch_chunk_and_balances_small_ones():
+    m = Manifest(step=1, created=0.0, world_size=1, files=[], tensors={
+        "big": TensorEntry("float32", (10, 1000), "model", 1),  # 40 kB: split when threshold is small
+        "s1": TensorEntry("float32", (100,), "model", 1),
+        "s2": TensorEntry("float32", (90,), "model", 1),
+        "s3": TensorEntry("float32", (80,), "model", 1),
+        "step": TensorEntry("int64", (), "optimizer", 1),
+    })
+    plan = plan_layout(m, 4, split_bytes=1000)
+    rows = [[s.shape[0] for s in r if s.name == "big"] for r in plan]
+    assert rows == [[3], [3], [3], [1]]  # torch.chunk(t, 4) on 10 rows
+    assert [len(x) for x in torch.chunk(torch.empty(10), 4)] == [3, 3, 3, 1]
+    small = {s.name: i for i, r in enumerate(plan) for s in r if s.name != "big"}
+    assert set(small.values()) == {3}  # rank 3 holds 4 kB of "big", the others 12 kB: it takes them
+    # Without the big tensor, small ones go to different ranks, largest first.
+    del m.tensors["big"]
+    plan = plan_layout(m, 4, split_bytes=1000)
+    assert [[s.name for s in r] for r in plan] == [["s1"], ["s2"], ["s3"], ["step"]]
+
+
+def test_corrupted_source_refused_and_target_not_committed(tmp_path):
+    src, _, _ = saved(tmp_path)
+    shard = os.path.join(src, shard_name(0, 1))
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    dst = str(tmp_path / "out")
+    r = cli("reshard", src, dst, "--world-size", "2")
+    assert r.exit_code == 1
+    assert "checksum" in r.stderr and "source" in r.stderr
+    assert not os.path.exists(os.path.join(dst, MARKER))
+
+
+def test_existing_target_refused_unless_overwrite(tmp_path):
+    src, _, _ = saved(tmp_path)
+    dst = str(tmp_path / "out")
+    assert cli("reshard", src, dst, "--world-size", "2").exit_code == 0
+    r = cli("reshard", src, dst, "--world-size", "3")
+    assert r.exit_code == 1 and "already exists" in r.stderr and "--overwrite" in r.stderr
+    assert cli("reshard", src, dst, "--world-size", "3", "--overwrite").exit_code == 0
+    assert sorted(f for f in os.listdir(dst) if f.endswith(".safetensors")) == [shard_name(i, 3) for i in range(3)]
+    assert cli("verify", dst).exit_code == 0
+    # Onto the source itself: a usage error, and the source is untouched.
+    assert cli("reshard", src, src, "--world-size", "2", "--overwrite").exit_code == 2
+    assert cli("verify", src).exit_code == 0
+
+
+# --- memory --------------------------------------------------------------------------------
+
+TENSORS, TENSOR_MIB = 24, 8  # 192 MiB of state, the largest tensor 8 MiB
+SLACK_MIB = 96  # verify streams 4 x 16 MiB pieces; reader temporaries, allocator slack
+
+
+# The measuring parent must be small: on Linux a child's peak RSS starts at its parent's when
+# it was forked (the kernel carries the old memory's high-water mark across exec), so pytest
+# (torch loaded) would inflate every figure. A bare interpreter runs the command and reports
+# the peak of its children.
+_MEASURE = (
+    "import resource, subprocess, sys\n"
+    "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+    "sys.stderr.write(p.stderr)\n"
+    "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+)
+
+
+def peak_rss_mib(args: list[str]) -> float:
+    """Peak resident memory (MiB) of ``python ARGS`` run as a grandchild."""
+    p = subprocess.run([sys.executable, "-S", "-c", _MEASURE, sys.executable, *args], capture_output=True, text=True, timeout=600)
+    code, kib = p.stdout.split()
+    assert int(code) == 0, p.stderr
+    return int(kib) / 1024
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("big")
+    n = TENSOR_MIB * (1 << 20) // 4
+    state = {"model": {f"w{i:02d}": torch.full((n // 1024, 1024), float(i)) for i in range(TENSORS)}}
+    with Checkpointer(str(root)) as ck:
+        path = ck.save(1, state).wait()
+    return path
+
+
+def baseline_mib() -> float:
+    # What the CLI costs before touching any checkpoint: interpreter, torch, the app.
+    return peak_rss_mib(["-c", "import torch, ckptctl.cli.app, ckptctl.ops.verify, safetensors"])
+
+
+def test_reshard_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_path):
+    base = baseline_mib()
+    total = TENSORS * TENSOR_MIB
+    for m in (1, 3):
+        peak = peak_rss_mib(["-m", "ckptctl", "reshard", big_checkpoint, str(tmp_path / f"ws{m}"), "--world-size", str(m)])
+        bound = base + TENSOR_MIB + SLACK_MIB
+        print(f"reshard -> {m}: peak {peak:.0f} MiB, baseline {base:.0f} MiB, checkpoint {total} MiB, bound {bound:.0f} MiB")
+        assert peak < bound, f"peak RSS {peak:.0f} MiB exceeds {bound:.0f} MiB (baseline {base:.0f}) for a {total} MiB checkpoint"
