@@ -1,0 +1,126 @@
+"""A small HTTP proxy for the S3 tests: forwards to the moto server and injects faults.
+
+It sits on 127.0.0.1 between boto3 and moto, so faults arrive the way a real store or network
+delivers them (a 503 SlowDown answer, a connection closed before the answer, a body cut off
+mid-stream) and every layer of ours and botocore's runs unmodified.
+
+``rule(method, path_and_query, n)`` is called for every request (``n`` counts requests that
+matched nothing before, from 1) and returns None to forward it, or an action:
+"503" (SlowDown), "drop" (close without answering) or "cut" (forward, but close after half of
+the response body).
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+from urllib.parse import urlsplit
+
+Rule = Callable[[str, str], "str | None"]
+
+_SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>proxy</RequestId></Error>"
+)
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "content-length"}
+
+
+class FaultProxy:
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.rule: Rule = lambda method, path: None
+        self.injected: list[tuple[str, str, str]] = []  # (action, method, path) of every fault
+        self.requests = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as botocore expects
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def _handle(self) -> None:
+                proxy._serve(self)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "FaultProxy":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        body = _read_body(h)
+        with self._lock:
+            self.requests += 1
+            action = self.rule(h.command, h.path)
+            if action:
+                self.injected.append((action, h.command, h.path))
+        if action == "503":
+            h.send_response(503, "Slow Down")
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(_SLOW_DOWN)))
+            h.end_headers()
+            h.wfile.write(_SLOW_DOWN)
+            return
+        if action == "drop":
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP}
+            conn.request(h.command, h.path, body=body if body or h.command in ("PUT", "POST") else None, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+        finally:
+            conn.close()
+        h.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in _HOP_BY_HOP:
+                h.send_header(k, v)
+        if h.command == "HEAD":
+            h.send_header("Content-Length", resp.getheader("Content-Length", "0"))
+            h.end_headers()
+            return
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        if action == "cut":
+            h.wfile.write(payload[: len(payload) // 2])
+            h.wfile.flush()
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        h.wfile.write(payload)
+
+
+def _read_body(h: BaseHTTPRequestHandler) -> bytes:
+    if h.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        out = bytearray()
+        while True:
+            size = int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while h.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return bytes(out)
+            out += h.rfile.read(size)
+            h.rfile.readline()
+    length = int(h.headers.get("Content-Length") or 0)
+    return h.rfile.read(length) if length else b""
