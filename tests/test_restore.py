@@ -166,9 +166,21 @@ def test_cp_to_root_and_to_step_dir(tmp_path):
     assert cli("cp", str(tmp_path / "nothing"), named).exit_code == 1
 
 
-def test_world_size_mismatch_is_a_usage_error(tmp_path):
+def test_restore_with_world_size_reshards_on_the_way(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    make_checkpoints(src, [1])
-    assert cli("restore", src, dst, "--world-size", "1").exit_code == 0
-    r = cli("restore", src, str(tmp_path / "dst2"), "--world-size", "4")
-    assert r.exit_code == 2 and "ckptctl reshard" in r.stderr
+    make_checkpoints(src, [1, 2])
+    _flip_byte(_shard(ckpt_dir(src, 2)))  # the fallback works the same when re-sharding
+    same = cli("restore", src, str(tmp_path / "same"), "--world-size", "1")
+    assert same.exit_code == 0 and same.stdout.strip() == ckpt_dir(str(tmp_path / "same"), 1)
+    r = cli("restore", src, dst, "--world-size", "3", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = r.json()
+    assert doc["step"] == 1 and [s["step"] for s in doc["skipped"]] == [2]
+    path = doc["path"]
+    assert cli("inspect", path, "--json").json()["world_size"] == 3
+    assert cli("verify", path).exit_code == 0
+    assert sorted(os.listdir(dst)) == [os.path.basename(path)]  # staging copy removed
+    again = cli("restore", src, dst, "--world-size", "3", "--json")
+    assert again.exit_code == 0 and again.json()["copy"]["status"] == "already present"
+    refused = cli("restore", src, dst, "--world-size", "2")
+    assert refused.exit_code == 1 and "different committed checkpoint" in refused.stderr

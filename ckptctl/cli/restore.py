@@ -16,7 +16,7 @@ def restore(
     src: Annotated[str, typer.Argument(help="Checkpoint root to restore from: s3://bucket/prefix or a directory.")],
     dst: Annotated[str, typer.Argument(help="Root to restore into, usually fast local disk; the checkpoint lands in DST/step-XXXXXXXXXX.")],
     step: Annotated[Optional[int], typer.Option("--step", help="Restore this step; exit 1 if it does not verify (no fallback).")] = None,
-    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Ranks the restored copy is for; must match the saved world size until `ckptctl reshard` can run on the way.")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Re-shard the restored copy for a job of M ranks (as `ckptctl reshard` does), when it was saved by a different number.")] = None,
     json: JsonOpt = False,
 ) -> None:
     """Copy the newest committed checkpoint that verifies from SRC into DST, and print its path.
@@ -25,7 +25,9 @@ def restore(
     checksums); the copy gets its marker last, only when every byte checked out. A corrupt
     newest checkpoint is reported on stderr and the next newest is restored instead, unless
     --step pins one. Run again after an interruption: shards already in place that verify are
-    kept, and a DST that already holds the same checkpoint is left as is.
+    kept, and a DST that already holds the same checkpoint is left as is. With --world-size
+    the copy is staged in a hidden directory under DST, re-sharded into the step directory and
+    verified there, then the staging copy is removed (DST needs room for both meanwhile).
 
     Example: CKPT=$(ckptctl restore s3://bucket/run7 /nvme/ckpt) && torchrun train.py --resume "$CKPT"
     """

@@ -25,7 +25,6 @@ from ckptctl.errors import (
     NoValidCheckpoint,
     NotFound,
     RefusedForSafety,
-    UsageError,
 )
 from ckptctl.format.checkpoint import Committed, marked, read_committed_raw
 from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir, step_dir
@@ -217,15 +216,28 @@ def restore_latest(
     A corrupt candidate is reported through ``on_skip`` and the next newest is tried; with
     ``step`` pinned, corruption raises InvalidCheckpoint instead. ``src_root`` may also name
     one checkpoint directly (it has a marker). Raises NoValidCheckpoint when nothing verifies.
+
+    ``world_size`` different from the saved one: the checkpoint is copied (and checked) into a
+    hidden staging directory under ``dst_root``, re-sharded from there into the step directory
+    by ``ops.reshard`` (which verifies its result), and the staging copy is removed. So the
+    source is read once, over the network, and the fallback past corruption works the same.
     """
     candidates = _candidates(src_root, step)
     skipped: list[Skipped] = []
     for cand_step, src in candidates:
         dst = dst_root.sub(step_dir(cand_step))
+        reshard_to = None
         try:
-            if world_size is not None:
-                _check_world_size(src, world_size)
-            copied = copy_checkpoint(src, dst, progress, threads=threads)
+            source = read_committed_raw(src)
+            if world_size is not None and world_size != source.manifest.world_size:
+                reshard_to = world_size
+                if _resharded_present(dst, source, world_size):
+                    done = CopyResult(src.url, dst.url, cand_step, "already present", files=world_size)
+                    return RestoreResult(dst.local_path() or dst.url, cand_step, done, skipped)
+                staging = dst_root.sub(STAGING_PREFIX + step_dir(cand_step))
+                copied = copy_checkpoint(src, staging, progress, threads=threads)
+            else:
+                copied = copy_checkpoint(src, dst, progress, threads=threads)
         except (InvalidCheckpoint, NotFound) as e:
             if step is not None:
                 raise
@@ -234,11 +246,67 @@ def restore_latest(
             if on_skip is not None:
                 on_skip(skip)
             continue
+        if reshard_to is not None:
+            copied = _reshard_staged(staging, dst, reshard_to, copied, progress)
         return RestoreResult(dst.local_path() or dst.url, cand_step, copied, skipped)
     raise NoValidCheckpoint(
         f"{src_root.url}: none of {len(candidates)} committed checkpoints verifies",
         hint="run `ckptctl verify SRC --all` to see what is wrong with each",
     )
+
+
+# Staging copies for a re-sharding restore: hidden, and not a step directory, so nothing that
+# lists checkpoints (ls, latest, prune, load_latest) ever sees one.
+STAGING_PREFIX = ".restore-staging-"
+
+
+def _resharded_present(dst: Storage, source: Committed, world_size: int) -> bool:
+    """A committed ``dst`` that is this checkpoint re-sharded for ``world_size``: same step,
+    tensors and state, ``world_size`` ranks. Anything else committed there is refused."""
+    if dst.stat(MARKER) is None:
+        return False
+    try:
+        existing = read_committed_raw(dst).manifest
+    except CheckpointError as e:
+        raise RefusedForSafety(
+            f"{dst.url} already has a {MARKER} marker but is not a valid checkpoint ({e})",
+            hint=f"inspect it with `ckptctl verify {dst.url}`; remove it (marker first) to replace it",
+        ) from None
+    m = source.manifest
+
+    def layout_free(tensors: dict) -> dict:  # chunk counts change with the world size
+        return {n: (t.dtype, t.shape, t.group) for n, t in tensors.items()}
+
+    same = (existing.step, existing.world_size, layout_free(existing.tensors), existing.state) == (
+        m.step, world_size, layout_free(m.tensors), m.state)
+    if not same:
+        raise RefusedForSafety(
+            f"{dst.url} already holds a different committed checkpoint (step {existing.step}, "
+            f"{existing.world_size} ranks)",
+            hint="choose another destination, or delete that checkpoint first",
+        )
+    return True
+
+
+def _reshard_staged(staging: Storage, dst: Storage, world_size: int, copied: CopyResult, progress: Progress | None) -> CopyResult:
+    # Imported here: only a re-sharding restore needs the reshard machinery (and torch's).
+    from ckptctl.ops.reshard import reshard
+
+    # Leftovers of an interrupted restore (no marker) may be replaced; a committed dst was
+    # handled by _resharded_present and never reaches this point.
+    report = reshard(staging, dst, world_size, overwrite=dst.stat(MARKER) is None, progress=progress)
+    _remove_checkpoint(staging)
+    return CopyResult(copied.src, dst.url, copied.step, "copied", files=report.files,
+                      bytes_copied=copied.bytes_copied, files_reused=copied.files_reused,
+                      seconds=copied.seconds + report.seconds)
+
+
+def _remove_checkpoint(ckpt: Storage) -> None:
+    """Marker first, so an interrupted removal never leaves something that looks committed."""
+    ckpt.delete(MARKER)
+    for info in list(ckpt.list()):
+        ckpt.delete(info.key)
+    ckpt.remove_dir("")
 
 
 def _candidates(src_root: Storage, step: int | None) -> list[tuple[int, Storage]]:
@@ -262,15 +330,6 @@ def _candidates(src_root: Storage, step: int | None) -> list[tuple[int, Storage]
     if not found:
         raise NoValidCheckpoint(f"{src_root.url}: no committed checkpoint", hint="check SRC; nothing has been saved there")
     return found
-
-
-def _check_world_size(src: Storage, world_size: int) -> None:
-    have = read_committed_raw(src).manifest.world_size
-    if have != world_size:
-        raise UsageError(
-            f"{src.url} was saved by {have} ranks; re-sharding to {world_size} on restore is not supported yet",
-            hint=f"restore without --world-size, then run `ckptctl reshard` on the copy with --world-size {world_size}",
-        )
 
 
 def checkpoint_dir_for(dst: Storage, step: int) -> Storage:
