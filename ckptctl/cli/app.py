@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from ckptctl.cli import inspect, latest, ls, verify
+from ckptctl.cli import inspect, interval, latest, ls, prune, verify
 from ckptctl.cli import cp, restore
 from ckptctl.cli import reshard
 
@@ -30,6 +30,8 @@ app.command("verify")(verify.verify)
 app.command("latest")(latest.latest)
 app.command("restore")(restore.restore)
 app.command("cp")(cp.cp)
+app.command("prune")(prune.prune)
+app.command("interval")(interval.interval)
 app.command("reshard")(reshard.reshard)
 
 

@@ -58,8 +58,27 @@ class SaveHandle:
 class Checkpointer:
     """Asynchronous checkpoints under ``root`` (a path or ``s3://bucket/prefix``)."""
 
-    def __init__(self, root: str, *, async_save: bool = True, storage: Storage | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        async_save: bool = True,
+        storage: Storage | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+    ) -> None:
+        """``keep_last``/``keep_every``: after each commit, rank 0 prunes older checkpoints in
+        the background with the same policy and safety checks as ``ckptctl prune`` (the new
+        checkpoint is fully verified before anything is deleted). Retention problems are
+        logged on the "ckptctl" logger and never fail a save."""
         self.root = storage or open_storage(root)
+        self._retention = None
+        if keep_last is not None or keep_every is not None:
+            # Imported here, not at the top: retention lives in ops/, a layer above save/ (see
+            # ARCHITECTURE.md), and only a Checkpointer that was asked to prune needs it.
+            from ckptctl.ops.retention import from_options
+
+            self._retention = from_options(keep_last, keep_every, None, ())  # bad values: UsageError now
         self.async_save = async_save
         self.rank = current_rank()
         self.world_size = world_size()
@@ -111,6 +130,9 @@ class Checkpointer:
 
             future = self._pool.submit(_wrap(step, ckpt.url, job))
             handle = self._pending = SaveHandle(step, ckpt.url, future)
+            if self._retention is not None and self.rank == 0:
+                # Same single writer thread: runs after this commit, before the next write.
+                self._pool.submit(self._retain, step, future).add_done_callback(_log_unexpected)
         if not self.async_save:
             handle.wait()
         return handle
@@ -130,6 +152,28 @@ class Checkpointer:
             if not h.observed:  # raise each failure once: to wait(), or else here
                 h.observed = True
                 raise
+
+    def _retain(self, step: int, save: "Future[str]") -> None:
+        """Prune after the commit of ``step``; runs in the writer thread."""
+        if save.exception() is not None:
+            return  # nothing new was committed, so there is nothing new to rely on
+        # Imported lazily for the same reason as in __init__: ops/ sits above save/.
+        from ckptctl.ops.prune import prune
+
+        try:
+            plan, outcome = prune(self.root, self._retention, command=f"Checkpointer retention after step {step}")
+        except CkptError as e:  # lock held by a cron prune, nothing verifies, storage trouble
+            log.warning("retention after step %d did not run: %s", step, e)
+            return
+        for item in plan.broken_left:
+            log.warning("retention: %s is broken and was left in place: %s", item.url, item.reason)
+        for note in plan.notes + (outcome.notes if outcome else []):
+            log.info("retention: %s", note)
+        if outcome is not None:
+            for o in outcome.failed + outcome.skipped:
+                log.warning("retention: %s %s: %s", o.result, o.name, o.detail)
+            if outcome.deleted:
+                log.info("retention after step %d deleted %s", step, ", ".join(o.name for o in outcome.deleted))
 
     # --- loading ----------------------------------------------------------------------------
 
@@ -179,6 +223,13 @@ class Checkpointer:
                 self.close()
             except CkptError as e:
                 log.error("while closing after an error: %s", e)
+
+
+def _log_unexpected(future: "Future[None]") -> None:
+    # Nobody waits on a retention task: an unexpected error (a bug) would vanish without this.
+    exc = future.exception()
+    if exc is not None:
+        log.error("retention failed unexpectedly", exc_info=exc)
 
 
 def _wrap(step: int, url: str, job):

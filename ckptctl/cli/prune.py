@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.progress import byte_progress
+from ckptctl.durations import format_duration, parse_duration
+from ckptctl.errors import InvalidCheckpoint, StorageError, UsageError
+from ckptctl.ops.prune import DEFAULT_PARTIAL_AFTER_S, PrunePlan, PruneOutcome, prune as run_prune
+from ckptctl.ops.retention import from_options
+from ckptctl.storage import open_storage
+
+
+def interactive() -> bool:
+    """Whether a person can answer a prompt (a function so tests can pretend)."""
+    return sys.stdin.isatty()
+
+
+@command
+def prune(
+    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.")],
+    keep_last: Annotated[Optional[int], typer.Option("--keep-last", help="Keep the N newest committed checkpoints.", metavar="N")] = None,
+    keep_every: Annotated[Optional[int], typer.Option("--keep-every", help="Keep steps that are multiples of STEPS.", metavar="STEPS")] = None,
+    keep_within: Annotated[Optional[str], typer.Option("--keep-within", help="Keep checkpoints created within DURATION of the newest one (90s, 15m, 6h, 7d).", metavar="DURATION")] = None,
+    keep: Annotated[Optional[list[int]], typer.Option("--keep", help="Keep this step (repeatable).", metavar="STEP")] = None,
+    partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker once nothing in them changed for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
+    delete_broken: Annotated[bool, typer.Option("--delete-broken", help="Also delete committed checkpoints that fail verification.")] = False,
+    reverify: Annotated[bool, typer.Option("--reverify", help="Re-read checkpoints even if a recorded verification says they are unchanged.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a terminal).")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Delete old checkpoints, never the newest one that passes full verification.
+
+    A checkpoint is kept if any policy keeps it. The newest committed checkpoint that passes
+    full verification (every checksum, every tensor decoded) is always kept, and nothing is
+    deleted if none does. Checkpoints newer than it that fail are reported, not deleted
+    (unless --delete-broken). Directories without a marker are left alone until idle for
+    --partial-after. Symlinked step directories are removed (the link only; its target is
+    never followed or touched). Deleting removes the marker first. A lock under ROOT stops
+    two prunes from running at once (--dry-run takes none). A full verification is recorded
+    in ROOT/.ckptctl-verified.json so an unchanged checkpoint is not re-read next time.
+
+    Exit status: 0 done; 1 nothing verifies, not confirmed, or broken checkpoints were left in
+    place; 2 usage error; 3 lock held or storage error.
+
+    Example (cron): ckptctl prune /ckpt --keep-last 3 --keep-every 10000 --yes
+    """
+    policy = from_options(
+        keep_last,
+        keep_every,
+        None if keep_within is None else parse_duration(keep_within, option="--keep-within"),
+        keep or (),
+    )
+    partial_after_s = parse_duration(partial_after, option="--partial-after")
+    if not (dry_run or yes or interactive()):
+        raise UsageError(
+            "not on a terminal, so there is nobody to confirm the deletions",
+            hint="pass --yes to delete as planned, or --dry-run to only print the plan",
+        )
+
+    def review(plan: PrunePlan) -> bool:
+        final = plan.refused is not None or dry_run  # nothing more will happen after this
+        if not json:
+            _print_plan(plan)
+        elif final:
+            emit_json({"dry_run": dry_run, "plan": plan.to_dict(), "outcome": None})
+        elif not yes:
+            _print_plan(plan, to_stderr=True)  # stdout is for the JSON; the person reads stderr
+        for note in plan.notes:
+            err.print(f"note: {note}", markup=False, highlight=False)
+        if final:
+            return False
+        if yes or not plan.deletions:
+            return True
+        n = len(plan.deletions)
+        return typer.confirm(f"Delete {n} entr{'y' if n == 1 else 'ies'}?", default=False, err=True)
+
+    with byte_progress("verify") as progress:
+        plan, outcome = run_prune(
+            open_storage(root), policy, partial_after_s=partial_after_s, delete_broken=delete_broken,
+            reverify=reverify, dry_run=dry_run, review=review, progress=progress,
+            command=f"ckptctl prune {root}",
+        )
+    if dry_run:
+        _exit_for_broken(plan)
+        return
+    if outcome is None:
+        if json:
+            emit_json({"dry_run": False, "plan": plan.to_dict(), "outcome": None})
+        err.print("not confirmed; nothing was deleted", markup=False)
+        raise typer.Exit(1)
+    if json:
+        emit_json({"dry_run": False, "plan": plan.to_dict(), "outcome": outcome.to_dict()})
+    else:
+        _print_outcome(outcome)
+    for note in outcome.notes:
+        err.print(f"note: {note}", markup=False, highlight=False)
+    if outcome.failed:
+        first = outcome.failed[0]
+        raise StorageError(f"{len(outcome.failed)} deletion(s) failed, first {first.name}: {first.detail}",
+                           hint="fix the cause (permissions?) and run prune again")
+    _exit_for_broken(plan)
+
+
+def _exit_for_broken(plan: PrunePlan) -> None:
+    """Broken checkpoints left in place are a problem found: exit 1, so cron reports it."""
+    broken = plan.broken_left
+    if broken:
+        raise InvalidCheckpoint(
+            f"{len(broken)} broken checkpoint(s) left in place: {', '.join(i.name for i in broken)}",
+            hint="inspect them with `ckptctl verify`; --delete-broken removes them",
+        )
+
+
+def _print_plan(plan: PrunePlan, *, to_stderr: bool = False) -> None:
+    console = err if to_stderr else out
+    if plan.anchor is not None:
+        v = plan.anchor.verification or {}
+        how = "recorded verification, unchanged" if v.get("cached") else f"{human_bytes(v.get('bytes_read', 0))} read"
+        console.print(f"anchor: {plan.anchor.url} (step {plan.anchor.step}, full verification: {how})", markup=False, highlight=False)
+    table = Table(box=None, pad_edge=False)
+    for col in ("STEP", "ACTION", "SIZE", "NAME", "REASON"):
+        table.add_column(col, justify="right" if col in ("STEP", "SIZE") else "left", overflow="fold")
+    for i in plan.items:
+        table.add_row(str(i.step), i.action, human_bytes(i.size), i.name, i.reason)
+    console.print(table)
+    if plan.refused:
+        console.print(plan.refused, markup=False, highlight=False)
+    else:
+        total = sum(i.size for i in plan.deletions)
+        console.print(f"{len(plan.deletions)} to delete ({human_bytes(total)}), policy: {plan.policy.describe()}", markup=False, highlight=False)
+
+
+def _print_outcome(outcome: PruneOutcome) -> None:
+    for i in outcome.items:
+        if i.planned != "delete":
+            continue
+        line = f"{i.result:<8} {i.name}" + (f"  ({i.detail})" if i.detail else "")
+        out.print(line, markup=False, highlight=False)
+    out.print(f"deleted {len(outcome.deleted)}, skipped {len(outcome.skipped)}, failed {len(outcome.failed)}", markup=False, highlight=False)

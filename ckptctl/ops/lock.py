@@ -1,0 +1,305 @@
+"""A lock under a checkpoint root, so that two prunes never run at once.
+
+The lock is one small JSON file, ``ROOT/.ckptctl-lock``, recording who holds it (host, pid,
+the pid's start time, the command) and when it was taken and last refreshed. It is created with
+``Storage.write_if_absent`` (a hard link or O_EXCL locally, ``If-None-Match: *`` on S3), so
+exactly one of two concurrent callers creates it, on a shared filesystem as on object storage.
+
+A lock is *stale*, and may be broken, when
+
+* its holder ran on this host and that process is gone (no such pid, or the pid now belongs to
+  a process started at another time: pids are reused), or
+* it has not been refreshed for ``stale_after_s`` (default 6 h). A holder that works for long
+  (verifying terabytes) calls :meth:`RootLock.refresh` as it goes, so only a hung or vanished
+  holder ages out; this is the only rule that can apply to a holder on another host.
+
+Breaking is serialised by a second, short-lived guard file (``.ckptctl-lock.break``, also
+``write_if_absent``): only a breaker deletes a lock file, only while holding the guard, and only
+after re-reading the lock and finding the same stale holder it judged. Without the guard, two
+runs that both saw the same stale lock could each delete it, the second deleting the lock the
+first had just taken, and both would go on to delete checkpoints. Normal acquisition never
+deletes anything.
+
+Limits: hosts are told apart by hostname and processes by pid, so two containers sharing a
+hostname but not a pid namespace must rely on the timeout. A lock holder whose lock was broken
+(it looked stale) notices at its next ``refresh`` and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from ckptctl.durations import format_duration
+from ckptctl.errors import LockHeld, NotFound
+from ckptctl.storage.base import Storage
+
+LOCK_KEY = ".ckptctl-lock"
+GUARD_KEY = ".ckptctl-lock.break"
+DEFAULT_STALE_AFTER_S = 6 * 3600.0
+# Breaking a lock takes milliseconds; a guard older than this was left by a breaker that died.
+GUARD_STALE_AFTER_S = 300.0
+# Refreshing rewrites the lock file; once a minute is plenty against a 6-hour timeout.
+REFRESH_EVERY_S = 60.0
+_MAX_LOCK_BYTES = 64 << 10
+
+log = logging.getLogger("ckptctl")
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """What a lock file records about its holder."""
+
+    host: str
+    pid: int
+    pid_start: str | None  # the process's start time as the kernel counts it; detects pid reuse
+    started: float  # epoch seconds when the lock was taken
+    refreshed: float  # epoch seconds of the holder's last sign of life
+    command: str
+    token: str  # random; tells this holder's lock from a later one by the same pid
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": "ckptctl-lock", "version": 1, **asdict(self)}, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "LockInfo | None":
+        """The holder, or None when the file is not a lock we can read (garbled, foreign)."""
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("format") != "ckptctl-lock":
+                return None
+            start = doc.get("pid_start")
+            return cls(
+                host=str(doc["host"]),
+                pid=int(doc["pid"]),
+                pid_start=None if start is None else str(start),
+                started=float(doc["started"]),
+                refreshed=float(doc["refreshed"]),
+                command=str(doc["command"]),
+                token=str(doc["token"]),
+            )
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            return None
+
+    def describe(self, now: float) -> str:
+        return (
+            f"pid {self.pid} on {self.host} ({self.command!r}), "
+            f"taken {format_duration(max(0.0, now - self.started))} ago"
+        )
+
+
+def _proc_start(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may itself contain spaces or ")".
+    fields = text.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _process_gone(pid: int, pid_start: str | None) -> bool:
+    """Whether ``pid`` no longer names the process that took the lock (same host only)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # it exists, owned by another user
+    if pid_start is not None:
+        now_start = _proc_start(pid)
+        if now_start is not None and now_start != pid_start:
+            return True  # the pid was reused by a newer process
+    return False
+
+
+def stale_reason(info: LockInfo, *, now: float, stale_after_s: float, host: str) -> str | None:
+    """Why the lock ``info`` may be broken, or None while its holder may still be working."""
+    if info.host == host and _process_gone(info.pid, info.pid_start):
+        return f"process {info.pid} is gone on this host"
+    idle = now - info.refreshed
+    if idle > stale_after_s:
+        return f"no sign of life for {format_duration(idle)} (timeout {format_duration(stale_after_s)})"
+    return None
+
+
+class RootLock:
+    """``with RootLock(root, command="prune"):`` holds ``ROOT/.ckptctl-lock`` for the block.
+
+    Raises ``LockHeld`` (exit 3) naming the holder when another live run holds it. ``notes``
+    collects what a person should be told (a stale lock that was broken); each is also logged.
+    """
+
+    def __init__(
+        self,
+        root: Storage,
+        *,
+        command: str | None = None,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = root
+        self.command = command if command is not None else " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))
+        self.stale_after_s = stale_after_s
+        self.host = socket.gethostname()
+        self.notes: list[str] = []
+        self._clock = clock
+        self._info: LockInfo | None = None
+        self._last_refresh = 0.0
+
+    @property
+    def held(self) -> bool:
+        return self._info is not None
+
+    def _new_info(self) -> LockInfo:
+        now = self._clock()
+        return LockInfo(self.host, os.getpid(), _proc_start(os.getpid()), now, now, self.command, secrets.token_hex(8))
+
+    def _read(self, key: str = LOCK_KEY) -> tuple[LockInfo | None, float] | None:
+        """(holder or None if unreadable, file mtime), or None when there is no lock file."""
+        info = self.root.stat(key)
+        if info is None:
+            return None
+        try:
+            raw = self.root.read(key, max_size=_MAX_LOCK_BYTES)
+        except NotFound:
+            return None  # released between stat and read
+        return LockInfo.from_json(raw), info.mtime
+
+    def acquire(self) -> "RootLock":
+        if self._info is not None:
+            raise RuntimeError("RootLock is not re-entrant")
+        mine = self._new_info()
+        if self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+            return self._took(mine)
+        current = self._read()
+        if current is None:  # released between our attempt and the read: try once more
+            if self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+                return self._took(mine)
+            current = self._read()
+            if current is None:
+                raise self._held(None, None)
+        holder, mtime = current
+        reason = self._stale(holder, mtime)
+        if reason is None:
+            raise self._held(holder, mtime)
+        return self._break(holder, mtime, reason, mine)
+
+    def _stale(self, holder: LockInfo | None, mtime: float) -> str | None:
+        now = self._clock()
+        if holder is None:
+            # Unreadable (foreign or damaged): only its age can tell.
+            idle = now - mtime
+            return f"unreadable lock file untouched for {format_duration(idle)}" if idle > self.stale_after_s else None
+        return stale_reason(holder, now=now, stale_after_s=self.stale_after_s, host=self.host)
+
+    def _break(self, holder: LockInfo | None, mtime: float, reason: str, mine: LockInfo) -> "RootLock":
+        guard = self._new_info()
+        if not self.root.write_if_absent(GUARD_KEY, guard.to_json()):
+            seen = self._read(GUARD_KEY)
+            if seen is None or self._clock() - seen[1] <= GUARD_STALE_AFTER_S:
+                raise self._held(holder, mtime, breaking=seen is not None)
+            # A breaker died holding the guard; nobody could ever break the lock while it exists.
+            self.root.delete(GUARD_KEY)
+            self._note(f"removed an abandoned {GUARD_KEY} left by a run that died while breaking a lock")
+            if not self.root.write_if_absent(GUARD_KEY, guard.to_json()):
+                raise self._held(holder, mtime, breaking=True)
+        try:
+            again = self._read()
+            if again is None:
+                # Released (or broken by someone) since we looked: a plain attempt decides.
+                if self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+                    return self._took(mine)
+                again = self._read()
+                raise self._held(again[0] if again else None, again[1] if again else None)
+            if (again[0].token if again[0] else again[1]) != (holder.token if holder else mtime):
+                raise self._held(again[0], again[1])  # someone else holds a new lock
+            self.root.delete(LOCK_KEY)
+            who = holder.describe(self._clock()) if holder else "an unknown holder"
+            self._note(f"broke a stale lock held by {who}: {reason}")
+            if not self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+                # A plain acquire slipped in between our delete and our write: it holds it.
+                again = self._read()
+                raise self._held(again[0] if again else None, again[1] if again else None)
+            return self._took(mine)
+        finally:
+            self._delete_if_ours(GUARD_KEY, guard.token)
+
+    def _took(self, mine: LockInfo) -> "RootLock":
+        self._info = mine
+        self._last_refresh = mine.refreshed
+        return self
+
+    def _held(self, holder: LockInfo | None, mtime: float | None, *, breaking: bool = False) -> LockHeld:
+        now = self._clock()
+        where = self.root.url_of(LOCK_KEY)
+        if holder is not None:
+            who = holder.describe(now)
+        elif mtime is not None:
+            who = f"an unreadable lock file, last written {format_duration(max(0.0, now - mtime))} ago"
+        else:
+            who = "another run"
+        extra = "; another run is breaking it right now" if breaking else ""
+        return LockHeld(
+            f"{where} is held by {who}{extra}",
+            hint=(
+                "another prune is running: wait for it. A lock is broken automatically when its "
+                f"process is gone on the same host or after {format_duration(self.stale_after_s)} "
+                f"without a sign of life; if you are sure nothing runs, delete {where}"
+            ),
+        )
+
+    def refresh(self) -> None:
+        """Show that the holder is alive (at most once a minute), and stop if the lock was
+        taken over: raises ``LockHeld`` when the file no longer holds this run's token."""
+        if self._info is None:
+            raise RuntimeError("refresh() without holding the lock")
+        now = self._clock()
+        if now - self._last_refresh < REFRESH_EVERY_S:
+            return
+        current = self._read()
+        if current is None or current[0] is None or current[0].token != self._info.token:
+            holder = current[0] if current else None
+            self._info = None
+            raise LockHeld(
+                f"{self.root.url_of(LOCK_KEY)} was taken over"
+                + (f" by {holder.describe(now)}" if holder else "")
+                + " while this run held it; stopping",
+                hint="this run looked stale to another one (hung for longer than the lock timeout?)",
+            )
+        self._info = LockInfo(**{**asdict(self._info), "refreshed": now})
+        self.root.write_atomic(LOCK_KEY, self._info.to_json())
+        self._last_refresh = now
+
+    def release(self) -> None:
+        info, self._info = self._info, None
+        if info is not None and not self._delete_if_ours(LOCK_KEY, info.token):
+            log.warning("%s was no longer ours when releasing it; left it alone", self.root.url_of(LOCK_KEY))
+
+    def _delete_if_ours(self, key: str, token: str) -> bool:
+        current = self._read(key)
+        if current is None or current[0] is None or current[0].token != token:
+            return False
+        self.root.delete(key)
+        return True
+
+    def _note(self, text: str) -> None:
+        self.notes.append(text)
+        log.warning("%s", text)
+
+    def __enter__(self) -> "RootLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,189 @@
+"""Remember full verifications, so that the next prune does not re-read an unchanged checkpoint.
+
+Verifying at level ``load`` reads every byte; on terabytes that is the expensive part of a prune.
+After a checkpoint verifies, its *fingerprint* is recorded: the manifest checksum its marker
+commits, and for every file in the checkpoint directory its key, size and modification time,
+plus, on POSIX, the nanosecond mtime, the ctime and the inode. A later run trusts the recorded
+"ok" only when a fresh fingerprint is equal in every field. Changing a file's bytes through the
+filesystem changes its ctime even when its size and mtime are put back (``os.utime`` cannot set
+ctime), so on POSIX such an edit is caught without ``--reverify``; what a fingerprint cannot see
+is corruption below the filesystem (bit rot, a bad disk or controller), which is why
+``--reverify`` exists and why a periodic full re-check is still worth running.
+
+Where the record lives: one file, ``ROOT/.ckptctl-verified.json``, not a file per checkpoint.
+A committed checkpoint directory is never written again after its marker (copies, ``restore``
+and ``ls`` sizes see exactly what was saved, and a read-only snapshot of a checkpoint stays
+valid); one object is also one PUT per prune on S3. Entries are keyed by step directory name and
+dropped when their checkpoint is deleted. The record is an optimisation, never a source of
+truth: an unreadable or damaged file is ignored (everything is re-verified) and a failed write
+only costs a re-read next time. Only successes are recorded, so a failure is always re-checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError
+from ckptctl.format.layout import MARKER
+from ckptctl.format.marker import Marker
+from ckptctl.ops.verify import LEVELS, Level, Progress, VerifyReport, verify_checkpoint
+from ckptctl.storage.base import Storage
+
+CACHE_KEY = ".ckptctl-verified.json"
+_FORMAT = "ckptctl-verified"
+
+# key, size, mtime (s), mtime_ns, ctime_ns, inode; the last three are None on object stores.
+Stamp = tuple[str, int, float, int | None, int | None, int | None]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    manifest_checksum: str
+    stamps: tuple[Stamp, ...]
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"manifest_checksum": self.manifest_checksum, "stamps": [list(s) for s in self.stamps]}
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> "Fingerprint | None":
+        try:
+            stamps = tuple(
+                (str(k), int(size), float(mtime), _opt_int(mns), _opt_int(cns), _opt_int(ino))
+                for k, size, mtime, mns, cns, ino in doc["stamps"]
+            )
+            return cls(str(doc["manifest_checksum"]), stamps)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def fingerprint(ckpt: Storage) -> Fingerprint | None:
+    """The fingerprint of a checkpoint as it is now; None when it has no readable marker."""
+    try:
+        marker = Marker.from_json(ckpt.read(MARKER, max_size=1 << 20), ckpt.url_of(MARKER))
+    except (NotFound, InvalidCheckpoint):
+        return None
+    stamps = []
+    for info in ckpt.list():
+        mtime_ns = ctime_ns = inode = None
+        path = ckpt.local_path(info.key)
+        if path is not None:
+            try:
+                st = os.lstat(path)
+                mtime_ns, ctime_ns, inode = st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+            except FileNotFoundError:
+                pass  # deleted since listed: the stamp differs from any recorded one anyway
+        stamps.append((info.key, info.size, info.mtime, mtime_ns, ctime_ns, inode))
+    return Fingerprint(marker.manifest_checksum, tuple(sorted(stamps)))
+
+
+class VerifyCache:
+    """The verification record of one root. ``load``, look up and record, then ``save``."""
+
+    def __init__(self, root: Storage, entries: dict[str, dict[str, Any]] | None = None, note: str | None = None) -> None:
+        self.root = root
+        self.entries = entries or {}
+        self.notes: list[str] = [note] if note else []
+        self._dirty = False
+
+    @classmethod
+    def load(cls, root: Storage) -> "VerifyCache":
+        try:
+            raw = root.read(CACHE_KEY)
+        except NotFound:
+            return cls(root)
+        except (StorageError, InvalidCheckpoint) as e:
+            return cls(root, note=f"ignored the verification record {root.url_of(CACHE_KEY)}: {e}")
+        try:
+            doc = json.loads(raw)
+            entries = doc["entries"] if doc.get("format") == _FORMAT else None
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError):
+            entries = None
+        if not isinstance(entries, dict):
+            return cls(root, note=f"ignored the unreadable verification record {root.url_of(CACHE_KEY)}")
+        return cls(root, {str(k): v for k, v in entries.items() if isinstance(v, dict)})
+
+    def lookup(self, name: str, fp: Fingerprint, level: Level) -> dict[str, Any] | None:
+        """The recorded success for ``name`` if it covers ``level`` and ``fp`` is unchanged."""
+        entry = self.entries.get(name)
+        if entry is None or entry.get("level") not in LEVELS:
+            return None
+        if LEVELS.index(entry["level"]) < LEVELS.index(level):
+            return None
+        return entry if Fingerprint.from_doc(entry) == fp else None
+
+    def record(self, name: str, fp: Fingerprint, report: VerifyReport) -> None:
+        if not report.ok:  # failures are never remembered: they must be re-checked every time
+            self.forget(name)
+            return
+        self.entries[name] = {
+            "level": report.level,
+            "verified_at": time.time(),
+            "step": report.step,
+            "files": report.files,
+            "tensors": report.tensors,
+            **fp.to_doc(),
+        }
+        self._dirty = True
+
+    def forget(self, name: str) -> None:
+        if self.entries.pop(name, None) is not None:
+            self._dirty = True
+
+    def retain(self, names: set[str]) -> None:
+        """Drop entries of checkpoints that no longer exist."""
+        for name in [n for n in self.entries if n not in names]:
+            self.forget(name)
+
+    def save(self) -> None:
+        """Write the record if it changed. A failure is noted, never raised: the record only
+        saves time."""
+        if not self._dirty:
+            return
+        doc = {"format": _FORMAT, "version": 1, "entries": self.entries}
+        try:
+            self.root.write_atomic(CACHE_KEY, json.dumps(doc, separators=(",", ":")).encode())
+            self._dirty = False
+        except StorageError as e:
+            self.notes.append(f"could not save the verification record (next run re-verifies): {e}")
+
+
+def verify_cached(
+    ckpt: Storage,
+    name: str,
+    cache: VerifyCache | None,
+    *,
+    level: Level = "load",
+    reverify: bool = False,
+    progress: Progress | None = None,
+) -> tuple[VerifyReport, bool, Fingerprint | None]:
+    """Verify ``ckpt`` (directory ``name`` under the cache's root) at ``level``.
+
+    Returns the report, whether it came from the record (no data read), and the fingerprint the
+    report vouches for: taken before reading and again after, and None unless both agree, so
+    neither the record nor a caller ever trusts a result for bytes that changed while read.
+    """
+    before = fingerprint(ckpt)
+    if cache is not None and before is not None and not reverify:
+        hit = cache.lookup(name, before, level)
+        if hit is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(hit.get("verified_at", 0))))
+            report = VerifyReport(ckpt.url, level, step=hit.get("step"), files=int(hit.get("files", 0)),
+                                  tensors=int(hit.get("tensors", 0)),
+                                  note=f"verified at {when}; unchanged since (--reverify re-reads it)")
+            return report, True, before
+    report = verify_checkpoint(ckpt, level, progress)
+    vouched = before if before is not None and fingerprint(ckpt) == before else None
+    if cache is not None:
+        if report.ok and vouched is not None:
+            cache.record(name, vouched, report)
+        else:
+            cache.forget(name)
+    return report, False, vouched
