@@ -7,10 +7,24 @@ read into the object's own current tensors where shapes match, then ``load_state
 ``strict=True`` (the default) requires every tensor of the target state to be in the
 checkpoint and vice versa. ``strict=False`` loads what matches by name, shape and dtype and
 returns the names it skipped, leaving those targets untouched.
+
+Re-sharding: a DTensor target (FSDP2, tensor parallel) is filled by reading only its local
+region of the global tensor, whatever the world size and sharding at save time; a plain
+target is read whole. So a checkpoint saved by 4 ranks loads on 3, 2 or 1, and a DDP-saved
+one into an FSDP2 model and back: the names are the same (``get_model_state_dict``).
+
+Per-rank state, when loading as rank ``r`` of a job of any size:
+
+- data loader, scheduler, ``extra`` and other non-module, non-optimizer keys: rank ``r``'s own
+  copy from rank ``r``'s shard header when the checkpoint was saved by more than ``r`` ranks;
+  otherwise rank 0's copy (the one in the manifest), with a warning on the "ckptctl" logger,
+  since a data position that belonged to another rank is a choice the user should know about;
+- RNG states: rank ``r``'s when saved, else rank 0's, with the same warning.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +34,9 @@ from ckptctl.errors import StateError
 from ckptctl.format import dtypes
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.state import rng, tree
-from ckptctl.state.capture import RNG_KEY, kind_of, optimizer_state_dict
+from ckptctl.state.capture import RNG_KEY, STATE_KEY, kind_of, module_state_dict, optimizer_state_dict, per_rank_values
+
+log = logging.getLogger("ckptctl")
 
 
 @dataclass
@@ -49,17 +65,27 @@ class _Filler:
             return None
         if target is None:
             target = torch.empty(entry.shape, dtype=dtypes.torch_dtype(entry.dtype))
+        elif _is_dtensor(target):
+            if tuple(target.shape) != entry.shape or target.dtype != _dtype(entry.dtype):
+                return self._mismatch(name, entry, target)
+            local, offsets = _local_region(target)
+            if local.numel():
+                self.jobs.append(ReadJob(name, local, offsets))
+            return target
         elif tuple(target.shape) != entry.shape or target.dtype != _dtype(entry.dtype):
-            if self.strict:
-                raise StateError(
-                    f"tensor {name!r}: checkpoint has {entry.dtype}{list(entry.shape)}, the target "
-                    f"is {dtypes.name_of(target.dtype)}{list(target.shape)}",
-                    hint="the model differs from the checkpoint's; pass strict=False to skip mismatched tensors",
-                )
-            self.skipped.append(name)
-            return None
-        self.jobs.append(ReadJob(name, target))
+            return self._mismatch(name, entry, target)
+        self.jobs.append(ReadJob(name, target.detach()))
         return target
+
+    def _mismatch(self, name: str, entry, target: torch.Tensor) -> None:
+        if self.strict:
+            raise StateError(
+                f"tensor {name!r}: checkpoint has {entry.dtype}{list(entry.shape)}, the target "
+                f"is {dtypes.name_of(target.dtype)}{list(target.shape)}",
+                hint="the model differs from the checkpoint's; pass strict=False to skip mismatched tensors",
+            )
+        self.skipped.append(name)
+        return None
 
     def run(self) -> None:
         self.reader.read_many(self.jobs)
@@ -69,9 +95,29 @@ def _dtype(name: str) -> torch.dtype:
     return dtypes.torch_dtype(name)
 
 
-def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = True) -> RestoreReport:
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A DTensor's local shard (sharing its memory, so the read fills it in place) and where
+    that shard starts in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local().detach(), tuple(int(o) for o in offsets)
+
+
+def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = True, rank: int = 0) -> RestoreReport:
+    """Fill ``state`` in place as rank ``rank`` of the loading job (see the module docstring
+    for which rank's per-rank state it gets)."""
     saved = reader.manifest.state
     fill = _Filler(reader, strict)
+    rank_states = reader.rank_states()
+    own = per_rank_values(rank_states[rank][STATE_KEY]) if STATE_KEY in rank_states.get(rank, {}) else {}
+    borrowed: list[str] = []
     finish: list = []  # load_state_dict calls and assignments, run after the reads
     for key, value in state.items():
         if key not in saved:
@@ -86,13 +132,20 @@ def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = T
         kind = kind_of(value)
         if kind == "module":
             _module(fill, value, doc, key, finish, strict)
+        elif kind != "optimizer" and kind != "tensor" and key in own:
+            # This rank's own copy of per-rank state: no shared tensors to read.
+            finish.append(lambda v=value, d=own[key], k=kind, key=key: _set_own(state, key, v, d, k))
         elif kind in ("optimizer", "stateful"):
+            if kind == "stateful" and reader.manifest.world_size > 1:
+                borrowed.append(key)
             current = optimizer_state_dict(value, state, key) if kind == "optimizer" else value.state_dict()
             loaded = _decode_into(fill, doc, current)
             finish.append(lambda v=value, d=loaded, k=kind: _load_stateful(v, d, k, state, key))
         elif kind == "tensor":
             fill.tensor(tree.join((key,)), value)
         elif isinstance(value, dict):
+            if reader.manifest.world_size > 1:
+                borrowed.append(key)
             loaded = _decode_into(fill, doc, value)
             finish.append(lambda v=value, d=loaded: _update_dict(v, d))
         else:
@@ -105,15 +158,29 @@ def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = T
                 f"checkpoint {reader.storage.url} has state keys the target lacks: {sorted(extra)}",
                 hint="add them to the state passed to load, or pass strict=False",
             )
+    if borrowed:
+        log.warning(
+            "rank %d: %s has no state saved by rank %d (saved by %d ranks); restoring rank 0's copy of %s",
+            rank, reader.storage.url, rank, reader.manifest.world_size, ", ".join(sorted(borrowed)),
+        )
     fill.run()
     for f in finish:
         f()
-    _restore_rng(reader)
+    _restore_rng(rank_states, rank, reader)
     return RestoreReport(reader.manifest.step, fill.skipped)
 
 
+def _set_own(state: dict[str, Any], key: str, value: Any, loaded: Any, kind: str) -> None:
+    if kind == "stateful":
+        value.load_state_dict(loaded)
+    elif isinstance(value, dict) and isinstance(loaded, dict):
+        _update_dict(value, loaded)
+    else:
+        state[key] = loaded
+
+
 def _module(fill: _Filler, module: torch.nn.Module, doc: Any, key: str, finish: list, strict: bool) -> None:
-    target = module.state_dict()
+    target = module_state_dict(module)  # canonical names, as saved; DTensors stay sharded
     if not isinstance(doc, dict):
         raise StateError(f"state key {key!r}: checkpoint does not hold a module state here")
     missing = set(target) - set(doc)
@@ -185,10 +252,11 @@ def _update_dict(target: dict, loaded: dict) -> None:
             target[k] = v
 
 
-def _restore_rng(reader: CheckpointReader) -> None:
-    from ckptctl.state.ranks import current_rank
-
-    states = reader.rank_states()
-    mine = states.get(current_rank()) or states.get(0)
+def _restore_rng(states: dict[int, dict], rank: int, reader: CheckpointReader) -> None:
+    mine = states.get(rank)
+    if not (mine and RNG_KEY in mine):
+        mine = states.get(0)
+        if mine and RNG_KEY in mine and reader.manifest.world_size > 1:
+            log.warning("rank %d: %s has no RNG state of rank %d; restoring rank 0's", rank, reader.storage.url, rank)
     if mine and RNG_KEY in mine:
         rng.set_state(mine[RNG_KEY])

@@ -21,17 +21,19 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, RefusedForSafety, SaveFailed
+import torch.distributed as dist
+
+from ckptctl.errors import CkptError, CoordinationError, InvalidCheckpoint, NotFound, RefusedForSafety, SaveFailed
 from ckptctl.format.checkpoint import newest_committed
 from ckptctl.format.layout import MARKER, shard_name, step_dir
 from ckptctl.load.reader import CheckpointReader
 from ckptctl.load.restore import restore
-from ckptctl.save.commit import build_manifest, commit
+from ckptctl.save.commit import build_manifest, commit, manifest_of
+from ckptctl.save.coordination import DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.plan import Plan, make_plan, signature_of
 from ckptctl.save.shard_writer import write_shard
 from ckptctl.save.staging import StagingBuffer
 from ckptctl.state.capture import capture
-from ckptctl.state.ranks import current_rank, world_size
 from ckptctl.storage import Storage, open_storage
 
 log = logging.getLogger("ckptctl")
@@ -66,11 +68,20 @@ class Checkpointer:
         storage: Storage | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        process_group: "dist.ProcessGroup | None" = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         """``keep_last``/``keep_every``: after each commit, rank 0 prunes older checkpoints in
         the background with the same policy and safety checks as ``ckptctl prune`` (the new
         checkpoint is fully verified before anything is deleted). Retention problems are
-        logged on the "ckptctl" logger and never fail a save."""
+        logged on the "ckptctl" logger and never fail a save.
+
+        When torch.distributed is initialised, every rank of ``process_group`` (default: all
+        ranks) must construct its Checkpointer at the same point (this creates the gloo group
+        that coordinates saves), call ``save`` with the same steps, and see the same ``root``
+        (a shared filesystem or bucket). ``timeout_s`` bounds how long the ranks wait for
+        each other once their own shard is written: a rank that does not report by then
+        (killed, hung) fails the save on every rank, naming it."""
         self.root = storage or open_storage(root)
         self._retention = None
         if keep_last is not None or keep_every is not None:
@@ -80,8 +91,11 @@ class Checkpointer:
 
             self._retention = from_options(keep_last, keep_every, None, ())  # bad values: UsageError now
         self.async_save = async_save
-        self.rank = current_rank()
-        self.world_size = world_size()
+        self._coordinator: Coordinator | None = None
+        self.rank, self.world_size = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            self._coordinator = Coordinator.create(process_group, timeout_s)
+            self.rank, self.world_size = self._coordinator.rank, self._coordinator.world_size
         self._staging = StagingBuffer()
         self._plan: Plan | None = None
         self._pending: SaveHandle | None = None
@@ -110,10 +124,10 @@ class Checkpointer:
                     hint="save under a new step, or delete the old checkpoint with `ckptctl prune`",
                 )
             t1 = time.perf_counter()
-            captured = capture(state)
+            captured = capture(state, per_rank=self.world_size > 1)
             sig = signature_of(captured.tensors)
             if self._plan is None or self._plan.signature != sig:
-                self._plan = make_plan(captured.tensors, sig)
+                self._plan = make_plan(captured.tensors, sig, rank=self.rank, world_size=self.world_size)
             plan = self._plan
             buf = self._staging.snapshot(plan, captured.tensors)
             stall = time.perf_counter() - t1
@@ -121,6 +135,8 @@ class Checkpointer:
 
             def job() -> str:
                 t = time.perf_counter()
+                if self._coordinator is not None:
+                    return self._write_and_coordinate(step, ckpt, plan, buf, captured, stats)
                 report = write_shard(ckpt, shard_name(self.rank, self.world_size), plan, buf, rank=self.rank, rank_state=captured.rank_state)
                 stats["write_s"] = time.perf_counter() - t
                 manifest = build_manifest(step, self.world_size, [report], captured.tree, stats)
@@ -136,6 +152,34 @@ class Checkpointer:
         if not self.async_save:
             handle.wait()
         return handle
+
+    def _write_and_coordinate(self, step: int, ckpt: Storage, plan: Plan, buf, captured, stats: dict[str, float]) -> str:
+        """Multi-rank: write this rank's shard, then let the coordinator decide (writer thread).
+
+        A failed write is reported to rank 0 rather than raised here, so the other ranks learn
+        it at once instead of waiting out the timeout; every rank then raises the same error."""
+        assert self._coordinator is not None
+        t = time.perf_counter()
+        entry, error, failure = None, None, None
+        try:
+            entry = write_shard(ckpt, shard_name(self.rank, self.world_size), plan, buf, rank=self.rank, rank_state=captured.rank_state).file
+        except (CkptError, OSError, RuntimeError, ValueError) as e:  # what storage and torch raise
+            error, failure = f"could not write {ckpt.url_of(shard_name(self.rank, self.world_size))}: {e}", e
+        stats["write_s"] = time.perf_counter() - t
+
+        def commit_on_rank0(files, tensors, all_stats) -> str:
+            if ckpt.stat(MARKER) is not None:  # checked again here: only rank 0 may commit
+                raise RefusedForSafety(f"{ckpt.url} is already committed; a checkpoint is never overwritten")
+            all_stats["commit_s"] = time.perf_counter() - t
+            commit(ckpt, manifest_of(step, self.world_size, files, tensors, captured.tree, all_stats))
+            return ckpt.url
+
+        try:
+            return self._coordinator.finish(step, entry, error, plan, stats, commit_on_rank0)
+        except CoordinationError as e:
+            if failure is not None:
+                raise e from failure
+            raise
 
     def wait(self) -> str | None:
         """Wait for every pending save; returns the last committed URL, raises if it failed."""
@@ -181,7 +225,7 @@ class Checkpointer:
         """Restore ``state`` in place from the committed checkpoint at ``path``; returns its step."""
         ckpt = open_storage(path) if isinstance(path, str) else path
         with CheckpointReader(ckpt) as reader:
-            return restore(reader, state, strict=strict).step
+            return restore(reader, state, strict=strict, rank=self.rank).step
 
     def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Restore from the newest committed checkpoint; None when there is none.
@@ -211,6 +255,8 @@ class Checkpointer:
             self._closed = True
             self._pool.shutdown(wait=True)
             self._staging.release()
+            if self._coordinator is not None:
+                self._coordinator.close()
 
     def __enter__(self) -> "Checkpointer":
         return self

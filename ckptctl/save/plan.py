@@ -4,16 +4,25 @@ structure does not change.
 Tensors are laid out by element size, largest first, then by name: every offset is then a
 multiple of its tensor's element size (so the staging buffer can be viewed as each dtype), and
 the layout does not depend on dict order.
+
+Across ranks, the plan also decides who writes what (``assign_replicated``): every rank's own
+DTensor shards, and for tensors that every rank holds whole, exactly one writer chosen by size
+balancing. The choice is a pure function of the names and sizes, which every rank sees alike,
+so all ranks agree without communicating; the coordinator checks the result once per plan
+(every tensor covered exactly, see ``coordination``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import heapq
+import math
+from dataclasses import dataclass, field
 
 import torch
 
 from ckptctl.format import dtypes
-from ckptctl.state.capture import SavedTensor
+from ckptctl.state.capture import NONE, RANK0, REPLICATED, SavedTensor
 
 
 @dataclass(frozen=True)
@@ -29,34 +38,100 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class TensorMeta:
+    """What the manifest says of one global tensor; the same on every rank."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    group: str
+
+
+@dataclass(frozen=True)
 class Plan:
     slots: tuple[Slot, ...]
     nbytes: int
     signature: tuple  # what must not change for the plan to be reused
     needs_pinned: bool  # any tensor lives on an accelerator
+    # Every global tensor of the state, sorted by name (whether or not this rank writes it),
+    # and a digest of that table: ranks compare digests, never the tables themselves.
+    table: tuple[TensorMeta, ...] = ()
+    structure: str = ""
+    # Per table entry, (chunks, elements) this rank writes: summed over ranks by the
+    # coordinator to count each tensor's chunks and check that it is covered exactly.
+    coverage: tuple[tuple[int, int], ...] = field(default=(), repr=False)
 
 
 def signature_of(tensors: dict[str, SavedTensor]) -> tuple:
     """Cheap structural fingerprint: names, dtypes, shapes, placement. No data is read."""
     return tuple(
-        (n, t.data.dtype, tuple(t.data.shape), t.data.device.type, t.global_shape, t.offsets, t.group)
+        (n, t.data.dtype, tuple(t.data.shape), t.data.device.type, t.global_shape, t.offsets, t.group, t.kind)
         for n, t in tensors.items()
     )
 
 
-def make_plan(tensors: dict[str, SavedTensor], signature: tuple | None = None) -> Plan:
-    order = sorted(tensors.items(), key=lambda kv: (-kv[1].data.element_size(), kv[0]))
+def assign_replicated(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Writer rank for each replicated tensor: largest first, each to the least loaded rank
+    (ties to the lower rank). Deterministic from names and sizes alone."""
+    loads = [(0, r) for r in range(world_size)]  # a heap of (bytes, rank)
+    out: dict[str, int] = {}
+    for name, n in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        load, r = heapq.heappop(loads)
+        out[name] = r
+        heapq.heappush(loads, (load + n, r))
+    return out
+
+
+def writes_here(tensors: dict[str, SavedTensor], rank: int, world_size: int) -> dict[str, SavedTensor]:
+    """The tensors this rank writes into its shard."""
+    replicated = {n: t.data.numel() * t.data.element_size() for n, t in tensors.items() if t.kind == REPLICATED}
+    owner = assign_replicated(replicated, world_size) if world_size > 1 else {}
+    out = {}
+    for n, t in tensors.items():
+        if t.kind == NONE:
+            continue
+        if world_size > 1 and t.kind == RANK0 and rank != 0:
+            continue
+        if t.kind == REPLICATED and owner.get(n, 0) != rank:
+            continue
+        out[n] = t
+    return out
+
+
+def make_plan(
+    tensors: dict[str, SavedTensor], signature: tuple | None = None, *, rank: int = 0, world_size: int = 1
+) -> Plan:
+    mine = writes_here(tensors, rank, world_size)
+    order = sorted(mine.items(), key=lambda kv: (-kv[1].data.element_size(), kv[0]))
     slots, pos = [], 0
     for name, t in order:
         n = t.data.numel() * t.data.element_size()
         slots.append(Slot(name, dtypes.name_of(t.data.dtype), tuple(t.data.shape), t.global_shape, t.offsets, t.group, pos, pos + n))
         pos += n
+    table = tuple(
+        TensorMeta(n, dtypes.name_of(t.data.dtype), tuple(t.global_shape), t.group) for n, t in sorted(tensors.items())
+    )
+    coverage = tuple((1, mine[m.name].data.numel()) if m.name in mine else (0, 0) for m in table)
     return Plan(
         slots=tuple(slots),
         nbytes=pos,
         signature=signature if signature is not None else signature_of(tensors),
-        needs_pinned=any(t.data.device.type != "cpu" for t in tensors.values()),
+        needs_pinned=any(t.data.device.type != "cpu" for t in mine.values()),
+        table=table,
+        structure=structure_digest(table),
+        coverage=coverage,
     )
+
+
+def structure_digest(table: tuple[TensorMeta, ...]) -> str:
+    h = hashlib.sha256()
+    for m in table:
+        h.update(f"{m.name}\0{m.dtype}\0{','.join(map(str, m.shape))}\0{m.group}\n".encode())
+    return h.hexdigest()
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
 
 
 def view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:

@@ -5,11 +5,27 @@
 tensors, nested dicts/lists of tensors and JSON values, or JSON values.
 
 Optimizer state is keyed by parameter *name* (torch's ``get_optimizer_state_dict``), not by
-integer id, so it survives re-wrapping the model and re-sharding.
+integer id, so it survives re-wrapping the model and re-sharding. Module state comes from
+``get_model_state_dict`` for the same reason: DDP's ``module.`` prefix and wrapper names are
+removed, so a DDP-saved checkpoint loads into an FSDP2 model and back.
+
+Across ranks (see ``SavedTensor.kind``):
+
+- a DTensor (FSDP2 ``fully_shard``, tensor parallel) is saved as its local shard plus the
+  shard's offsets in the global tensor; an empty local shard (uneven ``torch.chunk`` sharding)
+  is not saved; of several replicas of one shard (HSDP), only the first on each replicated
+  mesh dimension saves it;
+- a plain tensor of a module or optimizer, or a fully replicated DTensor, is assumed to be the
+  same on every rank (DDP) and is written once, by the rank the plan assigns it to;
+- tensors of the other keys (data loader, scheduler, ``extra``...) are written by rank 0 only,
+  so the checkpoint's shared copy of that state is one rank's consistent snapshot. Because such
+  state may differ between ranks, each rank also keeps its own copy in its shard header
+  (``rank_state["state"]``, see ``per_rank_state``), which loading prefers.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +38,15 @@ from ckptctl.state import rng, tree
 RNG_KEY = "rng"
 
 
+# Who writes a tensor (SavedTensor.kind): each rank its own piece, one rank chosen by size
+# balancing, rank 0 only, or nobody here (empty shard, or another replica writes it).
+LOCAL, REPLICATED, RANK0, NONE = "local", "replicated", "rank0", "none"
+
+# Per-rank copies of small state live in the shard header as JSON; a header is bounded (see
+# format.shard.MAX_HEADER_BYTES), so the tensors inside that state are bounded too.
+MAX_PER_RANK_TENSOR_BYTES = 16 << 20
+
+
 @dataclass(frozen=True)
 class SavedTensor:
     """A tensor to save: the local data and where it sits in the global tensor."""
@@ -30,6 +55,7 @@ class SavedTensor:
     group: str  # "model", "optimizer" or "other"
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    kind: str = LOCAL  # LOCAL, REPLICATED, RANK0 or NONE (see above)
 
 
 @dataclass
@@ -75,31 +101,116 @@ def optimizer_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any], key:
     return get_optimizer_state_dict(model, opt)
 
 
-def capture(state: dict[str, Any], *, with_rng: bool = True) -> Captured:
-    """Named tensors and JSON for ``state``. Tensors are *not* copied here."""
+def module_state_dict(module: nn.Module) -> dict[str, Any]:
+    """The module's state keyed by canonical names (no DDP ``module.`` or wrapper prefixes);
+    FSDP2 parameters stay sharded DTensors sharing memory with the module's."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module)
+
+
+def saved_tensor(t: torch.Tensor, group: str, shared_kind: str) -> SavedTensor:
+    """How one tensor is saved from this rank. ``shared_kind`` applies to tensors every rank
+    holds whole (REPLICATED or RANK0); DTensors are saved by their placements."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    if not isinstance(t, DTensor):
+        return SavedTensor(t, group, tuple(t.shape), tuple(0 for _ in t.shape), shared_kind)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    if any(not isinstance(p, (Shard, Replicate)) for p in t.placements):
+        raise StateError(
+            f"DTensor with placements {t.placements} cannot be saved: only Shard and Replicate are supported",
+            hint="reduce Partial placements (e.g. dtensor.redistribute) before saving",
+        )
+    if all(isinstance(p, Replicate) for p in t.placements):
+        return SavedTensor(local, group, tuple(t.shape), tuple(0 for _ in t.shape), shared_kind)
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coord = t.device_mesh.get_coordinate() or []
+    # Of the replicas of this shard (HSDP's replicate dimension), the first one writes it.
+    first_replica = all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
+    kind = LOCAL if first_replica and local.numel() > 0 else NONE
+    return SavedTensor(local, group, tuple(t.shape), tuple(int(o) for o in offsets), kind)
+
+
+def capture(state: dict[str, Any], *, with_rng: bool = True, per_rank: bool = False) -> Captured:
+    """Named tensors and JSON for ``state``. Tensors are *not* copied here.
+
+    ``per_rank`` (set when more than one rank saves): also keep this rank's own copy of the
+    non-module, non-optimizer state in ``rank_state["state"]`` (see ``per_rank_state``).
+    """
     if not isinstance(state, dict):
         raise StateError(f"state must be a dict, got {type(state).__name__}")
     out = Captured()
 
-    def add(group: str):
+    def add(group: str, shared_kind: str):
         def on_tensor(name: str, t: torch.Tensor) -> None:
             if name in out.tensors:
                 raise StateError(f"tensor name {name!r} appears twice in the state")
-            out.tensors[name] = SavedTensor(t.detach(), group, tuple(t.shape), tuple(0 for _ in t.shape))
+            out.tensors[name] = saved_tensor(t, group, shared_kind)
         return on_tensor
 
+    own: dict[str, Any] = {}
     for key, value in state.items():
         if not isinstance(key, str) or not key or key.startswith("_"):
             raise StateError(f"state key {key!r}: top-level keys must be non-empty strings not starting with '_'")
         kind = kind_of(value)
         if kind == "module":
-            out.tree[key] = tree.encode(value.state_dict(), (key,), add("model"))
+            out.tree[key] = tree.encode(module_state_dict(value), (key,), add("model", REPLICATED))
         elif kind == "optimizer":
-            out.tree[key] = tree.encode(optimizer_state_dict(value, state, key), (key,), add("optimizer"))
-        elif kind == "stateful":
-            out.tree[key] = tree.encode(value.state_dict(), (key,), add("other"))
+            out.tree[key] = tree.encode(optimizer_state_dict(value, state, key), (key,), add("optimizer", REPLICATED))
+        elif kind == "tensor":
+            out.tree[key] = tree.encode(value, (key,), add("other", REPLICATED))
         else:
-            out.tree[key] = tree.encode(value, (key,), add("other"))
+            raw = value.state_dict() if kind == "stateful" else value
+            out.tree[key] = tree.encode(raw, (key,), add("other", RANK0))
+            if per_rank:
+                own[key] = raw
+    if per_rank and own:
+        out.rank_state[STATE_KEY] = per_rank_state(own)
     if with_rng:
         out.rank_state[RNG_KEY] = rng.get_state()
     return out
+
+
+STATE_KEY = "state"
+
+
+def per_rank_state(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON for one rank's own copy of ``values``: the encoded tree, and its tensors inline
+    (base64, with dtype and shape) since they are small: loader positions, generator states."""
+    tensors: dict[str, torch.Tensor] = {}
+    doc = {k: tree.encode(v, (k,), tensors.__setitem__) for k, v in values.items()}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if total > MAX_PER_RANK_TENSOR_BYTES:
+        raise StateError(
+            f"per-rank state holds {total} bytes of tensors (at most {MAX_PER_RANK_TENSOR_BYTES})",
+            hint="put large tensors in a module, or as top-level tensors (saved once, shared by all ranks)",
+        )
+    return {"tree": doc, "tensors": {n: _inline(t) for n, t in tensors.items()}}
+
+
+def per_rank_values(doc: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of ``per_rank_state``: the values keyed by state key."""
+    from ckptctl.format import dtypes
+
+    def tensor(name: str) -> torch.Tensor:
+        try:
+            d = doc["tensors"][name]
+            raw = bytearray(base64.b64decode(d["b64"]))
+            return torch.frombuffer(raw, dtype=dtypes.torch_dtype(d["dtype"])).reshape(d["shape"]) if raw else torch.empty(d["shape"], dtype=dtypes.torch_dtype(d["dtype"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateError(f"per-rank state: tensor {name!r} is garbled ({e})") from None
+
+    return {k: tree.decode(v, tensor) for k, v in doc.get("tree", {}).items()}
+
+
+def _inline(t: torch.Tensor) -> dict[str, Any]:
+    from ckptctl.format import dtypes
+
+    c = t.detach().cpu().contiguous()
+    raw = c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    return {"dtype": dtypes.name_of(c.dtype), "shape": list(c.shape), "b64": base64.b64encode(raw).decode()}

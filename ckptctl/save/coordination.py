@@ -1,0 +1,230 @@
+"""Agreeing across ranks that a checkpoint is complete, and committing it exactly once.
+
+Runs on each rank's background writer thread, after the rank's shard is durable (or its write
+failed), over a gloo group of its own: coordination never queues behind, or in front of, the
+training's NCCL collectives, and a CPU-only exchange needs no device memory.
+
+One save's exchange, in order:
+
+1. ``monitored_barrier``: every rank has finished its write. Rank 0 waits at most
+   ``timeout_s`` and names the ranks that did not arrive (killed, hung, or far slower).
+2. ``gather_object`` to rank 0: per rank a few hundred bytes (its file entry, or the error
+   that stopped its write, the digest of its state's structure, a few timings).
+3. Rank 0 decides and broadcasts: fail (naming the failing ranks), commit, or plan first.
+4. Only when some rank re-planned (the state's structure changed) or the last save failed: a
+   ``reduce`` of each rank's per-tensor (chunks, elements) to rank 0, which counts every
+   tensor's chunks for the manifest and checks that every tensor is covered exactly once.
+5. Rank 0 writes manifest and marker, then broadcasts the outcome; every rank's ``wait()``
+   returns the same URL or raises the same error.
+
+Rank 0 receives O(ranks) bytes per save and O(tensors) per re-plan (the reduce sums in the
+network), so its work and the manifest grow with ranks + tensors, never ranks x tensors.
+
+A collective that fails or times out leaves the group in an unknown state (a message may be
+half sent), so the coordinator is then *broken*: every later save fails at once with
+``CoordinationError`` instead of mismatching messages. A lost rank means the job restarts.
+A rank whose write merely failed is no such case: the exchange completes and the next save
+proceeds normally.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ckptctl.errors import CkptError, CoordinationError
+from ckptctl.format.manifest import FileEntry, TensorEntry
+from ckptctl.save.plan import Plan, numel
+
+DEFAULT_TIMEOUT_S = 900.0
+
+# (files, tensors, stats) -> URL of the committed checkpoint; runs on rank 0 only.
+CommitFn = Callable[[list[FileEntry], dict[str, TensorEntry], dict[str, float]], str]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank tells rank 0 after its write."""
+
+    rank: int
+    step: int
+    file: FileEntry | None  # None when the write failed
+    error: str | None
+    structure: str  # digest of the state's global structure (plan.structure_digest)
+    replanned: bool  # its plan changed since the last committed save
+    stats: dict[str, float]
+
+
+class Coordinator:
+    """One per Checkpointer; ``create`` is collective over the ranks of ``process_group``."""
+
+    def __init__(self, group: "dist.ProcessGroup", *, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.broken: str | None = None  # why the group cannot be used any more
+        self._last_plan: Plan | None = None  # the plan of the last committed save
+        self._tensors: dict[str, TensorEntry] | None = None  # rank 0: checked table of that plan
+        self._structure: str | None = None
+
+    @classmethod
+    def create(cls, process_group: "dist.ProcessGroup | None", timeout_s: float) -> "Coordinator":
+        """A dedicated gloo group over the ranks of ``process_group`` (default: all ranks).
+        Every rank of that group must call this, in the same order as its other new groups."""
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        group = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_s),
+            use_local_synchronization=True,  # ranks outside process_group need not take part
+            group_desc="ckptctl_coordination",
+        )
+        return cls(group, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        # The group itself is left to destroy_process_group(): destroying a subgroup here
+        # would need every rank to close at the same moment.
+        if self.broken is None:
+            self.broken = "the checkpointer is closed"
+
+    # --- one save ---------------------------------------------------------------------------
+
+    def finish(
+        self, step: int, file: FileEntry | None, error: str | None, plan: Plan, stats: dict[str, float], commit: CommitFn
+    ) -> str:
+        """Agree on the outcome of ``step`` once this rank's write is over (``file`` written, or
+        ``error``); returns the committed URL or raises ``CoordinationError`` naming the
+        ranks that failed. Rank 0 calls ``commit`` when, and only when, every rank succeeded."""
+        if self.broken is not None:
+            raise CoordinationError(
+                f"step {step}: cannot coordinate: {self.broken}",
+                hint="a rank was lost during an earlier save; restart the job and resume with load_latest",
+            )
+        report = RankReport(self.rank, step, file, error, plan.structure, plan is not self._last_plan, stats)
+        self._barrier(step)
+        gathered: list[object] | None = [None] * self.world_size if self.rank == 0 else None
+        self._collective(step, "gather", lambda: dist.gather_object(asdict(report), gathered, group=self.group, group_dst=0))
+        decision = [self._decide(gathered, plan) if self.rank == 0 else None]
+        self._collective(step, "broadcast", lambda: dist.broadcast_object_list(decision, group=self.group, group_src=0))
+        action, message = decision[0]
+        if action == "plan":
+            action, message = self._plan_round(step, plan)
+        if action == "commit":
+            outcome = [self._commit(step, gathered, commit) if self.rank == 0 else None]
+            self._collective(step, "broadcast", lambda: dist.broadcast_object_list(outcome, group=self.group, group_src=0))
+            action, message = outcome[0]
+        if action != "ok":
+            self._last_plan = None  # the next save re-checks the plan from scratch
+            raise CoordinationError(message, hint="no marker was written; the partial directory is left for `ckptctl prune`")
+        self._last_plan = plan
+        return message
+
+    def _decide(self, gathered: list | None, plan: Plan) -> tuple[str, str]:
+        """Rank 0: fail, plan, or commit; from the gathered reports alone."""
+        reports = [RankReport(**{**r, "file": FileEntry(**r["file"]) if r["file"] else None}) for r in gathered or []]
+        failed = [r for r in reports if r.error is not None]
+        if failed:
+            return "fail", f"step {reports[0].step}: {_ranks([r.rank for r in failed])} failed: " + "; ".join(
+                f"rank {r.rank}: {r.error}" for r in failed[:8]
+            ) + (f"; and {len(failed) - 8} more" if len(failed) > 8 else "")
+        steps = sorted({r.step for r in reports})
+        if len(steps) > 1:  # saves out of step: never mix shards of different saves
+            return "fail", f"ranks are saving different steps {steps}; every rank must call save() with the same step"
+        odd = [r.rank for r in reports if r.structure != reports[0].structure]
+        if odd:
+            return "fail", (
+                f"step {steps[0]}: the state's tensors (names, dtypes or global shapes) differ between "
+                f"rank 0 and {_ranks(odd)}; every rank must save the same state structure"
+            )
+        if any(r.replanned for r in reports) or self._structure != plan.structure:
+            return "plan", ""
+        return "commit", ""
+
+    def _plan_round(self, step: int, plan: Plan) -> tuple[str, str]:
+        """Sum every rank's (chunks, elements) per tensor at rank 0 and check coverage."""
+        cov = torch.tensor(plan.coverage or [], dtype=torch.int64).reshape(len(plan.table), 2)
+        self._collective(step, "reduce", lambda: dist.reduce(cov, group=self.group, group_dst=0))
+        verdict: list = [None]
+        if self.rank == 0:
+            verdict[0] = self._check_coverage(step, plan, cov)
+        self._collective(step, "broadcast", lambda: dist.broadcast_object_list(verdict, group=self.group, group_src=0))
+        return verdict[0]
+
+    def _check_coverage(self, step: int, plan: Plan, cov: torch.Tensor) -> tuple[str, str]:
+        tensors: dict[str, TensorEntry] = {}
+        bad: list[str] = []
+        for meta, (chunks, elements) in zip(plan.table, cov.tolist()):
+            if elements != numel(meta.shape):
+                bad.append(f"{meta.name!r} ({elements} of {numel(meta.shape)} elements)")
+            tensors[meta.name] = TensorEntry(meta.dtype, meta.shape, meta.group, int(chunks))
+        if bad:
+            return "fail", (
+                f"step {step}: the ranks' shards do not cover {len(bad)} tensors exactly once, e.g. "
+                + ", ".join(bad[:3])
+                + "; a tensor assumed replicated may have a different shape on some rank"
+            )
+        self._tensors, self._structure = tensors, plan.structure
+        return "commit", ""
+
+    def _commit(self, step: int, gathered: list | None, commit: CommitFn) -> tuple[str, str]:
+        """Rank 0: manifest and marker. Storage errors become the outcome every rank sees."""
+        assert gathered is not None and self._tensors is not None
+        files = [FileEntry(**r["file"]) for r in gathered]
+        stats: dict[str, float] = {}
+        for r in gathered:  # the slowest rank bounds the save: keep maxima, and total bytes
+            for k, v in r["stats"].items():
+                stats[k] = stats.get(k, 0.0) + v if k == "bytes" else max(stats.get(k, 0.0), v)
+        stats["ranks"] = float(len(gathered))
+        try:
+            return "ok", commit(files, self._tensors, stats)
+        except (CkptError, OSError) as e:
+            return "fail", f"step {step}: rank 0 could not commit: {e}"
+
+    # --- collectives ------------------------------------------------------------------------
+
+    def _barrier(self, step: int) -> None:
+        try:
+            dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as e:  # gloo raises RuntimeError (DistBackendError) on timeouts and lost peers
+            missing = _missing_ranks(str(e))
+            who = f"{_ranks(missing)} did not report" if missing else "some rank did not report (rank 0 names it)"
+            self.broken = f"{who} during the save of step {step}"
+            raise CoordinationError(
+                f"step {step}: {who} within {self.timeout.total_seconds():g}s; no marker was written ({_first_line(e)})",
+                hint="a rank died or hung while saving; restart the job and resume with load_latest",
+            ) from None
+
+    def _collective(self, step: int, what: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except RuntimeError as e:
+            self.broken = f"a rank was lost during the {what} of step {step}"
+            raise CoordinationError(
+                f"step {step}: coordination failed during {what}: {_first_line(e)}; no marker was written",
+                hint="a rank died or hung while saving; restart the job and resume with load_latest",
+            ) from None
+
+
+def _missing_ranks(message: str) -> list[int]:
+    # gloo: "Ranks 1, 3 failed to pass monitoredBarrier in 5000 ms" / "Rank 2 failed to pass ..."
+    found: list[int] = []
+    for m in re.finditer(r"Ranks? ([\d, ]+?) failed to pass monitoredBarrier", message):
+        found += [int(x) for x in re.findall(r"\d+", m.group(1))]
+    return sorted(set(found))
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:16]))
+    return f"ranks {shown}" + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
