@@ -1,0 +1,285 @@
+"""Worker processes for tests/test_distributed.py: real ranks on gloo, on CPU.
+
+Each scenario is a function ``(rank, world_size, args) -> dict`` run in its own process by
+``launch``; what it returns is written as JSON to ``{out}/rank{r}.json`` for the test to read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world_size: int, args: dict[str, Any], out: str, *, timeout: float = 180) -> dict[int, Any]:
+    """Run ``scenario`` on ``world_size`` real processes; returns {rank: result or exit code}."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_main, args=(scenario, r, world_size, port, args, out)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    results: dict[int, Any] = {}
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join()
+            results[r] = {"exit": "timeout"}
+            continue
+        path = os.path.join(out, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[r] = json.load(f)
+        else:
+            results[r] = {"exit": p.exitcode}
+    return results
+
+
+def _main(scenario: str, rank: int, world_size: int, port: int, args: dict, out: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.makedirs(out, exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = SCENARIOS[scenario](rank, world_size, args)
+    except BaseException as e:  # the test reads the failure from the result file
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown: a killed peer would make it hang
+
+
+# --- a small training job, FSDP2 or DDP or plain ---------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # 7 and 3 rows: uneven sharding on 2, 3 and 4 ranks, and empty shards on 4.
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3)
+        self.c = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def build(mode: str, world_size: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net()
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in (model.a, model.b, model.c):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return model, opt
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world_size: int, mode: str) -> float:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 5, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 1, generator=g)
+    per = GLOBAL_BATCH // world_size
+    xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+    local = ((model(xs) - ys) ** 2).sum() / GLOBAL_BATCH
+    opt.zero_grad(set_to_none=True)
+    (local * world_size).backward()  # FSDP2 and DDP average gradients over ranks
+    opt.step()
+    total = local.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return float(total)
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of model and optimizer, whole and on CPU, keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    o = StateDictOptions(full_state_dict=True)
+    out = {f"model/{k}": v.clone() for k, v in get_model_state_dict(model, options=o).items()}
+    for p, st in get_optimizer_state_dict(model, opt, options=o)["state"].items():
+        for k, v in st.items():
+            out[f"optimizer/{p}/{k}"] = v.clone()
+    return out
+
+
+def compare(ref_path: str, model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """Names of tensors that are not bitwise equal to the reference."""
+    ref = torch.load(ref_path, weights_only=True)
+    now = full_state(model, opt)
+    bad = [k for k in ref if k not in now or now[k].dtype != ref[k].dtype or not torch.equal(now[k], ref[k])]
+    return bad + [k for k in now if k not in ref]
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+
+def train_save(rank: int, world_size: int, a: dict) -> dict:
+    """Train, save at ``save_step``, write the reference state, keep training."""
+    from ckptctl import Checkpointer
+
+    model, opt = build(a["mode"], world_size, seed=0)
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    for s in range(1, a["save_step"] + 1):
+        train_step(model, opt, s, rank, world_size, a["mode"])
+    handle = ckpt.save(a["save_step"], {"model": model, "optimizer": opt, "extra": {"rank": rank, "note": f"r{rank}"}})
+    ref = full_state(model, opt)  # the training thread may go on at once: the snapshot is taken
+    losses = [train_step(model, opt, s, rank, world_size, a["mode"]) for s in range(a["save_step"] + 1, a["save_step"] + 4)]
+    path = handle.wait()
+    if rank == 0:
+        torch.save(ref, a["ref"])
+    ckpt.close()
+    return {"path": path, "losses": losses}
+
+
+def load_check(rank: int, world_size: int, a: dict) -> dict:
+    """Load the newest checkpoint into a differently initialised job; compare with the
+    reference; optionally train on (losses) and save again under ``resave``."""
+    from ckptctl import Checkpointer
+
+    model, opt = build(a["mode"], world_size, seed=123)
+    extra: dict = {"rank": -1, "note": ""}
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    step = ckpt.load_latest({"model": model, "optimizer": opt, "extra": extra})
+    bad = compare(a["ref"], model, opt)
+    out: dict = {"step": step, "bad": bad, "extra": extra}
+    if a.get("resave") is not None:
+        out["path"] = ckpt.save(a["resave"], {"model": model, "optimizer": opt, "extra": extra}).wait()
+    if a.get("train_from") is not None:  # the same batches as the run that saved the reference
+        first = a["train_from"]
+        out["losses"] = [train_step(model, opt, s, rank, world_size, a["mode"]) for s in range(first, first + 3)]
+    ckpt.close()
+    return out
+
+
+def kill_mid_write(rank: int, world_size: int, a: dict) -> dict:
+    """Commit step 1; in step 2, rank ``victim`` is SIGKILLed while writing its shard."""
+    from ckptctl import Checkpointer
+
+    model, opt = build("fsdp", world_size, seed=0)
+    ckpt = Checkpointer(a["root"], timeout_s=a["timeout_s"])
+    state = {"model": model, "optimizer": opt}
+    train_step(model, opt, 1, rank, world_size, "fsdp")
+    first = ckpt.save(1, state).wait()
+    if rank == a["victim"]:
+
+        class Dying:  # wraps the writer: the first data piece is written, then the rank dies
+            def __init__(self, w):
+                self.w = w
+
+            def __enter__(self):
+                self.w.__enter__()
+                return self
+
+            def write(self, b):
+                self.w.write(b)
+                if len(b) and not isinstance(b, bytes):  # header written as bytes, data as a view
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            def __exit__(self, *exc):
+                return self.w.__exit__(*exc)
+
+        cls = type(ckpt.root)
+        orig = cls.open_writer
+
+        def open_writer(self, name, *args, **kw):
+            return Dying(orig(self, name, *args, **kw))
+
+        cls.open_writer = open_writer  # this process only: it is about to die
+    train_step(model, opt, 2, rank, world_size, "fsdp")
+    t0 = time.monotonic()
+    handle = ckpt.save(2, state)
+    try:
+        handle.wait()
+        return {"first": first, "second": "committed"}
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        return {"first": first, "error": f"{type(e).__name__}: {e}", "cause": repr(e.__cause__), "waited": time.monotonic() - t0}
+
+
+def failing_write(rank: int, world_size: int, a: dict) -> dict:
+    """Rank ``victim``'s shard path is a directory, so its write fails for real."""
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import shard_name, step_dir
+
+    model, opt = build("fsdp", world_size, seed=0)
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    state = {"model": model, "optimizer": opt}
+    train_step(model, opt, 1, rank, world_size, "fsdp")
+    if rank == a["victim"]:
+        os.makedirs(os.path.join(a["root"], step_dir(5), shard_name(rank, world_size)), exist_ok=True)
+    out: dict = {}
+    try:
+        ckpt.save(5, state).wait()
+        out["first"] = "committed"
+    except Exception as e:  # noqa: BLE001
+        out["first"] = f"{type(e).__name__}: {e}"
+    # The group is still usable after a failed write: the next save commits on every rank.
+    out["second"] = ckpt.save(6, state).wait()
+    try:
+        ckpt.save(6, state)
+        out["again"] = "accepted"
+    except Exception as e:  # noqa: BLE001
+        out["again"] = f"{type(e).__name__}: {e}"
+    ckpt.close()
+    return out
+
+
+def back_to_back(rank: int, world_size: int, a: dict) -> dict:
+    """Several saves issued without waiting: each commits whole, none mixes with another."""
+    from ckptctl import Checkpointer
+    from ckptctl.save.coordination import Coordinator
+
+    rounds = []
+    real = Coordinator._plan_round
+
+    def counted(self, *args):
+        rounds.append(args[0])
+        return real(self, *args)
+
+    Coordinator._plan_round = counted  # this process only
+    model, opt = build("fsdp", world_size, seed=0)
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    handles = []
+    for s in range(1, 5):
+        train_step(model, opt, s, rank, world_size, "fsdp")
+        handles.append(ckpt.save(s, {"model": model, "optimizer": opt}))
+    paths = [h.wait() for h in handles]
+    ckpt.close()
+    return {"paths": paths, "plan_rounds": rounds}
+
+
+SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
+    "train_save": train_save,
+    "load_check": load_check,
+    "kill_mid_write": kill_mid_write,
+    "failing_write": failing_write,
+    "back_to_back": back_to_back,
+}
