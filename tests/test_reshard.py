@@ -163,9 +163,9 @@ def big_checkpoint(tmp_path_factory) -> str:
     return path
 
 
-def baseline_mib() -> float:
+def baseline_mib(more_imports: str = "") -> float:
     # What the CLI costs before touching any checkpoint: interpreter, torch, the app.
-    return peak_rss_mib(["-c", "import torch, ckptctl.cli.app, ckptctl.ops.verify, safetensors"])
+    return peak_rss_mib(["-c", "import torch, ckptctl.cli.app, ckptctl.ops.verify, safetensors" + more_imports])
 
 
 def test_reshard_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_path):

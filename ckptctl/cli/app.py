@@ -11,6 +11,7 @@ import typer
 from ckptctl.cli import inspect, interval, latest, ls, prune, verify
 from ckptctl.cli import cp, restore
 from ckptctl.cli import reshard
+from ckptctl.cli import convert
 
 app = typer.Typer(
     name="ckptctl",
@@ -33,6 +34,7 @@ app.command("cp")(cp.cp)
 app.command("prune")(prune.prune)
 app.command("interval")(interval.interval)
 app.command("reshard")(reshard.reshard)
+app.command("convert")(convert.convert)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from ckptctl.format import dtypes
 from ckptctl.format.checksum import Hasher, digest
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
+from ckptctl.interop.base import TensorBuffer, byte_view
 from ckptctl.storage.base import Storage
 
 WRITE_PIECE = 64 << 20
@@ -72,18 +73,11 @@ def layout(specs: Sequence[ChunkSpec]) -> list[ChunkSpec]:
     return sorted(specs, key=lambda s: (-dtypes.itemsize(s.dtype), s.name, s.offsets))
 
 
-class ChunkBuffer:
+class ChunkBuffer(TensorBuffer):
     """One reusable byte buffer, grown to the largest chunk seen, viewed as each chunk."""
 
-    def __init__(self) -> None:
-        self._buf = torch.empty(0, dtype=torch.uint8)
-
-    def view(self, spec: ChunkSpec) -> torch.Tensor:
-        n = spec.nbytes
-        if self._buf.numel() < n:
-            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old one before growing
-            self._buf = torch.empty(n, dtype=torch.uint8)
-        return self._buf[:n].view(dtypes.torch_dtype(spec.dtype)).view(spec.shape)
+    def chunk(self, spec: ChunkSpec) -> torch.Tensor:
+        return self.view(spec.dtype, spec.shape)
 
 
 def write_shard_streaming(
@@ -103,10 +97,10 @@ def write_shard_streaming(
     checksums: list[str] = []
     for s in ordered:  # pass 1: checksums only
         if s.checksum is None:
-            out = buf.view(s)
+            out = buf.chunk(s)
             fill(s, out)
             result.bytes_read += s.nbytes
-            checksums.append(digest(_bytes(out)))
+            checksums.append(digest(byte_view(out)))
         else:
             checksums.append(s.checksum)
     pos, chunks = 0, []
@@ -119,10 +113,10 @@ def write_shard_streaming(
     with storage.open_writer(name) as w:  # an exception aborts: no partial file is published
         w.write(header)
         for s, c in zip(ordered, chunks):  # pass 2: read again, check, write
-            out = buf.view(s)
+            out = buf.chunk(s)
             fill(s, out)
             result.bytes_read += s.nbytes
-            data = _bytes(out)
+            data = byte_view(out)
             if digest(data) != c.checksum:
                 raise InvalidCheckpoint(
                     f"tensor {s.name!r} at offsets {list(s.offsets)}: source bytes changed between "
@@ -136,9 +130,3 @@ def write_shard_streaming(
     result.file = FileEntry(name, len(header) + pos, file_hash.hexdigest(), rank, len(chunks))
     result.chunks = chunks
     return result
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")

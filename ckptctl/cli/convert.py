@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.progress import byte_progress
+from ckptctl.ops.convert import convert as run_convert, parse_size
+
+
+@command
+def convert(
+    src: Annotated[str, typer.Argument(help="A ckptctl checkpoint, DCP directory, safetensors file/directory or torch.save file.")],
+    dst: Annotated[str, typer.Argument(help="Where to write: a directory (ckptctl, dcp, sharded safetensors) or a file (torch, one .safetensors).")],
+    to: Annotated[str, typer.Option("--to", help="Output format: ckptctl, safetensors, torch or dcp.", metavar="FORMAT")],
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Keep tensors whose names start with PREFIX (repeatable), e.g. model/.", metavar="PREFIX")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating tensors: bf16, fp16 or fp32.", metavar="DTYPE")] = None,
+    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="safetensors: split into shards of at most SIZE (5GB, 500MiB) plus an index.", metavar="SIZE")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint between ckptctl, PyTorch DCP, safetensors and torch.save.
+
+    The input format is detected and reported. Tensors stream one at a time, so memory stays
+    about the largest tensor whatever the checkpoint's size. Names are ckptctl's everywhere
+    (model/fc.weight); non-tensor state travels with the tensors (manifest, safetensors
+    metadata, the torch dict, a DCP entry) and anything the source cannot hand over is listed
+    as dropped. torch.save files are read with weights_only=True only: one that needs pickle
+    is refused and nothing in it runs. A ckptctl source is verified first; a ckptctl result
+    gets checksums, a manifest and a marker, and is verified.
+
+    Exit 0 success; 1 the source is invalid or needs pickle, or DST exists without
+    --overwrite; 2 bad arguments (DST is SRC); 3 storage error.
+
+    Example: ckptctl convert /ckpt/step-0000001000 ./hf --to safetensors --only model/ --dtype bf16 --max-shard-size 5GB
+    """
+    size = parse_size(max_shard_size) if max_shard_size is not None else None
+    with byte_progress("convert") as progress:
+        r = run_convert(src, dst, to, only=only or (), dtype=dtype, max_shard_size=size, overwrite=overwrite, progress=progress)
+    if json:
+        emit_json(r.to_dict())
+        return
+    err.print(f"found {r.source_format} at {r.src}" + ("" if r.source_checksums else " (no checksums to verify in this format)"),
+              markup=False, highlight=False)
+    for d in r.dropped:
+        err.print(f"dropped: {d}", markup=False, highlight=False)
+    cast = f", cast to {r.cast}" if r.cast else ""
+    skipped = f" ({r.skipped_by_only} left out by --only)" if r.skipped_by_only else ""
+    out.print(f"ok  {r.dst}  {r.source_format} -> {r.target_format}: {r.tensors} tensors{skipped}{cast}, "
+              f"{human_bytes(r.bytes)} in {r.seconds:.2f}s", markup=False, highlight=False)

@@ -1,0 +1,99 @@
+"""What every foreign format offers the converter: tensor metadata, one tensor at a time, and
+whatever structure and non-tensor state the format can hold.
+
+A ``Source`` never loads a whole checkpoint: ``read_into`` fills one caller-owned tensor, so a
+conversion holds one tensor (plus the format's own temporaries) at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ckptctl.format import dtypes
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str  # manifest dtype name (ckptctl.format.dtypes)
+    shape: tuple[int, ...]
+    group: str = "other"  # model / optimizer / other, for inspect's byte counts
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+
+# Fills ``out`` (contiguous CPU, the meta's dtype and shape) with the tensor's values.
+Fill = Callable[[TensorMeta, torch.Tensor], None]
+
+
+class Source(ABC):
+    kind: str  # "ckptctl", "dcp", "safetensors" or "torch": what detection found
+    url: str
+    has_checksums: bool = False
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, TensorMeta] = {}
+        # The state's structure as ckptctl.state.tree encodes it (tensors as {"__tensor__": name}),
+        # or None when the format has nothing beyond flat names.
+        self.tree: Any | None = None
+        self.metadata: dict[str, str] = {}  # string metadata (safetensors __metadata__)
+        self.step: int | None = None
+        self.dropped: list[str] = []  # non-tensor state this source could not hand over, and why
+
+    @abstractmethod
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` (the tensor's own dtype and shape) with tensor ``name``."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorBuffer:
+    """One reusable byte buffer, grown to the largest tensor seen, viewed as each tensor."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape) * dtypes.itemsize(dtype)
+        if self._buf.numel() < n:
+            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old one before growing
+            self._buf = torch.empty(n, dtype=torch.uint8)
+        return self._buf[:n].view(dtypes.torch_dtype(dtype)).view(shape)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def group_of(name: str) -> str:
+    top = name.split("/", 1)[0].split(".", 1)[0]
+    if top in ("model", "module", "models"):
+        return "model"
+    if top.startswith("optim"):
+        return "optimizer"
+    return "other" if "/" in name else "model"  # a flat weights file is a model
+
+
+@dataclass
+class Written:
+    """What a writer produced, for the report."""
+
+    files: list[str] = field(default_factory=list)
+    bytes: int = 0

@@ -1,0 +1,255 @@
+"""PyTorch Distributed Checkpoint (DCP): a directory with ``.metadata`` and ``*.distcp`` files,
+as torchtitan, torchtune and ``torch.distributed.checkpoint.save`` write it.
+
+Reading never runs pickle code from the checkpoint:
+
+- ``.metadata`` is a pickle; it is read with an unpickler that only builds DCP's own metadata
+  dataclasses and enums, ``torch.Size``, dtypes and layouts (anything else is refused, naming
+  the file). DCP's own reader would unpickle it unrestricted.
+- tensors are loaded one at a time with ``torch.distributed.checkpoint.load`` into a target we
+  own (DCP itself reads tensor records with ``torch.load(weights_only=True)``);
+- non-tensor entries (optimizer hyper-parameters, strings) are decoded with
+  ``torch.load(weights_only=True)`` instead of DCP's default ``weights_only=False``; one that
+  needs more is reported as dropped.
+
+Names: an entry's path in DCP's ``planner_data`` (the nesting the saver flattened, e.g.
+``("optim", "state", "fc.weight", "exp_avg")``) is joined with ``/`` as ckptctl names are
+(``optim/state/fc.weight/exp_avg``); a top-level key is kept as it is.
+
+Writing: the state is given to ``torch.distributed.checkpoint.save`` as one flat dict keyed by
+ckptctl tensor names (``model/fc.weight``: what ``dcp.load`` into a flat dict of those names
+needs), plus the ckptctl state tree as a JSON string under ``ckptctl.state``. The dict holds
+meta (zero-memory) tensors; a planner reads each real tensor only when DCP asks to write it and
+frees it right after, so memory stays about one tensor. Round trips through DCP are bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import json
+import os
+import pickle
+import warnings
+from typing import Any
+
+import torch
+
+from ckptctl.errors import InvalidCheckpoint
+from ckptctl.format import dtypes
+from ckptctl.interop.base import Fill, Source, TensorBuffer, TensorMeta, Written, group_of
+from ckptctl.state import tree as statetree
+
+METADATA = ".metadata"
+STATE_KEY = "ckptctl.state"
+STEP_KEY = "ckptctl.step"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if (module, name) in (("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                              ("collections", "OrderedDict")):
+            return super().find_class(module, name)
+        if module.startswith("torch.distributed.checkpoint."):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
+
+
+def read_metadata(path: str) -> Any:
+    where = os.path.join(path, METADATA)
+    try:
+        with open(where, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
+        raise InvalidCheckpoint(f"{where}: refusing DCP metadata: {e}",
+                                hint="the file is not plain DCP metadata; do not trust this checkpoint") from None
+
+
+def _reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        """DCP's file reader with the restricted metadata unpickler, read once."""
+
+        def __init__(self, path: str, metadata: Any) -> None:
+            super().__init__(path)
+            self._metadata = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self._metadata
+
+    return SafeReader
+
+
+def _load_planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)  # DCP's default would allow any pickle
+            self.state_dict[read_item.dest_index.fqn] = obj  # flat: our state dicts are flat
+
+    return SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _quiet() -> Any:
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    return ctx
+
+
+class DcpSource(Source):
+    kind = "dcp"
+
+    def __init__(self, path: str) -> None:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        super().__init__()
+        self.url = path
+        self.md = read_metadata(path)
+        self._reader = _reader_class()(path, self.md)
+        planner_data = self.md.planner_data if isinstance(self.md.planner_data, dict) else {}
+        self._fqn: dict[str, str] = {}
+        paths: dict[str, tuple] = {}
+        values: dict[tuple, Any] = {}
+        saved_tree: Any = None
+        for fqn, meta in self.md.state_dict_metadata.items():
+            p = tuple(planner_data.get(fqn) or (fqn,))
+            name = p[0] if len(p) == 1 else statetree.join(tuple(str(x) for x in p))
+            if isinstance(meta, TensorStorageMetadata):
+                try:
+                    dt = dtypes.name_of(meta.properties.dtype)
+                except ValueError:
+                    self.dropped.append(f"tensor {fqn!r}: dtype {meta.properties.dtype} is not supported")
+                    continue
+                self.tensors[name] = TensorMeta(name, dt, tuple(meta.size), group_of(name))
+                self._fqn[name] = fqn
+                paths[name] = p
+            elif isinstance(meta, BytesStorageMetadata):
+                try:
+                    value = self._load_bytes(fqn)
+                except (pickle.UnpicklingError, RuntimeError) as e:
+                    self.dropped.append(f"{fqn!r}: needs pickle beyond plain values ({str(e).splitlines()[0][:120]})")
+                    continue
+                if fqn == STATE_KEY and isinstance(value, str):
+                    saved_tree = json.loads(value)
+                elif fqn == STEP_KEY and isinstance(value, int):
+                    self.step = value
+                else:
+                    values[p] = value
+        if saved_tree is not None and set(statetree.tensor_refs(saved_tree)) <= set(self.tensors):
+            self.tree = saved_tree
+        else:
+            self.tree = _tree_from_paths(paths, values, self.dropped)
+
+    def _load_bytes(self, fqn: str) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        sd: dict[str, Any] = {fqn: None}
+        ctx = _quiet()
+        try:
+            dcp.load(sd, storage_reader=self._reader, planner=_load_planner(), no_dist=True)
+        finally:
+            ctx.__exit__(None, None, None)
+        return sd[fqn]
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        ctx = _quiet()
+        try:
+            dcp.load({self._fqn[name]: out}, storage_reader=self._reader, planner=_load_planner(), no_dist=True)
+        finally:
+            ctx.__exit__(None, None, None)
+
+
+def _tree_from_paths(paths: dict[str, tuple], values: dict[tuple, Any], dropped: list[str]) -> dict:
+    """Rebuild the nesting DCP flattened: dict keys, list indices (ints), leaves."""
+    from ckptctl.errors import StateError
+
+    root: dict = {}
+    leaves = [(p, {statetree.TENSOR: name}) for name, p in paths.items()]
+    for p, v in values.items():
+        try:
+            leaves.append((p, statetree.encode(v, tuple(str(x) for x in p), lambda n, t: None)))
+        except StateError as e:
+            dropped.append(f"{'/'.join(map(str, p))!r}: {e}")
+    for p, leaf in leaves:
+        node: Any = root
+        for key, nxt in zip(p[:-1], p[1:]):
+            child = node.get(key) if isinstance(node, dict) else None
+            if child is None:
+                child = {}
+                node[key] = child
+            node = child
+        node[p[-1]] = leaf
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    """Dicts whose keys are exactly 0..n-1 (list indices in DCP paths) become lists."""
+    if not isinstance(node, dict) or statetree.TENSOR in node:
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+        return [out[i] for i in range(len(out))]
+    return {str(k): v for k, v in out.items()}
+
+
+def _placeholder(m: TensorMeta) -> torch.Tensor:
+    # DCP plans from shapes and dtypes only; the data comes from the planner's resolve_data.
+    return torch.empty(m.shape, dtype=dtypes.torch_dtype(m.dtype), device="meta")
+
+
+def write_dcp(path: str, metas: dict[str, TensorMeta], fill: Fill, *, tree: Any, step: int | None) -> Written:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class StreamingPlanner(DefaultSavePlanner):
+        """Hands DCP each tensor only when it is about to be written, and frees the previous
+        one: DCP's writer keeps a reference to every tensor of a file until the file is done."""
+
+        prev: torch.Tensor | None = None
+
+        def resolve_data(self, write_item: Any) -> Any:
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            self.release()
+            m = metas[write_item.index.fqn]
+            # Filled through a reusable buffer, then copied into a tensor of its own: byte
+            # reads export memory to numpy, which makes a storage impossible to free early.
+            view = buf.view(m.dtype, m.shape)
+            fill(m, view)
+            t = torch.empty(m.shape, dtype=dtypes.torch_dtype(m.dtype))
+            t.copy_(view)
+            self.prev = t
+            return t
+
+        def release(self) -> None:
+            if self.prev is not None:
+                self.prev.untyped_storage().resize_(0)  # the bytes are in the file already
+                self.prev = None
+
+    buf = TensorBuffer()
+    state: dict[str, Any] = {n: _placeholder(m) for n, m in metas.items()}
+    state[STATE_KEY] = json.dumps(tree)
+    if step is not None:
+        state[STEP_KEY] = step
+    planner = StreamingPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    ctx = _quiet()
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=1, single_file_per_rank=True), planner=planner, no_dist=True)
+    finally:
+        ctx.__exit__(None, None, None)
+        planner.release()
+    files = sorted(os.path.join(path, f) for f in os.listdir(path))
+    return Written(files, sum(os.path.getsize(f) for f in files))

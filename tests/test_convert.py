@@ -1,0 +1,231 @@
+"""``ckptctl convert``: bitwise round trips through every format, foreign files written by the
+formats' own libraries, refusals, and memory bounded by the largest tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from ckptctl import Checkpointer
+from ckptctl.format.layout import MARKER
+from helpers import cli
+from test_reshard import TENSOR_MIB, TENSORS, assert_bitwise, baseline_mib, big_checkpoint, make_model, peak_rss_mib, saved, tensors_of  # noqa: F401
+
+SLACK_MIB = 96
+
+
+def convert(*args: str):
+    return cli("convert", *args)
+
+
+def test_ckptctl_to_sharded_safetensors_and_back_bitwise_and_loads(tmp_path):
+    src, model, opt = saved(tmp_path)
+    st = str(tmp_path / "hf")
+    r = convert(src, st, "--to", "safetensors", "--max-shard-size", "400KB", "--json")
+    assert r.exit_code == 0, r.stderr
+    files = sorted(os.listdir(st))
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) >= 3
+    index = json.load(open(os.path.join(st, "model.safetensors.index.json")))
+    assert "model/0.weight" in index["weight_map"]
+    for f in files:  # every shard within the limit, unless one tensor alone is larger
+        if f.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(st, f), framework="pt") as sf:  # safetensors itself reads them
+                assert sf.metadata()["format"] == "pt"
+    back = str(tmp_path / "back")
+    r = convert(st, back, "--to", "ckptctl")
+    assert r.exit_code == 0, r.stderr
+    assert "found safetensors" in r.stderr and "no checksums" in r.stderr
+    assert_bitwise(tensors_of(src), tensors_of(back))
+    assert cli("verify", back).exit_code == 0
+    # The state tree traveled in the metadata: the result loads into a fresh model + optimizer.
+    fresh, fresh_opt = make_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    extra: dict = {}
+    Checkpointer(str(tmp_path / "unused")).load(back, {"model": fresh, "optimizer": fresh_opt, "extra": extra})
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    assert fresh_opt.state_dict()["param_groups"][0]["lr"] == opt.state_dict()["param_groups"][0]["lr"]
+
+
+def test_torch_to_ckptctl_to_torch_bitwise(tmp_path):
+    model, opt = make_model()
+    obj = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "note": "x",
+           "bf": torch.randn(5, 3).to(torch.bfloat16), "ints": torch.arange(7, dtype=torch.int32)}
+    pt = str(tmp_path / "in.pt")
+    torch.save(obj, pt)
+    ck = str(tmp_path / "ck")
+    r = convert(pt, ck, "--to", "ckptctl")
+    assert r.exit_code == 0, r.stderr
+    assert "found torch" in r.stderr
+    assert cli("verify", ck).exit_code == 0
+    out = str(tmp_path / "out.pt")
+    assert convert(ck, out, "--to", "torch").exit_code == 0
+    import zipfile
+
+    assert zipfile.ZipFile(out).testzip() is None  # a valid zip: CRCs patched in
+    got = torch.load(out, weights_only=True)
+    assert got.keys() == obj.keys()
+    assert got["epoch"] == 3 and got["note"] == "x"
+    assert got["optimizer"]["param_groups"] == obj["optimizer"]["param_groups"]
+    for k, v in obj["model"].items():
+        assert torch.equal(got["model"][k], v)
+    for pid, st in obj["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["optimizer"]["state"][pid][k], v) and got["optimizer"]["state"][pid][k].dtype == v.dtype
+    assert torch.equal(got["bf"].view(torch.int16), obj["bf"].view(torch.int16)) and torch.equal(got["ints"], obj["ints"])
+
+
+def test_ckptctl_to_dcp_to_ckptctl_bitwise_and_dcp_loads_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src, model, _ = saved(tmp_path)
+    d = str(tmp_path / "dcp")
+    r = convert(src, d, "--to", "dcp")
+    assert r.exit_code == 0, r.stderr
+    assert os.path.exists(os.path.join(d, ".metadata"))
+    # torch.distributed.checkpoint.load reads it, keys are ckptctl's names.
+    sd = {"model/0.weight": torch.empty_like(model[0].weight), "model/2.bias": torch.empty_like(model[2].bias)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=d, no_dist=True)
+    assert torch.equal(sd["model/0.weight"], model[0].weight) and torch.equal(sd["model/2.bias"], model[2].bias)
+    back = str(tmp_path / "back")
+    r = convert(d, back, "--to", "ckptctl")
+    assert r.exit_code == 0, r.stderr
+    assert "found dcp" in r.stderr
+    assert_bitwise(tensors_of(src), tensors_of(back))
+    m = cli("inspect", back, "--json").json()
+    assert m["step"] == 5 and "extra" in m["state_keys"]
+
+
+def test_foreign_dcp_with_nested_state_converts_with_names_and_hyperparameters(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = make_model()
+    msd, osd = get_state_dict(model, opt)
+    d = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=True)
+    out = str(tmp_path / "ck")
+    r = convert(d, out, "--to", "ckptctl", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert r.json()["dropped"] == []
+    t = tensors_of(out)
+    assert torch.equal(t["model/0.weight"], model[0].weight)
+    assert torch.equal(t["optimizer/state/0.weight/exp_avg"], opt.state[model[0].weight]["exp_avg"])
+    fresh, fresh_opt = make_model()
+    Checkpointer(str(tmp_path / "unused")).load(out, {"model": fresh, "optimizer": fresh_opt})
+    assert torch.equal(fresh[2].weight, model[2].weight)
+    assert fresh_opt.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
+
+
+def test_safetensors_written_by_safetensors_converts(tmp_path):
+    from safetensors.torch import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    a = {"embed.weight": torch.randn(10, 4), "layers.0.w": torch.randn(4, 4).half()}
+    b = {"layers.1.w": torch.randn(4, 4).to(torch.bfloat16), "head.bias": torch.arange(3, dtype=torch.int64)}
+    save_file(a, str(d / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(b, str(d / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    wm = {k: "model-00001-of-00002.safetensors" for k in a} | {k: "model-00002-of-00002.safetensors" for k in b}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    out = str(tmp_path / "ck")
+    r = convert(str(d), out, "--to", "ckptctl")
+    assert r.exit_code == 0, r.stderr
+    got = tensors_of(out)
+    for k, v in (a | b).items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+    # A single file works too, and back out to one .safetensors file.
+    one = str(tmp_path / "one.safetensors")
+    assert convert(out, one, "--to", "safetensors").exit_code == 0
+    from safetensors.torch import load_file
+
+    back = load_file(one)
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in (a | b).items())
+
+
+def _make_marker(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("code from a checkpoint ran")
+
+
+class Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (_make_marker, (self.path,))
+
+
+def test_pt_with_pickled_custom_class_is_refused_and_nothing_runs(tmp_path):
+    marker = str(tmp_path / "PWNED")
+    pt = str(tmp_path / "evil.pt")
+    torch.save({"w": torch.ones(3), "payload": Evil(marker)}, pt)
+    assert not os.path.exists(marker)
+    out = str(tmp_path / "out")
+    r = convert(pt, out, "--to", "ckptctl")
+    assert r.exit_code == 1
+    assert "evil.pt" in r.stderr and "refusing" in r.stderr
+    assert not os.path.exists(marker)
+    assert not os.path.exists(os.path.join(out, MARKER))
+
+
+def test_only_and_dtype_keep_weights_for_inference(tmp_path):
+    src, model, _ = saved(tmp_path)
+    out = str(tmp_path / "w.safetensors")
+    r = convert(src, out, "--to", "safetensors", "--only", "model/", "--dtype", "bf16", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert r.json()["skipped_by_only"] > 0
+    from safetensors import safe_open
+
+    with safe_open(out, framework="pt") as f:
+        names = set(f.keys())
+        assert names == {f"model/{k}" for k in model.state_dict()}
+        w = f.get_tensor("model/0.weight")
+        state = json.loads(f.metadata()["ckptctl.state"])
+    assert w.dtype == torch.bfloat16 and torch.equal(w, model[0].weight.detach().to(torch.bfloat16))
+    assert set(state) == {"model"}  # the optimizer's structure and "extra" are left out with it
+
+
+def test_refusals(tmp_path):
+    src, _, _ = saved(tmp_path)
+    assert convert(src, src, "--to", "ckptctl").exit_code == 2  # onto itself
+    assert convert(src, os.path.join(src, "sub"), "--to", "dcp").exit_code == 2  # inside itself
+    out = str(tmp_path / "o.pt")
+    assert convert(src, out, "--to", "torch").exit_code == 0
+    r = convert(src, out, "--to", "torch")
+    assert r.exit_code == 1 and "--overwrite" in r.stderr
+    assert convert(src, out, "--to", "torch", "--overwrite").exit_code == 0
+    assert convert(src, str(tmp_path / "x"), "--to", "onnx").exit_code == 2
+    assert convert(str(tmp_path / "missing"), str(tmp_path / "y"), "--to", "dcp").exit_code == 2
+    os.unlink(os.path.join(src, MARKER))  # uncommitted: refused
+    assert convert(src, str(tmp_path / "z"), "--to", "safetensors").exit_code == 1
+
+
+@pytest.mark.parametrize("to,suffix", [("safetensors", ""), ("ckptctl", ""), ("torch", ".pt"), ("dcp", "")])
+def test_convert_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_path, to, suffix):  # noqa: F811
+    # DCP's own modules cost ~45 MiB to import: code, not data, so they count as baseline.
+    base = baseline_mib(", torch.distributed.checkpoint" if to == "dcp" else "")
+    out = str(tmp_path / f"out{suffix}")
+    peak = peak_rss_mib(["-m", "ckptctl", "convert", big_checkpoint, out, "--to", to])
+    bound = base + 2 * TENSOR_MIB + SLACK_MIB
+    total = TENSORS * TENSOR_MIB
+    print(f"convert ckptctl -> {to}: peak {peak:.0f} MiB, baseline {base:.0f} MiB, checkpoint {total} MiB")
+    assert peak < bound, f"peak RSS {peak:.0f} MiB exceeds {bound:.0f} MiB for a {total} MiB checkpoint"
+    if to == "ckptctl":
+        return
+    back = str(tmp_path / "back")
+    peak = peak_rss_mib(["-m", "ckptctl", "convert", out, back, "--to", "ckptctl"])
+    print(f"convert {to} -> ckptctl: peak {peak:.0f} MiB")
+    assert peak < bound, f"peak RSS {peak:.0f} MiB reading {to} exceeds {bound:.0f} MiB for a {total} MiB checkpoint"
