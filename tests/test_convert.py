@@ -229,3 +229,61 @@ def test_convert_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_pat
     peak = peak_rss_mib(["-m", "ckptctl", "convert", out, back, "--to", "ckptctl"])
     print(f"convert {to} -> ckptctl: peak {peak:.0f} MiB")
     assert peak < bound, f"peak RSS {peak:.0f} MiB reading {to} exceeds {bound:.0f} MiB for a {total} MiB checkpoint"
+
+
+FSDP_SAVE = '''
+import os, sys, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict, StateDictOptions
+
+out = sys.argv[1]
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(4, 30)).sum().backward()
+opt.step()
+msd, osd = get_state_dict(model, opt)
+dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(out, "dcp"))
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if dist.get_rank() == 0:
+    torch.save(full, os.path.join(out, "reference.pt"))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_dcp_from_fsdp2_on_4_gloo_ranks_converts_and_loads_into_one_rank(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "fsdp_save.py"
+    script.write_text(FSDP_SAVE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+                        "--master-port", str(port), str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = str(tmp_path / "ck")
+    r = convert(str(tmp_path / "dcp"), out, "--to", "ckptctl", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert r.json()["source_format"] == "dcp" and r.json()["dropped"] == []
+    model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(str(tmp_path / "unused")).load(out, {"model": model, "optimizer": opt})
+    ref = torch.load(str(tmp_path / "reference.pt"), weights_only=True)
+    assert ref.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(ref[k], v), k
+    assert all("exp_avg" in s for s in opt.state.values())

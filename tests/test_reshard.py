@@ -47,12 +47,12 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
         assert torch.equal(a[n].view(torch.uint8) if a[n].dim() else a[n], b[n].view(torch.uint8) if b[n].dim() else b[n]), n
 
 
-def test_reshard_1_3_1_4_bitwise_and_loads(tmp_path):
+def test_reshard_1_4_3_1_4_bitwise_and_loads(tmp_path):
     src, model, opt = saved(tmp_path)
     original = tensors_of(src)
     prev = src
-    for m in (3, 1, 4):
-        dst = str(tmp_path / f"ws{m}")
+    for m in (4, 3, 1, 4):  # the 4 -> 3 -> 1 -> 4, from a 1-rank save
+        dst = str(tmp_path / f"ws{m}-from-{os.path.basename(prev)}")
         r = cli("reshard", prev, dst, "--world-size", str(m), "--json")
         assert r.exit_code == 0, r.stderr
         doc = r.json()
@@ -67,7 +67,7 @@ def test_reshard_1_3_1_4_bitwise_and_loads(tmp_path):
         for p in fresh.parameters():
             p.zero_()
     extra: dict = {}
-    Checkpointer(str(tmp_path / "unused")).load(str(tmp_path / "ws1"), {"model": fresh, "optimizer": fresh_opt, "extra": extra})
+    Checkpointer(str(tmp_path / "unused")).load(str(tmp_path / "ws1-from-ws3-from-ws4-from-step-0000000005"), {"model": fresh, "optimizer": fresh_opt, "extra": extra})
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
     sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
