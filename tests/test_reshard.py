@@ -176,3 +176,34 @@ def test_reshard_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_pat
         bound = base + TENSOR_MIB + SLACK_MIB
         print(f"reshard -> {m}: peak {peak:.0f} MiB, baseline {base:.0f} MiB, checkpoint {total} MiB, bound {bound:.0f} MiB")
         assert peak < bound, f"peak RSS {peak:.0f} MiB exceeds {bound:.0f} MiB (baseline {base:.0f}) for a {total} MiB checkpoint"
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), "-m", "ckptctl", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_reshard_under_torchrun_splits_the_writing_over_ranks(tmp_path):
+    src, _, _ = saved(tmp_path)
+    dst = str(tmp_path / "ws3")
+    p = _torchrun(2, "reshard", src, dst, "--world-size", "3", "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+
+    doc = json.loads(p.stdout[p.stdout.index("{"):])  # rank 0 alone prints
+    assert doc["writers"] == 2 and doc["files"] == 3
+    assert_bitwise(tensors_of(src), tensors_of(dst))
+    # A corrupt source fails every rank (none is left waiting) and nothing is committed.
+    shard = os.path.join(src, shard_name(0, 1))
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 10)
+        f.write(b"\xff" * 4)
+    bad = str(tmp_path / "bad")
+    p = _torchrun(2, "reshard", src, bad, "--world-size", "3")
+    assert p.returncode != 0 and "checksum" in p.stderr
+    assert not os.path.exists(os.path.join(bad, MARKER))

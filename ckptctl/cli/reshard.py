@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from typing import Annotated
+import contextlib
+import os
+from typing import Annotated, Iterator
 
 import typer
 
@@ -31,11 +33,32 @@ def reshard(
 
     Example: ckptctl reshard /ckpt/step-0000001000 /ckpt-8/step-0000001000 --world-size 8
     """
-    with byte_progress("reshard") as progress:
+    with _torchrun_group() as rank, byte_progress("reshard") as progress:
         r = run_reshard(open_storage(src), open_storage(dst), world_size, overwrite=overwrite, progress=progress)
+    if rank != 0:
+        return  # rank 0 speaks for the job
     if json:
         emit_json(r.to_dict())
         return
     out.print(f"ok  {r.dst}  step {r.step}: {r.source_world_size} -> {r.world_size} ranks, {r.tensors} tensors "
               f"({r.split_tensors} split), {human_bytes(r.bytes_written)} written in {r.seconds:.2f}s; verified",
               markup=False, highlight=False)
+
+
+@contextlib.contextmanager
+def _torchrun_group() -> Iterator[int]:
+    """Under torchrun (WORLD_SIZE > 1), join a gloo group so that the ranks split the target
+    shards; yields this process's rank (0 when run plainly)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        yield 0
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.get_rank()
+        return
+    dist.init_process_group("gloo")
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from ckptctl.errors import InvalidCheckpoint, RefusedForSafety, UsageError
+from ckptctl.errors import CkptError, InvalidCheckpoint, RefusedForSafety, UsageError
 from ckptctl.format import dtypes
 from ckptctl.format.layout import MARKER, shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
@@ -66,6 +66,7 @@ class ReshardReport:
     bytes_read: int = 0
     shard_bytes: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    writers: int = 1  # processes that wrote target shards (torchrun ranks)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,16 +115,16 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
     dist_on = dist.is_available() and dist.is_initialized()
     me, n = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
     if me == 0:
-        prepare_target(src, dst, overwrite=overwrite)
-        require_verified(src)
-    if dist_on:
-        dist.barrier()  # nobody writes before rank 0 has checked the source and cleared the target
+        failure = _attempt(lambda: (prepare_target(src, dst, overwrite=overwrite), require_verified(src)))
+    else:
+        failure = None
+    _agree(dist_on, failure)  # nobody writes before rank 0 has checked the source and cleared the target
     with CheckpointReader(src) as reader:
         m = reader.manifest
         known = {(c.name, tuple(c.offsets), tuple(c.shape)): c.checksum for h in reader.headers.values() for c in h.chunks if c.checksum}
         plan = plan_layout(m, world_size, known, split_bytes)
         rank_states = reader.rank_states()
-        report = ReshardReport(src.url, dst.url, m.step, world_size, m.world_size, tensors=len(m.tensors))
+        report = ReshardReport(src.url, dst.url, m.step, world_size, m.world_size, tensors=len(m.tensors), writers=n)
 
         def fill(spec: ChunkSpec, out: torch.Tensor) -> None:
             reader.read_into(ReadJob(spec.name, out, spec.offsets))
@@ -132,19 +133,26 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
 
         buf = ChunkBuffer()
         mine: list[FileEntry] = []
-        for r in range(me, world_size, n):
-            w = write_shard_streaming(dst, shard_name(r, world_size), plan[r], fill, rank=r, rank_state=rank_states.get(r), buffer=buf)
-            mine.append(w.file)
-            report.bytes_read += w.bytes_read
+
+        def write_mine() -> None:
+            for r in range(me, world_size, n):  # target shard r is written by rank r mod n
+                w = write_shard_streaming(dst, shard_name(r, world_size), plan[r], fill, rank=r, rank_state=rank_states.get(r), buffer=buf)
+                mine.append(w.file)
+                report.bytes_read += w.bytes_read
+
+        failure = _attempt(write_mine)
         del buf
-    files = mine
     if dist_on:
-        gathered: list[list[FileEntry] | None] = [None] * n
-        dist.all_gather_object(gathered, mine)
-        files = [f for part in gathered for f in (part or [])]
-        totals = [None] * n
-        dist.all_gather_object(totals, report.bytes_read)
-        report.bytes_read = sum(int(x or 0) for x in totals)
+        gathered: list = [None] * n
+        dist.all_gather_object(gathered, (mine, report.bytes_read, failure))
+        failure = next((g[2] for g in gathered if g[2] is not None), None)
+        if failure is None:
+            mine = [f for g in gathered for f in g[0]]
+            report.bytes_read = sum(g[1] for g in gathered)
+    if failure is not None:
+        raise failure
+    files = mine
+    failure = None
     if me == 0:
         counts: dict[str, int] = {}
         for specs in plan:
@@ -163,15 +171,35 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
             tool={"ckptctl": __version__, "torch": torch.__version__, "python": platform.python_version()},
             extra={**m.extra, "resharded_from": {"url": src.url, "world_size": m.world_size}},
         )
-        commit(dst, manifest)
-        require_verified(dst, after_write=True)
+        failure = _attempt(lambda: (commit(dst, manifest), require_verified(dst, after_write=True)))
         report.files = len(files)
         report.shard_bytes = [f.size for f in files]
         report.bytes_written = sum(report.shard_bytes)
-    if dist_on:
-        dist.barrier()  # every rank returns only once the result is committed and verified
+    _agree(dist_on, failure if me == 0 else None)  # every rank returns once the result is committed and verified
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _attempt(fn: Callable[[], object]) -> CkptError | None:
+    """Run ``fn``; a CkptError is returned, not raised, so that every rank can be told of it
+    (a rank that raised alone would leave the others waiting in a collective)."""
+    try:
+        fn()
+    except CkptError as e:
+        return e
+    return None
+
+
+def _agree(dist_on: bool, failure: CkptError | None) -> None:
+    """Share one rank's failure with every rank (rank 0 decides), then raise it everywhere."""
+    if dist_on:
+        import torch.distributed as dist
+
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        failure = box[0]
+    if failure is not None:
+        raise failure
 
 
 def prepare_target(src: Storage, dst: Storage, *, overwrite: bool) -> None:
