@@ -276,10 +276,54 @@ def back_to_back(rank: int, world_size: int, a: dict) -> dict:
     return {"paths": paths, "plan_rounds": rounds}
 
 
+def _layout_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "tp": torch.arange(60, dtype=torch.float32).reshape(6, 10),
+        "hsdp": torch.randn(5, 3, generator=g),  # 5 rows on 2 shards: uneven
+        "rep": torch.randn(4, generator=g).to(torch.bfloat16),
+    }
+
+
+def dtensor_layouts(rank: int, world_size: int, a: dict) -> dict:
+    """Save DTensors of a 2x2 mesh (2-D sharding, HSDP-style replicate+shard, fully
+    replicated) at 4 ranks; load them as 1-D shardings at 3 ranks or as plain tensors at 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ckptctl import Checkpointer
+
+    full = _layout_tensors()
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    if a["phase"] == "save":
+        mesh = init_device_mesh("cpu", (2, 2))
+        state = {
+            "tp": distribute_tensor(full["tp"], mesh, [Shard(0), Shard(1)]),
+            "hsdp": distribute_tensor(full["hsdp"], mesh, [Replicate(), Shard(0)]),
+            "rep": distribute_tensor(full["rep"], mesh, [Replicate(), Replicate()]),
+        }
+        path = ckpt.save(1, state).wait()
+        ckpt.close()
+        return {"path": path}
+    if world_size == 1:
+        state = {k: torch.zeros_like(v) for k, v in full.items()}
+        ckpt.load_latest(state)
+        got = state
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+        place = {"tp": [Shard(1)], "hsdp": [Shard(0)], "rep": [Replicate()]}
+        state = {k: distribute_tensor(torch.zeros_like(v), mesh, place[k]) for k, v in full.items()}
+        ckpt.load_latest(state)
+        got = {k: v.full_tensor() for k, v in state.items()}
+    ckpt.close()
+    return {"equal": {k: bool(torch.equal(got[k], full[k])) for k in full}}
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "train_save": train_save,
     "load_check": load_check,
     "kill_mid_write": kill_mid_write,
     "failing_write": failing_write,
     "back_to_back": back_to_back,
+    "dtensor_layouts": dtensor_layouts,
 }

@@ -128,6 +128,18 @@ def test_saves_in_flight_commit_one_after_another_never_mixed(tmp_path):
     assert cli("verify", root, "--all", "--json").exit_code == 0
 
 
+@pytest.mark.slow
+def test_2d_sharded_hsdp_and_replicated_dtensors_reshard_to_1d_and_to_plain(tmp_path):
+    root = str(tmp_path / "root")
+    saved = _ok(launch("dtensor_layouts", 4, {"root": root, "phase": "save"}, str(tmp_path / "a")))
+    manifest, _ = read_committed(open_storage(saved[0]["path"]))
+    # 2x2 blocks; one of the two replicas of each HSDP shard; the replicated tensor once.
+    assert {n: t.chunks for n, t in manifest.tensors.items()} == {"tp": 4, "hsdp": 2, "rep": 1}
+    for ws, name in ((3, "b"), (1, "c")):
+        res = _ok(launch("dtensor_layouts", ws, {"root": root, "phase": "load"}, str(tmp_path / name)))
+        assert all(r["equal"] == {"tp": True, "hsdp": True, "rep": True} for r in res.values()), res
+
+
 def test_replicated_tensors_are_assigned_by_size_deterministically():
     sizes = {f"t{i}": (i * 37) % 101 + 1 for i in range(200)}
     a = assign_replicated(sizes, 7)

@@ -117,7 +117,10 @@ def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = T
     fill = _Filler(reader, strict)
     rank_states = reader.rank_states()
     own = per_rank_values(rank_states[rank][STATE_KEY]) if STATE_KEY in rank_states.get(rank, {}) else {}
-    borrowed: list[str] = []
+    # Keys that were saved per rank (rank 0's header lists them): loading one without this
+    # rank's own copy falls back to rank 0's, which the user is told about.
+    per_rank = set(rank_states.get(0, {}).get(STATE_KEY, {}).get("tree", {}))
+    borrowed = sorted(k for k in state if k in per_rank and k not in own)
     finish: list = []  # load_state_dict calls and assignments, run after the reads
     for key, value in state.items():
         if key not in saved:
@@ -136,16 +139,12 @@ def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = T
             # This rank's own copy of per-rank state: no shared tensors to read.
             finish.append(lambda v=value, d=own[key], k=kind, key=key: _set_own(state, key, v, d, k))
         elif kind in ("optimizer", "stateful"):
-            if kind == "stateful" and reader.manifest.world_size > 1:
-                borrowed.append(key)
             current = optimizer_state_dict(value, state, key) if kind == "optimizer" else value.state_dict()
             loaded = _decode_into(fill, doc, current)
             finish.append(lambda v=value, d=loaded, k=kind: _load_stateful(v, d, k, state, key))
         elif kind == "tensor":
             fill.tensor(tree.join((key,)), value)
         elif isinstance(value, dict):
-            if reader.manifest.world_size > 1:
-                borrowed.append(key)
             loaded = _decode_into(fill, doc, value)
             finish.append(lambda v=value, d=loaded: _update_dict(v, d))
         else:

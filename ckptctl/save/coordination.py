@@ -63,10 +63,14 @@ class RankReport:
 class Coordinator:
     """One per Checkpointer; ``create`` is collective over the ranks of ``process_group``."""
 
-    def __init__(self, group: "dist.ProcessGroup", *, timeout_s: float) -> None:
+    def __init__(
+        self, group: "dist.ProcessGroup | None", *, timeout_s: float, rank: int | None = None, world_size: int | None = None
+    ) -> None:
+        """``group`` None with ``rank``/``world_size`` given: rank 0's bookkeeping alone, no
+        collectives (scripts/sim_scale.py measures it that way)."""
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self.world_size = dist.get_world_size(group) if world_size is None else world_size
         self.timeout = timedelta(seconds=timeout_s)
         self.broken: str | None = None  # why the group cannot be used any more
         self._last_plan: Plan | None = None  # the plan of the last committed save

@@ -26,6 +26,7 @@ Across ranks (see ``SavedTensor.kind``):
 from __future__ import annotations
 
 import base64
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ from torch import nn
 from ckptctl.errors import StateError
 from ckptctl.state import rng, tree
 
+log = logging.getLogger("ckptctl")
+
 RNG_KEY = "rng"
 
 
@@ -43,8 +46,8 @@ RNG_KEY = "rng"
 LOCAL, REPLICATED, RANK0, NONE = "local", "replicated", "rank0", "none"
 
 # Per-rank copies of small state live in the shard header as JSON; a header is bounded (see
-# format.shard.MAX_HEADER_BYTES), so the tensors inside that state are bounded too.
-MAX_PER_RANK_TENSOR_BYTES = 16 << 20
+# format.shard.MAX_HEADER_BYTES), so the tensors kept per rank are bounded too.
+MAX_PER_RANK_TENSOR_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -181,16 +184,35 @@ STATE_KEY = "state"
 
 def per_rank_state(values: dict[str, Any]) -> dict[str, Any]:
     """JSON for one rank's own copy of ``values``: the encoded tree, and its tensors inline
-    (base64, with dtype and shape) since they are small: loader positions, generator states."""
-    tensors: dict[str, torch.Tensor] = {}
-    doc = {k: tree.encode(v, (k,), tensors.__setitem__) for k, v in values.items()}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if total > MAX_PER_RANK_TENSOR_BYTES:
-        raise StateError(
-            f"per-rank state holds {total} bytes of tensors (at most {MAX_PER_RANK_TENSOR_BYTES})",
-            hint="put large tensors in a module, or as top-level tensors (saved once, shared by all ranks)",
-        )
-    return {"tree": doc, "tensors": {n: _inline(t) for n, t in tensors.items()}}
+    (base64, with dtype and shape) since they are small: loader positions, generator states.
+
+    A key whose tensors are large (over ``MAX_PER_RANK_TENSOR_BYTES``) or sharded (DTensors)
+    gets no per-rank copy: it is listed under ``"shared"`` and every rank loads the copy in
+    the manifest (rank 0's), with a warning at save time for the large ones."""
+    from torch.distributed.tensor import DTensor
+
+    doc: dict[str, Any] = {}
+    inline: dict[str, Any] = {}
+    shared: list[str] = []
+    for key, value in values.items():
+        tensors: dict[str, torch.Tensor] = {}
+        encoded = tree.encode(value, (key,), tensors.__setitem__)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        if total > MAX_PER_RANK_TENSOR_BYTES or any(isinstance(t, DTensor) for t in tensors.values()):
+            shared.append(key)
+            if total > MAX_PER_RANK_TENSOR_BYTES and key not in _warned_shared:
+                _warned_shared.add(key)
+                log.warning(
+                    "state key %r holds %d bytes of tensors, too much to keep per rank: it is saved once, "
+                    "from rank 0, and every rank restores rank 0's copy", key, total,
+                )
+            continue
+        doc[key] = encoded
+        inline.update({n: _inline(t) for n, t in tensors.items()})
+    return {"tree": doc, "tensors": inline, "shared": shared}
+
+
+_warned_shared: set[str] = set()
 
 
 def per_rank_values(doc: dict[str, Any]) -> dict[str, Any]:
