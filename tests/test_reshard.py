@@ -129,7 +129,7 @@ def test_existing_target_refused_unless_overwrite(tmp_path):
 
 # --- memory --------------------------------------------------------------------------------
 
-TENSORS, TENSOR_MIB = 24, 8  # 192 MiB of state, the largest tensor 8 MiB
+TENSORS, TENSOR_MIB = 16, 16  # 256 MiB of state, the largest tensor 16 MiB (16 MiB blocks exposed a heap leak)
 SLACK_MIB = 96  # verify streams 4 x 16 MiB pieces; reader temporaries, allocator slack
 
 

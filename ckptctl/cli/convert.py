@@ -6,6 +6,7 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
 from ckptctl.cli.progress import byte_progress
+from ckptctl.interop.base import return_freed_memory
 from ckptctl.ops.convert import convert as run_convert, parse_size
 
 
@@ -35,6 +36,7 @@ def convert(
 
     Example: ckptctl convert /ckpt/step-0000001000 ./hf --to safetensors --only model/ --dtype bf16 --max-shard-size 5GB
     """
+    return_freed_memory()  # memory stays one tensor, not a heap of freed ones
     size = parse_size(max_shard_size) if max_shard_size is not None else None
     with byte_progress("convert") as progress:
         r = run_convert(src, dst, to, only=only or (), dtype=dtype, max_shard_size=size, overwrite=overwrite, progress=progress)

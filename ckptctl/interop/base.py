@@ -97,3 +97,28 @@ class Written:
 
     files: list[str] = field(default_factory=list)
     bytes: int = 0
+
+
+def return_freed_memory() -> None:
+    """Make large allocations go straight back to the OS when freed (glibc only; a no-op
+    elsewhere). Call once, early, in a process that streams tensors.
+
+    glibc raises its mmap threshold each time a large mmapped block is freed, after which
+    blocks of that size come from the heap instead, where a freed tensor is not returned but
+    fragments: streaming 16 MiB tensors through DCP's writer grew the process by 16 MiB per
+    tensor (measured: a 256 MiB conversion peaked 284 MiB above baseline; with a fixed 1 MiB
+    threshold, 36 MiB). A fixed threshold keeps every tensor-sized block mmapped.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc
+    M_MMAP_THRESHOLD = -3
+    mallopt(M_MMAP_THRESHOLD, 1 << 20)
