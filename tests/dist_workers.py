@@ -86,9 +86,11 @@ class Net(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def build(mode: str, world_size: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(mode: str, world_size: int, seed: int, *, wide: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Net()
+    if wide:  # a different architecture: layer a has 9 outputs instead of 7
+        model.a, model.b = nn.Linear(5, 9), nn.Linear(9, 3)
     if mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -319,6 +321,33 @@ def dtensor_layouts(rank: int, world_size: int, a: dict) -> dict:
     return {"equal": {k: bool(torch.equal(got[k], full[k])) for k in full}}
 
 
+def mismatch(rank: int, world_size: int, a: dict) -> dict:
+    """Load into a model whose layer shapes differ: strict names the tensor; strict=False
+    loads the rest and reports what it skipped."""
+    from ckptctl import Checkpointer
+    from ckptctl.errors import StateError
+    from ckptctl.load.reader import CheckpointReader
+    from ckptctl.load.restore import restore
+    from ckptctl.storage import open_storage
+
+    model, opt = build("fsdp", world_size, seed=5, wide=True)
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    out: dict = {}
+    try:
+        ckpt.load_latest({"model": model, "optimizer": opt})
+        out["strict"] = "loaded"
+    except StateError as e:
+        out["strict"] = str(e)
+    with CheckpointReader(open_storage(a["path"])) as reader:
+        report = restore(reader, {"model": model, "optimizer": opt}, strict=False, rank=rank)
+    out["skipped"] = sorted(report.skipped)
+    ref = torch.load(a["ref"], weights_only=True)
+    now = full_state(model, opt)
+    out["c_equal"] = all(torch.equal(now[k], ref[k]) for k in ref if "c." in k)
+    ckpt.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "train_save": train_save,
     "load_check": load_check,
@@ -326,4 +355,5 @@ SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "failing_write": failing_write,
     "back_to_back": back_to_back,
     "dtensor_layouts": dtensor_layouts,
+    "mismatch": mismatch,
 }

@@ -140,6 +140,18 @@ def test_2d_sharded_hsdp_and_replicated_dtensors_reshard_to_1d_and_to_plain(tmp_
         assert all(r["equal"] == {"tp": True, "hsdp": True, "rep": True} for r in res.values()), res
 
 
+@pytest.mark.slow
+def test_shape_mismatch_names_the_tensor_and_strict_false_loads_the_rest(tmp_path):
+    root, ref = str(tmp_path / "root"), str(tmp_path / "ref.pt")
+    saved = _ok(launch("train_save", 2, {"mode": "fsdp", "root": root, "save_step": 1, "ref": ref}, str(tmp_path / "a")))
+    res = _ok(launch("mismatch", 2, {"root": root, "ref": ref, "path": saved[0]["path"]}, str(tmp_path / "b")))
+    for r in res.values():
+        assert "model/a.weight" in r["strict"] and "[7, 5]" in r["strict"] and "[9, 5]" in r["strict"]
+        assert "model/a.weight" in r["skipped"] and "model/b.weight" in r["skipped"]
+        assert "model/c.weight" not in r["skipped"]
+        assert r["c_equal"]  # what matched was loaded
+
+
 def test_replicated_tensors_are_assigned_by_size_deterministically():
     sizes = {f"t{i}": (i * 37) % 101 + 1 for i in range(200)}
     a = assign_replicated(sizes, 7)

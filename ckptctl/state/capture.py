@@ -26,6 +26,7 @@ Across ranks (see ``SavedTensor.kind``):
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,26 +118,39 @@ def saved_tensor(t: torch.Tensor, group: str, shared_kind: str) -> SavedTensor:
     holds whole (REPLICATED or RANK0); DTensors are saved by their placements."""
     from torch.distributed.tensor import DTensor
 
-    t = t.detach()
     if not isinstance(t, DTensor):
+        t = t.detach()
         return SavedTensor(t, group, tuple(t.shape), tuple(0 for _ in t.shape), shared_kind)
+    # Detaching the local shard, not the DTensor: the same memory, without a DTensor dispatch
+    # per tensor on the training thread (thousands of tensors per save).
+    local = t.to_local().detach()
+    shape, placements = tuple(t.shape), tuple(t.placements)
+    offsets, first_replica, replicated = _placement(shape, t.device_mesh, placements)
+    if replicated:
+        return SavedTensor(local, group, shape, offsets, shared_kind)
+    kind = LOCAL if first_replica and local.numel() > 0 else NONE
+    return SavedTensor(local, group, shape, offsets, kind)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _placement(shape: tuple[int, ...], mesh: Any, placements: tuple) -> tuple[tuple[int, ...], bool, bool]:
+    """(global offsets of this rank's shard, whether this rank holds the first replica of it,
+    whether the tensor is fully replicated). Cached: the same for every save of a structure."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = t.to_local()
-    if any(not isinstance(p, (Shard, Replicate)) for p in t.placements):
+    if any(not isinstance(p, (Shard, Replicate)) for p in placements):
         raise StateError(
-            f"DTensor with placements {t.placements} cannot be saved: only Shard and Replicate are supported",
+            f"DTensor with placements {placements} cannot be saved: only Shard and Replicate are supported",
             hint="reduce Partial placements (e.g. dtensor.redistribute) before saving",
         )
-    if all(isinstance(p, Replicate) for p in t.placements):
-        return SavedTensor(local, group, tuple(t.shape), tuple(0 for _ in t.shape), shared_kind)
-    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    coord = t.device_mesh.get_coordinate() or []
+    if all(isinstance(p, Replicate) for p in placements):
+        return tuple(0 for _ in shape), True, True
+    _, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    coord = mesh.get_coordinate() or []
     # Of the replicas of this shard (HSDP's replicate dimension), the first one writes it.
-    first_replica = all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
-    kind = LOCAL if first_replica and local.numel() > 0 else NONE
-    return SavedTensor(local, group, tuple(t.shape), tuple(int(o) for o in offsets), kind)
+    first = all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
+    return tuple(int(o) for o in offsets), first, False
 
 
 def capture(state: dict[str, Any], *, with_rng: bool = True, per_rank: bool = False) -> Captured:
