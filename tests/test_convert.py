@@ -263,17 +263,12 @@ dist.destroy_process_group()
 
 
 def test_dcp_from_fsdp2_on_4_gloo_ranks_converts_and_loads_into_one_rank(tmp_path):
-    import socket
     import subprocess
     import sys
 
     script = tmp_path / "fsdp_save.py"
     script.write_text(FSDP_SAVE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-                        "--master-port", str(port), str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = str(tmp_path / "ck")
     r = convert(str(tmp_path / "dcp"), out, "--to", "ckptctl", "--json")
@@ -287,3 +282,48 @@ def test_dcp_from_fsdp2_on_4_gloo_ranks_converts_and_loads_into_one_rank(tmp_pat
     for k, v in model.state_dict().items():
         assert torch.equal(ref[k], v), k
     assert all("exp_avg" in s for s in opt.state.values())
+
+
+def test_foreign_checkpoints_inspect_and_verify_saying_there_are_no_checksums(tmp_path):
+    src, _, _ = saved(tmp_path)
+    d, st, pt = str(tmp_path / "dcp"), str(tmp_path / "st"), str(tmp_path / "m.pt")
+    for out, to in ((d, "dcp"), (st, "safetensors"), (pt, "torch")):
+        assert convert(src, out, "--to", to).exit_code == 0
+        doc = cli("inspect", out, "--tensors", "--json").json()
+        assert doc["format"] == to and doc["tensor_count"] == 16 and not doc["checksums"]
+        assert "model/0.weight" in {t["name"] for t in doc["tensors"]}
+        r = cli("verify", out, "--load")
+        assert r.exit_code == 0 and "no checksums" in r.stderr
+    # A truncated DCP data file: coverage check names the file; exit 1.
+    distcp = next(f for f in os.listdir(d) if f.endswith(".distcp"))
+    with open(os.path.join(d, distcp), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(d, distcp)) // 2)
+    r = cli("verify", d, "--json")
+    assert r.exit_code == 1
+    assert distcp in json.dumps(r.json()["checkpoints"][0]["problems"])
+    # A pickle-needing .pt fails verification without running anything.
+    marker = str(tmp_path / "PWNED")
+    torch.save({"payload": Evil(marker)}, str(tmp_path / "evil.pt"))
+    assert cli("verify", str(tmp_path / "evil.pt")).exit_code == 1
+    assert not os.path.exists(marker)
+
+
+def test_dcp_pickles_never_run(tmp_path):
+    import pickle
+    import torch.distributed.checkpoint as dcp
+
+    marker = str(tmp_path / "PWNED")
+    d = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3), "payload": Evil(marker)}, checkpoint_id=d, no_dist=True)
+    r = convert(d, str(tmp_path / "out"), "--to", "safetensors", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert any("payload" in x and "pickle" in x for x in r.json()["dropped"])  # reported, not run
+    assert not os.path.exists(marker)
+    # A .metadata that is not DCP metadata (DCP's own reader would unpickle it as is).
+    with open(os.path.join(d, ".metadata"), "wb") as f:
+        pickle.dump(Evil(marker), f)
+    r = convert(d, str(tmp_path / "out2"), "--to", "safetensors")
+    assert r.exit_code == 1 and ".metadata" in r.stderr and "refusing" in r.stderr
+    assert not os.path.exists(marker)

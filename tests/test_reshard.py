@@ -179,13 +179,7 @@ def test_reshard_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_pat
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                           "--master-port", str(port), "-m", "ckptctl", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "ckptctl", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_reshard_under_torchrun_splits_the_writing_over_ranks(tmp_path):

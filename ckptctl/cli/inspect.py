@@ -7,6 +7,7 @@ import typer
 from rich.table import Table
 
 from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, out
+from ckptctl.ops.foreign import foreign_format, inspect_foreign
 from ckptctl.ops.inspect import inspect_checkpoint
 from ckptctl.storage import open_storage
 
@@ -19,6 +20,9 @@ def inspect(
 ) -> None:
     """Show what a committed checkpoint holds: step, time, world size, bytes by group (model,
     optimizer, other), non-tensor state keys and save statistics. Reads only the manifest."""
+    if foreign_format(ckpt) is not None:  # DCP, safetensors, torch.save: see ckptctl.ops.foreign
+        _inspect_foreign(ckpt, tensors, json)
+        return
     r = inspect_checkpoint(open_storage(ckpt), tensors=tensors)
     if json:
         emit_json(r.to_dict())
@@ -43,4 +47,27 @@ def inspect(
             table.add_column(col)
         for t in r.tensors:
             table.add_row(t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.bytes), str(t.chunks), t.group)
+        out.print(table)
+
+
+def _inspect_foreign(path: str, tensors: bool, json: bool) -> None:
+    r = inspect_foreign(path, tensors=tensors)
+    if json:
+        emit_json(r.to_dict())
+        return
+    tensor_bytes = sum(r.bytes_by_group.values()) or 1
+    out.print(f"checkpoint  {r.url}  ({r.format}; no checksums)", markup=False, highlight=False)
+    out.print(f"step        {r.step if r.step is not None else '-'}")
+    out.print(f"tensors     {r.tensor_count}   on disk {human_bytes(r.total_bytes)}")
+    for group, n in r.bytes_by_group.items():
+        out.print(f"  {group:<10}{human_bytes(n):>12}  {100 * n / tensor_bytes:5.1f}%")
+    out.print(f"state keys  {', '.join(r.state_keys) or '-'}", markup=False)
+    for d in r.dropped:
+        out.print(f"unreadable  {d}", markup=False, highlight=False)
+    if tensors:
+        table = Table(box=None, pad_edge=False)
+        for col in ("NAME", "DTYPE", "SHAPE", "BYTES", "GROUP"):
+            table.add_column(col)
+        for t in r.tensors:
+            table.add_row(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"]), t["group"])
         out.print(table)

@@ -7,6 +7,7 @@ import typer
 from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT, UsageError
+from ckptctl.ops.foreign import foreign_format, verify_foreign
 from ckptctl.ops.verify import VerifyReport, verify_checkpoint, verify_root
 from ckptctl.storage import open_storage
 
@@ -31,6 +32,17 @@ def verify(
     if latest and all_:
         raise UsageError("--latest and --all are exclusive", hint="pick one")
     level = "quick" if quick else "load" if load else "checksums"
+    if not (latest or all_) and foreign_format(path) is not None:  # another tool's checkpoint
+        with byte_progress("verify") as progress:
+            reports = [verify_foreign(path, level, progress)]
+        if json:
+            emit_json({"ok": reports[0].ok, "level": level, "checkpoints": [r.to_dict() for r in reports]})
+        else:
+            _print(reports[0])
+            err.print(f"note: {reports[0].note}", markup=False, highlight=False)
+        if not reports[0].ok:
+            raise typer.Exit(EXIT_CHECKPOINT)
+        return
     storage = open_storage(path)
     with byte_progress("verify") as progress:
         if latest or all_:

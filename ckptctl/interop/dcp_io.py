@@ -136,7 +136,7 @@ class DcpSource(Source):
             elif isinstance(meta, BytesStorageMetadata):
                 try:
                     value = self._load_bytes(fqn)
-                except (pickle.UnpicklingError, RuntimeError) as e:
+                except pickle.UnpicklingError as e:
                     self.dropped.append(f"{fqn!r}: needs pickle beyond plain values ({str(e).splitlines()[0][:120]})")
                     continue
                 if fqn == STATE_KEY and isinstance(value, str):
@@ -151,22 +151,30 @@ class DcpSource(Source):
             self.tree = _tree_from_paths(paths, values, self.dropped)
 
     def _load_bytes(self, fqn: str) -> Any:
-        import torch.distributed.checkpoint as dcp
-
         sd: dict[str, Any] = {fqn: None}
-        ctx = _quiet()
-        try:
-            dcp.load(sd, storage_reader=self._reader, planner=_load_planner(), no_dist=True)
-        finally:
-            ctx.__exit__(None, None, None)
+        self._load(sd, fqn)
         return sd[fqn]
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
+        self._load({self._fqn[name]: out}, self._fqn[name])
+
+    def _load(self, sd: dict[str, Any], fqn: str) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         ctx = _quiet()
         try:
-            dcp.load({self._fqn[name]: out}, storage_reader=self._reader, planner=_load_planner(), no_dist=True)
+            dcp.load(sd, storage_reader=self._reader, planner=_load_planner(), no_dist=True)
+        except CheckpointException as e:  # a BaseException: DCP wraps each rank's failure in it
+            cause: Any = next(iter(e.failures.values()), e) if getattr(e, "failures", None) else e
+            if isinstance(cause, tuple):  # (exception, traceback) as DCP records it
+                cause = cause[0]
+            if isinstance(cause, pickle.UnpicklingError):
+                raise cause from None
+            detail = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+            files = sorted({str(i.relative_path) for k, i in (self.md.storage_data or {}).items() if k.fqn == fqn})
+            raise InvalidCheckpoint(f"{self.url}: entry {fqn!r} (in {', '.join(files) or '?'}) does not load: {detail}",
+                                    hint="the .distcp file is truncated or corrupt; DCP has no checksums to say which bytes") from None
         finally:
             ctx.__exit__(None, None, None)
 

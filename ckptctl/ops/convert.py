@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,6 +48,7 @@ from ckptctl.state import tree as statetree
 from ckptctl.storage import Storage, open_storage
 from ckptctl.version import __version__
 
+_CKPTCTL_SHARD = re.compile(r"^rank-\d{5}-of-\d{5}(-\d+)?\.safetensors$")
 Format = Literal["ckptctl", "dcp", "safetensors", "torch"]
 FORMATS: tuple[Format, ...] = ("ckptctl", "dcp", "safetensors", "torch")
 CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -109,8 +111,8 @@ def detect(path: str) -> Format:
                          hint="copy foreign checkpoints to a local directory first")
     if os.path.isdir(path):
         names = set(os.listdir(path))
-        if MANIFEST in names:
-            return "ckptctl"
+        if MANIFEST in names or any(_CKPTCTL_SHARD.match(n) for n in names):
+            return "ckptctl"  # committed, or a ckptctl save still in progress (shards, no manifest yet)
         if ".metadata" in names:
             return "dcp"
         from ckptctl.interop.safetensors_io import INDEX
