@@ -348,6 +348,24 @@ def mismatch(rank: int, world_size: int, a: dict) -> dict:
     return out
 
 
+def two_saves(rank: int, world_size: int, a: dict) -> dict:
+    """Save steps 1 and 2; the reference file holds the state of step 1."""
+    from ckptctl import Checkpointer
+
+    model, opt = build("fsdp", world_size, seed=0)
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    state = {"model": model, "optimizer": opt, "extra": {"rank": rank, "note": f"r{rank}"}}
+    train_step(model, opt, 1, rank, world_size, "fsdp")
+    ckpt.save(1, state).wait()
+    ref = full_state(model, opt)
+    train_step(model, opt, 2, rank, world_size, "fsdp")
+    path = ckpt.save(2, state).wait()
+    if rank == 0:
+        torch.save(ref, a["ref"])
+    ckpt.close()
+    return {"path": path}
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "train_save": train_save,
     "load_check": load_check,
@@ -356,4 +374,5 @@ SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "back_to_back": back_to_back,
     "dtensor_layouts": dtensor_layouts,
     "mismatch": mismatch,
+    "two_saves": two_saves,
 }

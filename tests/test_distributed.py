@@ -152,6 +152,24 @@ def test_shape_mismatch_names_the_tensor_and_strict_false_loads_the_rest(tmp_pat
         assert r["c_equal"]  # what matched was loaded
 
 
+@pytest.mark.slow
+def test_corruption_seen_by_one_rank_moves_every_rank_to_the_older_checkpoint(tmp_path):
+    root, ref = str(tmp_path / "root"), str(tmp_path / "ref.pt")
+    saved = _ok(launch("two_saves", 2, {"root": root, "ref": ref}, str(tmp_path / "a")))
+    # Flip a byte of rank 1's piece of one FSDP-sharded weight: only rank 1 reads it back.
+    shard = os.path.join(saved[0]["path"], "rank-00001-of-00002.safetensors")
+    (chunk,) = [c for c in _headers(saved[0]["path"])["rank-00001-of-00002.safetensors"].chunks if c.name == "model/a.weight"]
+    header = read_header(open_storage(saved[0]["path"]), "rank-00001-of-00002.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(header.data_start + chunk.begin)
+        byte = f.read(1)
+        f.seek(header.data_start + chunk.begin)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    res = _ok(launch("load_check", 2, {"mode": "fsdp", "root": root, "ref": ref}, str(tmp_path / "b")))
+    assert res[0]["step"] == res[1]["step"] == 1  # both ranks, not only the one that saw it
+    assert res[0]["bad"] == res[1]["bad"] == []
+
+
 def test_replicated_tensors_are_assigned_by_size_deterministically():
     sizes = {f"t{i}": (i * 37) % 101 + 1 for i in range(200)}
     a = assign_replicated(sizes, 7)

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptctl.errors import CkptError, CoordinationError, InvalidCheckpoint, NotFound, RefusedForSafety, SaveFailed
+from ckptctl.errors import CkptError, CoordinationError, InvalidCheckpoint, NotFound, RefusedForSafety, SaveFailed, StateError
 from ckptctl.format.checkpoint import newest_committed
 from ckptctl.format.layout import MARKER, shard_name, step_dir
 from ckptctl.load.reader import CheckpointReader
 from ckptctl.load.restore import restore
 from ckptctl.save.commit import build_manifest, commit, manifest_of
-from ckptctl.save.coordination import DEFAULT_TIMEOUT_S, Coordinator
+from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.plan import Plan, make_plan, signature_of
 from ckptctl.save.shard_writer import write_shard
 from ckptctl.save.staging import StagingBuffer
@@ -233,12 +233,44 @@ class Checkpointer:
         If the newest one turns out to be corrupt while reading (a checksum mismatch), the
         next older committed checkpoint is loaded instead and a warning is logged: every
         tensor is overwritten again, so nothing of the bad one survives.
+
+        Across ranks the choice is collective: rank 0's list of candidates is used by all, and
+        a checkpoint counts as loaded only when every rank loaded its part of it; if any rank
+        found its part corrupt, every rank moves on to the next older one together, so no
+        two ranks ever resume from different steps.
         """
-        for entry, ckpt in newest_committed(self.root):
+        candidates = newest_committed(self.root)
+        if self._coordinator is None:
+            for entry, ckpt in candidates:
+                try:
+                    return self.load(ckpt, state, strict=strict)
+                except (InvalidCheckpoint, NotFound) as e:
+                    log.warning("skipping %s: %s", ckpt.url, e)
+            return None
+        coord = self._coordinator
+        # Collectives run on the writer thread only: queued behind any save in flight.
+        names = self._pool.submit(coord.from_rank0, [e.name for e, _ in candidates]).result()
+        for name in names:
+            ckpt = self.root.sub(name)
+            step, error = None, None
             try:
-                return self.load(ckpt, state, strict=strict)
+                step = self.load(ckpt, state, strict=strict)
+                verdict = AGREE_OK
             except (InvalidCheckpoint, NotFound) as e:
-                log.warning("skipping %s: %s", ckpt.url, e)
+                error, verdict = e, AGREE_SKIP
+            except CkptError as e:  # a mismatch with the state: no older checkpoint fixes it
+                error, verdict = e, AGREE_FATAL
+            everyone = self._pool.submit(coord.agree, verdict).result()
+            if everyone == AGREE_OK:
+                return step
+            if everyone == AGREE_FATAL:
+                if error is not None and verdict == AGREE_FATAL:
+                    raise error
+                raise StateError(
+                    f"{ckpt.url}: another rank could not load its part of this checkpoint",
+                    hint="the failing rank's error says why (for example a shape mismatch)",
+                )
+            log.warning("skipping %s: %s", ckpt.url, error or "another rank found its part of it corrupt or missing")
         return None
 
     # --- lifetime ---------------------------------------------------------------------------

@@ -43,6 +43,9 @@ from ckptctl.save.plan import Plan, numel
 
 DEFAULT_TIMEOUT_S = 900.0
 
+# Verdicts for ``agree``, ordered so that the minimum over ranks is the collective one.
+AGREE_FATAL, AGREE_SKIP, AGREE_OK = 0, 1, 2
+
 # (files, tensors, stats) -> URL of the committed checkpoint; runs on rank 0 only.
 CommitFn = Callable[[list[FileEntry], dict[str, TensorEntry], dict[str, float]], str]
 
@@ -190,6 +193,26 @@ class Coordinator:
         except (CkptError, OSError) as e:
             return "fail", f"step {step}: rank 0 could not commit: {e}"
 
+    # --- loading ----------------------------------------------------------------------------
+
+    def from_rank0(self, value: object) -> object:
+        """Rank 0's ``value`` on every rank (e.g. its list of checkpoints to try)."""
+        box = [value]
+        self._usable("load")
+        self._collective(None, "broadcast", lambda: dist.broadcast_object_list(box, group=self.group, group_src=0))
+        return box[0]
+
+    def agree(self, verdict: int) -> int:
+        """The lowest of every rank's verdict (AGREE_FATAL < AGREE_SKIP < AGREE_OK)."""
+        t = torch.tensor([verdict], dtype=torch.int64)
+        self._usable("load")
+        self._collective(None, "all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group))
+        return int(t.item())
+
+    def _usable(self, what: str) -> None:
+        if self.broken is not None:
+            raise CoordinationError(f"cannot coordinate the {what}: {self.broken}", hint="restart the job")
+
     # --- collectives ------------------------------------------------------------------------
 
     def _barrier(self, step: int) -> None:
@@ -204,14 +227,17 @@ class Coordinator:
                 hint="a rank died or hung while saving; restart the job and resume with load_latest",
             ) from None
 
-    def _collective(self, step: int, what: str, fn: Callable[[], object]) -> None:
+    def _collective(self, step: int | None, what: str, fn: Callable[[], object]) -> None:
+        """Run one collective; ``step`` None for a load. A failure breaks the coordinator."""
+        where = f"step {step}" if step is not None else "load_latest"
         try:
             fn()
         except RuntimeError as e:
-            self.broken = f"a rank was lost during the {what} of step {step}"
+            self.broken = f"a rank was lost during the {what} of {where}"
             raise CoordinationError(
-                f"step {step}: coordination failed during {what}: {_first_line(e)}; no marker was written",
-                hint="a rank died or hung while saving; restart the job and resume with load_latest",
+                f"{where}: coordination failed during {what}: {_first_line(e)}"
+                + ("; no marker was written" if step is not None else ""),
+                hint="a rank died or hung; restart the job and resume with load_latest",
             ) from None
 
 
