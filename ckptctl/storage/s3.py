@@ -273,9 +273,12 @@ class S3Storage(Storage):
         url: str,
         *,
         endpoint_url: str | None = None,
-        multipart_threshold: int = 64 << 20,
-        part_size: int = 64 << 20,
-        max_inflight_parts: int = 4,
+        # 16 MiB parts, 8 in flight: measured against 64 MiB x 4 with scripts/bench_s3.py, a
+        # single large shard uploads 1.5-2x faster (more parts in parallel sooner), and a
+        # writer's memory bound drops from ~320 to ~144 MiB.
+        multipart_threshold: int = 16 << 20,
+        part_size: int = 16 << 20,
+        max_inflight_parts: int = 8,
         read_chunk_size: int = 32 << 20,
         read_concurrency: int = 4,
     ) -> None:

@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""S3 throughput of ckptctl beside boto3's own transfer manager, on the same bytes, same run.
+
+Starts moto's S3 server on 127.0.0.1 (or uses ``--endpoint-url`` / AWS_ENDPOINT_URL for a
+real store), makes one checkpoint on local disk, then times:
+
+  upload    ckptctl ``copy_checkpoint`` local -> s3 (every checksum checked on the way)
+            vs boto3 ``upload_file`` (s3transfer) of the same shard files
+  download  ckptctl ``restore_latest`` s3 -> local (every checksum checked on the way)
+            vs boto3 ``download_file`` of the same objects
+  save      ``Checkpointer.save`` straight to s3 (host copy, checksums, upload, commit)
+
+boto3's copies are checked afterwards (XXH3 of each file against the manifest) so both sides
+prove they moved the right bytes, but only ckptctl's timing includes checking. Each
+measurement is the best of ``--repeat`` runs. Against moto both sides share one Python
+server, so the ratios say more than the absolute numbers.
+
+    .venv/bin/python scripts/bench_s3.py --size-mib 256 --files 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Callable
+
+import torch
+
+from ckptctl import Checkpointer
+from ckptctl.format.checkpoint import read_committed
+from ckptctl.format.checksum import Hasher
+from ckptctl.format.layout import step_dir
+from ckptctl.ops.transfer import copy_checkpoint, restore_latest
+from ckptctl.storage import open_storage
+
+MiB = 1 << 20
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's server in its own process: in this one it would share our GIL and skew both sides."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        os.environ.setdefault(k, v)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("moto server did not start within 30 s")
+
+
+def best(repeat: int, fn: Callable[[], None], before: Callable[[], None] | None = None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def file_digest(path: str) -> str:
+    h = Hasher()
+    with open(path, "rb") as f:
+        while piece := f.read(16 * MiB):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=256, help="checkpoint size (default 256)")
+    ap.add_argument("--files", type=int, default=1, help="shard files it is split into, as ranks would (default 1)")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"), help="use this store instead of moto")
+    ap.add_argument("--bucket", default=None, help="existing bucket (default: a new one)")
+    ap.add_argument("--part-mib", type=int, default=None, help="ckptctl's multipart threshold and part size (default: S3Storage's)")
+    ap.add_argument("--inflight", type=int, default=None, help="ckptctl's parts in flight per file (default: S3Storage's)")
+    args = ap.parse_args()
+
+    server = None
+    endpoint = args.endpoint_url
+    if not endpoint:
+        server, endpoint = start_moto()
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    bucket = args.bucket or f"ckptctl-bench-{uuid.uuid4().hex[:8]}"
+    if not args.bucket:
+        s3.create_bucket(Bucket=bucket)
+    prefix = f"bench-{uuid.uuid4().hex[:6]}"
+    url = f"s3://{bucket}/{prefix}"
+    work = tempfile.mkdtemp(prefix="ckptctl-bench-s3-")
+    try:
+        # One checkpoint on local disk; with --files N, re-sharded into N files as N ranks
+        # would have written it.
+        state = {"model": {"w": torch.randn(args.size_mib * MiB // 4)}}
+        one = os.path.join(work, "one")
+        with Checkpointer(one) as ck:
+            ck.save(1, state).wait()
+        local = os.path.join(work, "local")
+        src = os.path.join(local, step_dir(1))
+        if args.files > 1:
+            from ckptctl.ops.reshard import reshard
+
+            reshard(open_storage(os.path.join(one, step_dir(1))), open_storage(src), args.files)
+        else:
+            os.rename(one, local)
+        manifest, _ = read_committed(open_storage(src))
+        total = manifest.total_bytes
+        names = [f.name for f in manifest.files]
+        print(f"endpoint {endpoint}; checkpoint {total / MiB:.0f} MiB in {len(names)} file(s); best of {args.repeat}")
+
+        cfg = TransferConfig()  # boto3's defaults: 8 MiB threshold and chunks, 10 threads
+        tuning: dict[str, int] = {}
+        if args.part_mib:
+            tuning.update(multipart_threshold=args.part_mib * MiB, part_size=args.part_mib * MiB)
+        if args.inflight:
+            tuning.update(max_inflight_parts=args.inflight)
+        store = open_storage(url, **tuning)
+
+        def clear_ckptctl_upload() -> None:
+            sub = store.sub("ckptctl-up")
+            for info in list(sub.list()):
+                sub.delete(info.key)
+
+        up_ckptctl = best(args.repeat, lambda: copy_checkpoint(open_storage(src), store.sub("ckptctl-up").sub(step_dir(1))),
+                          clear_ckptctl_upload)
+        up_boto = best(args.repeat, lambda: [s3.upload_file(os.path.join(src, n), bucket, f"{prefix}/boto/{n}", Config=cfg) for n in names])
+
+        dst = os.path.join(work, "restored")
+        boto_dst = os.path.join(work, "boto")
+        os.makedirs(boto_dst)
+        down_ckptctl = best(args.repeat, lambda: restore_latest(store.sub("ckptctl-up"), open_storage(dst)),
+                            lambda: shutil.rmtree(dst, ignore_errors=True))
+        down_boto = best(args.repeat, lambda: [s3.download_file(bucket, f"{prefix}/boto/{n}", os.path.join(boto_dst, n), Config=cfg) for n in names])
+        for f in manifest.files:  # boto3 moved the right bytes too (checked outside its timing)
+            assert file_digest(os.path.join(boto_dst, f.name)) == f.checksum, f.name
+            assert file_digest(os.path.join(dst, step_dir(1), f.name)) == f.checksum, f.name
+
+        steps = iter(range(100, 100 + args.repeat))
+        with Checkpointer(url + "/saves", storage=store.sub("saves")) as ck:
+            save_s3 = best(args.repeat, lambda: ck.save(next(steps), state).wait())
+
+        def rate(seconds: float) -> str:
+            return f"{total / MiB / seconds:8.1f} MiB/s ({seconds:6.2f} s)"
+
+        print(f"upload    ckptctl cp      {rate(up_ckptctl)}   boto3 upload_file   {rate(up_boto)}   ratio {up_boto / up_ckptctl:.2f}x")
+        print(f"download  ckptctl restore {rate(down_ckptctl)}   boto3 download_file {rate(down_boto)}   ratio {down_boto / down_ckptctl:.2f}x")
+        print(f"save      Checkpointer.save to s3 {rate(save_s3)}  (host copy + checksums + upload + commit)")
+        print("ratio > 1: ckptctl faster; ckptctl's times include checking every checksum, boto3's include none")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if server is not None:
+            server.terminate()
+            server.wait()
+
+
+if __name__ == "__main__":
+    main()
