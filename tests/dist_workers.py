@@ -183,7 +183,8 @@ def load_check(rank: int, world_size: int, a: dict) -> dict:
 
 
 def kill_mid_write(rank: int, world_size: int, a: dict) -> dict:
-    """Commit step 1; in step 2, rank ``victim`` is SIGKILLed while writing its shard."""
+    """Commit step 1; in step 2, rank ``victim`` is SIGKILLed while writing its shard (or,
+    with ``how="hang"``, stops writing for three timeouts, then exits)."""
     from ckptctl import Checkpointer
 
     model, opt = build("fsdp", world_size, seed=0)
@@ -204,6 +205,9 @@ def kill_mid_write(rank: int, world_size: int, a: dict) -> dict:
             def write(self, b):
                 self.w.write(b)
                 if len(b) and not isinstance(b, bytes):  # header written as bytes, data as a view
+                    if a.get("how") == "hang":  # a stuck write (a hung NFS server, say)
+                        time.sleep(3 * a["timeout_s"])
+                        os._exit(3)
                     os.kill(os.getpid(), signal.SIGKILL)
 
             def __exit__(self, *exc):
@@ -366,6 +370,22 @@ def two_saves(rank: int, world_size: int, a: dict) -> dict:
     return {"path": path}
 
 
+def subgroups(rank: int, world_size: int, a: dict) -> dict:
+    """Ranks {0, 1} and {2, 3} checkpoint separately under their own roots (process_group=)."""
+    from ckptctl import Checkpointer
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective: every rank creates both
+    mine = groups[rank // 2]
+    root = os.path.join(a["root"], f"group{rank // 2}")
+    ckpt = Checkpointer(root, process_group=mine, timeout_s=60)
+    w = torch.full((6, 4), float(rank // 2))
+    path = ckpt.save(1, {"w": w, "extra": {"rank": rank}}).wait()
+    loaded = {"w": torch.zeros(6, 4), "extra": {}}
+    ckpt.load_latest(loaded)
+    ckpt.close()
+    return {"path": path, "rank": ckpt.rank, "world_size": ckpt.world_size, "w_ok": bool(torch.equal(loaded["w"], w)), "extra": loaded["extra"]}
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "train_save": train_save,
     "load_check": load_check,
@@ -375,4 +395,5 @@ SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "dtensor_layouts": dtensor_layouts,
     "mismatch": mismatch,
     "two_saves": two_saves,
+    "subgroups": subgroups,
 }

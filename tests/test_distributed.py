@@ -102,6 +102,18 @@ def test_rank_killed_mid_write_fails_the_save_on_every_survivor_within_the_timeo
 
 
 @pytest.mark.slow
+def test_rank_hung_mid_write_fails_the_save_on_every_other_rank_after_the_timeout(tmp_path):
+    root = str(tmp_path / "root")
+    res = launch("kill_mid_write", 3, {"root": root, "victim": 2, "timeout_s": 4, "how": "hang"}, str(tmp_path / "out"))
+    assert res[2] == {"exit": 3}
+    for r in (0, 1):
+        assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
+        assert 3 < res[r]["waited"] < 4 + 8  # bounded by the timeout, not by the hung rank
+    assert "rank 2 did not report within 4s" in res[0]["error"]
+    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+
+
+@pytest.mark.slow
 def test_failed_write_names_the_rank_on_every_rank_and_the_next_save_commits(tmp_path):
     root = str(tmp_path / "root")
     res = _ok(launch("failing_write", 3, {"root": root, "victim": 2}, str(tmp_path / "out")))
@@ -168,6 +180,19 @@ def test_corruption_seen_by_one_rank_moves_every_rank_to_the_older_checkpoint(tm
     res = _ok(launch("load_check", 2, {"mode": "fsdp", "root": root, "ref": ref}, str(tmp_path / "b")))
     assert res[0]["step"] == res[1]["step"] == 1  # both ranks, not only the one that saw it
     assert res[0]["bad"] == res[1]["bad"] == []
+
+
+@pytest.mark.slow
+def test_process_group_selects_the_ranks_that_checkpoint_together(tmp_path):
+    root = str(tmp_path / "root")
+    res = _ok(launch("subgroups", 4, {"root": root}, str(tmp_path / "out")))
+    for r, got in res.items():
+        assert got["path"] == os.path.join(root, f"group{r // 2}", step_dir(1))
+        assert (got["rank"], got["world_size"]) == (r % 2, 2)
+        assert got["w_ok"] and got["extra"] == {"rank": r}
+    for g in (0, 1):
+        manifest, _ = read_committed(open_storage(os.path.join(root, f"group{g}", step_dir(1))))
+        assert manifest.world_size == 2 and manifest.tensors["w"].chunks == 1
 
 
 def test_replicated_tensors_are_assigned_by_size_deterministically():
