@@ -1,0 +1,859 @@
+#!/usr/bin/env python
+"""Save/load benchmark: ckptctl beside DCP, torch.save and the machine's own limits.
+
+    .venv/bin/python scripts/bench_save.py [--size-gib 1.0] [--tensors 300] [--dir PATH]
+                                           [--repeat 3] [--json] [--skip dcp,dcp_cached,torch_save]
+
+One run builds one state ({"model": {name: tensor}}, fp32 and some bf16, varied shapes) and
+measures, on that state and the same disk:
+
+* machine limits: memcpy of every tensor into a pre-faulted buffer (and into a fresh one: the
+  first save's case); sequential write + fsync of the same bytes in 64 MiB pieces to a fresh
+  file; sequential read of that file after evicting it from the page cache (and cache-hot);
+* ckptctl: first save() stall (fresh Checkpointer), steady-state stall (later saves), background
+  write (save() return -> wait() return; and write_s from the manifest), verify (checksums
+  level), load into a pre-allocated state (in a fresh Checkpointer, as a resume would);
+* torch.distributed.checkpoint: async_save stall (first, steady), save() return -> durable
+  (future.result()), load into the same pre-allocated state; with the default stager (fresh
+  host copies every save) and with one DefaultStager kept across saves (reused host copies);
+* torch.save (synchronous: its stall is its whole time) and torch.load(weights_only=True).
+
+Measurements are interleaved: each save round runs every tool once (raw write, ckptctl,
+DCP, DCP with a kept stager, torch.save), each read round reads every checkpoint once, cold.
+Round 0 holds the first saves; the figures compared are the best of the rounds for each tool.
+On a shared machine the disk and the CPUs swing by 2-3x from one second to the next; taking
+each tool's best of interleaved rounds compares them under the same conditions. The output
+shows every sample, and the CPU pressure (Linux PSI) during each tool's timed sections.
+
+Cold reads: files are fsynced and evicted with posix_fadvise(DONTNEED); the output says how
+much of each file was still cached when its read began (mincore). On a VM a "fresh" buffer
+can cost more than on bare metal: pages freed to the guest are handed back to the host (free
+page reporting) and fault there again. GB = 1e9 bytes; sizes in GiB/MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import mmap
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch
+
+PIECE = 64 << 20  # raw I/O piece size (the shard writer's piece size too)
+ALIGN = 64
+
+# Targets of issue 2 ("Performance"): (key, label, op, bound).
+TARGETS = [
+    ("steady_stall_vs_memcpy", "steady stall / memcpy (pre-faulted)", "<=", 1.3),
+    ("steady_stall_vs_dcp", "steady stall / DCP steady stall", "<=", 1.0),
+    ("first_stall_vs_dcp", "first stall / DCP first stall", "<=", 0.5),
+    ("write_vs_raw", "write throughput / raw write+fsync", ">=", 0.8),
+    ("verify_vs_raw_read", "verify throughput / raw read", ">=", 0.8),
+]
+# Same-run comparisons without a stated target (shown, never PASS/MISS).
+INFO = [
+    ("steady_stall_vs_dcp_cached", "steady stall / DCP steady (kept stager)"),
+    ("first_stall_vs_dcp_cached", "first stall / DCP first (kept stager)"),
+    ("first_stall_vs_memcpy_fresh", "first stall / memcpy (fresh buffer)"),
+    ("write_s_vs_raw", "write thr. (manifest write_s) / raw write+fsync"),
+    ("write_vs_dcp", "write throughput / DCP save-to-durable"),
+    ("verify_hot_vs_read_hot", "verify thr. / raw read (both cache-hot)"),
+    ("load_vs_raw_read", "load throughput / raw read"),
+    ("load_vs_dcp", "load throughput / DCP load"),
+    ("load_vs_torch", "load throughput / torch.load"),
+    # CPU time is not inflated by waiting for a CPU: a cross-check when the machine is busy.
+    ("cpu_steady_vs_memcpy", "CPU time: steady stall / memcpy"),
+    ("cpu_steady_vs_dcp", "CPU time: steady stall / DCP steady stall"),
+    ("cpu_first_vs_dcp", "CPU time: first stall / DCP first stall"),
+]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def gbps(nbytes: float, seconds: float | None) -> float | None:
+    return nbytes / seconds / 1e9 if seconds else None
+
+
+def free_memory() -> None:
+    gc.collect()
+    try:
+        _libc.malloc_trim(0)  # hand freed heap back to the OS so phases do not inherit it
+    except AttributeError:
+        pass
+
+
+def cpu_pressure_us() -> int | None:
+    """Total microseconds some runnable task waited for a CPU (Linux PSI), or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some"):
+                    return int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for d, _, names in os.walk(path):
+        out.extend(os.path.join(d, n) for n in names)
+    return out
+
+
+def drop_cache(path: str) -> bool:
+    """Evict every file under ``path`` from the page cache (fsync first: dirty pages stay)."""
+    ok = hasattr(os, "posix_fadvise")
+    for f in files_under(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if ok:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return ok
+
+
+def resident_fraction(path: str) -> float | None:
+    """Share of the bytes of the files under ``path`` that are in the page cache (mincore)."""
+    try:
+        page = mmap.PAGESIZE
+        _libc.mmap.restype = ctypes.c_void_p
+        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        total = resident = 0
+        for f in files_under(path):
+            size = os.path.getsize(f)
+            if size == 0:
+                continue
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    return None
+                try:
+                    pages = (size + page - 1) // page
+                    vec = (ctypes.c_ubyte * pages)()
+                    if _libc.mincore(addr, size, vec) != 0:
+                        return None
+                    resident += sum(v & 1 for v in bytes(vec)) * page
+                    total += pages * page
+                finally:
+                    _libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+        return resident / total if total else None
+    except Exception:
+        return None
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(f) for f in files_under(path))
+
+
+# --- the state -----------------------------------------------------------------------------
+
+
+def build_specs(size_bytes: int, n: int, seed: int = 0) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """~``n`` tensors adding up to ~``size_bytes``: a third small 1-D (norms, biases), the
+    rest 2-D matrices of log-normally spread sizes, about a quarter of those bf16."""
+    rnd = random.Random(seed)
+    n_small = max(n // 3, 0)
+    n_big = max(n - n_small, 1)
+    small = [(f"layers.{i // 2}.norm{i % 2}.weight", (rnd.choice([1024, 2048, 4096, 8192]),), torch.float32) for i in range(n_small)]
+    small_bytes = sum(s[1][0] * 4 for s in small)
+    left = max(size_bytes - small_bytes, n_big * 4096)
+    weights = [rnd.lognormvariate(0, 1.0) for _ in range(n_big)]
+    scale = left / sum(weights)
+    big = []
+    for i, w in enumerate(weights):
+        dtype = torch.bfloat16 if rnd.random() < 0.25 else torch.float32
+        elems = max(int(w * scale) // (2 if dtype == torch.bfloat16 else 4), 1)
+        cols = rnd.choice([512, 1024, 2048, 4096, 5120, 11008])
+        rows = max(round(elems / cols), 1)
+        big.append((f"layers.{i // 4}.{['q', 'k', 'mlp_up', 'mlp_down'][i % 4]}.weight", (rows, cols), dtype))
+    return big + small
+
+
+def build_state(specs) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    model = {}
+    for name, shape, dtype in specs:
+        t = torch.empty(shape, dtype=torch.float32)
+        t.normal_(generator=g)
+        model[name] = t.to(dtype) if dtype != torch.float32 else t
+    return {"model": model}
+
+
+def empty_like_state(state, touch: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+    """Pre-allocated targets of the same shapes; ``touch`` faults their pages in now, as a
+    live model's would be, so a load is not charged for first-touch page faults."""
+    out = {k: {n: torch.empty_like(t) for n, t in d.items()} for k, d in state.items()}
+    if touch:
+        for d in out.values():
+            for t in d.values():
+                t.zero_()
+    return out
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+
+
+def layout(state) -> tuple[list[tuple[torch.Tensor, int, int]], int]:
+    pos, out = 0, []
+    for d in state.values():
+        for t in d.values():
+            nb = t.numel() * t.element_size()
+            out.append((t, pos, nb))
+            pos = (pos + nb + ALIGN - 1) // ALIGN * ALIGN
+    return out, pos
+
+
+def copy_into(buf: torch.Tensor, lay) -> None:
+    for t, pos, nb in lay:
+        buf[pos : pos + nb].view(t.dtype).view(t.shape).copy_(t)
+
+
+
+
+# --- the tools, one save and one read at a time ----------------------------------------
+
+
+class Timer:
+    """Accumulates wall time and CPU pressure (PSI "some") over a tool's timed sections."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.pressure = 0.0
+
+    def __enter__(self) -> "Timer":
+        self._p0, self._t0 = cpu_pressure_us(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall += time.perf_counter() - self._t0
+        p1 = cpu_pressure_us()
+        if self._p0 is not None and p1 is not None:
+            self.pressure += (p1 - self._p0) / 1e6
+
+    @property
+    def share(self) -> float | None:
+        return self.pressure / self.wall if self.wall else None
+
+
+def raw_read(path: str, data: memoryview) -> float:
+    """Read a whole file in 64 MiB pieces into ``data``; returns the seconds taken."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        for pos in range(0, size, PIECE):
+            view = data[pos : min(pos + PIECE, size)]
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], pos + got)
+                if n == 0:
+                    raise IOError(f"{path}: short read")
+                got += n
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def zero(state) -> None:
+    for d in state.values():
+        for t in d.values():
+            t.zero_()
+
+
+class Bench:
+    def __init__(self, state, nbytes: int, work: str, repeat: int, skip: set[str], log, t_start: float) -> None:
+        self.state, self.nbytes, self.work, self.repeat, self.skip, self.log = state, nbytes, work, repeat, skip, log
+        self.t_start = t_start
+        self.res: dict[str, Any] = {"errors": {}}
+        self.timers: dict[str, Timer] = {}
+        self.paths: dict[str, str] = {}  # the newest checkpoint (or raw file) of each tool
+
+    def timer(self, tool: str) -> Timer:
+        return self.timers.setdefault(tool, Timer())
+
+    def rec(self, tool: str) -> dict[str, Any]:
+        return self.res.setdefault(tool, {})
+
+    def add(self, tool: str, key: str, value: Any) -> None:
+        self.rec(tool).setdefault(key, []).append(value)
+
+    def attempt(self, tool: str, fn: Callable[[], None]) -> None:
+        """Run one step of ``tool``; on failure record the error and drop the tool."""
+        if tool in self.skip:
+            return
+        try:
+            fn()
+        except Exception as e:  # keep the other tools' figures
+            traceback.print_exc(file=self.log)
+            self.res["errors"][tool] = f"{type(e).__name__}: {e}"
+            self.skip.add(tool)
+
+    def keep_newest(self, tool: str, new: str | None) -> None:
+        """One checkpoint per tool stays on disk: the newest (None: remove it too)."""
+        old = self.paths.pop(tool, None)
+        if new:
+            self.paths[tool] = new
+        if old and old != new:
+            shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
+            # Outside any timed section: on a filesystem mounted with `discard` the freed
+            # blocks are trimmed at the next journal commit, which would otherwise land in the
+            # next tool's fsync.
+            os.sync()
+
+    def progress(self, what: str) -> None:
+        print(f"[bench] {what} ({time.perf_counter() - self.t_start:.0f}s)", file=self.log)
+
+    # --- limits -------------------------------------------------------------------------
+
+    def memcpy(self) -> torch.Tensor:
+        lay, total = layout(self.state)
+        fresh, fresh_cpu = [], []
+        for _ in range(self.repeat):
+            buf = torch.empty(total, dtype=torch.uint8)  # untouched: the copy faults every page in
+            t0, c0 = time.perf_counter(), time.process_time()
+            copy_into(buf, lay)
+            fresh.append(time.perf_counter() - t0)
+            fresh_cpu.append(time.process_time() - c0)
+            del buf
+            free_memory()
+        buf = torch.empty(total, dtype=torch.uint8)
+        buf.fill_(1)  # pre-faulted
+        self.res["memcpy"] = {"fresh_s": fresh, "fresh_cpu_s": fresh_cpu}
+        self._lay = lay
+        for _ in range(self.repeat):
+            self.memcpy_prefaulted(buf)
+        return buf
+
+    def memcpy_prefaulted(self, buf: torch.Tensor, in_round: bool = False) -> None:
+        """One sample. Also taken in every save round right before ckptctl's save, so that
+        the limit and the stall are paired: sampled under the same conditions."""
+        with self.timer("memcpy"):
+            t0, c0 = time.perf_counter(), time.process_time()
+            copy_into(buf, self._lay)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        self.add("memcpy", "prefaulted_s", wall)
+        self.add("memcpy", "prefaulted_cpu_s", cpu)
+        if in_round:
+            self.add("memcpy", "round_s", wall)
+            self.add("memcpy", "round_cpu_s", cpu)
+
+    def raw_write(self, r: int, data: memoryview) -> None:
+        path = os.path.join(self.work, f"raw-{r}.bin")
+        with self.timer("raw"):
+            t0 = time.perf_counter()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for pos in range(0, len(data), PIECE):
+                    piece = data[pos : pos + PIECE]
+                    done = 0
+                    while done < len(piece):
+                        done += os.write(fd, piece[done:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.add("raw", "write_s", time.perf_counter() - t0)
+        self.keep_newest("raw", path)
+
+    # --- saves --------------------------------------------------------------------------
+
+    def ckptctl_save(self, r: int) -> None:
+        from ckptctl.ops.inspect import inspect_checkpoint
+        from ckptctl.storage import open_storage
+
+        with self.timer("ckptctl"):
+            t0, c0 = time.perf_counter(), time.process_time()
+            h = self._ck.save(r + 1, self.state)
+            t1, c1 = time.perf_counter(), time.process_time()
+            path = h.wait()
+            t2 = time.perf_counter()
+        stats = inspect_checkpoint(open_storage(path)).stats
+        self.add("ckptctl", "stall_s", t1 - t0)
+        self.add("ckptctl", "stall_cpu_s", c1 - c0)
+        self.add("ckptctl", "bg_s", t2 - t1)
+        self.add("ckptctl", "write_s", stats.get("write_s"))
+        self.add("ckptctl", "manifest_stall_s", stats.get("stall_s"))
+        self.rec("ckptctl")["file_bytes"] = dir_bytes(path)
+        self.keep_newest("ckptctl", path)
+
+    def dcp_save(self, r: int, tool: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(self.work, f"{tool}-{r}")
+        kw = {"async_stager": self._stager} if tool == "dcp_cached" else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            with self.timer(tool):
+                t0, c0 = time.perf_counter(), time.process_time()
+                fut = dcp.async_save(self.state, checkpoint_id=path, **kw)
+                t1, c1 = time.perf_counter(), time.process_time()
+                fut.result()
+                t2 = time.perf_counter()
+        self.add(tool, "stall_s", t1 - t0)
+        # includes DCP's writer thread once it has started: an upper bound on the stall's CPU
+        self.add(tool, "stall_cpu_s", c1 - c0)
+        self.add(tool, "bg_s", t2 - t1)
+        self.rec(tool)["file_bytes"] = dir_bytes(path)
+        self.keep_newest(tool, path)
+
+    def torch_save(self, r: int) -> None:
+        path = os.path.join(self.work, f"torch-{r}.pt")
+        with self.timer("torch_save"):
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save(self.state, f)
+                t1 = time.perf_counter()
+                f.flush()
+                os.fsync(f.fileno())
+            t2 = time.perf_counter()
+        self.add("torch_save", "stall_s", t1 - t0)  # synchronous: training waits all along
+        self.add("torch_save", "bg_s", t2 - t1)  # the fsync after it (durability)
+        self.rec("torch_save")["file_bytes"] = os.path.getsize(path)
+        self.keep_newest("torch_save", path)
+
+    def save_rounds(self) -> None:
+        from ckptctl import Checkpointer
+
+        self.progress("memcpy")
+        buf = self.memcpy()
+        data = memoryview(buf.numpy()).cast("B")[: self.nbytes]
+        self._ck = Checkpointer(os.path.join(self.work, "ckptctl"))
+        self._stager = None
+        if "dcp_cached" not in self.skip:
+            # Kept across saves, a stager reuses its host copies (StateDictStager caches
+            # storages). FileSystemWriter(cache_staged_state_dict=True) would too, but it pins
+            # memory, which needs an accelerator. Synchronous staging: async_save returns after
+            # the copy, as ckptctl's save() does.
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            for r in range(1 + self.repeat):
+                self.progress(f"save round {r}" + (" (first saves)" if r == 0 else ""))
+                self.attempt("raw", lambda: self.raw_write(r, data))
+                self.memcpy_prefaulted(buf, in_round=True)
+                self.attempt("ckptctl", lambda: self.ckptctl_save(r))
+                self.attempt("dcp", lambda: self.dcp_save(r, "dcp"))
+                self.attempt("dcp_cached", lambda: self.dcp_save(r, "dcp_cached"))
+                self.attempt("torch_save", lambda: self.torch_save(r))
+        finally:
+            self.attempt("ckptctl", self._ck.close)  # releases its staging buffer
+            if self._stager is not None:
+                self._stager.close()
+            self._ck = self._stager = None
+            del data, buf
+            free_memory()
+        self.keep_newest("dcp_cached", None)  # same format as "dcp": one read-back is enough
+
+    # --- reads --------------------------------------------------------------------------
+
+    def read_rounds(self) -> None:
+        from ckptctl import Checkpointer
+        from ckptctl.ops.verify import verify_checkpoint
+        from ckptctl.storage import open_storage
+
+        target = empty_like_state(self.state)  # pre-allocated and touched, like a live model
+        raw_size = os.path.getsize(self.paths["raw"]) if "raw" in self.paths else 0
+        data_buf = torch.empty(max(self.nbytes, raw_size, 1), dtype=torch.uint8)
+        data_buf.fill_(0)
+        data = memoryview(data_buf.numpy()).cast("B")
+
+        def cold(tool: str, path: str) -> None:
+            drop_cache(path)
+            self.add(tool, "resident_before_read", resident_fraction(path))
+
+        def raw() -> None:
+            path = self.paths["raw"]
+            cold("raw", path)
+            with self.timer("raw"):
+                self.add("raw", "read_s", raw_read(path, data))
+
+        def verify() -> None:
+            path = self.paths["ckptctl"]
+            cold("ckptctl", path)
+            with self.timer("ckptctl"):
+                rep = verify_checkpoint(open_storage(path), "checksums")
+            if not rep.ok:
+                raise RuntimeError(f"verify found problems: {[str(p) for p in rep.problems]}")
+            self.add("ckptctl", "verify_s", rep.seconds)
+            self.rec("ckptctl")["verify_bytes"] = rep.bytes_read
+
+        def ck_load() -> None:
+            path = self.paths["ckptctl"]
+            zero(target)
+            cold("ckptctl", path)
+            with self.timer("ckptctl"):
+                t0 = time.perf_counter()
+                with Checkpointer(os.path.dirname(path)) as ck:  # a resume: a new Checkpointer
+                    ck.load(path, target)
+                self.add("ckptctl", "load_s", time.perf_counter() - t0)
+            self.rec("ckptctl")["load_correct"] = same(self.state, target)
+
+        def dcp_load() -> None:
+            import torch.distributed.checkpoint as dcp
+
+            path = self.paths["dcp"]
+            zero(target)
+            cold("dcp", path)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with self.timer("dcp"):
+                    t0 = time.perf_counter()
+                    dcp.load(target, checkpoint_id=path)
+                    self.add("dcp", "load_s", time.perf_counter() - t0)
+            self.rec("dcp")["load_correct"] = same(self.state, target)
+
+        def torch_load() -> None:
+            path = self.paths["torch_save"]
+            cold("torch_save", path)
+            with self.timer("torch_save"):
+                t0 = time.perf_counter()
+                loaded = torch.load(path, weights_only=True)
+                self.add("torch_save", "load_s", time.perf_counter() - t0)
+            self.rec("torch_save")["load_correct"] = same(self.state, loaded)
+            del loaded
+            free_memory()
+
+        for r in range(self.repeat):
+            self.progress(f"read round {r}")
+            for tool, fn in (("raw", raw), ("ckptctl", verify), ("ckptctl", ck_load), ("dcp", dcp_load), ("torch_save", torch_load)):
+                if tool in self.paths:
+                    self.attempt(tool, fn)
+        # cache-hot: once more without evicting
+        if "raw" in self.paths:
+            self.attempt("raw", lambda: self.rec("raw").__setitem__("read_hot_s", raw_read(self.paths["raw"], data)))
+        if "ckptctl" in self.paths:
+            self.attempt("ckptctl", lambda: self.rec("ckptctl").__setitem__(
+                "verify_hot_s", verify_checkpoint(open_storage(self.paths["ckptctl"]), "checksums").seconds))
+        del target, data, data_buf
+        free_memory()
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def best(xs) -> float | None:
+    xs = [x for x in (xs or []) if x is not None]
+    return min(xs) if xs else None
+
+
+def median(xs) -> float | None:
+    xs = [x for x in (xs or []) if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def figures(res: dict, nbytes: int) -> dict[str, float | None]:
+    """The compared figures: each tool's best of its rounds (steady = rounds after the first)."""
+    m, raw, c = res.get("memcpy", {}), res.get("raw", {}), res.get("ckptctl", {})
+    d, dc, ts = res.get("dcp", {}), res.get("dcp_cached", {}), res.get("torch_save", {})
+
+    def first(r):
+        return (r.get("stall_s") or [None])[0]
+
+    def steady(r):
+        return best((r.get("stall_s") or [])[1:])
+
+    f = {
+        "memcpy_s": best(m.get("prefaulted_s")), "memcpy_fresh_s": best(m.get("fresh_s")),
+        "raw_write_s": best(raw.get("write_s")), "raw_read_s": best(raw.get("read_s")), "raw_read_hot_s": raw.get("read_hot_s"),
+        "ck_first_s": first(c), "ck_steady_s": steady(c), "ck_bg_s": best(c.get("bg_s")), "ck_write_s": best(c.get("write_s")),
+        "ck_verify_s": best(c.get("verify_s")), "ck_verify_hot_s": c.get("verify_hot_s"), "ck_load_s": best(c.get("load_s")),
+        "dcp_first_s": first(d), "dcp_steady_s": steady(d), "dcp_bg_s": best(d.get("bg_s")), "dcp_load_s": best(d.get("load_s")),
+        "dcpc_first_s": first(dc), "dcpc_steady_s": steady(dc), "dcpc_bg_s": best(dc.get("bg_s")),
+        "ts_save_s": best(ts.get("stall_s")), "ts_load_s": best(ts.get("load_s")),
+        "memcpy_cpu_s": best(m.get("prefaulted_cpu_s")), "memcpy_fresh_cpu_s": best(m.get("fresh_cpu_s")),
+        "ck_first_cpu_s": (c.get("stall_cpu_s") or [None])[0], "ck_steady_cpu_s": best((c.get("stall_cpu_s") or [])[1:]),
+        "dcp_first_cpu_s": (d.get("stall_cpu_s") or [None])[0], "dcp_steady_cpu_s": best((d.get("stall_cpu_s") or [])[1:]),
+        "dcpc_steady_cpu_s": best((dc.get("stall_cpu_s") or [])[1:]),
+    }
+    vb = c.get("verify_bytes", nbytes)
+    f["ck_verify_gbps"] = gbps(vb, f["ck_verify_s"])
+    f["ck_verify_hot_gbps"] = gbps(vb, f["ck_verify_hot_s"])
+    return f
+
+
+def paired(num: list | None, den: list | None) -> list[float]:
+    """Per-round ratios num[r] / den[r] (both lists in round order; a tool that failed has a
+    shorter list, so pairs stop there)."""
+    return [a / b for a, b in zip(num or [], den or []) if a is not None and b]
+
+
+def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
+    """Each ratio two ways: ``paired`` = the median of per-round ratios, each ckptctl sample
+    over the reference measured beside it in the same round (robust when the machine's speed
+    swings during the run; the verdict uses it), and ``best`` = best over best."""
+    m, raw, c = res.get("memcpy", {}), res.get("raw", {}), res.get("ckptctl", {})
+    d, dc, ts = res.get("dcp", {}), res.get("dcp_cached", {}), res.get("torch_save", {})
+
+    def div(a, b):
+        return a / b if a is not None and b else None
+
+    def thr(s):
+        return gbps(nbytes, s)
+
+    def steady(r: dict, key: str = "stall_s") -> list:
+        return (r.get(key) or [])[1:]
+
+    def first(r: dict, key: str = "stall_s") -> list:
+        return (r.get(key) or [])[:1]
+
+    vb = c.get("verify_bytes", nbytes)
+    scale = nbytes / vb if vb else 1.0  # verify reads the header too: compare bytes per second
+    out: dict[str, tuple[list[float], float | None]] = {
+        # stalls: lower is better, ratio = ckptctl / reference
+        "steady_stall_vs_memcpy": (paired(steady(c), steady(m, "round_s")), div(f["ck_steady_s"], f["memcpy_s"])),
+        "steady_stall_vs_dcp": (paired(steady(c), steady(d)), div(f["ck_steady_s"], f["dcp_steady_s"])),
+        "first_stall_vs_dcp": (paired(first(c), first(d)), div(f["ck_first_s"], f["dcp_first_s"])),
+        "steady_stall_vs_dcp_cached": (paired(steady(c), steady(dc)), div(f["ck_steady_s"], f["dcpc_steady_s"])),
+        "first_stall_vs_dcp_cached": (paired(first(c), first(dc)), div(f["ck_first_s"], f["dcpc_first_s"])),
+        "first_stall_vs_memcpy_fresh": ([], div(f["ck_first_s"], f["memcpy_fresh_s"])),
+        "cpu_steady_vs_memcpy": (paired(steady(c, "stall_cpu_s"), steady(m, "round_cpu_s")), div(f["ck_steady_cpu_s"], f["memcpy_cpu_s"])),
+        "cpu_steady_vs_dcp": (paired(steady(c, "stall_cpu_s"), steady(d, "stall_cpu_s")), div(f["ck_steady_cpu_s"], f["dcp_steady_cpu_s"])),
+        "cpu_first_vs_dcp": (paired(first(c, "stall_cpu_s"), first(d, "stall_cpu_s")), div(f["ck_first_cpu_s"], f["dcp_first_cpu_s"])),
+        # throughputs: higher is better, ratio = reference time / ckptctl time
+        "write_vs_raw": (paired(raw.get("write_s"), c.get("bg_s")), div(thr(f["ck_bg_s"]), thr(f["raw_write_s"]))),
+        "write_s_vs_raw": (paired(raw.get("write_s"), c.get("write_s")), div(thr(f["ck_write_s"]), thr(f["raw_write_s"]))),
+        "write_vs_dcp": (paired(d.get("bg_s"), c.get("bg_s")), div(thr(f["ck_bg_s"]), thr(f["dcp_bg_s"]))),
+        "verify_vs_raw_read": ([x / scale for x in paired(raw.get("read_s"), c.get("verify_s"))], div(f["ck_verify_gbps"], thr(f["raw_read_s"]))),
+        "verify_hot_vs_read_hot": ([], div(f["ck_verify_hot_gbps"], thr(f["raw_read_hot_s"]))),
+        "load_vs_raw_read": (paired(raw.get("read_s"), c.get("load_s")), div(thr(f["ck_load_s"]), thr(f["raw_read_s"]))),
+        "load_vs_dcp": (paired(d.get("load_s"), c.get("load_s")), div(thr(f["ck_load_s"]), thr(f["dcp_load_s"]))),
+        "load_vs_torch": (paired(ts.get("load_s"), c.get("load_s")), div(thr(f["ck_load_s"]), thr(f["ts_load_s"]))),
+    }
+    return {k: {"paired": pr, "median": statistics.median(pr) if pr else None, "best": b}
+            for k, (pr, b) in out.items()}
+
+
+def headline(r: dict[str, Any]) -> float | None:
+    """The figure a verdict is given on: the paired median, or best/best without pairs."""
+    return r["median"] if r["median"] is not None else r["best"]
+
+
+def verdict(value: float | None, op: str, bound: float) -> str:
+    if value is None:
+        return "n/a"
+    return "PASS" if (value <= bound if op == "<=" else value >= bound) else "MISS"
+
+
+def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
+    def p(*a):
+        print(*a, file=out)
+
+    def ms(s):
+        return f"{s * 1e3:9.1f} ms" if s is not None else "      n/a   "
+
+    def thr(s, nb=nbytes):
+        v = gbps(nb, s)
+        return f"{v:7.2f} GB/s" if v is not None else "      n/a  "
+
+    def samples(xs):
+        return "[" + " ".join(f"{x:.2f}" if x is not None else "-" for x in (xs or [])) + "] s"
+
+    def resid(xs):
+        xs = [x for x in (xs or []) if x is not None]
+        if not xs:
+            return "cache state unknown"
+        hi = max(xs)
+        return "cold (0% cached)" if hi < 0.01 else f"up to {hi:.0%} cached" + (" = HOT" if hi > 0.9 else "")
+
+    info, f = res["info"], res["figures"]
+    m, raw, c = res.get("memcpy", {}), res.get("raw", {}), res.get("ckptctl", {})
+    d, dc, ts = res.get("dcp", {}), res.get("dcp_cached", {}), res.get("torch_save", {})
+    p(f"state: {gib(nbytes)} in {info['tensors']} tensors ({info['fp32']} fp32, {info['bf16']} bf16; "
+      f"largest {info['largest'] / 2**20:.0f} MiB, smallest {info['smallest'] / 2**10:.0f} KiB)")
+    p(f"machine: {info['cpus']} CPUs, torch {info['torch']} ({info['torch_threads']} intra-op threads), "
+      f"disk: {info['fs']}; rounds: 1 first + {info['repeat']} steady saves, {info['repeat']} cold reads")
+    cp = res.get("cpu_pressure") or {}
+    if cp:
+        busy = max(cp.values()) > 0.2
+        p("cpu pressure (share of each tool's timed sections in which some task waited for a CPU):")
+        p("  " + ", ".join(f"{k} {v:.0%}" for k, v in cp.items())
+          + ("  -> OTHER WORK COMPETED FOR THE CPUs: trust best-of figures, not single samples" if busy else "  -> quiet"))
+    p(f"load average (1 min): {info['loadavg_start']:.2f} at start, {info.get('loadavg_end', float('nan')):.2f} at end")
+    p("GB = 1e9 bytes; throughput = state bytes / time; stall = time until the save call returns;")
+    p("figures are each tool's best of its rounds; all samples in [brackets], first round first")
+    p()
+    p("MACHINE LIMITS (this run, same state, same disk)")
+    p(f"  memcpy into pre-faulted buffer   {ms(f['memcpy_s'])} {thr(f['memcpy_s'])}   {samples(m.get('prefaulted_s'))}")
+    p(f"  memcpy into fresh buffer         {ms(f['memcpy_fresh_s'])} {thr(f['memcpy_fresh_s'])}   {samples(m.get('fresh_s'))} page faults incl.")
+    p(f"  write 64 MiB pieces + fsync      {ms(f['raw_write_s'])} {thr(f['raw_write_s'])}   {samples(raw.get('write_s'))}")
+    p(f"  read, evicted first              {ms(f['raw_read_s'])} {thr(f['raw_read_s'])}   {samples(raw.get('read_s'))} {resid(raw.get('resident_before_read'))}")
+    p(f"  read, page-cache hot             {ms(f['raw_read_hot_s'])} {thr(f['raw_read_hot_s'])}")
+    p()
+    p("SAVE STALL (lower is better)           first    steady best  steady median   samples")
+    for label, r, a, b in (("ckptctl save()", c, "ck_first_s", "ck_steady_s"), ("DCP async_save (default)", d, "dcp_first_s", "dcp_steady_s"),
+                           ("DCP async_save (kept stager)", dc, "dcpc_first_s", "dcpc_steady_s")):
+        if r.get("stall_s"):
+            p(f"  {label:<30}{ms(f[a])}{ms(f[b])}{ms(median(r['stall_s'][1:]))}   {samples(r['stall_s'])}")
+    if ts.get("stall_s"):
+        p(f"  {'torch.save (synchronous)':<30}{ms(ts['stall_s'][0])}{ms(best(ts['stall_s'][1:]))}{ms(median(ts['stall_s'][1:]))}   {samples(ts['stall_s'])}")
+    if c.get("manifest_stall_s"):
+        ks = c["manifest_stall_s"]
+        p(f"  {'ckptctl stall_s (manifest)':<30}{ms(ks[0])}{ms(best(ks[1:]))}{ms(median(ks[1:]))}   capture + copy only")
+    p("  CPU time of the process during the stall (not inflated by waiting for a CPU):")
+    p(f"  {'  memcpy (fresh / pre-faulted)':<30}{ms(f['memcpy_fresh_cpu_s'])}{ms(f['memcpy_cpu_s'])}")
+    for label, r in (("  ckptctl save()", c), ("  DCP async_save (default)", d), ("  DCP async_save (kept stager)", dc)):
+        xs = r.get("stall_cpu_s")
+        if xs:
+            p(f"  {label:<30}{ms(xs[0])}{ms(best(xs[1:]))}{ms(median(xs[1:]))}   {samples(xs)}")
+    p()
+    p("WRITE: save() return -> durable (higher is better)")
+    if c.get("bg_s"):
+        p(f"  ckptctl background (wait())      {ms(f['ck_bg_s'])} {thr(f['ck_bg_s'])}   {samples(c['bg_s'])}")
+        p(f"  ckptctl write_s (manifest)       {ms(f['ck_write_s'])} {thr(f['ck_write_s'])}   {samples(c.get('write_s'))} hash+shard+fsync, no commit")
+    for label, r, k in (("DCP default (result())", d, "dcp_bg_s"), ("DCP kept stager (result())", dc, "dcpc_bg_s")):
+        if r.get("bg_s"):
+            p(f"  {label:<33}{ms(f[k])} {thr(f[k])}   {samples(r['bg_s'])}")
+    if ts.get("stall_s"):
+        whole = [a + b for a, b in zip(ts["stall_s"], ts["bg_s"])]
+        p(f"  torch.save + fsync, whole        {ms(best(whole))} {thr(best(whole))}   {samples(whole)}")
+    p(f"  raw write + fsync                {ms(f['raw_write_s'])} {thr(f['raw_write_s'])}")
+    p()
+    p("VERIFY / READ, evicted first (higher is better)")
+    if c.get("verify_s"):
+        vb = c.get("verify_bytes", nbytes)
+        p(f"  ckptctl verify (checksums)       {ms(f['ck_verify_s'])} {thr(f['ck_verify_s'], vb)}   {samples(c['verify_s'])} {vb / 2**30:.2f} GiB read")
+        p(f"  ckptctl verify, cache-hot        {ms(f['ck_verify_hot_s'])} {thr(f['ck_verify_hot_s'], vb)}")
+    p(f"  raw read                         {ms(f['raw_read_s'])} {thr(f['raw_read_s'])}")
+    p(f"  raw read, cache-hot              {ms(f['raw_read_hot_s'])} {thr(f['raw_read_hot_s'])}")
+    p()
+    p("LOAD into pre-allocated tensors, evicted first (higher is better)")
+    for label, r, k in (("ckptctl load()", c, "ck_load_s"), ("DCP load", d, "dcp_load_s"), ("torch.load(weights_only) *", ts, "ts_load_s")):
+        if r.get("load_s"):
+            ok = "ok" if r.get("load_correct") else "DATA MISMATCH"
+            p(f"  {label:<33}{ms(f[k])} {thr(f[k])}   {samples(r['load_s'])} {ok}")
+    p("  * torch.load allocates its own tensors (page faults included)")
+    p(f"  raw read                         {ms(f['raw_read_s'])} {thr(f['raw_read_s'])}")
+    resids = [x for r in (c, d, ts) for x in r.get("resident_before_read", []) if x is not None]
+    p(f"  checkpoint files cached when their reads began: at most {max(resids):.0%}" if resids else "  cache state unknown")
+    p()
+    p("ON DISK: " + ", ".join(f"{k} {gib(r['file_bytes'])}" for k, r in (("ckptctl", c), ("DCP", d), ("torch.save", ts)) if "file_bytes" in r))
+    p()
+    rat = res["ratios"]
+
+    def fmt(v):
+        return f"{v:6.2f}" if v is not None else "   n/a"
+
+    def row(key: str, label: str, target: str = "") -> str:
+        r = rat[key]
+        each = " ".join(f"{x:.2f}" for x in r["paired"])
+        return f"  {label:<48}{fmt(r['median']):>8}{fmt(r['best']):>8}  {target:<15}" + (f"[{each}]" if each else "")
+
+    p(f"  {'TARGETS (issue 2)':<48}{'paired':>8}{'best/':>8}  {'target  result':<15}per-round ratios")
+    p(f"  {'':<48}{'median':>8}{'best':>8}")
+    for key, label, op, bound in TARGETS:
+        p(row(key, label, f"{op} {bound:<4} {verdict(headline(rat[key]), op, bound)}"))
+    p("  OTHER RATIOS (no target)")
+    for key, label in INFO:
+        p(row(key, label))
+    p("paired median: median over rounds of (ckptctl / the reference measured beside it in the same round);")
+    p("the verdict uses it (best/best when there are no pairs). Stall ratios: lower is better;")
+    p("throughput ratios: higher is better.")
+    if res.get("errors"):
+        p()
+        for tool, err in res["errors"].items():
+            p(f"ERROR in {tool}: {err}")
+
+
+def fs_of(path: str) -> str:
+    best, found = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, found = mnt, f"{fstype} on {dev} ({mnt})"
+    except OSError:
+        pass
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="ckptctl save/load benchmark against DCP, torch.save and machine limits")
+    ap.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
+    ap.add_argument("--tensors", type=int, default=300, help="number of tensors (default 300)")
+    ap.add_argument("--dir", default=None, help="where to write (a temporary directory is made inside it; default under /tmp)")
+    ap.add_argument("--repeat", type=int, default=3, help="steady-state save rounds and cold read rounds (default 3)")
+    ap.add_argument("--json", action="store_true", help="machine-readable results on stdout (the table goes to stderr)")
+    ap.add_argument("--skip", default="", help="comma-separated tools to leave out: dcp, dcp_cached, torch_save")
+    args = ap.parse_args(argv)
+    repeat = max(args.repeat, 1)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - {"dcp", "dcp_cached", "torch_save"}
+    if unknown:
+        ap.error(f"--skip: unknown tools {sorted(unknown)}")
+    log = sys.stderr
+
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="ckptctl-bench-", dir=args.dir or "/tmp")
+    t_start = time.perf_counter()
+    try:
+        state = build_state(build_specs(int(args.size_gib * 2**30), args.tensors))
+        tensors = list(state["model"].values())
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        nbytes = sum(sizes)
+        bench = Bench(state, nbytes, work, repeat, skip, log, t_start)
+        res = bench.res
+        res["info"] = {
+            "tensors": len(sizes), "bytes": nbytes, "largest": max(sizes), "smallest": min(sizes),
+            "fp32": sum(t.dtype == torch.float32 for t in tensors),
+            "bf16": sum(t.dtype == torch.bfloat16 for t in tensors),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "dir": work, "fs": fs_of(os.path.realpath(work)), "repeat": repeat,
+            "loadavg_start": os.getloadavg()[0],
+        }
+        del tensors
+        print(f"[bench] state: {gib(nbytes)} in {len(sizes)} tensors; working in {work}", file=log)
+        # Import time is nobody's stall.
+        import ckptctl.save.checkpointer as _ck  # noqa: F401
+        import torch.distributed.checkpoint as _dcp  # noqa: F401
+
+        bench.save_rounds()
+        bench.read_rounds()
+        res["info"]["loadavg_end"] = os.getloadavg()[0]
+        res["cpu_pressure"] = {k: t.share for k, t in bench.timers.items() if t.share is not None}
+        res["figures"] = figures(res, nbytes)
+        res["ratios"] = ratios(res, res["figures"], nbytes)
+        res["verdicts"] = {k: verdict(headline(res["ratios"][k]), op, b) for k, _, op, b in TARGETS}
+        res["elapsed_s"] = time.perf_counter() - t_start
+        print_report(res, nbytes, out=log if args.json else sys.stdout)
+        print(f"[bench] done in {res['elapsed_s']:.0f}s", file=log)
+        if args.json:
+            json.dump(res, sys.stdout, indent=2, default=str)
+            print()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
