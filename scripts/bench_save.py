@@ -20,10 +20,12 @@ measures, on that state and the same disk:
 
 Measurements are interleaved: each save round runs every tool once (raw write, ckptctl,
 DCP, DCP with a kept stager, torch.save), each read round reads every checkpoint once, cold.
-Round 0 holds the first saves; the figures compared are the best of the rounds for each tool.
-On a shared machine the disk and the CPUs swing by 2-3x from one second to the next; taking
-each tool's best of interleaved rounds compares them under the same conditions. The output
-shows every sample, and the CPU pressure (Linux PSI) during each tool's timed sections.
+Round 0 holds the first saves. On a shared machine the disk and the CPUs swing by 2-3x from
+one second to the next, so each ratio is the median over rounds of ckptctl's sample divided by
+the reference sampled beside it in the same round (a pre-faulted memcpy is taken right before
+each ckptctl save for that); best/best is shown beside it. The output shows every sample, the
+process CPU time of each stall (not inflated by waiting for a CPU) and the CPU pressure (Linux
+PSI) during each tool's timed sections, so a noisy run says so.
 
 Cold reads: files are fsynced and evicted with posix_fadvise(DONTNEED); the output says how
 much of each file was still cached when its read began (mincore). On a VM a "fresh" buffer
@@ -696,10 +698,11 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
         busy = max(cp.values()) > 0.2
         p("cpu pressure (share of each tool's timed sections in which some task waited for a CPU):")
         p("  " + ", ".join(f"{k} {v:.0%}" for k, v in cp.items())
-          + ("  -> OTHER WORK COMPETED FOR THE CPUs: trust best-of figures, not single samples" if busy else "  -> quiet"))
+          + ("  -> OTHER WORK COMPETED FOR THE CPUs: trust the paired ratios and CPU times, not single samples" if busy else "  -> quiet"))
     p(f"load average (1 min): {info['loadavg_start']:.2f} at start, {info.get('loadavg_end', float('nan')):.2f} at end")
     p("GB = 1e9 bytes; throughput = state bytes / time; stall = time until the save call returns;")
-    p("figures are each tool's best of its rounds; all samples in [brackets], first round first")
+    p("figures are each tool's best of its rounds; all samples in [brackets], first round first;")
+    p("the ratios at the end pair samples round by round")
     p()
     p("MACHINE LIMITS (this run, same state, same disk)")
     p(f"  memcpy into pre-faulted buffer   {ms(f['memcpy_s'])} {thr(f['memcpy_s'])}   {samples(m.get('prefaulted_s'))}")
