@@ -62,6 +62,7 @@ class TorchSource(Source):
         except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
             raise InvalidCheckpoint(f"{path}: not a readable torch.save file ({e})") from None
         self._tensors: dict[str, torch.Tensor] = {}
+        self._mapped: list[tuple[int, int]] | None = None  # address ranges that map this file
         if not isinstance(obj, dict):
             obj = {"tensor" if isinstance(obj, torch.Tensor) else "value": obj}
 
@@ -84,7 +85,9 @@ class TorchSource(Source):
     def read_into(self, name: str, out: torch.Tensor) -> None:
         t = self._tensors[name]
         out.copy_(t)
-        _drop_pages(t)
+        if self._mapped is None:
+            self._mapped = _file_mappings(self.url)
+        _drop_pages(t, self._mapped)
 
     def close(self) -> None:
         self._tensors.clear()
@@ -94,14 +97,34 @@ _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 _PAGE = mmap.PAGESIZE
 
 
-def _drop_pages(t: torch.Tensor) -> None:
+def _file_mappings(path: str) -> list[tuple[int, int]]:
+    """Address ranges where this process maps ``path`` (Linux ``/proc/self/maps``; empty
+    elsewhere, which turns page dropping off)."""
+    real = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].strip() == real:
+                    lo, hi = parts[0].split("-")
+                    ranges.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        return []
+    return ranges
+
+
+def _drop_pages(t: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
     """Release the file pages a mmap-loaded tensor pulled in. The mapping is private and was
     only read, so the pages are clean: dropping them loses nothing (a later access rereads the
-    file). Best effort: not on platforms without madvise."""
+    file). Only done where the storage lies inside a mapping of the file itself: on ordinary
+    memory, MADV_DONTNEED would zero the data. Best effort: not without madvise."""
     if _libc is None or t.numel() == 0:
         return
     start = t.untyped_storage().data_ptr()
     end = start + t.untyped_storage().nbytes()
+    if not any(lo <= start and end <= hi for lo, hi in mapped):
+        return
     lo = (start + _PAGE - 1) // _PAGE * _PAGE  # only pages wholly inside this tensor's storage
     hi = end // _PAGE * _PAGE
     if hi > lo:

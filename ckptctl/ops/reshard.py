@@ -29,6 +29,7 @@ commits and verifies the result.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -221,8 +222,7 @@ def prepare_target(src: Storage, dst: Storage, *, overwrite: bool) -> None:
 
 
 def same_place(a: Storage, b: Storage) -> bool:
-    import os
-
+    """Whether two storages are the same place, or one lies inside the other."""
     pa, pb = a.local_path(), b.local_path()
     if pa is not None and pb is not None:
         ra, rb = os.path.realpath(pa), os.path.realpath(pb)
