@@ -201,3 +201,26 @@ def test_reshard_under_torchrun_splits_the_writing_over_ranks(tmp_path):
     p = _torchrun(2, "reshard", src, bad, "--world-size", "3")
     assert p.returncode != 0 and "checksum" in p.stderr
     assert not os.path.exists(os.path.join(bad, MARKER))
+
+
+@pytest.mark.slow
+def test_reshard_a_real_4_rank_fsdp2_save_then_3_ranks_load_it(tmp_path):
+    """The distributed save's layouts (uneven and empty FSDP2 shards, per-rank state) survive an
+    offline reshard: 4 ranks save, ``ckptctl reshard`` writes 3 shards, 3 FSDP2 ranks load."""
+    from dist_workers import launch
+
+    root, ref = str(tmp_path / "root"), str(tmp_path / "ref.pt")
+    saved_ = launch("train_save", 4, {"mode": "fsdp", "root": root, "save_step": 3, "ref": ref}, str(tmp_path / "a"))
+    assert all("error" not in r and "exit" not in r for r in saved_.values()), saved_
+    from ckptctl.format.layout import step_dir
+
+    src = os.path.join(root, step_dir(3))
+    resharded_root = str(tmp_path / "root3")
+    r = cli("reshard", src, os.path.join(resharded_root, step_dir(3)), "--world-size", "3")
+    assert r.exit_code == 0, r.stderr
+    assert_bitwise(tensors_of(src), tensors_of(os.path.join(resharded_root, step_dir(3))))
+    three = launch("load_check", 3, {"mode": "fsdp", "root": resharded_root, "ref": ref}, str(tmp_path / "b"))
+    for rank, res in three.items():
+        assert "error" not in res and "exit" not in res, (rank, res)
+        assert res["step"] == 3 and res["bad"] == [], (rank, res["bad"])
+        assert res["extra"]["rank"] == rank  # source rank r's per-rank state went to target rank r
