@@ -224,3 +224,19 @@ def test_reshard_a_real_4_rank_fsdp2_save_then_3_ranks_load_it(tmp_path):
         assert "error" not in res and "exit" not in res, (rank, res)
         assert res["step"] == 3 and res["bad"] == [], (rank, res["bad"])
         assert res["extra"]["rank"] == rank  # source rank r's per-rank state went to target rank r
+
+
+def test_reshard_and_convert_with_object_storage(tmp_path, s3_url):
+    src, _, _ = saved(tmp_path)
+    remote = f"{s3_url}/ws2/step-0000000005"
+    r = cli("reshard", src, remote, "--world-size", "2")
+    assert r.exit_code == 0, r.stderr
+    assert cli("verify", remote).exit_code == 0
+    st = str(tmp_path / "st")
+    r = cli("convert", remote, st, "--to", "safetensors")  # a ckptctl checkpoint read from S3
+    assert r.exit_code == 0, r.stderr
+    back = f"{s3_url}/back"
+    r = cli("convert", st, back, "--to", "ckptctl")  # written to S3, committed and verified there
+    assert r.exit_code == 0, r.stderr
+    assert_bitwise(tensors_of(src), tensors_of(back))
+    assert cli("convert", src, f"{s3_url}/x.pt", "--to", "torch").exit_code == 2

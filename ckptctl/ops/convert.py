@@ -183,6 +183,9 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
             raise UsageError(f"--dtype {dtype!r} is not one of bf16, fp16, fp32")
     if max_shard_size is not None and to != "safetensors":
         raise UsageError("--max-shard-size applies to --to safetensors only")
+    if to in ("torch", "dcp") and "://" in dst_path and not dst_path.startswith("file://"):
+        raise UsageError(f"--to {to} writes local files only, not {dst_path}",
+                         hint="write to a local path, or use --to ckptctl or safetensors for object storage")
     src_fmt = detect(src_path)
     _refuse_same(src_path, dst_path)
     _prepare_dst(src_path, dst_path, to, overwrite)
