@@ -91,12 +91,21 @@ def test_ckptctl_to_dcp_to_ckptctl_bitwise_and_dcp_loads_it(tmp_path):
     r = convert(src, d, "--to", "dcp")
     assert r.exit_code == 0, r.stderr
     assert os.path.exists(os.path.join(d, ".metadata"))
-    # torch.distributed.checkpoint.load reads it, keys are ckptctl's names.
-    sd = {"model/0.weight": torch.empty_like(model[0].weight), "model/2.bias": torch.empty_like(model[2].bias)}
+    # A training job loads it the standard DCP way: nested state dicts, optimizer by name.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    fresh, fresh_opt = make_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    msd, osd = get_state_dict(fresh, fresh_opt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(sd, checkpoint_id=d, no_dist=True)
-    assert torch.equal(sd["model/0.weight"], model[0].weight) and torch.equal(sd["model/2.bias"], model[2].bias)
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=True)
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], tensors_of(src)["optimizer/state/0.weight/exp_avg"])
     back = str(tmp_path / "back")
     r = convert(d, back, "--to", "ckptctl")
     assert r.exit_code == 0, r.stderr

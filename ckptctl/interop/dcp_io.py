@@ -16,11 +16,14 @@ Names: an entry's path in DCP's ``planner_data`` (the nesting the saver flattene
 ``("optim", "state", "fc.weight", "exp_avg")``) is joined with ``/`` as ckptctl names are
 (``optim/state/fc.weight/exp_avg``); a top-level key is kept as it is.
 
-Writing: the state is given to ``torch.distributed.checkpoint.save`` as one flat dict keyed by
-ckptctl tensor names (``model/fc.weight``: what ``dcp.load`` into a flat dict of those names
-needs), plus the ckptctl state tree as a JSON string under ``ckptctl.state``. The dict holds
-meta (zero-memory) tensors; a planner reads each real tensor only when DCP asks to write it and
-frees it right after, so memory stays about one tensor. Round trips through DCP are bitwise.
+Writing: the state goes to ``torch.distributed.checkpoint.save`` nested as it was saved
+(``{"model": {"fc.weight": ...}, "optimizer": {"state": ..., "param_groups": [...]}}``), so
+DCP's own fqns are the usual ``model.fc.weight`` and a training job loads it the standard way
+(``dcp.load({"model": model.state_dict()})``, or ``get_state_dict``/``set_state_dict`` for the
+optimizer). The exact ckptctl state tree rides along as a JSON string under ``_ckptctl.state``.
+The dict holds meta (zero-memory) tensors; a planner reads each real tensor only when DCP asks
+to write it and frees it right after, so memory stays about one tensor. Round trips through DCP
+are bitwise.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from ckptctl.interop.base import Fill, Source, TensorBuffer, TensorMeta, Written
 from ckptctl.state import tree as statetree
 
 METADATA = ".metadata"
-STATE_KEY = "ckptctl.state"
-STEP_KEY = "ckptctl.step"
+# Top-level keys of a ckptctl state never start with "_", so these cannot collide with it.
+STATE_KEY = "_ckptctl.state"
+STEP_KEY = "_ckptctl.step"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -232,7 +236,7 @@ def write_dcp(path: str, metas: dict[str, TensorMeta], fill: Fill, *, tree: Any,
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
             self.release()
-            m = metas[write_item.index.fqn]
+            m = metas[names[id(self.lookup_object(write_item.index))]]
             # Filled through a reusable buffer, then copied into a tensor of its own: byte
             # reads export memory to numpy, which makes a storage impossible to free early.
             view = buf.view(m.dtype, m.shape)
@@ -248,11 +252,15 @@ def write_dcp(path: str, metas: dict[str, TensorMeta], fill: Fill, *, tree: Any,
                 self.prev = None
 
     buf = TensorBuffer()
-    state: dict[str, Any] = {n: _placeholder(m) for n, m in metas.items()}
+    holders = {n: _placeholder(m) for n, m in metas.items()}
+    names = {id(t): n for n, t in holders.items()}
+    state = statetree.decode(tree, lambda n: holders[n])
+    if not isinstance(state, dict):
+        state = {"state": state}
     state[STATE_KEY] = json.dumps(tree)
     if step is not None:
         state[STEP_KEY] = step
-    planner = StreamingPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = StreamingPlanner(flatten_state_dict=True, flatten_sharded_tensors=False)
     ctx = _quiet()
     try:
         dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=1, single_file_per_rank=True), planner=planner, no_dist=True)
