@@ -24,10 +24,11 @@ def convert(
     """Convert a checkpoint between ckptctl, PyTorch DCP, safetensors and torch.save.
 
     The input format is detected and reported. Tensors stream one at a time, so memory stays
-    about the largest tensor whatever the checkpoint's size. Names are ckptctl's everywhere
-    (model/fc.weight); non-tensor state travels with the tensors (manifest, safetensors
-    metadata, the torch dict, a DCP entry) and anything the source cannot hand over is listed
-    as dropped. torch.save files are read with weights_only=True only: one that needs pickle
+    about the largest tensor whatever the checkpoint's size. Tensor names are ckptctl's
+    (model/fc.weight) in safetensors; torch and DCP outputs hold the state nested as it was
+    saved (DCP's own names are then model.fc.weight, loadable with dcp.load). Non-tensor
+    state travels with the tensors (manifest, safetensors metadata, the torch dict, a DCP
+    entry); anything the source cannot hand over is listed as dropped. torch.save files are read with weights_only=True only: one that needs pickle
     is refused and nothing in it runs. A ckptctl source is verified first; a ckptctl result
     gets checksums, a manifest and a marker, and is verified.
 

@@ -13,8 +13,9 @@ Input formats, detected from what is on disk (``detect``):
 Outputs (``--to``): ``ckptctl`` (one shard, manifest, checksums, marker; verified), ``safetensors``
 (one file, or shards plus an index), ``torch`` (one file of nested dicts), ``dcp``.
 
-Names are ckptctl's (``model/fc.weight``, ``optimizer/state/fc.weight/exp_avg``) in every
-output. Non-tensor state travels as the ckptctl state tree: in the manifest (ckptctl), as JSON
+Names are ckptctl's (``model/fc.weight``, ``optimizer/state/fc.weight/exp_avg``): as they are
+in ckptctl and safetensors outputs, as the nesting of dicts in torch and DCP outputs (DCP then
+names the entry ``model.fc.weight`` itself; reading DCP joins its recorded nesting with ``/``). Non-tensor state travels as the ckptctl state tree: in the manifest (ckptctl), as JSON
 in ``__metadata__`` (safetensors), as the nested dict itself (torch), as a string entry (dcp);
 every format can hold it, so nothing is dropped on output. What a source cannot hand over (a
 DCP entry that needs pickle, a ckptctl per-rank RNG state) is listed in the report's
