@@ -240,3 +240,37 @@ def test_reshard_and_convert_with_object_storage(tmp_path, s3_url):
     assert r.exit_code == 0, r.stderr
     assert_bitwise(tensors_of(src), tensors_of(back))
     assert cli("convert", src, f"{s3_url}/x.pt", "--to", "torch").exit_code == 2
+
+
+def test_column_sharded_tensors_stay_column_sharded(tmp_path):
+    """A tensor the source shards along dim 1 (tensor parallel) is split along dim 1."""
+    import time as _time
+
+    from ckptctl.format.checkpoint import read_header
+    from ckptctl.format.manifest import Manifest, TensorEntry
+    from ckptctl.ops.stream_shard import ChunkSpec, write_shard_streaming
+    from ckptctl.save.commit import commit
+
+    w = torch.arange(6 * 10, dtype=torch.float32).view(6, 10)
+    b = torch.arange(6, dtype=torch.float32)
+    src_path = str(tmp_path / "tp2")
+    src = open_storage(src_path)
+    files = []
+    for r in range(2):
+        specs = [ChunkSpec("model/w", "float32", (6, 5), (0, 5 * r))] + ([ChunkSpec("model/b", "float32", (6,), (0,))] if r == 0 else [])
+        fill = lambda s, out: out.copy_(w[:, s.offsets[1] : s.offsets[1] + 5] if s.name == "model/w" else b)  # noqa: E731
+        files.append(write_shard_streaming(src, shard_name(r, 2), specs, fill, rank=r).file)
+    commit(src, Manifest(step=1, created=_time.time(), world_size=2, files=files,
+                         tensors={"model/w": TensorEntry("float32", (6, 10), "model", 2), "model/b": TensorEntry("float32", (6,), "model", 1)},
+                         state={"model": {"w": {"__tensor__": "model/w"}, "b": {"__tensor__": "model/b"}}}))
+    assert cli("verify", src_path).exit_code == 0
+    dst = str(tmp_path / "tp3")
+    assert cli("reshard", src_path, dst, "--world-size", "3").exit_code == 0
+    st = open_storage(dst)
+    chunks = sorted((c.offsets, c.shape) for i in range(3) for c in read_header(st, shard_name(i, 3)).chunks if c.name == "model/w")
+    assert chunks == [((0, 0), (6, 4)), ((0, 4), (6, 4)), ((0, 8), (6, 2))]  # torch.chunk(w, 3, dim=1)
+    got = tensors_of(dst)
+    assert torch.equal(got["model/w"], w) and torch.equal(got["model/b"], b)
+    one = str(tmp_path / "one")
+    assert cli("reshard", dst, one, "--world-size", "1").exit_code == 0
+    assert torch.equal(tensors_of(one)["model/w"], w)

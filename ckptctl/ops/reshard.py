@@ -3,10 +3,13 @@
 The layout rule (what a target rank holds):
 
 - A tensor is *split* when the source already shards it (more than one chunk) or it is large
-  (``SPLIT_BYTES`` or more), it has at least one dimension and its first dimension has at
-  least 2 rows. It is split along dim 0 exactly like ``torch.chunk(t, M)`` (and FSDP2): each
-  rank gets ``ceil(rows / M)`` rows, the last ranks fewer or none. Row splits keep every target
-  chunk contiguous in the source chunks that hold it, so reads are plain ranged reads.
+  (``SPLIT_BYTES`` or more), and the dimension it is split along has at least 2 entries. That
+  dimension is the one the source shards it along when there is exactly one (a column-split
+  tensor-parallel weight stays column-split), else dim 0. It is split like
+  ``torch.chunk(t, M, dim)`` (and FSDP2): each rank gets ``ceil(n / M)`` entries, the last
+  ranks fewer or none. Dim-0 splits keep every target chunk contiguous in the source chunks
+  that hold it, so reads are plain ranged reads; other dims read whole source rows through a
+  bounded temporary.
 - Every other tensor (scalars, small replicated tensors) is stored once, on the rank with the
   fewest bytes so far, largest first: shard sizes stay balanced.
 - Rank ``r`` of the target keeps source rank ``r``'s per-rank state (RNG); new ranks have none
@@ -74,27 +77,30 @@ class ReshardReport:
 
 
 def plan_layout(manifest: Manifest, world_size: int, known: dict[tuple[str, tuple[int, ...], tuple[int, ...]], str] | None = None,
-                split_bytes: int = SPLIT_BYTES) -> list[list[ChunkSpec]]:
+                split_bytes: int = SPLIT_BYTES, dims: dict[str, int] | None = None) -> list[list[ChunkSpec]]:
     """The chunks each target rank holds (see the module docstring for the rule). ``known``
-    maps (name, offsets, shape) of verified source chunks to their checksums."""
+    maps (name, offsets, shape) of verified source chunks to their checksums; ``dims`` gives
+    the dimension a tensor is sharded along in the source (default 0)."""
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     known = known or {}
+    dims = dims or {}
     ranks: list[list[ChunkSpec]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     whole = []
     for name, t in sorted(manifest.tensors.items()):
-        split = world_size > 1 and len(t.shape) >= 1 and t.shape[0] >= 2 and (t.chunks > 1 or t.nbytes >= split_bytes)
+        d = dims.get(name, 0)
+        split = world_size > 1 and len(t.shape) > d and t.shape[d] >= 2 and (t.chunks > 1 or t.nbytes >= split_bytes)
         if not split:
             whole.append((name, t))
             continue
-        rows = math.ceil(t.shape[0] / world_size)
+        step = math.ceil(t.shape[d] / world_size)
         for r in range(world_size):
-            lo, hi = r * rows, min((r + 1) * rows, t.shape[0])
+            lo, hi = r * step, min((r + 1) * step, t.shape[d])
             if lo >= hi:
                 break  # torch.chunk: the last ranks may get nothing
-            shape = (hi - lo, *t.shape[1:])
-            offsets = (lo, *(0 for _ in t.shape[1:]))
+            shape = tuple(hi - lo if i == d else n for i, n in enumerate(t.shape))
+            offsets = tuple(lo if i == d else 0 for i in range(len(t.shape)))
             ranks[r].append(ChunkSpec(name, t.dtype, shape, offsets, known.get((name, offsets, shape))))
             load[r] += math.prod(shape) * dtypes.itemsize(t.dtype)
     for name, t in sorted(whole, key=lambda nt: (-nt[1].nbytes, nt[0])):
@@ -123,7 +129,7 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
     with CheckpointReader(src) as reader:
         m = reader.manifest
         known = {(c.name, tuple(c.offsets), tuple(c.shape)): c.checksum for h in reader.headers.values() for c in h.chunks if c.checksum}
-        plan = plan_layout(m, world_size, known, split_bytes)
+        plan = plan_layout(m, world_size, known, split_bytes, sharded_dims(reader))
         rank_states = reader.rank_states()
         report = ReshardReport(src.url, dst.url, m.step, world_size, m.world_size, tensors=len(m.tensors), writers=n)
 
@@ -179,6 +185,17 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
     _agree(dist_on, failure if me == 0 else None)  # every rank returns once the result is committed and verified
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def sharded_dims(reader: CheckpointReader) -> dict[str, int]:
+    """For each tensor the source shards along exactly one dimension, that dimension (a
+    tensor-parallel weight split by columns keeps its column split); others are absent."""
+    out = {}
+    for name, locs in reader.index.items():
+        varying = {i for loc in locs for i, o in enumerate(loc.chunk.offsets) if o}
+        if len(varying) == 1:
+            out[name] = varying.pop()
+    return out
 
 
 def _attempt(fn: Callable[[], object]) -> CkptError | None:
