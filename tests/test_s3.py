@@ -248,3 +248,22 @@ def test_unreachable_endpoint_is_exit_3(s3_url, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     r = cli("restore", s3_url, str(tmp_path))
     assert r.exit_code == 3 and "storage error" in r.stderr
+
+
+def test_restore_and_latest_find_the_newest_among_more_than_1000(s3_url, s3_server, tmp_path):
+    """Listing a bucket pages at 1,000 keys: the newest of 1,002 step prefixes is still found."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    raw = _raw(s3_server)
+    bucket, prefix = _bucket_prefix(s3_url)
+    # 1,000 abandoned saves (no marker) below the two real checkpoints, step-sorted after them
+    # as strings but before them as integers: only integer order finds the newest.
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda s: raw.put_object(Bucket=bucket, Key=f"{prefix}/{step_dir(s)}/rank-00000-of-00001.safetensors", Body=b"x"),
+                      range(1, 1001)))
+    with Checkpointer(s3_url) as ck:
+        for s in (5000, 6000):
+            ck.save(s, _state(s, 100)).wait()
+    assert cli("latest", s3_url).stdout.strip() == f"{s3_url}/{step_dir(6000)}"
+    r = cli("restore", s3_url, str(tmp_path))
+    assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(str(tmp_path), 6000)

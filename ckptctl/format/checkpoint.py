@@ -6,7 +6,7 @@ Knows bytes and paths only; the torch side of reading lives in ``ckptctl.load``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 from ckptctl.errors import InvalidCheckpoint, NotFound
 from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir
@@ -104,11 +104,15 @@ def status_of(ckpt: Storage) -> tuple[Status, str | None]:
 
 def marked(root: Storage) -> list[tuple[StepEntry, Storage]]:
     """Step directories that hold a marker (committed, or claiming to be), newest first."""
-    out = []
+    return list(iter_marked(root))
+
+
+def iter_marked(root: Storage) -> Iterator[tuple[StepEntry, Storage]]:
+    """``marked``, lazily: one listing, then one marker lookup per checkpoint actually taken,
+    so "the newest that verifies" under thousands of checkpoints (S3: a HEAD each) stays cheap."""
     for e in reversed(list_steps(root)):
         if e.kind == "dir" and root.sub(e.name).stat(MARKER) is not None:
-            out.append((e, root.sub(e.name)))
-    return out
+            yield e, root.sub(e.name)
 
 
 def newest_committed(root: Storage) -> list[tuple[StepEntry, Storage]]:

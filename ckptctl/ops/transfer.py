@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 from ckptctl.errors import (
     CheckpointError,
@@ -26,7 +26,7 @@ from ckptctl.errors import (
     NotFound,
     RefusedForSafety,
 )
-from ckptctl.format.checkpoint import Committed, marked, read_committed_raw
+from ckptctl.format.checkpoint import Committed, iter_marked, list_steps, read_committed_raw
 from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir, step_dir
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import ShardHeader
@@ -222,9 +222,8 @@ def restore_latest(
     by ``ops.reshard`` (which verifies its result), and the staging copy is removed. So the
     source is read once, over the network, and the fallback past corruption works the same.
     """
-    candidates = _candidates(src_root, step)
     skipped: list[Skipped] = []
-    for cand_step, src in candidates:
+    for cand_step, src in _candidates(src_root, step):
         dst = dst_root.sub(step_dir(cand_step))
         reshard_to = None
         try:
@@ -249,8 +248,15 @@ def restore_latest(
         if reshard_to is not None:
             copied = _reshard_staged(staging, dst, reshard_to, copied, progress)
         return RestoreResult(dst.local_path() or dst.url, cand_step, copied, skipped)
+    if step is not None:
+        raise NoValidCheckpoint(
+            f"{src_root.url}: no committed checkpoint at step {step}",
+            hint=f"list what is there with `ckptctl ls {src_root.url}`",
+        )
+    if not skipped:
+        raise NoValidCheckpoint(f"{src_root.url}: no committed checkpoint", hint="check SRC; nothing has been saved there")
     raise NoValidCheckpoint(
-        f"{src_root.url}: none of {len(candidates)} committed checkpoints verifies",
+        f"{src_root.url}: none of {len(skipped)} committed checkpoints verifies",
         hint="run `ckptctl verify SRC --all` to see what is wrong with each",
     )
 
@@ -309,8 +315,10 @@ def _remove_checkpoint(ckpt: Storage) -> None:
     ckpt.remove_dir("")
 
 
-def _candidates(src_root: Storage, step: int | None) -> list[tuple[int, Storage]]:
-    """Newest first. SRC with a marker of its own is one checkpoint, not a root."""
+def _candidates(src_root: Storage, step: int | None) -> Iterator[tuple[int, Storage]]:
+    """Checkpoints with a marker, newest first. Lazy: a bucket of thousands of checkpoints
+    costs one listing and a HEAD per candidate tried, not a HEAD per checkpoint. SRC with a
+    marker of its own is one checkpoint, not a root."""
     if src_root.stat(MARKER) is not None:
         own = read_committed_raw(src_root).manifest.step
         if step is not None and step != own:
@@ -318,18 +326,17 @@ def _candidates(src_root: Storage, step: int | None) -> list[tuple[int, Storage]
                 f"{src_root.url} is the checkpoint of step {own}, not {step}",
                 hint="give the checkpoint root as SRC to choose a step",
             )
-        return [(own, src_root)]
-    found = [(e.step, ckpt) for e, ckpt in marked(src_root)]
-    if step is not None:
-        found = [(s, c) for s, c in found if s == step]
-        if not found:
-            raise NoValidCheckpoint(
-                f"{src_root.url}: no committed checkpoint at step {step}",
-                hint=f"list what is there with `ckptctl ls {src_root.url}`",
-            )
-    if not found:
-        raise NoValidCheckpoint(f"{src_root.url}: no committed checkpoint", hint="check SRC; nothing has been saved there")
-    return found
+        yield own, src_root
+        return
+    if step is None:
+        for entry, ckpt in iter_marked(src_root):
+            yield entry.step, ckpt
+        return
+    for entry in list_steps(src_root):
+        if entry.kind == "dir" and entry.step == step:  # a symlinked step dir is never followed
+            ckpt = src_root.sub(entry.name)
+            if ckpt.stat(MARKER) is not None:
+                yield entry.step, ckpt
 
 
 def checkpoint_dir_for(dst: Storage, step: int) -> Storage:

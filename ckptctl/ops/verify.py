@@ -26,7 +26,7 @@ import torch
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, NoValidCheckpoint, NotFound
 from ckptctl.format import dtypes
-from ckptctl.format.checkpoint import marked, read_committed, read_header
+from ckptctl.format.checkpoint import iter_marked, read_committed, read_header
 from ckptctl.format.checksum import Hasher
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
@@ -256,15 +256,14 @@ def verify_root(root: Storage, *, which: Literal["latest", "all"], level: Level 
     """Every checkpoint that has a marker, newest first (``all``), or newest first until one
     verifies (``latest``: the reports of the newer ones that failed come first). Directories
     without a marker are not checkpoints yet and are skipped."""
-    candidates = marked(root)
-    if not candidates:
-        raise NoValidCheckpoint(f"{root.url}: no committed checkpoint", hint="nothing has been saved here yet, or every save failed")
     reports = []
-    for _, ckpt in candidates:
+    for _, ckpt in iter_marked(root):  # lazily: --latest stops at the first that verifies
         rep = verify_checkpoint(ckpt, level, progress)
         reports.append(rep)
         if which == "latest" and rep.ok:
             break
+    if not reports:
+        raise NoValidCheckpoint(f"{root.url}: no committed checkpoint", hint="nothing has been saved here yet, or every save failed")
     return reports
 
 
