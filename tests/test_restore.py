@@ -184,3 +184,16 @@ def test_restore_with_world_size_reshards_on_the_way(tmp_path):
     assert again.exit_code == 0 and again.json()["copy"]["status"] == "already present"
     refused = cli("restore", src, dst, "--world-size", "2")
     assert refused.exit_code == 1 and "different committed checkpoint" in refused.stderr
+
+
+def test_restore_in_a_real_process_prints_only_the_path_on_stdout(tmp_path):
+    from helpers import cli_subprocess
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    make_checkpoints(src, [8])
+    r = cli_subprocess("restore", src, dst)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == ckpt_dir(dst, 8) + "\n"
+    assert "restored step 8" in r.stderr
+    bad = cli_subprocess("restore", src, dst, "--step", "-1")
+    assert bad.exit_code == 2 and "Traceback" not in bad.stderr

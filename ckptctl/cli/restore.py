@@ -16,7 +16,7 @@ def restore(
     src: Annotated[str, typer.Argument(help="Checkpoint root to restore from: s3://bucket/prefix or a directory.")],
     dst: Annotated[str, typer.Argument(help="Root to restore into, usually fast local disk; the checkpoint lands in DST/step-XXXXXXXXXX.")],
     step: Annotated[Optional[int], typer.Option("--step", help="Restore this step; exit 1 if it does not verify (no fallback).")] = None,
-    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Re-shard the restored copy for a job of M ranks (as `ckptctl reshard` does), when it was saved by a different number.")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Re-shard the restored copy for a job of this many ranks (as `ckptctl reshard` does) when it was saved by a different number.")] = None,
     json: JsonOpt = False,
 ) -> None:
     """Copy the newest committed checkpoint that verifies from SRC into DST, and print its path.

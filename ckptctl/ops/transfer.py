@@ -7,8 +7,8 @@ byte checked out. So a destination without a marker is never mistaken for a chec
 interrupted copy run again restarts cleanly (shards whose bytes already verify in place are
 kept), and a corrupt source commits nothing.
 
-Memory: ``threads`` files at once, each holding one read piece plus what its writer buffers
-(on S3, ``max_inflight_parts`` parts); never a whole file.
+Memory: ``threads`` files at once, each holding one read piece (16 MiB) plus what its writer
+buffers (on S3, up to ``max_inflight_parts + 1`` parts: 144 MiB by default); never a whole file.
 """
 
 from __future__ import annotations
