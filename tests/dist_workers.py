@@ -65,8 +65,15 @@ def _main(scenario: str, rank: int, world_size: int, port: int, args: dict, out:
         result = SCENARIOS[scenario](rank, world_size, args)
     except BaseException as e:  # the test reads the failure from the result file
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.json") + ".tmp", "w") as f:
         json.dump(result, f)
+    os.replace(os.path.join(out, f"rank{rank}.json") + ".tmp", os.path.join(out, f"rank{rank}.json"))
+    if rank == 0:
+        # With tcp:// init the c10d store lives in rank 0's process (torchrun's lives in its
+        # agent): keep it up until the other ranks are done, as a real job's rank 0 would be.
+        deadline = time.monotonic() + args.get("linger", 60)
+        while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in range(world_size)):
+            time.sleep(0.05)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: a killed peer would make it hang
 
@@ -227,7 +234,8 @@ def kill_mid_write(rank: int, world_size: int, a: dict) -> dict:
         handle.wait()
         return {"first": first, "second": "committed"}
     except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
-        return {"first": first, "error": f"{type(e).__name__}: {e}", "cause": repr(e.__cause__), "waited": time.monotonic() - t0}
+        waited = time.monotonic() - t0
+        return {"first": first, "error": f"{type(e).__name__}: {e}", "cause": repr(e.__cause__), "waited": waited}
 
 
 def failing_write(rank: int, world_size: int, a: dict) -> dict:

@@ -12,7 +12,6 @@ import pytest
 
 from ckptctl.format.checkpoint import read_committed, read_header
 from ckptctl.format.layout import MARKER, step_dir
-from ckptctl.save.coordination import _missing_ranks
 from ckptctl.save.plan import assign_replicated
 from ckptctl.storage import open_storage
 from dist_workers import launch
@@ -89,13 +88,14 @@ def test_save_at_4_load_at_3_2_1_and_back_to_4_fsdp2_and_ddp(tmp_path):
 @pytest.mark.slow
 def test_rank_killed_mid_write_fails_the_save_on_every_survivor_within_the_timeout(tmp_path):
     root = str(tmp_path / "root")
-    res = launch("kill_mid_write", 3, {"root": root, "victim": 1, "timeout_s": 20}, str(tmp_path / "out"))
+    res = launch("kill_mid_write", 3, {"root": root, "victim": 1, "timeout_s": 8, "linger": 4}, str(tmp_path / "out"))
     assert res[1] == {"exit": -9}
     for r in (0, 2):
         assert res[r]["first"].endswith(step_dir(1))
         assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
-        assert res[r]["waited"] < 20 + 10
-    assert "rank 1 did not report" in res[0]["error"]  # the coordinator names the lost rank
+        assert res[r]["waited"] < 8 + 8
+    for r in (0, 2):  # every survivor names the lost rank (rank 0 found it, told the others)
+        assert "rank 1 did not report" in res[r]["error"], res[r]["error"]
     assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
     latest = cli("latest", root, "--json")
     assert latest.exit_code == 0 and step_dir(1) in latest.stdout
@@ -104,12 +104,13 @@ def test_rank_killed_mid_write_fails_the_save_on_every_survivor_within_the_timeo
 @pytest.mark.slow
 def test_rank_hung_mid_write_fails_the_save_on_every_other_rank_after_the_timeout(tmp_path):
     root = str(tmp_path / "root")
-    res = launch("kill_mid_write", 3, {"root": root, "victim": 2, "timeout_s": 4, "how": "hang"}, str(tmp_path / "out"))
+    res = launch("kill_mid_write", 3, {"root": root, "victim": 2, "timeout_s": 4, "how": "hang", "linger": 4}, str(tmp_path / "out"))
     assert res[2] == {"exit": 3}
     for r in (0, 1):
         assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
         assert 3 < res[r]["waited"] < 4 + 8  # bounded by the timeout, not by the hung rank
-    assert "rank 2 did not report within 4s" in res[0]["error"]
+    for r in (0, 1):
+        assert "rank 2 did not report within 4s" in res[r]["error"], res[r]["error"]
     assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
 
 
@@ -202,9 +203,3 @@ def test_replicated_tensors_are_assigned_by_size_deterministically():
     loads = [sum(sizes[n] for n, r in a.items() if r == k) for k in range(7)]
     assert max(loads) - min(loads) <= max(sizes.values())
     assert assign_replicated({"x": 5}, 1) == {"x": 0}
-
-
-def test_lost_ranks_are_read_from_gloo_monitored_barrier_errors():
-    assert _missing_ranks("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 5000 ms") == [1, 3]
-    assert _missing_ranks("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 10 ms") == [2]
-    assert _missing_ranks("Connection closed by peer") == []

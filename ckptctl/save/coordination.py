@@ -6,8 +6,9 @@ training's NCCL collectives, and a CPU-only exchange needs no device memory.
 
 One save's exchange, in order:
 
-1. ``monitored_barrier``: every rank has finished its write. Rank 0 waits at most
-   ``timeout_s`` and names the ranks that did not arrive (killed, hung, or far slower).
+1. A barrier: every rank has finished its write. Rank 0 waits at most ``timeout_s`` and
+   tells every other rank which ranks did not arrive (killed, hung, or far slower), so every
+   rank's error names them. This one step goes through the c10d store (see ``_barrier``).
 2. ``gather_object`` to rank 0: per rank a few hundred bytes (its file entry, or the error
    that stopped its write, the digest of its state's structure, a few timings).
 3. Rank 0 decides and broadcasts: fail (naming the failing ranks), commit, or plan first.
@@ -79,6 +80,8 @@ class Coordinator:
         self._last_plan: Plan | None = None  # the plan of the last committed save
         self._tensors: dict[str, TensorEntry] | None = None  # rank 0: checked table of that plan
         self._structure: str | None = None
+        self._store: "dist.Store | None" = None  # liveness side channel, see _barrier
+        self._round = 0  # saves coordinated so far; names this save's keys in the store
 
     @classmethod
     def create(cls, process_group: "dist.ProcessGroup | None", timeout_s: float) -> "Coordinator":
@@ -92,7 +95,9 @@ class Coordinator:
             use_local_synchronization=True,  # ranks outside process_group need not take part
             group_desc="ckptctl_coordination",
         )
-        return cls(group, timeout_s=timeout_s)
+        coord = cls(group, timeout_s=timeout_s)
+        coord._store = _side_channel(group)
+        return coord
 
     def close(self) -> None:
         # The group itself is left to destroy_process_group(): destroying a subgroup here
@@ -216,16 +221,66 @@ class Coordinator:
     # --- collectives ------------------------------------------------------------------------
 
     def _barrier(self, step: int) -> None:
+        """Wait until every rank has finished writing, at most ``timeout_s``; every rank learns
+        which ranks did not arrive.
+
+        Liveness goes through the c10d store every rank already talks to, not through the
+        gloo group: a gloo wait that times out breaks the group's connections, so rank 0
+        could no longer tell the others which rank was missing (``monitored_barrier`` names
+        it on rank 0 only and leaves the others blocked until their own timeout). The store
+        carries a few keys per save, independent of the number of ranks:
+
+        - each rank overwrites ``arrived/<rank>`` with the round number (for naming the
+          missing ranks on a timeout) and increments ``<round>/count``; the last one sets
+          ``<round>/all``;
+        - rank 0 waits for ``<round>/all`` up to the timeout, then writes ``<round>/answer``
+          (the missing ranks, or nothing); the others wait for that answer.
+        """
+        if self.world_size == 1:
+            return
+        if self._store is None:
+            return self._monitored_barrier(step)
+        self._round += 1
+        st, rnd, ws = self._store, self._round, self.world_size
+        missing: list[int] = []
+        try:
+            st.set(f"arrived/{self.rank}", str(rnd))
+            if st.add(f"{rnd}/count", 1) == ws:
+                st.set(f"{rnd}/all", "1")
+            if self.rank == 0:
+                try:
+                    st.wait([f"{rnd}/all"], self.timeout)
+                except RuntimeError:  # DistStoreError: timed out; find out who is missing
+                    missing = [r for r in range(ws) if not _arrived(st, r, rnd)]
+                st.set(f"{rnd}/answer", ",".join(map(str, missing)))
+                if rnd > 1:  # every rank has read the previous round's answer by now
+                    for key in (f"{rnd - 1}/count", f"{rnd - 1}/all", f"{rnd - 1}/answer"):
+                        st.delete_key(key)
+            else:
+                # Rank 0 may itself arrive up to a timeout late, then waits a timeout for the rest.
+                st.wait([f"{rnd}/answer"], 2 * self.timeout)
+                missing = [int(x) for x in st.get(f"{rnd}/answer").decode().split(",") if x]
+        except RuntimeError as e:  # the store is gone, or rank 0 never answered
+            self._lost(step, [0], _first_line(e), coordinator=True)
+        if missing:
+            self._lost(step, missing, "")
+
+    def _monitored_barrier(self, step: int) -> None:
+        """Fallback without a store: gloo's own, which names the missing ranks on rank 0."""
         try:
             dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
-        except RuntimeError as e:  # gloo raises RuntimeError (DistBackendError) on timeouts and lost peers
-            missing = _missing_ranks(str(e))
-            who = f"{_ranks(missing)} did not report" if missing else "some rank did not report (rank 0 names it)"
-            self.broken = f"{who} during the save of step {step}"
-            raise CoordinationError(
-                f"step {step}: {who} within {self.timeout.total_seconds():g}s; no marker was written ({_first_line(e)})",
-                hint="a rank died or hung while saving; restart the job and resume with load_latest",
-            ) from None
+        except RuntimeError as e:
+            found = sorted({int(x) for m in re.finditer(r"Ranks? ([\d, ]+?) failed to pass", str(e)) for x in re.findall(r"\d+", m.group(1))})
+            self._lost(step, found or [0], _first_line(e), coordinator=not found)
+
+    def _lost(self, step: int, missing: list[int], why: str, *, coordinator: bool = False) -> None:
+        who = "rank 0 (the coordinator), or the c10d store it answers through," if coordinator else _ranks(missing)
+        self.broken = f"{who} did not report during the save of step {step}"
+        raise CoordinationError(
+            f"step {step}: {who} did not report within {self.timeout.total_seconds():g}s; no marker was written"
+            + (f" ({why})" if why else ""),
+            hint="a rank died or hung while saving; restart the job and resume with load_latest",
+        )
 
     def _collective(self, step: int | None, what: str, fn: Callable[[], object]) -> None:
         """Run one collective; ``step`` None for a load. A failure breaks the coordinator."""
@@ -241,12 +296,20 @@ class Coordinator:
             ) from None
 
 
-def _missing_ranks(message: str) -> list[int]:
-    # gloo: "Ranks 1, 3 failed to pass monitoredBarrier in 5000 ms" / "Rank 2 failed to pass ..."
-    found: list[int] = []
-    for m in re.finditer(r"Ranks? ([\d, ]+?) failed to pass monitoredBarrier", message):
-        found += [int(x) for x in re.findall(r"\d+", m.group(1))]
-    return sorted(set(found))
+def _side_channel(group: "dist.ProcessGroup") -> "dist.Store | None":
+    """The c10d store of the default group, under a prefix of this group's own; None where
+    torch does not expose it (then the barrier falls back to ``monitored_barrier``)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store  # private, hence guarded
+
+        return dist.PrefixStore(f"ckptctl/{group.group_name}/", _get_default_store())
+    except (ImportError, AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def _arrived(st: "dist.Store", rank: int, rnd: int) -> bool:
+    key = f"arrived/{rank}"
+    return st.check([key]) and st.get(key).decode() == str(rnd)
 
 
 def _ranks(ranks: list[int]) -> str:
