@@ -394,6 +394,37 @@ def subgroups(rank: int, world_size: int, a: dict) -> dict:
     return {"path": path, "rank": ckpt.rank, "world_size": ckpt.world_size, "w_ok": bool(torch.equal(loaded["w"], w)), "extra": loaded["extra"]}
 
 
+def _loader(rank: int, world_size: int):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from torch.utils.data.distributed import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = torch.arange(64, dtype=torch.float32)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=3)
+    return StatefulDataLoader(data, batch_size=2, sampler=sampler)
+
+
+def loader_positions(rank: int, world_size: int, a: dict) -> dict:
+    """Each rank's data loader is at a different position; a resume puts each back at its own."""
+    from ckptctl import Checkpointer
+
+    ckpt = Checkpointer(a["root"], timeout_s=60)
+    loader = _loader(rank, world_size)
+    if a["phase"] == "save":
+        it = iter(loader)
+        for _ in range(rank + 1):  # rank r has consumed r + 1 batches
+            next(it)
+        ckpt.save(1, {"loader": loader, "w": torch.ones(3)}).wait()
+        upcoming = next(it).tolist()
+    else:
+        ckpt.load_latest({"loader": loader, "w": torch.zeros(3)})
+        upcoming = next(iter(loader)).tolist()
+    ckpt.close()
+    return {"next": upcoming}
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "train_save": train_save,
     "load_check": load_check,
@@ -404,4 +435,5 @@ SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "mismatch": mismatch,
     "two_saves": two_saves,
     "subgroups": subgroups,
+    "loader_positions": loader_positions,
 }

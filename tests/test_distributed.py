@@ -184,6 +184,15 @@ def test_corruption_seen_by_one_rank_moves_every_rank_to_the_older_checkpoint(tm
 
 
 @pytest.mark.slow
+def test_each_rank_resumes_its_own_data_loader_position(tmp_path):
+    root = str(tmp_path / "root")
+    saved = _ok(launch("loader_positions", 2, {"root": root, "phase": "save"}, str(tmp_path / "a")))
+    assert saved[0]["next"] != saved[1]["next"]
+    resumed = _ok(launch("loader_positions", 2, {"root": root, "phase": "load"}, str(tmp_path / "b")))
+    assert {r: v["next"] for r, v in resumed.items()} == {r: v["next"] for r, v in saved.items()}
+
+
+@pytest.mark.slow
 def test_process_group_selects_the_ranks_that_checkpoint_together(tmp_path):
     root = str(tmp_path / "root")
     res = _ok(launch("subgroups", 4, {"root": root}, str(tmp_path / "out")))
