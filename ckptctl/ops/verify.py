@@ -163,15 +163,30 @@ def stream_file(
     file_hash = Hasher()
     chunks = sorted(h.chunks, key=lambda c: c.begin)
     hashers = [Hasher() for _ in chunks]
-    buf = bytearray(min(PIECE, max(f.size, 1)))
+    size = min(PIECE, max(f.size, 1))
+    bufs = (bytearray(size), bytearray(size))
+    starts = range(0, f.size, PIECE)
     ci = 0
-    with ckpt.open_reader(f.name) as r:
-        for pos in range(0, f.size, PIECE):
-            n = min(PIECE, f.size - pos)
-            view = memoryview(buf)[:n]
+    # While one piece is hashed (and copied by ``sink``), the next is already being read: on
+    # S3 that keeps a GET in flight all the time instead of alternating network and CPU.
+    # The pool is left (waiting for any read still in flight) before the reader is closed.
+    with ckpt.open_reader(f.name) as r, ThreadPoolExecutor(1, thread_name_prefix="ckptctl-prefetch") as ahead:
+
+        def fetch(k: int) -> memoryview:
+            pos = starts[k]
+            view = memoryview(bufs[k % 2])[: min(PIECE, f.size - pos)]
+            r.read_into(pos, view)
+            return view
+
+        pending = ahead.submit(fetch, 0) if starts else None
+        for k, pos in enumerate(starts):
+            assert pending is not None
+            view = pending.result()
             if stop is not None and stop.is_set():
                 return problems, pos
-            r.read_into(pos, view)
+            # The other buffer is free again: the piece before this one is fully consumed.
+            pending = ahead.submit(fetch, k + 1) if k + 1 < len(starts) else None
+            n = len(view)
             file_hash.update(view)
             # Hand each part of the piece to the chunk it belongs to (the header is no chunk's).
             lo, hi = pos, pos + n
