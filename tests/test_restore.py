@@ -197,3 +197,13 @@ def test_restore_in_a_real_process_prints_only_the_path_on_stdout(tmp_path):
     assert "restored step 8" in r.stderr
     bad = cli_subprocess("restore", src, dst, "--step", "-1")
     assert bad.exit_code == 2 and "Traceback" not in bad.stderr
+
+
+def test_src_may_name_one_checkpoint(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    make_checkpoints(src, [1, 2])
+    r = cli("restore", ckpt_dir(src, 1), dst)
+    assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(dst, 1)
+    wrong = cli("restore", ckpt_dir(src, 1), dst, "--step", "2")
+    assert wrong.exit_code == 1 and "not 2" in wrong.stderr
+    assert cli("restore", str(tmp_path / "empty"), dst).exit_code == 1

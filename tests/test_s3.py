@@ -267,3 +267,17 @@ def test_restore_and_latest_find_the_newest_among_more_than_1000(s3_url, s3_serv
     assert cli("latest", s3_url).stdout.strip() == f"{s3_url}/{step_dir(6000)}"
     r = cli("restore", s3_url, str(tmp_path))
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(str(tmp_path), 6000)
+
+
+def test_restore_from_a_failing_store_is_exit_3_and_commits_nothing(proxy, s3_url, tmp_path, monkeypatch):
+    with Checkpointer(s3_url) as ck:
+        ck.save(1, _state(1)).wait()
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    # Listing and metadata work; every read of shard data fails for good.
+    proxy.rule = lambda method, path: "503" if method == "GET" and ".safetensors" in path else None
+    r = cli("restore", s3_url, str(tmp_path))
+    assert r.exit_code == 3 and "storage error" in r.stderr and ".safetensors" in r.stderr
+    assert not os.path.exists(os.path.join(ckpt_dir(str(tmp_path), 1), MARKER))
+    proxy.rule = lambda method, path: None
+    again = cli("restore", s3_url, str(tmp_path))
+    assert again.exit_code == 0 and again.stdout.strip() == ckpt_dir(str(tmp_path), 1)

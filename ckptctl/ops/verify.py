@@ -24,7 +24,7 @@ from typing import Callable, Literal
 
 import torch
 
-from ckptctl.errors import CkptError, InvalidCheckpoint, NoValidCheckpoint, NotFound
+from ckptctl.errors import CheckpointError, InvalidCheckpoint, NoValidCheckpoint, NotFound
 from ckptctl.format import dtypes
 from ckptctl.format.checkpoint import iter_marked, read_committed, read_header
 from ckptctl.format.checksum import Hasher
@@ -124,7 +124,7 @@ def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[P
         return None
     try:
         h = read_header(ckpt, f.name)
-    except CkptError as e:
+    except CheckpointError as e:  # a bad header; storage trouble (exit 3) is not the checkpoint's fault
         problems.append(Problem(str(e), file=f.name, hint=e.hint))
         return None
     ok = True
