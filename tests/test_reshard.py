@@ -258,7 +258,7 @@ def test_column_sharded_tensors_stay_column_sharded(tmp_path):
     files = []
     for r in range(2):
         specs = [ChunkSpec("model/w", "float32", (6, 5), (0, 5 * r))] + ([ChunkSpec("model/b", "float32", (6,), (0,))] if r == 0 else [])
-        fill = lambda s, out: out.copy_(w[:, s.offsets[1] : s.offsets[1] + 5] if s.name == "model/w" else b)  # noqa: E731
+        fill = lambda s, out, row: out.copy_((w[:, s.offsets[1] : s.offsets[1] + 5] if s.name == "model/w" else b)[row : row + len(out)])  # noqa: E731
         files.append(write_shard_streaming(src, shard_name(r, 2), specs, fill, rank=r).file)
     commit(src, Manifest(step=1, created=_time.time(), world_size=2, files=files,
                          tensors={"model/w": TensorEntry("float32", (6, 10), "model", 2), "model/b": TensorEntry("float32", (6,), "model", 1)},

@@ -24,8 +24,8 @@ def reshard(
     """Rewrite a checkpoint for a job of M ranks, one shard file per rank.
 
     SRC is verified (every checksum) first and is never modified. Large or already sharded
-    tensors are split along dim 0 like torch.chunk; small ones are spread over the ranks to
-    balance shard sizes. DST gets its shards, then the manifest, then the marker, and is
+    tensors are split like torch.chunk, along the dimension SRC shards them along (else dim
+    0); small ones are spread over the ranks to balance shard sizes. DST gets its shards, then the manifest, then the marker, and is
     verified before success is reported. Memory stays bounded by the largest tensor plus a
     fixed buffer. Under torchrun each rank writes its share of the target shards.
 

@@ -250,10 +250,11 @@ def _write_ckptctl(dst: Storage, metas: dict[str, TensorMeta], fill: Any, *, tre
     specs = [ChunkSpec(m.name, m.dtype, m.shape, tuple(0 for _ in m.shape)) for m in metas.values()]
     by_name = metas
 
-    def fill_chunk(spec: ChunkSpec, out: torch.Tensor) -> None:
+    def fill_chunk(spec: ChunkSpec, out: torch.Tensor, row: int) -> None:
         fill(by_name[spec.name], out)
 
-    written = write_shard_streaming(dst, shard_name(0, 1), specs, fill_chunk, rank=0)
+    # Whole chunks: sources read whole tensors (a DCP record is one unit).
+    written = write_shard_streaming(dst, shard_name(0, 1), specs, fill_chunk, rank=0, piece_bytes=None)
     manifest = Manifest(
         step=step if step is not None else 0,
         created=time.time(),

@@ -133,8 +133,9 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
         rank_states = reader.rank_states()
         report = ReshardReport(src.url, dst.url, m.step, world_size, m.world_size, tensors=len(m.tensors), writers=n)
 
-        def fill(spec: ChunkSpec, out: torch.Tensor) -> None:
-            reader.read_into(ReadJob(spec.name, out, spec.offsets))
+        def fill(spec: ChunkSpec, out: torch.Tensor, row: int) -> None:
+            offsets = (spec.offsets[0] + row, *spec.offsets[1:]) if spec.offsets else spec.offsets
+            reader.read_into(ReadJob(spec.name, out, offsets))
             if progress:
                 progress(out.numel() * out.element_size())
 

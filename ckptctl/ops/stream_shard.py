@@ -18,7 +18,8 @@ checksum must be known before the first data byte is written. The options weighe
    chunk that is a whole, already-verified source chunk) skip pass 1 entirely.
 
 Option 3 reads the source at most twice, writes once, needs no scratch space, works the same
-on every backend, and memory is one buffer of the largest chunk. Re-reads are cheap when the
+on every backend. Each chunk streams through one small buffer in pieces of whole rows
+(``PIECE``), so memory is that buffer, not even a whole tensor. Re-reads are cheap when the
 source sits in the page cache; ``scripts/bench_reshard.py`` measures the cost.
 """
 
@@ -26,13 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes
-from ckptctl.format.checksum import Hasher, digest
+from ckptctl.format.checksum import Hasher
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
 from ckptctl.interop.base import TensorBuffer, byte_view
@@ -56,8 +57,11 @@ class ChunkSpec:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
 
-# Fills ``out`` (a contiguous tensor of the spec's dtype and shape) with the chunk's bytes.
-Fill = Callable[[ChunkSpec, torch.Tensor], None]
+# Fills ``out`` with the chunk's rows ``[row, row + len(out))`` (all of it for a 0-d chunk):
+# ``out`` is contiguous, of the spec's dtype, shaped ``(rows, *spec.shape[1:])``.
+Fill = Callable[[ChunkSpec, torch.Tensor, int], None]
+
+PIECE = 4 << 20  # measured: 4 MiB pieces stay in cache; 64 MiB ones ran 2.5x slower end to end
 
 
 @dataclass
@@ -74,10 +78,23 @@ def layout(specs: Sequence[ChunkSpec]) -> list[ChunkSpec]:
 
 
 class ChunkBuffer(TensorBuffer):
-    """One reusable byte buffer, grown to the largest chunk seen, viewed as each chunk."""
+    """One reusable byte buffer, viewed as each piece of each chunk."""
 
-    def chunk(self, spec: ChunkSpec) -> torch.Tensor:
-        return self.view(spec.dtype, spec.shape)
+
+def pieces(spec: ChunkSpec, buf: TensorBuffer, piece_bytes: int | None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, buffer view) for each run of whole rows of about ``piece_bytes`` (whole
+    chunk when None; at least one row, so a single huge row is one piece)."""
+    if not spec.shape or piece_bytes is None:
+        yield 0, buf.view(spec.dtype, spec.shape)
+        return
+    rows = spec.shape[0]
+    row_bytes = max(spec.nbytes // max(rows, 1), 1)
+    step = max(1, piece_bytes // row_bytes)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        yield r, buf.view(spec.dtype, (n, *spec.shape[1:]))
+    if rows == 0:
+        yield 0, buf.view(spec.dtype, spec.shape)
 
 
 def write_shard_streaming(
@@ -89,18 +106,22 @@ def write_shard_streaming(
     rank: int,
     rank_state: dict[str, Any] | None = None,
     buffer: ChunkBuffer | None = None,
+    piece_bytes: int | None = PIECE,
 ) -> ShardWritten:
-    """Write shard ``name`` holding ``specs``, reading each chunk through ``fill``."""
+    """Write shard ``name`` holding ``specs``, reading each chunk through ``fill`` in pieces of
+    whole rows (``piece_bytes=None``: whole chunks, for sources that read whole tensors only)."""
     buf = buffer or ChunkBuffer()
     ordered = layout(specs)
     result = ShardWritten(FileEntry(name, 0, "", rank, 0))
     checksums: list[str] = []
     for s in ordered:  # pass 1: checksums only
         if s.checksum is None:
-            out = buf.chunk(s)
-            fill(s, out)
+            h = Hasher()
+            for row, out in pieces(s, buf, piece_bytes):
+                fill(s, out, row)
+                h.update(byte_view(out))
             result.bytes_read += s.nbytes
-            checksums.append(digest(byte_view(out)))
+            checksums.append(h.hexdigest())
         else:
             checksums.append(s.checksum)
     pos, chunks = 0, []
@@ -112,21 +133,23 @@ def write_shard_streaming(
     file_hash.update(header)
     with storage.open_writer(name) as w:  # an exception aborts: no partial file is published
         w.write(header)
-        for s, c in zip(ordered, chunks):  # pass 2: read again, check, write
-            out = buf.chunk(s)
-            fill(s, out)
+        for s, c in zip(ordered, chunks):  # pass 2: read again, write, check
+            h = Hasher()
+            for row, out in pieces(s, buf, piece_bytes):
+                fill(s, out, row)
+                data = byte_view(out)
+                h.update(data)
+                for p in range(0, len(data), WRITE_PIECE):
+                    piece = data[p : p + WRITE_PIECE]
+                    file_hash.update(piece)
+                    w.write(piece)
             result.bytes_read += s.nbytes
-            data = byte_view(out)
-            if digest(data) != c.checksum:
+            if h.hexdigest() != c.checksum:  # raising aborts the writer: nothing is published
                 raise InvalidCheckpoint(
                     f"tensor {s.name!r} at offsets {list(s.offsets)}: source bytes changed between "
                     f"reads, or do not match the source checksum, while writing {storage.url_of(name)}",
                     hint="the source is being modified or is corrupt; verify it and retry",
                 )
-            for p in range(0, len(data), WRITE_PIECE):
-                piece = data[p : p + WRITE_PIECE]
-                file_hash.update(piece)
-                w.write(piece)
     result.file = FileEntry(name, len(header) + pos, file_hash.hexdigest(), rank, len(chunks))
     result.chunks = chunks
     return result
