@@ -9,14 +9,16 @@ One save's exchange, in order:
 1. A barrier: every rank has finished its write. Rank 0 waits at most ``timeout_s`` and
    tells every other rank which ranks did not arrive (killed, hung, or far slower), so every
    rank's error names them. This one step goes through the c10d store (see ``_barrier``).
-2. ``gather_object`` to rank 0: per rank a few hundred bytes (its file entry, or the error
-   that stopped its write, the digest of its state's structure, a few timings).
-3. Rank 0 decides and broadcasts: fail (naming the failing ranks), commit, or plan first.
-4. Only when some rank re-planned (the state's structure changed) or the last save failed: a
-   ``reduce`` of each rank's per-tensor (chunks, elements) to rank 0, which counts every
-   tensor's chunks for the manifest and checks that every tensor is covered exactly once.
-5. Rank 0 writes manifest and marker, then broadcasts the outcome; every rank's ``wait()``
-   returns the same URL or raises the same error.
+2. A ``gather`` to rank 0 of one fixed-size JSON report per rank (1 KiB: its file entry, or
+   the error that stopped its write, the digest of its state's structure, a few timings).
+3. Rank 0 decides: fail (naming the failing ranks), or commit (manifest, then marker), or,
+   only when some rank re-planned (the state's structure changed) or the last save failed,
+   plan first: then a ``reduce`` of each rank's per-tensor (chunks, elements) lets rank 0
+   count every tensor's chunks for the manifest and check that every tensor is covered
+   exactly once, and commit.
+4. One ``broadcast`` of the outcome; every rank's ``wait()`` returns the same URL or raises
+   the same error. In the steady state a save costs the barrier, one gather and one
+   broadcast, whatever the number of tensors.
 
 Rank 0 receives O(ranks) bytes per save and O(tensors) per re-plan (the reduce sums in the
 network), so its work and the manifest grow with ranks + tensors, never ranks x tensors.
@@ -30,6 +32,7 @@ proceeds normally.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -120,17 +123,16 @@ class Coordinator:
             )
         report = RankReport(self.rank, step, file, error, plan.structure, plan is not self._last_plan, stats)
         self._barrier(step)
-        gathered: list[object] | None = [None] * self.world_size if self.rank == 0 else None
-        self._collective(step, "gather", lambda: dist.gather_object(asdict(report), gathered, group=self.group, group_dst=0))
-        decision = [self._decide(gathered, plan) if self.rank == 0 else None]
-        self._collective(step, "broadcast", lambda: dist.broadcast_object_list(decision, group=self.group, group_src=0))
-        action, message = decision[0]
+        gathered = self._gather(step, asdict(report))
+        # Rank 0 decides and, in the steady state, commits before answering: one broadcast.
+        answer = None
+        if self.rank == 0:
+            answer = self._decide(gathered, plan)
+            if answer[0] == "commit":
+                answer = self._commit(step, gathered, commit)
+        action, message = self._broadcast(step, answer)
         if action == "plan":
-            action, message = self._plan_round(step, plan)
-        if action == "commit":
-            outcome = [self._commit(step, gathered, commit) if self.rank == 0 else None]
-            self._collective(step, "broadcast", lambda: dist.broadcast_object_list(outcome, group=self.group, group_src=0))
-            action, message = outcome[0]
+            action, message = self._plan_round(step, plan, gathered, commit)
         if action != "ok":
             self._last_plan = None  # the next save re-checks the plan from scratch
             raise CoordinationError(message, hint="no marker was written; the partial directory is left for `ckptctl prune`")
@@ -158,15 +160,33 @@ class Coordinator:
             return "plan", ""
         return "commit", ""
 
-    def _plan_round(self, step: int, plan: Plan) -> tuple[str, str]:
-        """Sum every rank's (chunks, elements) per tensor at rank 0 and check coverage."""
+    def _plan_round(self, step: int, plan: Plan, gathered: list | None, commit: CommitFn) -> tuple[str, str]:
+        """Sum every rank's (chunks, elements) per tensor at rank 0, check coverage, commit."""
         cov = torch.tensor(plan.coverage or [], dtype=torch.int64).reshape(len(plan.table), 2)
         self._collective(step, "reduce", lambda: dist.reduce(cov, group=self.group, group_dst=0))
-        verdict: list = [None]
+        answer = None
         if self.rank == 0:
-            verdict[0] = self._check_coverage(step, plan, cov)
-        self._collective(step, "broadcast", lambda: dist.broadcast_object_list(verdict, group=self.group, group_src=0))
-        return verdict[0]
+            answer = self._check_coverage(step, plan, cov)
+            if answer[0] == "commit":
+                answer = self._commit(step, gathered, commit)
+        return self._broadcast(step, answer)
+
+    # Fixed-size JSON messages: one collective each (gather_object and broadcast_object_list
+    # first exchange sizes, an all-gather over every rank, then the pickled data).
+
+    def _gather(self, step: int, report: dict) -> list[dict] | None:
+        """Every rank's report at rank 0 (None elsewhere)."""
+        mine = _pack(report, REPORT_BYTES, shorten="error")
+        out = [torch.empty(REPORT_BYTES, dtype=torch.uint8) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._collective(step, "gather", lambda: dist.gather(mine, out, group=self.group, group_dst=0))
+        return [_unpack(t) for t in out] if out is not None else None
+
+    def _broadcast(self, step: int, answer: tuple[str, str] | None) -> tuple[str, str]:
+        """Rank 0's (action, message) on every rank."""
+        buf = _pack(list(answer), ANSWER_BYTES, shorten=1) if answer is not None else torch.empty(ANSWER_BYTES, dtype=torch.uint8)
+        self._collective(step, "broadcast", lambda: dist.broadcast(buf, group=self.group, group_src=0))
+        action, message = _unpack(buf)
+        return action, message
 
     def _check_coverage(self, step: int, plan: Plan, cov: torch.Tensor) -> tuple[str, str]:
         tensors: dict[str, TensorEntry] = {}
@@ -205,7 +225,7 @@ class Coordinator:
         box = [value]
         self._usable("load")
         self._collective(None, "broadcast", lambda: dist.broadcast_object_list(box, group=self.group, group_src=0))
-        return box[0]
+        return box[0]  # once per resume, of any size: the generic (two-step) broadcast is fine
 
     def agree(self, verdict: int) -> int:
         """The lowest of every rank's verdict (AGREE_FATAL < AGREE_SKIP < AGREE_OK)."""
@@ -310,6 +330,29 @@ def _side_channel(group: "dist.ProcessGroup") -> "dist.Store | None":
 def _arrived(st: "dist.Store", rank: int, rnd: int) -> bool:
     key = f"arrived/{rank}"
     return st.check([key]) and st.get(key).decode() == str(rnd)
+
+
+REPORT_BYTES = 1024  # one rank's report: ~350 bytes, plus room for an error message
+ANSWER_BYTES = 4096  # rank 0's answer: the outcome, naming up to a few failing ranks
+
+
+def _pack(doc: object, size: int, *, shorten: object) -> torch.Tensor:
+    """``doc`` as JSON in a zero-padded uint8 tensor of ``size`` bytes; the string at key or
+    index ``shorten`` is cut to fit (an error message may be arbitrarily long)."""
+    raw = json.dumps(doc).encode()
+    if len(raw) > size:
+        text = doc[shorten]  # type: ignore[index]
+        keep = max(0, len(text) - (len(raw) - size) - 16)
+        doc[shorten] = text[:keep] + " [...]"  # type: ignore[index]
+        raw = json.dumps(doc).encode()
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def _unpack(t: torch.Tensor) -> object:
+    raw = bytes(t.numpy().tobytes()).rstrip(b"\0")
+    return json.loads(raw)
 
 
 def _ranks(ranks: list[int]) -> str:
