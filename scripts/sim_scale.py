@@ -7,7 +7,7 @@ code a save runs outside the collectives themselves:
 
 - one rank's planning (``make_plan``: layout, structure digest, coverage vector); the same
   on every rank, in parallel, so it is timed once;
-- rank 0's share of the exchange: unpickling one report per rank (what ``gather_object``
+- rank 0's share of the exchange: decoding one JSON report per rank (what the ``gather``
   hands it), deciding (``Coordinator._decide``), checking coverage of every tensor once the
   ``reduce`` has summed the ranks' vectors (the summing is done by the collective, spread over
   the ranks, so the sim gives rank 0 the summed vector), and building and serialising the
@@ -21,8 +21,8 @@ index (ranks x tensors entries), which is why that index lives in the shard head
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import pickle
 import sys
 import time
 from dataclasses import asdict
@@ -31,7 +31,7 @@ import torch
 
 from ckptctl.format.manifest import FileEntry
 from ckptctl.save.commit import manifest_of
-from ckptctl.save.coordination import Coordinator, RankReport
+from ckptctl.save.coordination import REPORT_BYTES, Coordinator, RankReport, _pack, _unpack
 from ckptctl.save.plan import make_plan, signature_of
 from ckptctl.state.capture import LOCAL, SavedTensor
 
@@ -66,13 +66,13 @@ def simulate_once(ranks: int, tensors: int) -> dict[str, float]:
     plan = make_plan(local, signature_of(local), rank=0, world_size=ranks)
     t_plan = time.perf_counter() - t0
 
-    # What gather_object delivers to rank 0: one pickled report per rank.
+    # What the gather delivers to rank 0: one fixed-size JSON report per rank.
     payloads = []
     for r in range(ranks):
         entry = FileEntry(f"rank-{r:05d}-of-{ranks:05d}.safetensors", 1 << 30, "0123456789abcdef", r, tensors)
         rep = RankReport(r, 1000, entry, None, plan.structure, r == 0, {"bytes": float(1 << 30), "stall_s": 0.5, "write_s": 3.0})
-        payloads.append(pickle.dumps(asdict(rep)))
-    per_report = len(payloads[0])
+        payloads.append(_pack(asdict(rep), REPORT_BYTES, shorten="error"))
+    per_report = len(json.dumps(asdict(rep)))
     summed = torch.tensor(plan.coverage, dtype=torch.int64).reshape(len(plan.table), 2)
     summed[:, 0] = ranks  # after the reduce: every rank holds one chunk of every tensor
     summed[:, 1] = ROWS * COLS
@@ -86,7 +86,7 @@ def simulate_once(ranks: int, tensors: int) -> dict[str, float]:
         return "sim://step-0000001000"
 
     t0 = time.perf_counter()
-    gathered = [pickle.loads(p) for p in payloads]
+    gathered = [_unpack(p) for p in payloads]
     action, _ = coord._decide(gathered, plan)
     assert action == "plan", action
     action, msg = coord._check_coverage(1000, plan, summed)
@@ -99,7 +99,7 @@ def simulate_once(ranks: int, tensors: int) -> dict[str, float]:
         g["replanned"] = False
     coord._last_plan = plan
     t0 = time.perf_counter()
-    gathered2 = [pickle.loads(p) for p in payloads]
+    gathered2 = [_unpack(p) for p in payloads]
     for g in gathered2:
         g["replanned"] = False
     assert coord._decide(gathered2, plan)[0] == "commit"
