@@ -76,12 +76,18 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
         result.seconds = time.perf_counter() - t0
         return result
 
+    def quick_check(f: FileEntry) -> tuple[ShardHeader | None, list[Problem]]:
+        found: list[Problem] = []
+        return check_file(src, f, manifest, found), found
+
     problems: list[Problem] = []
     headers: dict[str, ShardHeader] = {}
-    for f in manifest.files:
-        h = check_file(src, f, manifest, problems)
-        if h is not None:
-            headers[f.name] = h
+    # In parallel: on S3 each file costs a HEAD and a ranged GET, and a job has many ranks.
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-check") as pool:
+        for f, (h, found) in zip(manifest.files, pool.map(quick_check, manifest.files)):
+            problems.extend(found)
+            if h is not None:
+                headers[f.name] = h
     if problems:
         raise InvalidCheckpoint(_describe(problems, src.url), hint=problems[0].hint or "copy an older checkpoint")
 
@@ -112,7 +118,13 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-copy") as pool:
         futures: list[Future[tuple[list[Problem], bool]]] = [pool.submit(copy_one, f) for f in manifest.files]
-        wait(futures)
+        try:
+            wait(futures)
+        except BaseException:
+            stop.set()  # Ctrl-C: workers abort their writers at the next piece instead of finishing
+            for future in futures:
+                future.cancel()
+            raise
     for future in futures:
         future.result()  # a storage error or interrupt in any worker surfaces here
     for future in futures:
