@@ -212,3 +212,44 @@ def test_replicated_tensors_are_assigned_by_size_deterministically():
     loads = [sum(sizes[n] for n, r in a.items() if r == k) for k in range(7)]
     assert max(loads) - min(loads) <= max(sizes.values())
     assert assign_replicated({"x": 5}, 1) == {"x": 0}
+
+
+def _report(rank: int, step: int = 7, *, error: str | None = None, structure: str = "s", replanned: bool = False) -> dict:
+    from dataclasses import asdict
+
+    from ckptctl.format.manifest import FileEntry
+    from ckptctl.save.coordination import RankReport
+
+    entry = None if error else FileEntry(f"rank-{rank:05d}-of-00004.safetensors", 10, "ab", rank, 1)
+    return asdict(RankReport(rank, step, entry, error, structure, replanned, {"bytes": 10.0, "write_s": 0.1 * rank}))
+
+
+def test_rank0_decides_from_the_reports_alone():
+    from types import SimpleNamespace
+
+    from ckptctl.save.coordination import Coordinator
+
+    coord = Coordinator(None, timeout_s=5, rank=0, world_size=4)
+    plan = SimpleNamespace(structure="s")
+    ok = [_report(r) for r in range(4)]
+    assert coord._decide(ok, plan) == ("plan", "")  # nothing checked yet
+    coord._structure = "s"
+    assert coord._decide(ok, plan) == ("commit", "")  # cached plan: no coverage round
+    assert coord._decide(ok[:3] + [_report(3, replanned=True)], plan) == ("plan", "")
+    action, msg = coord._decide([_report(0), _report(1, error="disk full"), _report(2), _report(3, error="EIO")], plan)
+    assert action == "fail" and "ranks 1, 3 failed" in msg and "rank 1: disk full" in msg and "rank 3: EIO" in msg
+    action, msg = coord._decide(ok[:3] + [_report(3, step=8)], plan)
+    assert action == "fail" and "different steps [7, 8]" in msg
+    action, msg = coord._decide(ok[:2] + [_report(2, structure="t"), _report(3)], plan)
+    assert action == "fail" and "rank 2" in msg
+
+
+def test_messages_are_fixed_size_json_and_long_errors_are_cut_to_fit():
+    from ckptctl.save.coordination import REPORT_BYTES, _pack, _unpack
+
+    doc = _report(2, error="x" * 5000 + " \N{UMBRELLA WITH RAIN DROPS}" * 300)
+    packed = _pack(dict(doc), REPORT_BYTES, shorten="error")
+    assert packed.numel() == REPORT_BYTES
+    back = _unpack(packed)
+    assert back["rank"] == 2 and back["error"].startswith("xxx") and back["error"].endswith("[...]")
+    assert _unpack(_pack(_report(1), REPORT_BYTES, shorten="error")) == _report(1)

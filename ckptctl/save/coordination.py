@@ -342,7 +342,15 @@ def _pack(doc: object, size: int, *, shorten: object) -> torch.Tensor:
     raw = json.dumps(doc).encode()
     if len(raw) > size:
         text = doc[shorten]  # type: ignore[index]
-        keep = max(0, len(text) - (len(raw) - size) - 16)
+        # Bytes left for the string once everything else is encoded; characters escape to
+        # 1 to 12 bytes of JSON, so they are counted one by one.
+        budget = size - (len(raw) - len(json.dumps(text).encode())) - len(json.dumps(" [...]").encode())
+        used, keep = 0, 0
+        for ch in text:
+            used += len(json.dumps(ch).encode()) - 2
+            if used > budget:
+                break
+            keep += 1
         doc[shorten] = text[:keep] + " [...]"  # type: ignore[index]
         raw = json.dumps(doc).encode()
     out = torch.zeros(size, dtype=torch.uint8)
