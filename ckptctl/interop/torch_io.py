@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.errors import InvalidCheckpoint, StateError, UsageError
 from ckptctl.format import dtypes
 from ckptctl.interop.base import Fill, Source, TensorMeta, Written, byte_view, group_of
 from ckptctl.state import tree as statetree
@@ -79,8 +79,8 @@ class TorchSource(Source):
 
         try:
             self.tree = {str(k): statetree.encode(v, (str(k),), on_tensor) for k, v in obj.items()}
-        except Exception as e:  # StateError: a value weights_only allowed but JSON cannot hold
-            raise UsageError(f"{path}: {e}") from None
+        except StateError as e:  # a value weights_only allows but JSON cannot hold (a set, bytes)
+            raise UsageError(f"{path}: {e}", hint=e.hint) from None
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         t = self._tensors[name]
@@ -160,15 +160,16 @@ def write_torch(path: str, tree: Any, metas: dict[str, TensorMeta], fill: Fill) 
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(path)[:180]}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    done = False
     try:
         with skip_data(materialize_fake_tensors=True):
             torch.save(obj, tmp)
         _fill_records(tmp, [metas[n] for n in order], fill)
         os.rename(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+        done = True
+    finally:
+        if not done and os.path.exists(tmp):  # any failure, interrupts included: no half file left
             os.unlink(tmp)
-        raise
     dfd = os.open(parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
