@@ -28,6 +28,10 @@ half sent), so the coordinator is then *broken*: every later save fails at once 
 ``CoordinationError`` instead of mismatching messages. A lost rank means the job restarts.
 A rank whose write merely failed is no such case: the exchange completes and the next save
 proceeds normally.
+
+A killed rank is noticed when ``timeout_s`` runs out, not sooner: the store cannot tell a dead
+rank from a slow writer. Under torchrun the agent usually restarts the whole job first; the
+timeout is the bound for the cases it does not (a hung write, a rank stuck elsewhere).
 """
 
 from __future__ import annotations
