@@ -15,7 +15,7 @@ from ckptctl.format.layout import MARKER
 from helpers import cli
 from test_reshard import TENSOR_MIB, TENSORS, assert_bitwise, baseline_mib, big_checkpoint, make_model, peak_rss_mib, saved, tensors_of  # noqa: F401
 
-SLACK_MIB = 96
+SLACK_MIB = 160  # as in test_reshard: verify alone holds up to 128 MiB of pieces
 
 
 def convert(*args: str):
