@@ -45,7 +45,7 @@ from ckptctl.format import dtypes
 from ckptctl.format.layout import MARKER, shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.ops.stream_shard import ChunkBuffer, ChunkSpec, write_shard_streaming
+from ckptctl.ops.stream_shard import ChunkBuffer, ChunkSpec, with_checksums, write_shard_streaming
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
 from ckptctl.save.commit import commit
 from ckptctl.storage.base import Storage
@@ -143,6 +143,12 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
         mine: list[FileEntry] = []
 
         def write_mine() -> None:
+            # Pass 1 for all of this rank's shards at once, in parallel (reads and hashes only).
+            mine_specs = [s for r in range(me, world_size, n) for s in plan[r]]
+            report.bytes_read += sum(s.nbytes for s in mine_specs if s.checksum is None)
+            hashed = iter(with_checksums(mine_specs, fill))
+            for r in range(me, world_size, n):
+                plan[r] = [next(hashed) for _ in plan[r]]
             for r in range(me, world_size, n):  # target shard r is written by rank r mod n
                 w = write_shard_streaming(dst, shard_name(r, world_size), plan[r], fill, rank=r, rank_state=rank_states.get(r), buffer=buf)
                 mine.append(w.file)

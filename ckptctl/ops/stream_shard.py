@@ -97,6 +97,30 @@ def pieces(spec: ChunkSpec, buf: TensorBuffer, piece_bytes: int | None) -> Itera
         yield 0, buf.view(spec.dtype, spec.shape)
 
 
+def with_checksums(specs: Sequence[ChunkSpec], fill: Fill, *, threads: int = 4, piece_bytes: int = PIECE) -> list[ChunkSpec]:
+    """Pass 1 for many chunks at once: the checksum of every spec that lacks one, computed by
+    ``threads`` workers (preads and hashing release the GIL), each with one piece buffer."""
+    import dataclasses
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    local = threading.local()
+
+    def one(spec: ChunkSpec) -> ChunkSpec:
+        if spec.checksum is not None:
+            return spec
+        buf = getattr(local, "buf", None) or TensorBuffer()
+        local.buf = buf
+        h = Hasher()
+        for row, out in pieces(spec, buf, piece_bytes):
+            fill(spec, out, row)
+            h.update(byte_view(out))
+        return dataclasses.replace(spec, checksum=h.hexdigest())
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptctl-hash") as pool:
+        return list(pool.map(one, specs))
+
+
 def write_shard_streaming(
     storage: Storage,
     name: str,
