@@ -1,4 +1,4 @@
-"""Writing a ckptctl shard with bounded memory: one chunk in memory at a time.
+"""Writing a ckptctl shard with bounded memory: one piece of one chunk in memory at a time.
 
 The checkpointer's ``write_shard`` takes a whole staging buffer, which offline verbs cannot
 afford (a shard may be far larger than memory). The catch is the format: a shard is a
@@ -20,7 +20,14 @@ checksum must be known before the first data byte is written. The options weighe
 Option 3 reads the source at most twice, writes once, needs no scratch space, works the same
 on every backend. Each chunk streams through one small buffer in pieces of whole rows
 (``PIECE``), so memory is that buffer, not even a whole tensor. Re-reads are cheap when the
-source sits in the page cache; ``scripts/bench_reshard.py`` measures the cost.
+source sits in the page cache; ``scripts/bench_reshard.py`` measures the cost (reshard also
+verifies its source and its result, one read each, because it promises both).
+
+Measured on the development machine (2 CPUs, ext4, 2 GiB in 64 MiB tensors), and kept or
+dropped accordingly: 4 MiB pieces instead of whole chunks, 2.5x faster (cache-sized pieces);
+pass 1 for all of a rank's chunks on 4 threads (``with_checksums``), ~8% faster; a reader
+thread prefetching the next piece during pass 2, ~15% slower (two cores already busy with
+the kernel's copies), so not kept.
 """
 
 from __future__ import annotations
