@@ -100,6 +100,14 @@ class Checkpointer:
         self._plan: Plan | None = None
         self._pending: SaveHandle | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-writer")
+        self._retention_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="ckptctl-retention")
+            if self._retention is not None and self.rank == 0
+            else None
+        )
+        self._retention_next: tuple[int, "Future[str]"] | None = None  # newest save to prune after
+        self._retention_queued = False
+        self._retention_lock = threading.Lock()
         self._lock = threading.Lock()  # one save() at a time, even from several threads
         self._closed = False
 
@@ -141,14 +149,12 @@ class Checkpointer:
                 stats["write_s"] = time.perf_counter() - t
                 manifest = build_manifest(step, self.world_size, [report], captured.tree, stats)
                 commit(ckpt, manifest)
-                stats["commit_s"] = time.perf_counter() - t
                 return ckpt.url
 
             future = self._pool.submit(_wrap(step, ckpt.url, job))
             handle = self._pending = SaveHandle(step, ckpt.url, future)
-            if self._retention is not None and self.rank == 0:
-                # Same single writer thread: runs after this commit, before the next write.
-                self._pool.submit(self._retain, step, future).add_done_callback(_log_unexpected)
+            if self._retention_pool is not None:
+                self._schedule_retention(step, future)
         if not self.async_save:
             handle.wait()
         return handle
@@ -197,8 +203,24 @@ class Checkpointer:
                 h.observed = True
                 raise
 
-    def _retain(self, step: int, save: "Future[str]") -> None:
-        """Prune after the commit of ``step``; runs in the writer thread."""
+    def _schedule_retention(self, step: int, save: "Future[str]") -> None:
+        """Prune after ``save`` commits, on the retention thread: a slow prune (it fully
+        verifies the new checkpoint) never delays the next write or, across ranks, rank 0's
+        arrival at the barrier. Requests coalesce: at most one prune runs and one waits, and
+        the waiting one prunes after the newest save requested so far."""
+        with self._retention_lock:
+            self._retention_next = (step, save)
+            if self._retention_queued:
+                return
+            self._retention_queued = True
+        assert self._retention_pool is not None
+        self._retention_pool.submit(self._retain).add_done_callback(_log_unexpected)
+
+    def _retain(self) -> None:
+        with self._retention_lock:
+            self._retention_queued = False
+            assert self._retention_next is not None
+            step, save = self._retention_next
         if save.exception() is not None:
             return  # nothing new was committed, so there is nothing new to rely on
         # Imported lazily for the same reason as in __init__: ops/ sits above save/.
@@ -286,6 +308,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
+            if self._retention_pool is not None:
+                self._retention_pool.shutdown(wait=True)
             self._staging.release()
             if self._coordinator is not None:
                 self._coordinator.close()
