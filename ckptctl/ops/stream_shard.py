@@ -40,7 +40,7 @@ import torch
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes
-from ckptctl.format.checksum import Hasher
+from ckptctl.format.checksum import Hasher, file_checksum
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
 from ckptctl.interop.base import TensorBuffer, byte_view
@@ -160,8 +160,6 @@ def write_shard_streaming(
         chunks.append(Chunk(s.name, s.dtype, s.shape, s.offsets, pos, pos + s.nbytes, c))
         pos += s.nbytes
     header = build_header(chunks, rank=rank, rank_state=rank_state)
-    file_hash = Hasher()
-    file_hash.update(header)
     with storage.open_writer(name) as w:  # an exception aborts: no partial file is published
         w.write(header)
         for s, c in zip(ordered, chunks):  # pass 2: read again, write, check
@@ -171,9 +169,7 @@ def write_shard_streaming(
                 data = byte_view(out)
                 h.update(data)
                 for p in range(0, len(data), WRITE_PIECE):
-                    piece = data[p : p + WRITE_PIECE]
-                    file_hash.update(piece)
-                    w.write(piece)
+                    w.write(data[p : p + WRITE_PIECE])
             result.bytes_read += s.nbytes
             if h.hexdigest() != c.checksum:  # raising aborts the writer: nothing is published
                 raise InvalidCheckpoint(
@@ -181,6 +177,6 @@ def write_shard_streaming(
                     f"reads, or do not match the source checksum, while writing {storage.url_of(name)}",
                     hint="the source is being modified or is corrupt; verify it and retry",
                 )
-    result.file = FileEntry(name, len(header) + pos, file_hash.hexdigest(), rank, len(chunks))
+    result.file = FileEntry(name, len(header) + pos, file_checksum(header, checksums), rank, len(chunks))
     result.chunks = chunks
     return result

@@ -27,7 +27,7 @@ import torch
 from ckptctl.errors import CheckpointError, InvalidCheckpoint, NoValidCheckpoint, NotFound
 from ckptctl.format import dtypes
 from ckptctl.format.checkpoint import iter_marked, read_committed, read_header
-from ckptctl.format.checksum import Hasher
+from ckptctl.format.checksum import Hasher, digest, file_checksum
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
 from ckptctl.storage.base import Storage
@@ -153,14 +153,15 @@ def stream_file(
     sink: Callable[[memoryview], None] | None = None,
     stop: threading.Event | None = None,
 ) -> tuple[list[Problem], int]:
-    """Read the file once, in pieces, feeding the file hash and each chunk's hash.
+    """Read the file once, in pieces, hashing each chunk; the file checksum is built from the
+    header bytes and the chunk digests (``format.checksum.file_checksum``).
 
     ``sink`` receives every piece, in order, after it was hashed (the buffer is reused, so it
     must consume the bytes before returning): ``copy_checkpoint`` writes the copy from it, so
     copying and checking read the source once. ``stop``, once set, ends the read early with
     no verdict (another file of the same copy already failed)."""
     problems: list[Problem] = []
-    file_hash = Hasher()
+    header = Hasher()  # the bytes before the data section, as streamed
     chunks = sorted(h.chunks, key=lambda c: c.begin)
     hashers = [Hasher() for _ in chunks]
     size = min(PIECE, max(f.size, 1))
@@ -187,7 +188,8 @@ def stream_file(
             # The other buffer is free again: the piece before this one is fully consumed.
             pending = ahead.submit(fetch, k + 1) if k + 1 < len(starts) else None
             n = len(view)
-            file_hash.update(view)
+            if pos < h.data_start:
+                header.update(view[: h.data_start - pos])
             # Hand each part of the piece to the chunk it belongs to (the header is no chunk's).
             lo, hi = pos, pos + n
             while ci < len(chunks):
@@ -207,11 +209,13 @@ def stream_file(
                 sink(view)
             if progress:
                 progress(n)
-    if file_hash.hexdigest() != f.checksum:
+    digests = [hh.hexdigest() for hh in hashers]
+    # The header was parsed from an earlier read: the streamed bytes must be the same ones.
+    if file_checksum(h.header_bytes, digests) != f.checksum or header.hexdigest() != digest(h.header_bytes):
         problems.append(Problem("file checksum does not match the manifest", file=f.name, byte_range=(0, f.size),
                                 hint="the shard was modified after it was written; resume from an older checkpoint"))
-    for c, hh in zip(chunks, hashers):
-        if c.checksum is not None and hh.hexdigest() != c.checksum:
+    for c, d in zip(chunks, digests):
+        if c.checksum is not None and d != c.checksum:
             problems.append(Problem("data does not match its checksum", file=f.name, tensor=c.name,
                                     byte_range=(h.data_start + c.begin, h.data_start + c.end)))
     return problems, f.size

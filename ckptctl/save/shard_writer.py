@@ -1,8 +1,8 @@
 """Writing one rank's shard from its staging buffer (runs on the background thread).
 
-Every byte is hashed twice in memory (per-chunk checksum for the header, whole-file checksum
-while streaming) and written once. XXH3 runs at tens of GB/s and releases the GIL, so the cost
-is small next to the disk and invisible to the training thread.
+Every byte is hashed once (its chunk's checksum, which the file checksum is built from; see
+``format.checksum``) and written once, straight from the staging buffer. XXH3 runs at tens of
+GB/s and releases the GIL, so the training thread does not notice.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptctl.format.checksum import Hasher, digest
+from ckptctl.format.checksum import digest, file_checksum
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
 from ckptctl.save.plan import Plan, Slot
@@ -35,13 +35,10 @@ def write_shard(ckpt: Storage, name: str, plan: Plan, buf: torch.Tensor, *, rank
         for s in plan.slots
     ]
     header = build_header(chunks, rank=rank, rank_state=rank_state)
-    file_hash = Hasher()
-    file_hash.update(header)
     with ckpt.open_writer(name) as w:
         w.write(header)
         for pos in range(0, plan.nbytes, WRITE_PIECE):
-            piece = data[pos : pos + WRITE_PIECE]
-            file_hash.update(piece)
-            w.write(piece)
-    entry = FileEntry(name=name, size=len(header) + plan.nbytes, checksum=file_hash.hexdigest(), rank=rank, chunks=len(chunks))
+            w.write(data[pos : pos + WRITE_PIECE])
+    checksum = file_checksum(header, (c.checksum for c in chunks if c.checksum))
+    entry = FileEntry(name=name, size=len(header) + plan.nbytes, checksum=checksum, rank=rank, chunks=len(chunks))
     return ShardReport(entry, plan.slots)
