@@ -97,8 +97,11 @@ def verify_checkpoint(ckpt: Storage, level: Level = "checksums", progress: Progr
         if h is not None:
             headers[f.name] = h
     if level != "quick":
-        with ThreadPoolExecutor(THREADS) as pool:
-            results = pool.map(lambda f: stream_file(ckpt, f, headers[f.name], level, progress), [f for f in manifest.files if f.name in headers])
+        files = [f for f in manifest.files if f.name in headers]
+        # THREADS readers in all: over files when there are many, within files when few.
+        parts = max(1, THREADS // max(len(files), 1))
+        with ThreadPoolExecutor(min(THREADS, max(len(files), 1))) as pool:
+            results = pool.map(lambda f: stream_file(ckpt, f, headers[f.name], level, progress, parts=parts), files)
             for problems, nbytes in results:
                 report.problems.extend(problems)
                 report.bytes_read += nbytes
@@ -152,6 +155,8 @@ def stream_file(
     progress: Progress | None,
     sink: Callable[[memoryview], None] | None = None,
     stop: threading.Event | None = None,
+    *,
+    parts: int = 1,
 ) -> tuple[list[Problem], int]:
     """Read the file once, in pieces, hashing each chunk; the file checksum is built from the
     header bytes and the chunk digests (``format.checksum.file_checksum``).
@@ -159,14 +164,69 @@ def stream_file(
     ``sink`` receives every piece, in order, after it was hashed (the buffer is reused, so it
     must consume the bytes before returning): ``copy_checkpoint`` writes the copy from it, so
     copying and checking read the source once. ``stop``, once set, ends the read early with
-    no verdict (another file of the same copy already failed)."""
-    problems: list[Problem] = []
-    header = Hasher()  # the bytes before the data section, as streamed
+    no verdict (another file of the same copy already failed). Without a sink the file may be
+    split into ``parts`` byte ranges on chunk boundaries, read and hashed in parallel (chunk
+    digests are independent): one large shard is then not limited to one thread's read and
+    hash rate."""
     chunks = sorted(h.chunks, key=lambda c: c.begin)
+    ranges = [(0, f.size, chunks)] if sink is not None or parts <= 1 else _split(f, h, chunks, parts)
+    problems: list[Problem] = []
+    if len(ranges) == 1:
+        scans = [_scan(ckpt, f, h, *ranges[0], level, progress, problems, sink, stop)]
+    else:
+        with ThreadPoolExecutor(len(ranges), thread_name_prefix="ckptctl-verify") as pool:
+            scans = list(pool.map(lambda r: _scan(ckpt, f, h, *r, level, progress, problems, None, stop), ranges))
+    if any(s is None for s in scans):  # stopped early: no verdict
+        return problems, 0
+    header = scans[0][0]
+    digests = [d for _, ds in scans for d in ds]  # type: ignore[misc]
+    # The header was parsed from an earlier read: the streamed bytes must be the same ones.
+    if file_checksum(h.header_bytes, digests) != f.checksum or header != digest(h.header_bytes):
+        problems.append(Problem("file checksum does not match the manifest", file=f.name, byte_range=(0, f.size),
+                                hint="the shard was modified after it was written; resume from an older checkpoint"))
+    for c, d in zip(chunks, digests):
+        if c.checksum is not None and d != c.checksum:
+            problems.append(Problem("data does not match its checksum", file=f.name, tensor=c.name,
+                                    byte_range=(h.data_start + c.begin, h.data_start + c.end)))
+    return problems, f.size
+
+
+def _split(f: FileEntry, h: ShardHeader, chunks: list[Chunk], parts: int) -> list[tuple[int, int, list[Chunk]]]:
+    """Up to ``parts`` contiguous byte ranges of about equal size, cut between chunks. The
+    first range starts at 0 so that it also reads the header."""
+    target = max(1, f.size // parts)
+    ranges: list[tuple[int, int, list[Chunk]]] = []
+    start, group = 0, []
+    for c in chunks:
+        group.append(c)
+        end = h.data_start + c.end
+        if end - start >= target and len(ranges) < parts - 1:
+            ranges.append((start, end, group))
+            start, group = end, []
+    ranges.append((start, f.size, group))
+    return ranges
+
+
+def _scan(
+    ckpt: Storage,
+    f: FileEntry,
+    h: ShardHeader,
+    start: int,
+    end: int,
+    chunks: list[Chunk],
+    level: Level,
+    progress: Progress | None,
+    problems: list[Problem],
+    sink: Callable[[memoryview], None] | None,
+    stop: threading.Event | None,
+) -> tuple[str, list[str]] | None:
+    """Hash bytes ``[start, end)``: the header part (if the range has one) and each of
+    ``chunks``. Returns (header digest, chunk digests), or None when ``stop`` was set."""
+    header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
-    size = min(PIECE, max(f.size, 1))
+    size = min(PIECE, max(end - start, 1))
     bufs = (bytearray(size), bytearray(size))
-    starts = range(0, f.size, PIECE)
+    starts = range(start, end, PIECE)
     ci = 0
     # While one piece is hashed (and copied by ``sink``), the next is already being read: on
     # S3 that keeps a GET in flight all the time instead of alternating network and CPU.
@@ -175,7 +235,7 @@ def stream_file(
 
         def fetch(k: int) -> memoryview:
             pos = starts[k]
-            view = memoryview(bufs[k % 2])[: min(PIECE, f.size - pos)]
+            view = memoryview(bufs[k % 2])[: min(PIECE, end - pos)]
             r.read_into(pos, view)
             return view
 
@@ -184,7 +244,7 @@ def stream_file(
             assert pending is not None
             view = pending.result()
             if stop is not None and stop.is_set():
-                return problems, pos
+                return None
             # The other buffer is free again: the piece before this one is fully consumed.
             pending = ahead.submit(fetch, k + 1) if k + 1 < len(starts) else None
             n = len(view)
@@ -209,16 +269,7 @@ def stream_file(
                 sink(view)
             if progress:
                 progress(n)
-    digests = [hh.hexdigest() for hh in hashers]
-    # The header was parsed from an earlier read: the streamed bytes must be the same ones.
-    if file_checksum(h.header_bytes, digests) != f.checksum or header.hexdigest() != digest(h.header_bytes):
-        problems.append(Problem("file checksum does not match the manifest", file=f.name, byte_range=(0, f.size),
-                                hint="the shard was modified after it was written; resume from an older checkpoint"))
-    for c, d in zip(chunks, digests):
-        if c.checksum is not None and d != c.checksum:
-            problems.append(Problem("data does not match its checksum", file=f.name, tensor=c.name,
-                                    byte_range=(h.data_start + c.begin, h.data_start + c.end)))
-    return problems, f.size
+    return header.hexdigest(), [hh.hexdigest() for hh in hashers]
 
 
 def _decode(part: memoryview, c: Chunk, offset_in_chunk: int, problems: list[Problem], file: str) -> None:
