@@ -1,0 +1,104 @@
+"""Botocore's errors, classified and translated into ckptctl's error tree."""
+
+from __future__ import annotations
+
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError as BotoConnectionError,
+    CredentialRetrievalError,
+    HTTPClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
+
+from ckptctl.errors import CkptError, NotFound, StorageError
+
+
+def error_code(err: ClientError) -> str:
+    return str(err.response.get("Error", {}).get("Code", ""))
+
+
+def http_status(err: ClientError) -> int:
+    return int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def is_missing(err: ClientError) -> bool:
+    return error_code(err) in ("404", "NoSuchKey", "NotFound")
+
+
+def is_precondition_failed(err: ClientError) -> bool:
+    """A conditional request (If-Match, If-None-Match) whose condition did not hold."""
+    return error_code(err) == "PreconditionFailed" or http_status(err) == 412
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+_ACCESS_DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
+_BAD_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+}
+_UNAVAILABLE = {"SlowDown", "503", "ServiceUnavailable", "RequestTimeout", "InternalError", "500"}
+
+
+def s3_error(err: ClientError | BotoCoreError, shown: str, bucket: str, endpoint: str) -> CkptError:
+    """Translate a botocore error about ``shown`` (an s3:// URL) into our tree."""
+    if isinstance(err, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)):
+        return StorageError(
+            f"no AWS credentials found for {shown}",
+            hint="set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "or run where an instance or pod role provides them",
+        )
+    if isinstance(err, ProfileNotFound):
+        return StorageError(
+            f"{_one_line(err)} (needed for {shown})",
+            hint="fix AWS_PROFILE or add the profile to ~/.aws/config",
+        )
+    if isinstance(err, (BotoConnectionError, HTTPClientError)):
+        return StorageError(
+            f"cannot reach {endpoint} for {shown}: {_one_line(err)}",
+            hint="check the network, and AWS_ENDPOINT_URL for S3-compatible stores",
+        )
+    if isinstance(err, BotoCoreError):
+        return StorageError(f"{shown}: {_one_line(err)}", hint="check the AWS configuration")
+    code = error_code(err)
+    message = _one_line(err.response.get("Error", {}).get("Message", "")) or code
+    if is_missing(err):
+        return NotFound(
+            f"{shown}: no such object",
+            hint="check the URL; the checkpoint may have been pruned or never committed",
+        )
+    if code == "NoSuchBucket":
+        return StorageError(
+            f"bucket {bucket} does not exist ({shown})",
+            hint="create the bucket or fix the URL (and AWS_ENDPOINT_URL for other stores)",
+        )
+    if code in ("PermanentRedirect", "301", "AuthorizationHeaderMalformed"):
+        return StorageError(
+            f"bucket {bucket} is in another region ({shown}): {message}",
+            hint="set AWS_REGION to the bucket's region",
+        )
+    if code in _ACCESS_DENIED:
+        return StorageError(
+            f"access denied: {shown}",
+            hint="check the IAM policy (s3:ListBucket, GetObject, PutObject, DeleteObject, "
+            "AbortMultipartUpload) for this bucket and prefix, and AWS_PROFILE",
+        )
+    if code in _BAD_CREDENTIALS:
+        return StorageError(
+            f"AWS credentials were rejected for {shown} ({code})",
+            hint="refresh the session (aws sso login) or fix AWS_ACCESS_KEY_ID/SECRET",
+        )
+    if code in _UNAVAILABLE or http_status(err) >= 500:
+        return StorageError(
+            f"{shown}: S3 still failing after retries ({code}: {message})",
+            hint="the store is throttling or unavailable; retry later or lower concurrency",
+        )
+    return StorageError(f"{shown}: {code}: {message}", hint="see the S3 error code's documentation")

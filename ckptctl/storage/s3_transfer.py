@@ -1,0 +1,354 @@
+"""Moving an object's bytes: the multipart ``S3Writer`` and the ranged, parallel ``S3Reader``.
+
+Writes are visible only when complete, as S3 itself guarantees: small objects are one PUT on
+``commit``; large ones are a multipart upload completed on ``commit`` and aborted on any
+failure, so no orphaned parts are left to pay for. Uploads carry a CRC32 checksum (CRC32C
+needs the optional awscrt package) so S3 refuses bytes corrupted on the way.
+
+Retries are botocore's. The one loop of our own re-issues a ranged GET whose body stream broke
+mid-read, from the byte where it broke: botocore retries a request, not a body being consumed.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+
+from ckptctl.errors import CkptError, InvalidCheckpoint, StorageError
+from ckptctl.storage.base import Reader, Writer, byte_view
+from ckptctl.storage.s3_errors import error_code, is_precondition_failed
+
+if TYPE_CHECKING:
+    from ckptctl.storage.s3 import S3Storage
+
+MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
+MAX_PART_SIZE = 5 << 30
+MAX_PARTS = 10_000
+# Part sizes double every this many parts, so an upload whose size is not known in advance
+# still fits in 10,000 parts: from 5 MiB parts that reaches 4.9 TiB, about S3's 5 TiB cap.
+PART_GROWTH_EVERY = 1_000
+
+_BODY_CHUNK = 1 << 20  # urllib3 copies each readinto through a bytes object of this size
+_STREAM_RETRIES = 5  # body streams that may break in a row before a read gives up
+
+
+def part_size_for(base: int, part_number: int) -> int:
+    """The size of part ``part_number`` (1-based) when parts start at ``base`` bytes."""
+    return min(MAX_PART_SIZE, base << ((part_number - 1) // PART_GROWTH_EVERY))
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """How an ``S3Storage`` splits writes into parts and reads into ranged GETs."""
+
+    multipart_threshold: int
+    part_size: int
+    max_inflight_parts: int
+    read_chunk_size: int
+    read_concurrency: int
+
+
+# --- reader --------------------------------------------------------------------------------
+
+# A body stream that broke while being read; botocore does not retry these, we re-issue the GET.
+_STREAM_DROPS = (HTTPClientError, IncompleteReadError)
+
+
+class S3Reader(Reader):
+    """Ranged GETs of one object, straight into the caller's buffer.
+
+    Every GET carries ``If-Match`` with the ETag seen at open, so an object replaced while we
+    read fails loudly instead of yielding a mix of two versions.
+    """
+
+    def __init__(self, storage: S3Storage, obj_key: str, shown: str, size: int, etag: str | None) -> None:
+        self._storage = storage
+        self._obj = obj_key
+        self._shown = shown
+        self._etag = etag
+        self.size = size
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
+        view = byte_view(out)
+        want = len(view)
+        if offset + want > self.size:
+            raise InvalidCheckpoint(
+                f"{self._shown}: truncated: wanted {want} bytes at offset {offset}, "
+                f"object has {self.size}",
+                hint="the object was cut short or replaced; restore it or use an older checkpoint",
+            )
+        if want == 0:
+            return
+        opts = self._storage._opts
+        chunk = opts.read_chunk_size
+        if opts.read_concurrency == 1 or want <= chunk:
+            self._get_range(offset, view)
+            return
+        # One S3 connection streams ~100 MB/s; big reads go over several in parallel.
+        pool = self._get_pool(opts.read_concurrency)
+        futures = [
+            pool.submit(self._get_range, offset + start, view[start : start + chunk])
+            for start in range(0, want, chunk)
+        ]
+        # Every GET writes into the caller's buffer: all must stop before we return or raise.
+        wait(futures)
+        for future in futures:
+            future.result()
+
+    def _get_range(self, offset: int, view: memoryview) -> None:
+        s3 = self._storage._client.s3
+        last = offset + len(view) - 1
+        done = 0
+        drops = 0
+        while True:
+            first = offset + done
+            with self._storage._errors(self._shown):
+                try:
+                    response = s3.get_object(
+                        Bucket=self._storage._bucket,
+                        Key=self._obj,
+                        Range=f"bytes={first}-{last}",
+                        **({"IfMatch": self._etag} if self._etag else {}),
+                    )
+                except ClientError as err:
+                    if is_precondition_failed(err):
+                        raise InvalidCheckpoint(
+                            f"{self._shown} changed while being read",
+                            hint="another process replaced it; read again once writes are done",
+                        ) from err
+                    raise
+            if response.get("ContentLength") != last - first + 1:
+                raise StorageError(
+                    f"{self._shown}: the server ignored the byte range {first}-{last}",
+                    hint="this S3-compatible store does not support ranged GETs",
+                )
+            body = response["Body"]
+            try:
+                while done < len(view):
+                    got = body.readinto(view[done : done + _BODY_CHUNK])
+                    if got == 0:
+                        break
+                    done += got
+            except _STREAM_DROPS as err:
+                body.close()  # the connection is broken; do not hand it back to the pool
+                drops += 1
+                if drops > _STREAM_RETRIES:
+                    raise self._gave_up(f"connection dropped {drops} times", first, last) from err
+                continue
+            if done == len(view):
+                return
+            drops += 1  # the stream ended early without an error: ask again for the rest
+            if drops > _STREAM_RETRIES:
+                raise self._gave_up(f"stream ended early {drops} times", first, last)
+
+    def _gave_up(self, what: str, first: int, last: int) -> StorageError:
+        return StorageError(
+            f"{self._shown}: {what} reading bytes {first}-{last}",
+            hint="check the network path to the S3 endpoint and retry",
+        )
+
+    def _get_pool(self, workers: int) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-s3-read")
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+# --- writer --------------------------------------------------------------------------------
+
+
+class S3Writer(Writer):
+    """Buffers up to ``multipart_threshold``; past it, uploads parts in the background.
+
+    Bytes are copied once, into part buffers (botocore takes bytes or bytearray, not a
+    memoryview); a full part goes to the upload pool and ``write`` blocks while
+    ``max_inflight_parts`` are in flight, so memory stays bounded however much is written.
+    """
+
+    def __init__(self, storage: S3Storage, obj_key: str, shown: str) -> None:
+        self._storage = storage
+        self._obj = obj_key
+        self._shown = shown
+        opts = storage._opts
+        self._threshold = opts.multipart_threshold
+        self._base_part = opts.part_size
+        self._inflight = opts.max_inflight_parts
+        self._cur = bytearray()  # destined to be part number self._next_part
+        self._next_part = 1
+        self._ready: list[tuple[int, bytearray]] = []  # full parts not yet handed to the pool
+        self._total = 0
+        self._upload_id: str | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots = threading.Semaphore(self._inflight)
+        self._futures: list[Future[None]] = []
+        self._parts: dict[int, dict[str, Any]] = {}
+        self._state = "open"
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._require_open()
+        view = byte_view(data)
+        pos = 0
+        with self._aborting_on_failure():
+            while pos < len(view):
+                size = part_size_for(self._base_part, self._next_part)
+                take = min(size - len(self._cur), len(view) - pos)
+                self._cur += view[pos : pos + take]
+                pos += take
+                self._total += take
+                if len(self._cur) == size:
+                    self._seal_part()
+                if self._upload_id is None and self._total > self._threshold:
+                    self._start_multipart()
+                if self._upload_id is not None:
+                    self._submit_ready()
+
+    def commit(self) -> None:
+        """One PUT below the threshold; else upload the last part and complete the upload."""
+        self._require_open()
+        s3 = self._storage._client.s3
+        with self._aborting_on_failure():
+            if self._upload_id is None:
+                parts = [buf for _, buf in self._ready] + [self._cur]
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                with self._storage._errors(self._shown):
+                    s3.put_object(
+                        Bucket=self._storage._bucket,
+                        Key=self._obj,
+                        Body=body,
+                        **self._storage._checksum_args(),
+                    )
+            else:
+                if self._cur:
+                    self._seal_part()
+                self._submit_ready()
+                wait(self._futures)
+                self._raise_failed()
+                with self._storage._errors(self._shown):
+                    s3.complete_multipart_upload(
+                        Bucket=self._storage._bucket,
+                        Key=self._obj,
+                        UploadId=self._upload_id,
+                        MultipartUpload={"Parts": [self._parts[n] for n in sorted(self._parts)]},
+                    )
+        self._finish("committed")
+
+    def abort(self) -> None:
+        """Discard everything; aborts the multipart upload so no parts are left billed."""
+        if self._state != "open":
+            return
+        self._finish("aborted")
+        if self._upload_id is None:
+            return
+        with self._storage._errors(self._shown):
+            try:
+                self._storage._client.s3.abort_multipart_upload(
+                    Bucket=self._storage._bucket, Key=self._obj, UploadId=self._upload_id
+                )
+            except ClientError as err:
+                if error_code(err) != "NoSuchUpload":
+                    raise
+
+    @contextmanager
+    def _aborting_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            # Whatever stopped us (an S3 error, an interrupt), leave no parts behind.
+            self._abort_quietly()
+            raise
+
+    def _abort_quietly(self) -> None:
+        # The error that made us abort is the one to report. If the abort fails too, the
+        # bucket's AbortIncompleteMultipartUpload lifecycle rule is the backstop.
+        try:
+            self.abort()
+        except CkptError:
+            pass
+
+    def _seal_part(self) -> None:
+        """Queue the current buffer as the next part for upload and start a new one."""
+        self._ready.append((self._next_part, self._cur))
+        self._next_part += 1
+        self._cur = bytearray()
+
+    def _start_multipart(self) -> None:
+        with self._storage._errors(self._shown):
+            response = self._storage._client.s3.create_multipart_upload(
+                Bucket=self._storage._bucket, Key=self._obj, **self._storage._checksum_args()
+            )
+        self._upload_id = response["UploadId"]
+        self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckptctl-s3-part")
+
+    def _submit_ready(self) -> None:
+        assert self._pool is not None
+        while self._ready:
+            self._raise_failed()
+            if self._ready[0][0] > MAX_PARTS:
+                raise StorageError(
+                    f"{self._shown}: more than {MAX_PARTS} parts (object too large for S3)",
+                    hint="S3 objects are limited to 5 TiB; write smaller shards",
+                )
+            self._slots.acquire()  # blocks while max_inflight_parts are uploading
+            number, buf = self._ready.pop(0)
+            try:
+                self._futures.append(self._pool.submit(self._upload_part, number, buf))
+            except BaseException:
+                self._slots.release()
+                raise
+
+    def _upload_part(self, number: int, buf: bytearray) -> None:
+        try:
+            checksum = self._storage._checksum_args()
+            with self._storage._errors(f"{self._shown} (part {number})"):
+                response = self._storage._client.s3.upload_part(
+                    Bucket=self._storage._bucket,
+                    Key=self._obj,
+                    UploadId=self._upload_id,
+                    PartNumber=number,
+                    Body=buf,
+                    **checksum,
+                )
+            part: dict[str, Any] = {"PartNumber": number, "ETag": response["ETag"]}
+            if checksum:
+                field = "Checksum" + checksum["ChecksumAlgorithm"]
+                if response.get(field):
+                    part[field] = response[field]  # S3 requires it on completion
+            self._parts[number] = part
+        finally:
+            self._slots.release()
+
+    def _raise_failed(self) -> None:
+        for future in self._futures:
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+
+    def _finish(self, state: str) -> None:
+        self._state = state
+        for future in self._futures:
+            future.cancel()
+        # A part still uploading must land before the abort, or it would outlive it.
+        wait(self._futures)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._cur = bytearray()
+        self._ready.clear()
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"writer for {self._shown} is already {self._state}")
