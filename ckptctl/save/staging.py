@@ -8,12 +8,15 @@ at full bandwidth and can be issued asynchronously on a side stream.
 The first snapshot pays for faulting the buffer's pages in. On Linux the (unpinned) buffer is
 an anonymous mapping advised MADV_HUGEPAGE, so that costs one fault per 2 MiB instead of per
 4 KiB: measured on the 2-core dev VM, a first 1 GiB copy took 830 ms into ``torch.empty``
-memory, 144 ms into a huge-page mapping, and 66 ms into already-faulted memory.
+memory, 144 ms into a huge-page mapping, and 66 ms into already-faulted memory. On a loaded
+machine with fragmented memory the kernel may compact memory to find huge pages, and single
+first saves were seen slower than without; set ``CKPTCTL_HUGEPAGES=0`` to use ordinary pages.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
@@ -70,7 +73,7 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
     if pin:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < (2 << 20):
+    if advice is None or nbytes < (2 << 20) or os.environ.get("CKPTCTL_HUGEPAGES", "1") == "0":
         return torch.empty(nbytes, dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
