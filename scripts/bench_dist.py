@@ -43,6 +43,8 @@ import tempfile
 import time
 import warnings
 
+from benchutil import cpu_pressure_us, dir_bytes, drop_cache
+
 DIM = 1024  # width of every Linear layer
 
 # (key, label, bound): ratio = ckptctl / DCP (or commit / write), lower is better.
@@ -52,44 +54,6 @@ TARGETS = [
     ("commit_vs_write", "commit (save return -> committed) / slowest rank's write", 1.10),
     ("reshard_load", "re-sharding load / DCP re-sharding load", 1.0),
 ]
-
-
-# --- shared helpers (copied from bench_save.py's approach: fsync + fadvise, PSI) -------------
-
-
-def files_under(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    out = []
-    for d, _, names in os.walk(path):
-        out.extend(os.path.join(d, n) for n in names)
-    return out
-
-
-def drop_cache(path: str) -> None:
-    for f in files_under(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(f) for f in files_under(path))
-
-
-def cpu_pressure_us() -> int | None:
-    try:
-        with open("/proc/pressure/cpu") as f:
-            for line in f:
-                if line.startswith("some"):
-                    return int(line.rsplit("total=", 1)[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def local_path(url: str) -> str:

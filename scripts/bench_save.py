@@ -53,6 +53,8 @@ from typing import Any, Callable
 
 import torch
 
+from benchutil import cpu_pressure_us, dir_bytes, drop_cache, files_under
+
 PIECE = 64 << 20  # raw I/O piece size (the shard writer's piece size too)
 ALIGN = 64
 
@@ -102,41 +104,6 @@ def free_memory() -> None:
         pass
 
 
-def cpu_pressure_us() -> int | None:
-    """Total microseconds some runnable task waited for a CPU (Linux PSI), or None."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            for line in f:
-                if line.startswith("some"):
-                    return int(line.rsplit("total=", 1)[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def files_under(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    out = []
-    for d, _, names in os.walk(path):
-        out.extend(os.path.join(d, n) for n in names)
-    return out
-
-
-def drop_cache(path: str) -> bool:
-    """Evict every file under ``path`` from the page cache (fsync first: dirty pages stay)."""
-    ok = hasattr(os, "posix_fadvise")
-    for f in files_under(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if ok:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return ok
-
-
 def resident_fraction(path: str) -> float | None:
     """Share of the bytes of the files under ``path`` that are in the page cache (mincore)."""
     try:
@@ -167,12 +134,8 @@ def resident_fraction(path: str) -> float | None:
             finally:
                 os.close(fd)
         return resident / total if total else None
-    except Exception:
+    except (OSError, AttributeError, ValueError):
         return None
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(f) for f in files_under(path))
 
 
 # --- the state -----------------------------------------------------------------------------
