@@ -7,7 +7,7 @@ import typer
 from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
 from ckptctl.cli.progress import byte_progress
 from ckptctl.format.checkpoint import read_committed
-from ckptctl.ops.transfer import checkpoint_dir_for, copy_checkpoint
+from ckptctl.ops.transfer import CopyResult, checkpoint_dir_for, copy_checkpoint
 from ckptctl.storage import open_storage
 
 
@@ -30,13 +30,18 @@ def cp(
     target = checkpoint_dir_for(open_storage(dst), manifest.step)
     with byte_progress("cp") as progress:
         result = copy_checkpoint(source, target, progress)
-    if result.status == "already present":
-        err.print(f"{target.url} already holds step {result.step}; left as is", markup=False, highlight=False)
-    else:
-        rate = f", {human_bytes(result.bytes_copied / result.seconds)}/s" if result.seconds and result.bytes_copied else ""
-        err.print(f"copied step {result.step}: {result.files} files, {human_bytes(result.bytes_copied)} verified "
-                  f"in {result.seconds:.2f}s{rate}", markup=False, highlight=False)
+    report_copy("copied", target.url, result)
     if json:
         emit_json(result.to_dict())
     else:
         out.print(target.local_path() or target.url, markup=False, highlight=False)
+
+
+def report_copy(verb: str, where: str, result: CopyResult) -> None:
+    """One line on stderr saying what a copy did (shared with ``restore``)."""
+    if result.status == "already present":
+        err.print(f"{where} already holds step {result.step}; left as is", markup=False, highlight=False)
+        return
+    rate = f", {human_bytes(result.bytes_copied / result.seconds)}/s" if result.seconds and result.bytes_copied else ""
+    err.print(f"{verb} step {result.step}: {result.files} files, {human_bytes(result.bytes_copied)} copied and verified "
+              f"in {result.seconds:.2f}s{rate}", markup=False, highlight=False)

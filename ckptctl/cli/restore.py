@@ -4,7 +4,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.common import JsonOpt, command, emit_json, err, out
+from ckptctl.cli.cp import report_copy
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import UsageError
 from ckptctl.ops.transfer import Skipped, restore_latest
@@ -41,13 +42,7 @@ def restore(
 
     with byte_progress("restore") as progress:
         result = restore_latest(open_storage(src), open_storage(dst), step, progress, world_size=world_size, on_skip=skipped)
-    c = result.copy
-    if c.status == "already present":
-        err.print(f"{result.path} already holds step {result.step}; left as is", markup=False, highlight=False)
-    else:
-        rate = f", {human_bytes(c.bytes_copied / c.seconds)}/s" if c.seconds and c.bytes_copied else ""
-        err.print(f"restored step {result.step}: {c.files} files, {human_bytes(c.bytes_copied)} copied and verified "
-                  f"in {c.seconds:.2f}s{rate}", markup=False, highlight=False)
+    report_copy("restored", result.path, result.copy)
     if json:
         emit_json(result.to_dict())
     else:
