@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--tensor-mib", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--only", action="append", default=[],
+                    help="run only the rows whose label contains this (repeatable); the two cp rows always run")
     args = ap.parse_args()
 
     import torch
@@ -90,6 +92,8 @@ def main() -> None:
                                    "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
                                    "dcp_to_torch_save(sys.argv[1], sys.argv[2])", dcp_dir, "{out}"], ".pt"),
         ]
+        if args.only:
+            cases = [c for c in cases if c[0].startswith("cp") or any(o in c[0] for o in args.only)]
         results = []
         for label, cmd, suffix in cases:
             best_t, best_m = float("inf"), 0.0

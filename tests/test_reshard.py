@@ -113,6 +113,70 @@ def test_corrupted_source_refused_and_target_not_committed(tmp_path):
     assert not os.path.exists(os.path.join(dst, MARKER))
 
 
+@pytest.mark.parametrize("tensor, world_size", [
+    ("model/0.weight", 2),  # split across target ranks: caught by pass 1, which checks the source chunk
+    ("model/0.weight", 1),  # whole tensor in both: its source checksum is reused, caught by pass 2
+    ("model/2.bias", 2),  # small, stored whole: caught by pass 2
+])
+def test_corrupt_source_chunk_refused_wherever_it_is_read(tmp_path, tensor, world_size):
+    """The source is no longer verified by a read of its own: each chunk is checked as
+    pass 1 or pass 2 reads it, before anything is committed."""
+    src, _, _ = saved(tmp_path)
+    with CheckpointReader(open_storage(src)) as r:
+        (loc,) = r.index[tensor]
+        at = loc.data_start + (loc.chunk.begin + loc.chunk.end) // 2
+    with open(os.path.join(src, loc.file), "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    dst = str(tmp_path / "out")
+    r = cli("reshard", src, dst, "--world-size", str(world_size))
+    assert r.exit_code == 1, r.stderr
+    assert "checksum" in r.stderr and "source" in r.stderr
+    assert not os.path.exists(os.path.join(dst, MARKER))
+    assert not os.path.exists(os.path.join(dst, "manifest.json"))
+
+
+def test_source_header_with_a_changed_chunk_checksum_refused(tmp_path):
+    """A header whose recorded chunk checksum was altered (data and checksum could then agree)
+    fails the file checksum, which is rebuilt from the headers the reshard uses."""
+    src, _, _ = saved(tmp_path)
+    with CheckpointReader(open_storage(src)) as r:
+        (loc,) = r.index["model/0.weight"]
+        h = r.headers[loc.file]
+    old = loc.chunk.checksum.encode()
+    at = h.header_bytes.index(old)
+    with open(os.path.join(src, loc.file), "r+b") as f:
+        f.seek(at)
+        f.write(old[:-1] + (b"0" if old[-1:] != b"0" else b"1"))
+    dst = str(tmp_path / "out")
+    r = cli("reshard", src, dst, "--world-size", "2")
+    assert r.exit_code == 1, r.stderr
+    assert "checksum" in r.stderr and "source" in r.stderr
+    assert not os.path.exists(os.path.join(dst, MARKER))
+
+
+def test_pass1_checksums_match_a_plain_hash_of_each_target_chunk(tmp_path):
+    """``checked_source_checksums`` (one read for row splits, two for column splits and 0-d)
+    gives each target chunk the checksum of its bytes."""
+    from ckptctl.format.checksum import digest
+    from ckptctl.ops.reshard import sharded_dims
+    from ckptctl.ops.stream_shard import checked_source_checksums
+
+    src, _, _ = saved(tmp_path)
+    whole = tensors_of(src)
+    with CheckpointReader(open_storage(src)) as r:
+        for m in (1, 3, 4):
+            plan = plan_layout(r.manifest, m, split_bytes=1000, dims=sharded_dims(r))  # nothing known: every chunk hashed
+            specs = [s for p in plan for s in p]
+            got, nread = checked_source_checksums(r, specs, piece_bytes=4096 + 12)  # pieces that cut rows
+            assert nread >= sum(s.nbytes for s in specs)
+            for s, g in zip(specs, got):
+                region = whole[s.name][tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape))].contiguous()
+                assert g.checksum == digest(region.reshape(-1).view(torch.uint8).numpy().tobytes()), (m, s)
+
+
 def test_existing_target_refused_unless_overwrite(tmp_path):
     src, _, _ = saved(tmp_path)
     dst = str(tmp_path / "out")

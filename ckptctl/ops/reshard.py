@@ -15,18 +15,23 @@ The layout rule (what a target rank holds):
 - Rank ``r`` of the target keeps source rank ``r``'s per-rank state (RNG); new ranks have none
   (they seed fresh, as a rank that joins a job would).
 
-Safety: the source is verified (every checksum) before anything is written and is only ever
-read. The target gets its shards, then the manifest, then the marker, and is verified before
+Safety: the source is verified (every checksum) before anything is committed and is only ever
+read: its structure and file checksums first (``check_source``, ``check_source_files``: no
+tensor data read), then each chunk's bytes against its checksum as pass 1 or pass 2 reads them
+(so a corrupt source is refused before anything is committed, and each source byte is read
+twice, not three times).
+The target gets its shards, then the manifest, then the marker, and is verified before
 success is reported; if that verification fails its marker is removed. A target that already
 exists is refused (exit 1, ``RefusedForSafety``) unless ``overwrite``, which removes the old
 marker first so that an interrupted overwrite never looks committed.
 
 Memory: one buffer as large as the largest target chunk (at most the largest tensor) plus the
-reader's bounded temporaries; see ``stream_shard`` for why each chunk is read twice.
+reader's bounded temporaries and one piece per pass-1 thread; see ``stream_shard`` for why
+each chunk is read twice.
 
 Under torchrun (torch.distributed initialised) the target shards are split over the ranks: rank
-k writes target shards k, k+n, ...; rank 0 verifies the source first, gathers the file entries,
-commits and verifies the result.
+k writes target shards k, k+n, ... and checks the source chunks it reads; rank 0 checks the
+source's structure first, gathers the file entries, commits and verifies the result.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from ckptctl.format import dtypes
 from ckptctl.format.layout import MARKER, shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.ops.stream_shard import ChunkBuffer, ChunkSpec, with_checksums, write_shard_streaming
+from ckptctl.format.checkpoint import read_committed, read_header
+from ckptctl.format.checksum import file_checksum
+from ckptctl.ops.stream_shard import ChunkBuffer, ChunkSpec, checked_source_checksums, write_shard_streaming
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
 from ckptctl.save.commit import commit
 from ckptctl.storage.base import Storage
@@ -122,7 +129,7 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
     dist_on = dist.is_available() and dist.is_initialized()
     me, n = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
     if me == 0:
-        failure = _attempt(lambda: (prepare_target(src, dst, overwrite=overwrite), require_verified(src)))
+        failure = _attempt(lambda: (prepare_target(src, dst, overwrite=overwrite), check_source(src)))
     else:
         failure = None
     _agree(dist_on, failure)  # nobody writes before rank 0 has checked the source and cleared the target
@@ -144,9 +151,12 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
 
         def write_mine() -> None:
             # Pass 1 for all of this rank's shards at once, in parallel (reads and hashes only).
+            # The source's chunks are checked against their checksums in the same read.
+            check_source_files(reader)
             mine_specs = [s for r in range(me, world_size, n) for s in plan[r]]
-            report.bytes_read += sum(s.nbytes for s in mine_specs if s.checksum is None)
-            hashed = iter(with_checksums(mine_specs, fill))
+            hashed_specs, nread = checked_source_checksums(reader, mine_specs, progress=progress)
+            report.bytes_read += nread
+            hashed = iter(hashed_specs)
             for r in range(me, world_size, n):
                 plan[r] = [next(hashed) for _ in plan[r]]
             for r in range(me, world_size, n):  # target shard r is written by rank r mod n
@@ -253,6 +263,37 @@ def same_place(a: Storage, b: Storage) -> bool:
         return ra == rb or rb.startswith(ra.rstrip("/") + "/") or ra.startswith(rb.rstrip("/") + "/")
     ua, ub = a.url.rstrip("/") + "/", b.url.rstrip("/") + "/"
     return ua.startswith(ub) or ub.startswith(ua)
+
+
+def check_source(src: Storage) -> None:
+    """Rank 0's check of the source before anything is written: ``quick`` (marker, manifest,
+    every file present at its size, headers that agree with the manifest), no tensor data read.
+    A source whose chunks lack checksums (an old writer's: only file checksums) is verified in
+    full here instead, since its chunks cannot be checked one by one as they are read."""
+    require_verified(src, level="quick")
+    if any(c.checksum is None for f in read_committed(src)[0].files for c in read_header(src, f.name).chunks):
+        require_verified(src)
+
+
+def check_source_files(reader: CheckpointReader) -> None:
+    """Each source file's checksum, rebuilt from the header bytes the reader parsed and the
+    chunk checksums it will check the data against (the file checksum is defined that way,
+    ``format.checksum.file_checksum``): the headers in use are the committed ones. The data is
+    checked chunk by chunk as it is read, before anything is committed: pass 1
+    (``checked_source_checksums``) checks every source chunk it reads, pass 2 checks every
+    whole source chunk it copies against that chunk's checksum, and every chunk is one or the
+    other. With ``check_source`` that is the whole ``checksums`` verification, each source byte
+    read for it as part of a pass that reads it anyway."""
+    for f in reader.manifest.files:
+        h = reader.headers[f.name]
+        chunks = sorted(h.chunks, key=lambda c: c.begin)
+        if any(c.checksum is None for c in chunks):
+            continue  # verified in full by check_source
+        if file_checksum(h.header_bytes, [c.checksum for c in chunks]) != f.checksum:
+            raise InvalidCheckpoint(
+                f"{reader.storage.url}: the source failed verification: {f.name}: file checksum does not match the manifest",
+                hint="run `ckptctl verify` on it; reshard a good checkpoint instead (`ckptctl latest`)",
+            )
 
 
 def require_verified(ckpt: Storage, *, level: Level = "checksums", after_write: bool = False) -> VerifyReport:

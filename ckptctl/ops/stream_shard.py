@@ -21,7 +21,10 @@ Option 3 reads the source at most twice, writes once, needs no scratch space, wo
 on every backend. Each chunk streams through one small buffer in pieces of whole rows
 (``PIECE``), so memory is that buffer, not even a whole tensor. Re-reads are cheap when the
 source sits in the page cache; ``scripts/bench_reshard.py`` measures the cost (reshard also
-verifies its source and its result, one read each, because it promises both).
+verifies its result, one more read, because it promises it). Reshard's pass 1 is
+``checked_source_checksums``: it reads whole source chunks, checks each against its source
+checksum and hashes the target chunks from the same bytes, so verifying the source costs no
+read of its own.
 
 Measured on the development machine (2 CPUs, ext4, 2 GiB in 64 MiB tensors), and kept or
 dropped accordingly: 4 MiB pieces instead of whole chunks, 2.5x faster (cache-sized pieces);
@@ -180,3 +183,129 @@ def write_shard_streaming(
     result.file = FileEntry(name, len(header) + pos, file_checksum(header, checksums), rank, len(chunks))
     result.chunks = chunks
     return result
+
+
+def checked_source_checksums(reader: Any, specs: Sequence[ChunkSpec], *, threads: int = 4, piece_bytes: int = PIECE,
+                             progress: Callable[[int], None] | None = None) -> tuple[list[ChunkSpec], int]:
+    """Pass 1 folded with the source check: ``specs`` with every missing checksum filled in,
+    and the number of source bytes read. ``reader`` is an open ``CheckpointReader``.
+
+    Every source chunk that overlaps a spec lacking a checksum is read once, whole, in
+    ``piece_bytes`` pieces, and its digest is checked against the source chunk's checksum
+    (``InvalidCheckpoint`` otherwise); the target checksums are hashed from the same bytes.
+    Specs that already carry a checksum (whole source chunks) are not read here: pass 2 checks
+    them against that same source checksum before the result is committed.
+
+    When a tensor's target chunks and source chunks are all runs of whole rows (dim-0 splits,
+    and whole tensors) each target chunk is a contiguous byte range of the tensor's row-major
+    bytes, so its hasher is fed from the source pieces in order: one read in all. Other
+    tensors (column splits, 0-d) check their source chunks the same way, then hash the target
+    chunks through ``fill``-style region reads, as ``with_checksums`` does: two reads.
+    Memory: one ``piece_bytes`` buffer per thread; work is spread over threads by tensor
+    (a tensor's source chunks are read in order, so its target hashers see bytes in order).
+    """
+    import dataclasses
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptctl.load.reader import ReadJob
+
+    local = threading.local()
+    todo: dict[str, list[int]] = {}
+    for i, s in enumerate(specs):
+        if s.checksum is None:
+            todo.setdefault(s.name, []).append(i)
+    out = list(specs)
+
+    def buffer(n: int) -> memoryview:
+        buf = getattr(local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = local.buf = bytearray(n)
+        return memoryview(buf)[:n]
+
+    def check_chunk(loc: Any, feed: Callable[[int, memoryview], None] | None) -> int:
+        """Read source chunk ``loc`` whole, piece by piece; ``feed(byte offset in chunk, piece)``."""
+        c = loc.chunk
+        size = c.end - c.begin
+        h = Hasher()
+        for p in range(0, size, piece_bytes):
+            view = buffer(min(piece_bytes, size - p))
+            reader._pread(loc.file, loc.data_start + c.begin + p, view)
+            h.update(view)
+            if feed is not None:
+                feed(p, view)
+            if progress:
+                progress(len(view))
+        # A chunk without a checksum (an old writer's) is covered by its file checksum instead:
+        # reshard verifies such a source in full before this pass.
+        if c.checksum is not None and h.hexdigest() != c.checksum:
+            raise InvalidCheckpoint(
+                f"{reader.storage.url}: the source failed verification: {loc.file}: tensor {c.name!r} "
+                f"(bytes {loc.data_start + c.begin}-{loc.data_start + c.end}) does not match its checksum",
+                hint="run `ckptctl verify` on it; reshard a good checkpoint instead (`ckptctl latest`)",
+            )
+        return size
+
+    def overlaps(c: Any, s: ChunkSpec) -> bool:
+        return all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(c.offsets, c.shape, s.offsets, s.shape)) if s.shape else True
+
+    def one(name: str) -> int:
+        idx = todo[name]
+        t = reader.manifest.tensors[name]
+        locs = sorted(reader.index.get(name, []), key=lambda loc: tuple(loc.chunk.offsets))
+        rest = tuple(t.shape[1:])
+        rowwise = len(t.shape) >= 1 and all(tuple(specs[i].shape[1:]) == rest and not any(specs[i].offsets[1:]) for i in idx) \
+            and all(tuple(loc.chunk.shape[1:]) == rest and not any(loc.chunk.offsets[1:]) for loc in locs)
+        if rowwise:  # the source chunks must tile the rows exactly, in order
+            row = 0
+            for loc in locs:
+                rowwise = rowwise and loc.chunk.offsets[0] == row
+                row = loc.chunk.offsets[0] + loc.chunk.shape[0]
+            rowwise = rowwise and row == t.shape[0]
+        nread = 0
+        if not rowwise:
+            for loc in locs:
+                if any(overlaps(loc.chunk, specs[i]) for i in idx):
+                    nread += check_chunk(loc, None)
+            buf = TensorBuffer()
+            for i in idx:
+                s = specs[i]
+                h = Hasher()
+                for r, view in pieces(s, buf, piece_bytes):
+                    offsets = (s.offsets[0] + r, *s.offsets[1:]) if s.offsets else s.offsets
+                    reader.read_into(ReadJob(s.name, view, offsets))
+                    h.update(byte_view(view))
+                nread += s.nbytes
+                out[i] = dataclasses.replace(s, checksum=h.hexdigest())
+            return nread
+        row_bytes = math.prod(rest) * dtypes.itemsize(t.dtype)
+        # Each target chunk as a byte range [lo, hi) of the tensor's row-major bytes.
+        ranges = [(specs[i].offsets[0] * row_bytes, (specs[i].offsets[0] + specs[i].shape[0]) * row_bytes, i) for i in idx]
+        hashers = {i: Hasher() for i in idx}
+        fed = {i: 0 for i in idx}
+        for loc in locs:
+            base = loc.chunk.offsets[0] * row_bytes
+            end = base + loc.chunk.shape[0] * row_bytes
+            mine = [(lo, hi, i) for lo, hi, i in ranges if max(lo, base) < min(hi, end) or (lo == hi == base)]
+            if not any(lo < hi for lo, hi, _ in mine):
+                continue  # no byte of this chunk is used here (another rank's, or an empty one)
+
+            def feed(p: int, view: memoryview, base: int = base, mine: list = mine) -> None:
+                a0, a1 = base + p, base + p + len(view)
+                for lo, hi, i in mine:
+                    a, b = max(lo, a0), min(hi, a1)
+                    if a < b:
+                        hashers[i].update(view[a - a0 : b - a0])
+                        fed[i] += b - a
+
+            nread += check_chunk(loc, feed)
+        for lo, hi, i in ranges:
+            if fed[i] != hi - lo:  # cannot happen once the rows tile; never write a wrong checksum
+                raise InvalidCheckpoint(f"{reader.storage.url}: tensor {name!r}: source chunks cover {fed[i]} of {hi - lo} bytes")
+            out[i] = dataclasses.replace(specs[i], checksum=hashers[i].hexdigest())
+        return nread
+
+    names = sorted(todo, key=lambda n: -sum(specs[i].nbytes for i in todo[n]))  # largest first: balanced threads
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptctl-hash") as pool:
+        nread = sum(pool.map(one, names))
+    return out, nread
