@@ -26,7 +26,7 @@ exists is refused (exit 1, ``RefusedForSafety``) unless ``overwrite``, which rem
 marker first so that an interrupted overwrite never looks committed.
 
 Memory: one buffer as large as the largest target chunk (at most the largest tensor) plus the
-reader's bounded temporaries and one piece per pass-1 thread; see ``stream_shard`` for why
+reader's bounded temporaries and one piece per pass-1 thread and per pass-2 writer; see ``stream_shard`` for why
 each chunk is read twice.
 
 Under torchrun (torch.distributed initialised) the target shards are split over the ranks: rank
@@ -40,6 +40,7 @@ import math
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -52,12 +53,17 @@ from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.format.checkpoint import read_committed, read_header
 from ckptctl.format.checksum import file_checksum
-from ckptctl.ops.stream_shard import ChunkBuffer, ChunkSpec, checked_source_checksums, write_shard_streaming
+from ckptctl.ops.stream_shard import PIECE, ChunkBuffer, ChunkSpec, ShardWritten, checked_source_checksums, write_shard_streaming
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
 from ckptctl.save.commit import commit
 from ckptctl.storage.base import Storage
 from ckptctl.version import __version__
 
+# Target shards written at once (pass 2). Each shard ends with an fsync; one at a time, the
+# CPU and the disk queue sat idle through every fsync. Measured (2 CPUs, ext4, 2 GiB, 1 -> 3
+# and 1 -> 4, in-process, alternated, median of 3): 1 writer 2.95 s / 3.07 s, 4 writers
+# 1.12 s / 1.88 s; ``cp -r`` + ``sync`` of the same bytes 1.09 s.
+WRITERS = 4
 SPLIT_BYTES = 1 << 20  # tensors this large are split even when the source holds them whole
 
 Progress = Callable[[int], None]
@@ -159,10 +165,21 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
             hashed = iter(hashed_specs)
             for r in range(me, world_size, n):
                 plan[r] = [next(hashed) for _ in plan[r]]
-            for r in range(me, world_size, n):  # target shard r is written by rank r mod n
-                w = write_shard_streaming(dst, shard_name(r, world_size), plan[r], fill, rank=r, rank_state=rank_states.get(r), buffer=buf)
-                mine.append(w.file)
-                report.bytes_read += w.bytes_read
+            # Pass 2: target shard r is written by rank r mod n, WRITERS shards at a time (one
+            # shard's fsync overlaps the others' writing). A failure raises here, before commit.
+            targets = list(range(me, world_size, n))
+
+            def one(r: int) -> ShardWritten:
+                b = buf if r == targets[0] else ChunkBuffer()  # one piece buffer per writer
+                return write_shard_streaming(dst, shard_name(r, world_size), plan[r], fill, rank=r, rank_state=rank_states.get(r), buffer=b)
+
+            # Each writer has its own piece buffer (``stream_shard.PIECE``, or one row when a row
+            # is larger): with rows that large, one writer, so memory stays one chunk + fixed.
+            wide = any(s.shape and s.nbytes > PIECE * max(s.shape[0], 1) for s in mine_specs)
+            with ThreadPoolExecutor(1 if wide else max(1, min(WRITERS, len(targets))), thread_name_prefix="ckptctl-write") as pool:
+                for w in pool.map(one, targets):
+                    mine.append(w.file)
+                    report.bytes_read += w.bytes_read
 
         failure = _attempt(write_mine)
         del buf
