@@ -7,9 +7,10 @@ Every command runs as its own process (as a user runs it); peak RSS is that proc
 (measured from a small parent, so the parent's memory is not counted) minus the baseline of a
 process that only imports torch and ckptctl. Each figure is the best of ``--repeat`` runs with
 a warm page cache (``cp`` warms it first): the comparison is of the tools' work, not the disk's
-first read. reshard's time includes verifying the source and the result (each reads every byte
-once) because the command always does both, and ckptctl fsyncs what it writes (``cp`` does
-not; the ``cp -r + sync`` row is the durable copy to compare with).
+first read. reshard's time includes verifying the source (as pass 1 reads it, no read of its
+own) and the result (one more read) because the command always does both, and ckptctl fsyncs
+what it writes (``cp`` does not; the ``cp -r + sync`` row is the durable copy to compare with).
+``--only reshard`` runs the reshard rows (and the cp rows) alone.
 """
 
 from __future__ import annotations
