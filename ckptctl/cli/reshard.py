@@ -23,9 +23,10 @@ def reshard(
 ) -> None:
     """Rewrite a checkpoint for a job of M ranks, one shard file per rank.
 
-    SRC is verified (every checksum) first and is never modified. Large or already sharded
-    tensors are split like torch.chunk, along the dimension SRC shards them along (else dim
-    0); small ones are spread over the ranks to balance shard sizes. DST gets its shards, then the manifest, then the marker, and is
+    SRC is never modified, and every one of its checksums is checked as it is read, before
+    DST is committed. Large or already sharded tensors are split like torch.chunk, along the
+    dimension SRC shards them along (else dim 0); small ones are spread over the ranks to
+    balance shard sizes. DST gets its shards, then the manifest, then the marker, and is
     verified before success is reported. Memory stays bounded by the largest tensor plus a
     fixed buffer. Under torchrun each rank writes its share of the target shards.
 
