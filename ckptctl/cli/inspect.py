@@ -27,14 +27,11 @@ def inspect(
     if json:
         emit_json(r.to_dict())
         return
-    tensor_bytes = sum(r.bytes_by_group.values()) or 1
     out.print(f"checkpoint  {r.url}", markup=False, highlight=False)
     out.print(f"step        {r.step}")
     out.print(f"created     {dt.datetime.fromtimestamp(r.created).isoformat(timespec='seconds')}")
     out.print(f"world size  {r.world_size}   files {len(r.files)}   tensors {r.tensor_count}   on storage {human_bytes(r.total_bytes)}")
-    for group, n in r.bytes_by_group.items():
-        out.print(f"  {group:<10}{human_bytes(n):>12}  {100 * n / tensor_bytes:5.1f}%")
-    out.print(f"state keys  {', '.join(r.state_keys) or '-'}", markup=False)
+    _print_groups(r.bytes_by_group, r.state_keys)
     if r.stats:
         s = r.stats
         out.print(
@@ -42,12 +39,7 @@ def inspect(
             f"waited {s.get('wait_s', 0):.3f}s for the previous save"
         )
     if tensors:
-        table = Table(box=None, pad_edge=False)
-        for col in ("NAME", "DTYPE", "SHAPE", "BYTES", "CHUNKS", "GROUP"):
-            table.add_column(col)
-        for t in r.tensors:
-            table.add_row(t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.bytes), str(t.chunks), t.group)
-        out.print(table)
+        _print_tensors([(t.name, t.dtype, t.shape, t.bytes, t.chunks, t.group) for t in r.tensors])
 
 
 def _inspect_foreign(path: str, tensors: bool, json: bool) -> None:
@@ -55,19 +47,31 @@ def _inspect_foreign(path: str, tensors: bool, json: bool) -> None:
     if json:
         emit_json(r.to_dict())
         return
-    tensor_bytes = sum(r.bytes_by_group.values()) or 1
     out.print(f"checkpoint  {r.url}  ({r.format}; no checksums)", markup=False, highlight=False)
     out.print(f"step        {r.step if r.step is not None else '-'}")
     out.print(f"tensors     {r.tensor_count}   on disk {human_bytes(r.total_bytes)}")
-    for group, n in r.bytes_by_group.items():
-        out.print(f"  {group:<10}{human_bytes(n):>12}  {100 * n / tensor_bytes:5.1f}%")
-    out.print(f"state keys  {', '.join(r.state_keys) or '-'}", markup=False)
+    _print_groups(r.bytes_by_group, r.state_keys)
     for d in r.dropped:
         out.print(f"unreadable  {d}", markup=False, highlight=False)
     if tensors:
-        table = Table(box=None, pad_edge=False)
-        for col in ("NAME", "DTYPE", "SHAPE", "BYTES", "GROUP"):
-            table.add_column(col)
-        for t in r.tensors:
-            table.add_row(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"]), t["group"])
-        out.print(table)
+        _print_tensors([(t["name"], t["dtype"], t["shape"], t["bytes"], None, t["group"]) for t in r.tensors])
+
+
+def _print_groups(bytes_by_group: dict[str, int], state_keys: list[str]) -> None:
+    """Tensor bytes by group (model / optimizer / other) with their shares, then state keys."""
+    total = sum(bytes_by_group.values()) or 1
+    for group, n in bytes_by_group.items():
+        out.print(f"  {group:<10}{human_bytes(n):>12}  {100 * n / total:5.1f}%")
+    out.print(f"state keys  {', '.join(state_keys) or '-'}", markup=False)
+
+
+def _print_tensors(rows: list[tuple]) -> None:
+    """(name, dtype, shape, bytes, chunks or None, group) per tensor; CHUNKS only when known."""
+    with_chunks = any(r[4] is not None for r in rows)
+    table = Table(box=None, pad_edge=False)
+    for col in ("NAME", "DTYPE", "SHAPE", "BYTES") + (("CHUNKS",) if with_chunks else ()) + ("GROUP",):
+        table.add_column(col)
+    for name, dtype, shape, nbytes, chunks, group in rows:
+        cells = [name, dtype, "x".join(map(str, shape)) or "scalar", human_bytes(nbytes)]
+        table.add_row(*cells, *([str(chunks)] if with_chunks else []), group)
+    out.print(table)

@@ -102,14 +102,10 @@ def status_of(ckpt: Storage) -> tuple[Status, str | None]:
     return "committed", None
 
 
-def marked(root: Storage) -> list[tuple[StepEntry, Storage]]:
-    """Step directories that hold a marker (committed, or claiming to be), newest first."""
-    return list(iter_marked(root))
-
-
 def iter_marked(root: Storage) -> Iterator[tuple[StepEntry, Storage]]:
-    """``marked``, lazily: one listing, then one marker lookup per checkpoint actually taken,
-    so "the newest that verifies" under thousands of checkpoints (S3: a HEAD each) stays cheap."""
+    """Step directories that hold a marker (committed, or claiming to be), newest first, lazily:
+    one listing, then one marker lookup per checkpoint actually taken, so "the newest that
+    verifies" under thousands of checkpoints (S3: a HEAD each) stays cheap."""
     for e in reversed(list_steps(root)):
         if e.kind == "dir" and root.sub(e.name).stat(MARKER) is not None:
             yield e, root.sub(e.name)
