@@ -29,7 +29,7 @@ from ckptctl.format.layout import MARKER, shard_name, step_dir
 from ckptctl.load.reader import CheckpointReader
 from ckptctl.load.restore import restore
 from ckptctl.save.commit import build_manifest, commit, manifest_of
-from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_TIMEOUT_S, Coordinator
+from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.plan import Plan, make_plan, signature_of
 from ckptctl.save.shard_writer import write_shard
 from ckptctl.save.staging import StagingBuffer
@@ -70,6 +70,7 @@ class Checkpointer:
         keep_every: int | None = None,
         process_group: "dist.ProcessGroup | None" = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        liveness_s: float = DEFAULT_LIVENESS_S,
     ) -> None:
         """``keep_last``/``keep_every``: after each commit, rank 0 prunes older checkpoints in
         the background with the same policy and safety checks as ``ckptctl prune`` (the new
@@ -81,7 +82,9 @@ class Checkpointer:
         that coordinates saves), call ``save`` with the same steps, and see the same ``root``
         (a shared filesystem or bucket). ``timeout_s`` bounds how long the ranks wait for
         each other once their own shard is written: a rank that does not report by then
-        (killed, hung) fails the save on every rank, naming it."""
+        (killed, hung) fails the save on every rank, naming it. ``liveness_s``: a rank whose
+        process has shown no sign of life (a heartbeat through the c10d store) for this long
+        is taken as dead sooner than ``timeout_s``."""
         self.root = storage or open_storage(root)
         self._retention = None
         if keep_last is not None or keep_every is not None:
@@ -94,7 +97,7 @@ class Checkpointer:
         self._coordinator: Coordinator | None = None
         self.rank, self.world_size = 0, 1
         if dist.is_available() and dist.is_initialized():
-            self._coordinator = Coordinator.create(process_group, timeout_s)
+            self._coordinator = Coordinator.create(process_group, timeout_s, liveness_s=liveness_s)
             self.rank, self.world_size = self._coordinator.rank, self._coordinator.world_size
         self._staging = StagingBuffer()
         self._plan: Plan | None = None

@@ -50,6 +50,7 @@ from ckptctl.format.manifest import FileEntry, TensorEntry
 from ckptctl.save.plan import Plan, numel
 
 DEFAULT_TIMEOUT_S = 900.0
+DEFAULT_LIVENESS_S = 60.0  # no heartbeat for this long: the rank is dead (used by the helper's work)
 
 # Verdicts for ``agree``, ordered so that the minimum over ranks is the collective one.
 AGREE_FATAL, AGREE_SKIP, AGREE_OK = 0, 1, 2
@@ -91,7 +92,9 @@ class Coordinator:
         self._round = 0  # saves coordinated so far; names this save's keys in the store
 
     @classmethod
-    def create(cls, process_group: "dist.ProcessGroup | None", timeout_s: float) -> "Coordinator":
+    def create(
+        cls, process_group: "dist.ProcessGroup | None", timeout_s: float, *, liveness_s: float = DEFAULT_LIVENESS_S
+    ) -> "Coordinator":
         """A dedicated gloo group over the ranks of ``process_group`` (default: all ranks).
         Every rank of that group must call this, in the same order as its other new groups."""
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
