@@ -156,3 +156,84 @@ def test_strict_load_names_the_mismatch_and_non_strict_skips_it(tmp_path):
 def test_load_latest_returns_none_on_an_empty_root(tmp_path):
     with Checkpointer(str(tmp_path)) as ckpt:
         assert ckpt.load_latest({"x": torch.zeros(1)}) is None
+
+
+def _adamw_losses(tmp_path, *, save_at_0: bool, reload: bool = False) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        if save_at_0:
+            ckpt.save(0, {"model": model, "optimizer": opt}).wait()
+        if reload:  # a fresh job resumes from the step-0 checkpoint
+            torch.manual_seed(1)
+            model = nn.Linear(4, 4)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            assert ckpt.load_latest({"model": model, "optimizer": opt}) == 0
+            assert not opt.state
+    losses = []
+    for i in range(5):
+        loss = model(torch.full((2, 4), float(i))).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_saving_before_the_first_optimizer_step_leaves_training_unchanged(tmp_path):
+    # torch's state_dict helper would step a fresh AdamW once (lr 0) to create its state,
+    # shifting Adam's bias correction: the losses after a step-0 save used to differ.
+    plain = _adamw_losses(tmp_path / "a", save_at_0=False)
+    assert _adamw_losses(tmp_path / "b", save_at_0=True) == plain
+    assert _adamw_losses(tmp_path / "c", save_at_0=True, reload=True) == plain
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_prepare_faults_the_staging_buffer_in_before_the_first_snapshot():
+    from ckptctl.save.plan import make_plan, signature_of
+    from ckptctl.save.staging import StagingBuffer
+    from ckptctl.state.capture import capture
+
+    state = {"w": torch.ones(24 << 20, dtype=torch.uint8), "v": torch.ones(8 << 20, dtype=torch.uint8)}
+    captured = capture(state, with_rng=False)
+    plan = make_plan(captured.tensors, signature_of(captured.tensors), rank=0, world_size=1)
+    assert plan.nbytes == 32 << 20
+
+    lazy = StagingBuffer()
+    before = _rss()
+    lazy.reserve(plan)  # allocated, not touched: the first snapshot would fault it in
+    assert _rss() - before < 8 << 20
+
+    staged = StagingBuffer()
+    before = _rss()
+    assert staged.prepare(plan) and staged.held
+    assert not staged.prepare(plan)  # already under way
+    buf = staged.reserve(plan)  # waits for the background thread
+    assert _rss() - before >= 30 << 20
+    assert staged.snapshot(plan, captured.tensors).data_ptr() == buf.data_ptr()  # the one buffer, reused
+    assert bool((buf[: 32 << 20] == 1).all())
+
+
+def test_prepare_waits_for_the_first_step_and_load_latest_prepares(tmp_path):
+    job = ToyJob()
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert not ckpt.prepare(job.state())  # the optimizer has no state yet: size unknown
+        assert not ckpt._staging.held
+        job.step()
+        assert ckpt.prepare(job.state()) and ckpt._staging.held
+        job.step()
+        ckpt.save(2, job.state()).wait()
+        at_save = _snapshot(job)
+
+    for prepare in (True, False):
+        fresh = ToyJob(seed=1)
+        with Checkpointer(str(tmp_path)) as ckpt:
+            assert ckpt.load_latest(fresh.state(), prepare=prepare) == 2
+            assert ckpt._staging.held == prepare
+        assert _deep_equal(_snapshot(fresh), at_save)

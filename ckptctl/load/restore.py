@@ -139,7 +139,7 @@ def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = T
             # This rank's own copy of per-rank state: no shared tensors to read.
             finish.append(lambda v=value, d=own[key], k=kind, key=key: _set_own(state, key, v, d, k))
         elif kind in ("optimizer", "stateful"):
-            current = optimizer_state_dict(value, state, key) if kind == "optimizer" else value.state_dict()
+            current = optimizer_state_dict(value, state, key, for_load=True) if kind == "optimizer" else value.state_dict()
             loaded = _decode_into(fill, doc, current)
             finish.append(lambda v=value, d=loaded, k=kind: _load_stateful(v, d, k, state, key))
         elif kind == "tensor":

@@ -102,11 +102,36 @@ def model_for(optimizer: torch.optim.Optimizer, state: dict[str, Any], key: str)
     return None
 
 
-def optimizer_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any], key: str) -> dict[str, Any]:
+def optimizer_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any], key: str, *, for_load: bool = False) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name.
+
+    An optimizer that has not stepped yet has no state. torch's helper creates it by running
+    one ``step()`` with zero gradients and lr 0, which is harmless before a load (the load
+    overwrites it, and the restore fills those tensors in place) but not before a save: it would
+    count a step in Adam's bias correction and fire step hooks, so a checkpoint at step 0 would
+    change the training. For a save, such an optimizer is named here without stepping it.
+    """
     model = model_for(opt, state, key)
     if model is None:  # no model to name parameters by: fall back to torch's integer ids
         return opt.state_dict()
+    if not for_load and not opt.state:
+        return _unstepped_optimizer_state_dict(model, opt)
     return get_optimizer_state_dict(model, opt)
+
+
+def _unstepped_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    # The same naming as get_optimizer_state_dict: canonical module names (no DDP or compile
+    # wrapper prefixes), one per parameter.
+    from torch.distributed.checkpoint.state_dict import _get_fqns  # private, as torch's helper uses it
+
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters():
+        names[id(param)] = sorted(_get_fqns(model, name))  # several for an FSDP1 flat parameter
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [n for p in g["params"] for n in names[id(p)]]}
+        for g in opt.param_groups
+    ]
+    return {"state": {}, "param_groups": groups}
 
 
 def module_state_dict(module: nn.Module) -> dict[str, Any]:
