@@ -84,6 +84,8 @@ def run_job(root: str, steps: int, every: int, kill_at: int | None, log: str) ->
         for step in range(start + 1, steps + 1):
             f.write(json.dumps({"step": step, "loss": job.step()}) + "\n")
             f.flush()
+            if step == start + 1 and not start:
+                ckpt.prepare(job.state())  # a resume already did this in load_latest
             if step % every == 0:
                 ckpt.save(step, job.state())
                 if step == kill_at:
