@@ -17,6 +17,7 @@ first saves were seen slower than without; set ``CKPTCTL_HUGEPAGES=0`` to use or
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -47,10 +48,14 @@ class StagingBuffer:
             return False
         self._buf = None  # the old one is too small: free it before allocating its replacement
         ready: "Future[torch.Tensor]" = Future()
+        # The current CUDA device is per thread: pin under the caller's (the rank's own GPU),
+        # never under the new thread's default, device 0.
+        device = torch.cuda.current_device() if pin else None
 
         def work() -> None:
             try:
-                ready.set_result(_fault_in(_allocate(max(plan.nbytes, 1), pin), pin))
+                with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                    ready.set_result(_fault_in(_allocate(max(plan.nbytes, 1), pin), pin))
             except (MemoryError, OSError, RuntimeError) as e:  # what mmap and torch raise
                 ready.set_exception(e)
 
