@@ -2,14 +2,21 @@
 """Multi-rank save/load benchmark: ckptctl beside torch.distributed.checkpoint (DCP).
 
     .venv/bin/python scripts/bench_dist.py [--size-mib 256] [--ranks 1,2,4] [--steady 2]
-                                           [--dir PATH] [--json]
+                                           [--dir PATH] [--json] [--no-prepare]
 
 The parent launches one ``torchrun --standalone --nproc-per-node N`` job per N (as
 ``sys.executable -m torch.distributed.run``; gloo, CPU), each rank re-running this script with
 ``--child``. Every job builds the same FSDP2-sharded state (``fully_shard`` on a CPU device
 mesh of N ranks; an MLP of Linear(dim, dim) layers plus its AdamW state after one step;
-``--size-mib`` is the total of model + optimizer state over all ranks) and measures, on that
-state and the same disk, in interleaved rounds (round 0 holds the first saves):
+``--size-mib`` is the total of model + optimizer state over all ranks). Then, as a training job
+would after its first optimizer step, it calls ``Checkpointer.prepare(state)`` (plan, and
+allocate + fault in the staging buffer on a background thread; skipped with ``--no-prepare``,
+or when the Checkpointer has no ``prepare``) and runs 2 more real training steps (forward,
+backward, ``opt.step()``, ``zero_grad``) in either mode, so that the background work overlaps
+real work and both modes save the same state. Every tool saves that same state in each round.
+``--no-prepare`` reproduces the unprepared first save, which also pays for the staging buffer's
+memory; the report says which mode ran. It then measures, on that state and the same disk, in
+interleaved rounds (round 0 holds the first saves):
 
 * ckptctl: ``Checkpointer(root).save(step, {"model": model, "optimizer": opt})`` stall (until it
   returns), save start -> ``handle.wait()`` (committed), save return -> committed, and the
@@ -28,6 +35,33 @@ Each rank writes its figures to a JSON file; the parent prints, per N, the max o
 first stall <= 0.5 x DCP's first, time to commit within 1.10 x the slowest rank's own write,
 re-sharding load <= DCP's. On a small machine (2 cores) N=4 oversubscribes the CPUs: the
 output reports the CPU pressure (Linux PSI) over each job. GB = 1e9 bytes.
+
+torch_checkpointing (Meta, BSD; issue 3 asks for it "where it runs on CPU") is NOT measured,
+because its re-shardable save does not run on CPU. Version 0.1.1 (needs torch>=2.11; install it
+beside our torch with ``pip install --no-deps torch_checkpointing==0.1.1``: its other
+dependencies, numpy, safetensors and typing_extensions, come with ckptctl and torch) would be
+driven as ``CheckpointManager(CheckpointManager.Config(items={"model": ItemSpec(resharder=
+DefaultResharder()), "optimizer": ...}))``, ``fut = mgr.save(path, {"model": msd, "optimizer":
+osd})`` on ``get_state_dict(model, opt)`` and ``mgr.load(path, into=...)`` + ``set_state_dict``.
+Declaring a resharder (without one a checkpoint cannot be loaded at another world size) makes
+the first save all-gather the sharding metadata in
+``torch_checkpointing/metadata_manager.py:_all_gather_pickled_data``, which puts its tensors on
+``device="cuda"`` whatever the process group's backend. With torch 2.13.0+cpu, gloo and 2 ranks::
+
+    metadata_manager.py, line 416, in _all_gather_pickled_data
+        max_size_tensor = torch.tensor([total_size], dtype=torch.int64, device="cuda")
+    AssertionError: Torch not compiled with CUDA enabled
+
+At 1 rank it skips that all-gather and saves (with metadata; loading that at 2 ranks was not
+tried), and without a resharder it saves at any N, but not a checkpoint that can be loaded at
+another world size. The bench saves re-shardable checkpoints at every N, so torch_checkpointing
+is left out rather than measured on different terms. Two more things to know when it runs
+(on a CUDA host): its default ``LocalFileSystemStorageConfig(use_direct_io=True)`` fails on
+this ext4 disk (``OSError: [Errno 22] Invalid argument`` from unaligned O_DIRECT writes;
+``use_direct_io=False`` works), and it never fsyncs, so its "written" is not durable the way
+ckptctl's and DCP's (``sync_files=True``) commits are; its staging copy also runs after
+``save()`` returns (``mgr.lock()`` around ``opt.step()`` waits for it), so its stall is to be
+timed to the end of staging, not to the return of ``save()``.
 """
 
 from __future__ import annotations
@@ -77,11 +111,19 @@ def build(world: int, layers: int, seed: int = 0):
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
+    train_step(model, opt, g)
+    return model, opt, g
+
+
+def train_step(model, opt, g) -> None:
+    """One real step on the FSDP2 model: forward, backward, optimizer step, zero_grad. ``g``
+    draws the batch, the same on every rank."""
+    import torch
+
     x = torch.randn(8, DIM, generator=g)
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return model, opt
 
 
 def local_tensors(model, opt) -> list:
@@ -117,7 +159,7 @@ def child(a: argparse.Namespace) -> int:
         if rank == 0:
             print(f"[bench N={world}] {msg}", file=sys.stderr, flush=True)
 
-    model, opt = build(world, a.layers)
+    model, opt, g = build(world, a.layers)
     state = {"model": model, "optimizer": opt}
     local_bytes = sum(t.numel() * t.element_size() for t in local_tensors(model, opt))
     res: dict = {"rank": rank, "world": world, "local_bytes": local_bytes, "ck": {}, "dcp": {}}
@@ -126,6 +168,22 @@ def child(a: argparse.Namespace) -> int:
         res[tool].setdefault(key, []).append(v)
 
     ck = Checkpointer(os.path.join(a.work, f"ckptctl-{world}"), timeout_s=600)
+    if not a.no_save:
+        # As a training job would after its first optimizer step (build() made it): prepare,
+        # then keep training. The 2 steps run in both modes, for every tool alike.
+        if a.no_prepare:
+            res["prepare"] = "off (--no-prepare)"
+        elif not hasattr(ck, "prepare"):
+            res["prepare"] = "unavailable (Checkpointer has no prepare)"
+        else:
+            t0 = time.perf_counter()
+            ok = ck.prepare(state)
+            res["prepare_s"] = time.perf_counter() - t0
+            res["prepare"] = "on" if ok is not False else "on, but prepare() returned False"
+        t0 = time.perf_counter()
+        for _ in range(2):
+            train_step(model, opt, g)
+        res["steps_s"] = time.perf_counter() - t0
     dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives off the default group
     last_ck = last_dcp = None
     if not a.no_save:
@@ -218,7 +276,7 @@ def launch(n: int, a: argparse.Namespace, work: str, layers: int, tag: str, extr
     os.makedirs(out, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            os.path.abspath(__file__), "--child", "--work", work, "--out", out, "--layers", str(layers),
-           "--steady", str(a.steady), *extra]
+           "--steady", str(a.steady), *(["--no-prepare"] if a.no_prepare else []), *extra]
     p0, t0, la0 = cpu_pressure_us(), time.perf_counter(), os.getloadavg()[0]
     rc = subprocess.run(cmd, stdout=sys.stderr).returncode
     wall = time.perf_counter() - t0
@@ -253,6 +311,10 @@ def summarize(job: dict, load_job: dict | None, load_from: int | None) -> dict:
             s[f"{tool}_{key}"] = per_round_max(ranks, tool, key)
         s[f"{tool}_stall_per_rank"] = [r[tool]["stall_s"] for r in ranks]
         s[f"{tool}_file_bytes"] = r0[tool].get("file_bytes")
+    modes = sorted({r.get("prepare", "n/a") for r in ranks})
+    s["prepare"] = modes[0] if len(modes) == 1 else "mixed: " + "; ".join(modes)
+    s["prepare_call_s"] = max((r["prepare_s"] for r in ranks if "prepare_s" in r), default=None)
+    s["steps_before_first_save_s"] = max((r["steps_s"] for r in ranks if "steps_s" in r), default=None)
     s["ck_write_s"] = r0["ck"].get("write_s") or []
     s["ck_manifest_stall_s"] = r0["ck"].get("manifest_stall_s") or []
     if load_job is not None:
@@ -297,10 +359,14 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
     import torch
 
     p(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}; gloo on CPU; one torchrun job per N")
-    p(f"state: MLP of {a.layers} x Linear({DIM}, {DIM}) + AdamW after one step, FSDP2 fully_shard; "
+    p(f"state: MLP of {a.layers} x Linear({DIM}, {DIM}) + AdamW after 3 training steps, FSDP2 fully_shard; "
       f"~{summaries[0]['bytes'] / 2**20:.0f} MiB over all ranks; 1 first + {a.steady} steady saves per tool")
+    modes = sorted({s["prepare"] for s in summaries})
+    p(f"prepare mode: {'; '.join(modes)} -- Checkpointer.prepare(state) right after build's training step "
+      "unless --no-prepare; then, in both modes, 2 more training steps before round 0 (all tools save that state)")
     p("figures are the max over ranks (the slowest rank gates training); steady = median over steady rounds;")
     p("DCP stall includes get_state_dict (ckptctl's save() captures the state itself); GB = 1e9 bytes")
+    p("torch_checkpointing: not measured -- its re-shardable save needs CUDA at N > 1 (see this script's docstring)")
     for s in summaries:
         n, nb = s["n"], s["bytes"]
         p()
@@ -309,6 +375,10 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
         p(f"=== N = {n} ranks ({nb / n / 2**20:.0f} MiB per rank)   CPU pressure over the job: "
           + (f"{pr:.0%}" if pr is not None else "n/a") + f", load avg {s['loadavg'][0]:.1f} -> {s['loadavg'][1]:.1f}"
           + ("  -> NOISY: CPUs oversubscribed" if noisy else ""))
+        pc, st = s["prepare_call_s"], s["steps_before_first_save_s"]
+        p(f"  first save prepared: {s['prepare']}"
+          + (f"; prepare() returned in {pc * 1e3:.1f} ms" if pc is not None else "")
+          + (f"; the 2 training steps before round 0 took {st * 1e3:.0f} ms" if st is not None else ""))
         p(f"  {'':<40}{'ckptctl':>13}{'DCP':>13}   samples ckptctl | DCP (per round, max over ranks)")
         p(f"  {'stall, first save':<40}{ms(s['ck_stall_s'][0])}{ms(s['dcp_stall_s'][0])}")
         p(f"  {'stall, steady':<40}{ms(s['info']['ck_steady_s'])}{ms(s['info']['dcp_steady_s'])}   "
@@ -358,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady", type=int, default=2, help="steady-state saves after the first (default 2)")
     ap.add_argument("--dir", default=None, help="where to write (a temporary directory is made inside)")
     ap.add_argument("--json", action="store_true", help="also dump the summaries as JSON on stdout")
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="do not call Checkpointer.prepare before the first save (the unprepared first save)")
     # child-only
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
