@@ -2,11 +2,13 @@
 """Multi-rank save/load benchmark: ckptctl beside torch.distributed.checkpoint (DCP).
 
     .venv/bin/python scripts/bench_dist.py [--size-mib 256] [--ranks 1,2,4] [--steady 2]
-                                           [--dir PATH] [--json] [--no-prepare]
+                                           [--dir PATH] [--json] [--no-prepare] [--device cpu|cuda]
 
 The parent launches one ``torchrun --standalone --nproc-per-node N`` job per N (as
 ``sys.executable -m torch.distributed.run``; gloo, CPU), each rank re-running this script with
-``--child``. Every job builds the same FSDP2-sharded state (``fully_shard`` on a CPU device
+``--child``. ``--device cuda`` puts the model on one GPU per rank (NCCL for the training;
+``--ranks`` at most the GPUs present) and so measures the pinned staging path and copy stream
+beside DCP's. Every job builds the same FSDP2-sharded state (``fully_shard`` on a CPU device
 mesh of N ranks; an MLP of Linear(dim, dim) layers plus its AdamW state after one step;
 ``--size-mib`` is the total of model + optimizer state over all ranks). Then, as a training job
 would after its first optimizer step, it calls ``Checkpointer.prepare(state)`` (plan, and
@@ -97,15 +99,15 @@ def local_path(url: str) -> str:
 # --- child: one rank of one torchrun job --------------------------------------------------
 
 
-def build(world: int, layers: int, seed: int = 0):
+def build(world: int, layers: int, device: str = "cpu", seed: int = 0):
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)  # same full weights on every rank before sharding
-    model = nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(layers)])
-    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(layers)]).to(device)
+    mesh = init_device_mesh(device, (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -120,7 +122,7 @@ def train_step(model, opt, g) -> None:
     draws the batch, the same on every rank."""
     import torch
 
-    x = torch.randn(8, DIM, generator=g)
+    x = torch.randn(8, DIM, generator=g).to(next(model.parameters()).device)
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -145,7 +147,13 @@ def child(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo")
+    if a.device == "cuda":
+        # One GPU per rank; NCCL for the training, gloo for CPU tensors (DCP's metadata).
+        # ckptctl makes its own gloo group either way.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cuda:nccl,cpu:gloo")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     # Import time is nobody's stall.
     import torch.distributed.checkpoint as dcp
@@ -159,7 +167,7 @@ def child(a: argparse.Namespace) -> int:
         if rank == 0:
             print(f"[bench N={world}] {msg}", file=sys.stderr, flush=True)
 
-    model, opt, g = build(world, a.layers)
+    model, opt, g = build(world, a.layers, a.device)
     state = {"model": model, "optimizer": opt}
     local_bytes = sum(t.numel() * t.element_size() for t in local_tensors(model, opt))
     res: dict = {"rank": rank, "world": world, "local_bytes": local_bytes, "ck": {}, "dcp": {}}
@@ -276,7 +284,7 @@ def launch(n: int, a: argparse.Namespace, work: str, layers: int, tag: str, extr
     os.makedirs(out, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            os.path.abspath(__file__), "--child", "--work", work, "--out", out, "--layers", str(layers),
-           "--steady", str(a.steady), *(["--no-prepare"] if a.no_prepare else []), *extra]
+           "--steady", str(a.steady), "--device", a.device, *(["--no-prepare"] if a.no_prepare else []), *extra]
     p0, t0, la0 = cpu_pressure_us(), time.perf_counter(), os.getloadavg()[0]
     rc = subprocess.run(cmd, stdout=sys.stderr).returncode
     wall = time.perf_counter() - t0
@@ -358,7 +366,8 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
 
     import torch
 
-    p(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}; gloo on CPU; one torchrun job per N")
+    where = (f"model on {torch.cuda.get_device_name()} (NCCL), pinned staging" if a.device == "cuda" else "gloo on CPU")
+    p(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}; {where}; one torchrun job per N")
     p(f"state: MLP of {a.layers} x Linear({DIM}, {DIM}) + AdamW after 3 training steps, FSDP2 fully_shard; "
       f"~{summaries[0]['bytes'] / 2**20:.0f} MiB over all ranks; 1 first + {a.steady} steady saves per tool")
     modes = sorted({s["prepare"] for s in summaries})
@@ -431,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prepare", action="store_true",
                     help="do not call Checkpointer.prepare before the first save (the unprepared first save)")
     # child-only
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model lives (cuda: one GPU per rank, NCCL; the pinned staging path)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -447,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     per_layer = (DIM * DIM + DIM) * 4 * 3  # weight + bias, fp32, param + exp_avg + exp_avg_sq
     a.layers = max(1, round(a.size_mib * 2**20 / per_layer))
     ns = [int(x) for x in a.ranks.split(",") if x.strip()]
+    if a.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if max(ns) > have:
+            raise SystemExit(f"--device cuda needs one GPU per rank: --ranks {a.ranks} asks for {max(ns)}, this host has {have}")
     if a.dir:
         os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ckptctl-bench-dist-", dir=a.dir or "/tmp")
