@@ -22,10 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
-import torch
-
 from ckptctl.errors import CheckpointError, InvalidCheckpoint, NoValidCheckpoint, NotFound
-from ckptctl.format import dtypes
 from ckptctl.format.checkpoint import iter_marked, read_committed, read_header
 from ckptctl.format.checksum import Hasher, digest, file_checksum
 from ckptctl.format.manifest import FileEntry, Manifest
@@ -222,6 +219,11 @@ def _scan(
 ) -> tuple[str, list[str]] | None:
     """Hash bytes ``[start, end)``: the header part (if the range has one) and each of
     ``chunks``. Returns (header digest, chunk digests), or None when ``stop`` was set."""
+    decode = None
+    if level == "load":
+        # Only the load level needs torch; the default levels must not import it (seconds of
+        # start-up in every cron `verify` and `latest`), so it is imported here, on demand.
+        from ckptctl.ops.decode import decode_problem as decode
     header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
     size = min(PIECE, max(end - start, 1))
@@ -259,8 +261,10 @@ def _scan(
                 if a < b:
                     part = view[a - pos : b - pos]
                     hashers[ci].update(part)
-                    if level == "load":
-                        _decode(part, c, a - cb, problems, f.name)
+                    if decode is not None:
+                        bad = decode(part, c.dtype, a - cb)
+                        if bad is not None:
+                            problems.append(Problem(bad, file=f.name, tensor=c.name))
                 if ce <= hi:
                     ci += 1
                 else:
@@ -270,18 +274,6 @@ def _scan(
             if progress:
                 progress(n)
     return header.hexdigest(), [hh.hexdigest() for hh in hashers]
-
-
-def _decode(part: memoryview, c: Chunk, offset_in_chunk: int, problems: list[Problem], file: str) -> None:
-    """Decode bytes as the chunk's dtype: a test-load without holding the tensor whole."""
-    size = torch.empty((), dtype=dtypes.torch_dtype(c.dtype)).element_size()
-    lead = (-offset_in_chunk) % size
-    usable = (len(part) - lead) // size * size
-    if usable <= 0:
-        return
-    t = torch.frombuffer(part[lead : lead + usable], dtype=dtypes.torch_dtype(c.dtype))
-    if c.dtype == "bool" and bool((t.view(torch.uint8) > 1).any()):
-        problems.append(Problem("bool tensor holds bytes other than 0 and 1", file=file, tensor=c.name))
 
 
 def _coverage(manifest: Manifest, headers: dict[str, ShardHeader]) -> list[Problem]:
