@@ -29,15 +29,21 @@ half sent), so the coordinator is then *broken*: every later save fails at once 
 A rank whose write merely failed is no such case: the exchange completes and the next save
 proceeds normally.
 
-A killed rank is noticed when ``timeout_s`` runs out, not sooner: the store cannot tell a dead
-rank from a slow writer. Under torchrun the agent usually restarts the whole job first; the
-timeout is the bound for the cases it does not (a hung write, a rank stuck elsewhere).
+A killed rank is noticed within about ``liveness_s``, through a heartbeat: every rank's daemon
+thread bumps a counter in the c10d store, and a rank being waited for whose counter stands
+still for ``liveness_s`` (by the waiter's own clock: hosts' clocks differ) is taken as dead.
+A rank that is alive but stuck (a hung write, a rank stuck elsewhere) still beats, so
+``timeout_s`` stays the bound for it. A frozen process (one holding the GIL for ``liveness_s``,
+stopped by a debugger or SIGSTOP) cannot beat either, and is taken as dead too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable
@@ -45,12 +51,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ckptctl.errors import CkptError, CoordinationError
+from ckptctl.errors import CkptError, CoordinationError, UsageError
 from ckptctl.format.manifest import FileEntry, TensorEntry
 from ckptctl.save.plan import Plan, numel
 
 DEFAULT_TIMEOUT_S = 900.0
-DEFAULT_LIVENESS_S = 60.0  # no heartbeat for this long: the rank is dead (used by the helper's work)
+DEFAULT_LIVENESS_S = 60.0  # no heartbeat for this long: the rank is dead
+# A beat every liveness_s / 6, within these bounds: several beats may be missed (a loaded host,
+# a busy store) before a rank is taken as dead, and 4,096 ranks beating every 10 s are
+# ~400 store operations a second.
+BEAT_MIN_S, BEAT_MAX_S = 0.2, 10.0
+
+log = logging.getLogger("ckptctl")
 
 # Verdicts for ``agree``, ordered so that the minimum over ranks is the collective one.
 AGREE_FATAL, AGREE_SKIP, AGREE_OK = 0, 1, 2
@@ -76,7 +88,13 @@ class Coordinator:
     """One per Checkpointer; ``create`` is collective over the ranks of ``process_group``."""
 
     def __init__(
-        self, group: "dist.ProcessGroup | None", *, timeout_s: float, rank: int | None = None, world_size: int | None = None
+        self,
+        group: "dist.ProcessGroup | None",
+        *,
+        timeout_s: float,
+        liveness_s: float = DEFAULT_LIVENESS_S,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         """``group`` None with ``rank``/``world_size`` given: rank 0's bookkeeping alone, no
         collectives (scripts/sim_scale.py measures it that way)."""
@@ -84,19 +102,27 @@ class Coordinator:
         self.rank = dist.get_rank(group) if rank is None else rank
         self.world_size = dist.get_world_size(group) if world_size is None else world_size
         self.timeout = timedelta(seconds=timeout_s)
+        self.liveness_s = liveness_s
         self.broken: str | None = None  # why the group cannot be used any more
         self._last_plan: Plan | None = None  # the plan of the last committed save
         self._tensors: dict[str, TensorEntry] | None = None  # rank 0: checked table of that plan
         self._structure: str | None = None
         self._store: "dist.Store | None" = None  # liveness side channel, see _barrier
         self._round = 0  # saves coordinated so far; names this save's keys in the store
+        self._heartbeat: _Heartbeat | None = None
 
     @classmethod
     def create(
         cls, process_group: "dist.ProcessGroup | None", timeout_s: float, *, liveness_s: float = DEFAULT_LIVENESS_S
     ) -> "Coordinator":
         """A dedicated gloo group over the ranks of ``process_group`` (default: all ranks).
-        Every rank of that group must call this, in the same order as its other new groups."""
+        Every rank of that group must call this, in the same order as its other new groups.
+        Starts this rank's heartbeat thread (see ``_Heartbeat``); ``close`` stops it."""
+        if not liveness_s >= 3 * BEAT_MIN_S:  # also refuses NaN
+            raise UsageError(
+                f"liveness_s={liveness_s!r}: must be at least {3 * BEAT_MIN_S:g}s",
+                hint="a rank is taken as dead after liveness_s without a heartbeat; the default is 60s",
+            )
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         group = dist.new_group(
             ranks=ranks,
@@ -105,8 +131,11 @@ class Coordinator:
             use_local_synchronization=True,  # ranks outside process_group need not take part
             group_desc="ckptctl_coordination",
         )
-        coord = cls(group, timeout_s=timeout_s)
+        coord = cls(group, timeout_s=timeout_s, liveness_s=liveness_s)
         coord._store = _side_channel(group)
+        clone = getattr(coord._store, "clone", None)  # torch < 2.5 has none: timeout_s alone then
+        if coord.world_size > 1 and clone is not None:
+            coord._heartbeat = _Heartbeat(clone(), coord.rank, coord.world_size, liveness_s)
         return coord
 
     def close(self) -> None:
@@ -114,6 +143,8 @@ class Coordinator:
         # would need every rank to close at the same moment.
         if self.broken is None:
             self.broken = "the checkpointer is closed"
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
 
     # --- one save ---------------------------------------------------------------------------
 
@@ -249,7 +280,7 @@ class Coordinator:
 
     def _barrier(self, step: int) -> None:
         """Wait until every rank has finished writing, at most ``timeout_s``; every rank learns
-        which ranks did not arrive.
+        which ranks did not arrive, and whether they were lost to a timeout or to a heartbeat.
 
         Liveness goes through the c10d store every rank already talks to, not through the
         gloo group: a gloo wait that times out breaks the group's connections, so rank 0
@@ -257,11 +288,20 @@ class Coordinator:
         it on rank 0 only and leaves the others blocked until their own timeout). The store
         carries a few keys per save, independent of the number of ranks:
 
-        - each rank overwrites ``arrived/<rank>`` with the round number (for naming the
-          missing ranks on a timeout) and increments ``<round>/count``; the last one sets
-          ``<round>/all``;
+        - each rank appends its rank to ``<round>/arrived`` (who is missing) and increments
+          ``<round>/count``; the last one sets ``<round>/all`` to ``1``;
         - rank 0 waits for ``<round>/all`` up to the timeout, then writes ``<round>/answer``
-          (the missing ranks, or nothing); the others wait for that answer.
+          (``ok:``, or ``timeout:`` or ``heartbeat:`` and the missing ranks); the others wait
+          for that answer.
+
+        Each wait is one blocking wait, not a loop of short ones (a TCPStore wait that times
+        out logs two warnings; sliced waits would print them every slice on every rank). The
+        heartbeat thread watches while this thread waits, and wakes it by writing the key it
+        waits for: rank 0's sets ``<round>/all`` to ``lost:<ranks>`` once a rank that has not
+        arrived stops beating; another rank's sets ``<round>/answer`` to ``coordinator:0``
+        once rank 0 stops beating. Both use ``compare_set`` on an absent key, so a real
+        arrival or answer is never overwritten; rank 0 writes its answer the same way, so the
+        first verdict written is the one every rank acts on.
         """
         if self.world_size == 1:
             return
@@ -270,27 +310,49 @@ class Coordinator:
         self._round += 1
         st, rnd, ws = self._store, self._round, self.world_size
         missing: list[int] = []
+        cause = "ok"
         try:
-            st.set(f"arrived/{self.rank}", str(rnd))
+            st.append(f"{rnd}/arrived", f"{self.rank},")
             if st.add(f"{rnd}/count", 1) == ws:
                 st.set(f"{rnd}/all", "1")
+            self._watch(rnd)
             if self.rank == 0:
                 try:
                     st.wait([f"{rnd}/all"], self.timeout)
-                except RuntimeError:  # DistStoreError: timed out; find out who is missing
-                    missing = [r for r in range(ws) if not _arrived(st, r, rnd)]
-                st.set(f"{rnd}/answer", ",".join(map(str, missing)))
+                    verdict = st.get(f"{rnd}/all").decode()
+                    if verdict != "1":  # our heartbeat thread found ranks that stopped beating
+                        cause, missing = "heartbeat", _parse_ranks(verdict.partition(":")[2])
+                except dist.DistStoreError:  # timed out; find out who is missing
+                    arrived = set(_parse_ranks(st.get(f"{rnd}/arrived").decode()))
+                    cause, missing = "timeout", [r for r in range(ws) if r not in arrived]
+                # If another rank took rank 0 for dead meanwhile, its verdict stands for all.
+                answer = st.compare_set(f"{rnd}/answer", "", f"{cause}:{','.join(map(str, missing))}").decode()
+                cause, _, ranks = answer.partition(":")
+                missing = _parse_ranks(ranks)
                 if rnd > 1:  # every rank has read the previous round's answer by now
-                    for key in (f"{rnd - 1}/count", f"{rnd - 1}/all", f"{rnd - 1}/answer"):
-                        st.delete_key(key)
+                    for key in ("count", "all", "answer", "arrived"):
+                        st.delete_key(f"{rnd - 1}/{key}")
             else:
                 # Rank 0 may itself arrive up to a timeout late, then waits a timeout for the rest.
                 st.wait([f"{rnd}/answer"], 2 * self.timeout)
-                missing = [int(x) for x in st.get(f"{rnd}/answer").decode().split(",") if x]
-        except RuntimeError as e:  # the store is gone, or rank 0 never answered
-            self._lost(step, [0], _first_line(e), coordinator=True)
+                cause, _, ranks = st.get(f"{rnd}/answer").decode().partition(":")
+                missing = _parse_ranks(ranks)
+        except dist.DistStoreError as e:  # rank 0 never answered
+            self._lost(step, [0], f"within {self.timeout.total_seconds():g}s ({_first_line(e)})", coordinator=True)
+        except RuntimeError as e:  # DistNetworkError: the store is gone (it may have lived in rank 0)
+            self._lost(step, [0], f": the c10d store failed ({_first_line(e)})", coordinator=True)
+        finally:
+            self._watch(None)
+        if cause == "coordinator":
+            self._lost(step, [0], f": no heartbeat from rank 0 for {self.liveness_s:g}s", coordinator=True)
+        if cause == "heartbeat":
+            self._lost(step, missing, f": no heartbeat for {self.liveness_s:g}s (the process died or froze)")
         if missing:
-            self._lost(step, missing, "")
+            self._lost(step, missing, f"within {self.timeout.total_seconds():g}s")
+
+    def _watch(self, rnd: int | None) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.watch = rnd
 
     def _monitored_barrier(self, step: int) -> None:
         """Fallback without a store: gloo's own, which names the missing ranks on rank 0."""
@@ -298,14 +360,15 @@ class Coordinator:
             dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as e:
             found = sorted({int(x) for m in re.finditer(r"Ranks? ([\d, ]+?) failed to pass", str(e)) for x in re.findall(r"\d+", m.group(1))})
-            self._lost(step, found or [0], _first_line(e), coordinator=not found)
+            why = f"within {self.timeout.total_seconds():g}s ({_first_line(e)})"
+            self._lost(step, found or [0], why, coordinator=not found)
 
     def _lost(self, step: int, missing: list[int], why: str, *, coordinator: bool = False) -> None:
+        """``why`` completes "did not report": "within 900s", ": no heartbeat for 60s"."""
         who = "rank 0 (the coordinator), or the c10d store it answers through," if coordinator else _ranks(missing)
         self.broken = f"{who} did not report during the save of step {step}"
         raise CoordinationError(
-            f"step {step}: {who} did not report within {self.timeout.total_seconds():g}s; no marker was written"
-            + (f" ({why})" if why else ""),
+            f"step {step}: {who} did not report{'' if why.startswith(':') else ' '}{why}; no marker was written",
             hint="a rank died or hung while saving; restart the job and resume with load_latest",
         )
 
@@ -334,9 +397,103 @@ def _side_channel(group: "dist.ProcessGroup") -> "dist.Store | None":
         return None
 
 
-def _arrived(st: "dist.Store", rank: int, rnd: int) -> bool:
-    key = f"arrived/{rank}"
-    return st.check([key]) and st.get(key).decode() == str(rnd)
+def _parse_ranks(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+class _Heartbeat:
+    """This rank's sign of life: a daemon thread adds 1 to ``alive/<rank>`` every beat, a
+    counter and not a time (hosts' clocks differ). While the rank waits in ``_barrier``
+    (``watch`` is the round), the same thread reads the counters of the ranks it waits for
+    and notes, by its own monotonic clock, when each last changed; one that has not changed
+    for ``liveness_s`` is dead, and the waiting thread is woken (see ``_barrier``).
+
+    It has a store connection of its own (``Store.clone``): a TCPStore connection serves one
+    request at a time, and the barrier's wait holds it for as long as it waits. The thread
+    never raises into the training process: when the store fails, it logs and stops beating
+    (the ranks that wait for this one then take it as dead, as they should: it could not
+    answer them through that store either)."""
+
+    def __init__(self, store: "dist.Store", rank: int, world_size: int, liveness_s: float) -> None:
+        self.store, self.rank, self.world_size, self.liveness_s = store, rank, world_size, liveness_s
+        self.interval = min(max(liveness_s / 6, BEAT_MIN_S), BEAT_MAX_S)
+        self.watch: int | None = None  # set by the writer thread; read here
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ckptctl-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        # A beat in flight takes a store round trip; do not hold close() up for longer.
+        self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        seen: dict[int, tuple[int | None, float]] = {}  # rank -> (counter, when it last changed)
+        watched: int | None = None
+        while True:
+            try:
+                self.store.add(f"alive/{self.rank}", 1)
+                rnd = self.watch
+                if rnd != watched:  # a new wait: nobody has been seen standing still yet
+                    seen, watched = {}, rnd
+                if rnd is not None:
+                    self._check(rnd, seen)
+            except RuntimeError as e:  # DistStoreError, DistNetworkError: the store is gone
+                log.warning(
+                    "rank %d: heartbeat stopped, the c10d store failed: %s; other ranks will take this rank "
+                    "as dead %gs after they start waiting for it",
+                    self.rank, _first_line(e), self.liveness_s,
+                )
+                return
+            if self._stop.wait(self.interval):
+                return
+
+    def _check(self, rnd: int, seen: dict[int, tuple[int | None, float]]) -> None:
+        st = self.store
+        if self.rank == 0:
+            arrived = set(_parse_ranks(st.get(f"{rnd}/arrived").decode()))  # rank 0 is in it
+            waiting = [r for r in range(self.world_size) if r not in arrived]
+        else:
+            waiting = [0]
+        if not waiting:
+            return
+        now = time.monotonic()
+        dead: list[int] = []
+        known = [r for r in waiting if seen.get(r, (None, 0.0))[0] is not None]
+        for r, count in _read_counters(st, waiting, known).items():
+            last = seen.get(r)
+            if last is None or last[0] != count:
+                seen[r] = (count, now)
+            elif now - last[1] >= self.liveness_s:
+                dead.append(r)
+        if not dead:
+            return
+        # Never overwrites a real arrival or answer that came in meanwhile (see _barrier).
+        if self.rank == 0:
+            st.compare_set(f"{rnd}/all", "", "lost:" + ",".join(map(str, dead)))
+        else:
+            st.compare_set(f"{rnd}/answer", "", "coordinator:0")
+
+
+def _read_counters(st: "dist.Store", ranks: list[int], known: list[int]) -> dict[int, int | None]:
+    """The heartbeat counters of ``ranks`` in one request, None for a rank that has not beaten
+    yet (it may be just past ``create``): ``get`` of an absent key would block until the
+    store's timeout, so keys not ``known`` to exist are checked first."""
+    unknown = set(ranks).difference(known)
+    if unknown and not st.check([f"alive/{r}" for r in unknown]):  # rare: before every first beat
+        absent = {r for r in unknown if not st.check([f"alive/{r}"])}
+        ranks = [r for r in ranks if r not in absent]
+    else:
+        absent = set()
+    keys = [f"alive/{r}" for r in ranks]
+    multi_get = getattr(st, "multi_get", None)
+    if not keys:
+        values: list[bytes] = []
+    elif multi_get is not None:
+        values = multi_get(keys)
+    else:
+        values = [st.get(k) for k in keys]
+    return {**dict.fromkeys(absent), **{r: int(v) for r, v in zip(ranks, values)}}
 
 
 REPORT_BYTES = 1024  # one rank's report: ~350 bytes, plus room for an error message
