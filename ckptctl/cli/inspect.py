@@ -7,7 +7,7 @@ import typer
 from rich.table import Table
 
 from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, out
-from ckptctl.ops.foreign import foreign_format, inspect_foreign
+from ckptctl.interop.detect import foreign_format
 from ckptctl.ops.inspect import inspect_checkpoint
 from ckptctl.storage import open_storage
 
@@ -43,6 +43,10 @@ def inspect(
 
 
 def _inspect_foreign(path: str, tensors: bool, json: bool) -> None:
+    # Imported here: reading other tools' formats needs torch; a ckptctl checkpoint's manifest
+    # does not, and `ckptctl inspect` of one should not pay seconds for importing it.
+    from ckptctl.ops.foreign import inspect_foreign
+
     r = inspect_foreign(path, tensors=tensors)
     if json:
         emit_json(r.to_dict())

@@ -7,7 +7,7 @@ import typer
 from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT, UsageError
-from ckptctl.ops.foreign import foreign_format, verify_foreign
+from ckptctl.interop.detect import foreign_format
 from ckptctl.ops.verify import VerifyReport, verify_checkpoint, verify_root
 from ckptctl.storage import open_storage
 
@@ -33,6 +33,10 @@ def verify(
         raise UsageError("--latest and --all are exclusive", hint="pick one")
     level = "quick" if quick else "load" if load else "checksums"
     if not (latest or all_) and foreign_format(path) is not None:  # another tool's checkpoint
+        # Imported here: reading other tools' formats needs torch, which ckptctl checkpoints
+        # do not (seconds of start-up saved in every cron `verify`).
+        from ckptctl.ops.foreign import verify_foreign
+
         with byte_progress("verify") as progress:
             reports = [verify_foreign(path, level, progress)]
         if json:

@@ -26,9 +26,9 @@ from ckptctl.format import dtypes
 from ckptctl.format.checkpoint import read_header
 from ckptctl.format.shard import MAX_HEADER_BYTES, header_length
 from ckptctl.interop.base import Fill, Source, TensorBuffer, TensorMeta, Written, byte_view, group_of
+from ckptctl.interop.detect import SAFETENSORS_INDEX as INDEX
 from ckptctl.storage import Storage, open_storage
 
-INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 STATE_KEY = "ckptctl.state"
 STEP_KEY = "ckptctl.step"

@@ -33,16 +33,6 @@ from ckptctl.format import dtypes
 from ckptctl.interop.base import Fill, Source, TensorMeta, Written, byte_view, group_of
 from ckptctl.state import tree as statetree
 
-SUFFIXES = (".pt", ".pth", ".bin")
-
-
-def is_torch_file(path: str) -> bool:
-    if path.endswith(SUFFIXES):
-        return True
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
-
-
 class TorchSource(Source):
     kind = "torch"
 

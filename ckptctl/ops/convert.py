@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import platform
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -41,6 +40,7 @@ from ckptctl.errors import UsageError
 from ckptctl.format.layout import MANIFEST, MARKER, shard_name
 from ckptctl.format.manifest import Manifest, TensorEntry
 from ckptctl.interop.base import Source, TensorBuffer, TensorMeta
+from ckptctl.interop.detect import FORMATS, Format, detect
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.ops.reshard import prepare_target, require_verified, same_place
 from ckptctl.ops.stream_shard import ChunkSpec, write_shard_streaming
@@ -49,9 +49,6 @@ from ckptctl.state import tree as statetree
 from ckptctl.storage import Storage, open_storage
 from ckptctl.version import __version__
 
-_CKPTCTL_SHARD = re.compile(r"^rank-\d{5}-of-\d{5}(-\d+)?\.safetensors$")
-Format = Literal["ckptctl", "dcp", "safetensors", "torch"]
-FORMATS: tuple[Format, ...] = ("ckptctl", "dcp", "safetensors", "torch")
 CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
          "fp32": "float32", "float32": "float32"}
 FLOATING = ("float64", "float32", "float16", "bfloat16")
@@ -100,37 +97,6 @@ class CkptctlSource(Source):
 
     def close(self) -> None:
         self.reader.close()
-
-
-def detect(path: str) -> Format:
-    """Which format ``path`` holds. Raises UsageError naming the path when none matches."""
-    if "://" in path and not path.startswith("file://"):
-        st = open_storage(path)
-        if st.stat(MANIFEST) is not None:
-            return "ckptctl"
-        raise UsageError(f"{path}: only ckptctl checkpoints are read from object storage",
-                         hint="copy foreign checkpoints to a local directory first")
-    if os.path.isdir(path):
-        names = set(os.listdir(path))
-        if MANIFEST in names or any(_CKPTCTL_SHARD.match(n) for n in names):
-            return "ckptctl"  # committed, or a ckptctl save still in progress (shards, no manifest yet)
-        if ".metadata" in names:
-            return "dcp"
-        from ckptctl.interop.safetensors_io import INDEX
-
-        if INDEX in names or any(n.endswith(".safetensors") for n in names):
-            return "safetensors"
-        raise UsageError(f"{path}: no manifest.json (ckptctl), .metadata (DCP) or *.safetensors here",
-                         hint="point at the checkpoint directory or file itself")
-    if os.path.isfile(path):
-        if path.endswith(".safetensors"):
-            return "safetensors"
-        from ckptctl.interop.torch_io import is_torch_file
-
-        if is_torch_file(path):
-            return "torch"
-        raise UsageError(f"{path}: not a .safetensors or torch.save (.pt/.pth/.bin) file")
-    raise UsageError(f"{path} does not exist")
 
 
 def open_source(path: str, fmt: Format | None = None) -> Source:

@@ -15,26 +15,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ckptctl.errors import CkptError, UsageError
+from ckptctl.errors import CkptError
 from ckptctl.interop.base import Source, TensorBuffer
-from ckptctl.ops.convert import detect, open_source
+from ckptctl.interop.detect import foreign_format
+from ckptctl.ops.convert import open_source
 from ckptctl.ops.verify import Level, Problem, Progress, VerifyReport
 
 NO_CHECKSUMS = "{fmt} records no checksums: corruption that still decodes cannot be detected; " \
                "structure and coverage were checked{loaded}. `ckptctl convert --to ckptctl` adds checksums."
-
-
-def foreign_format(path: str) -> str | None:
-    """The format of ``path`` when it is a local checkpoint of another tool, else None (a
-    ckptctl checkpoint, an object-store URL, or nothing recognisable: the caller's own errors
-    apply)."""
-    if "://" in path:
-        return None
-    try:
-        fmt = detect(path)
-    except UsageError:
-        return None
-    return None if fmt == "ckptctl" else fmt
 
 
 @dataclass

@@ -1,0 +1,72 @@
+"""Which format a checkpoint path holds, from names and magic bytes only.
+
+Kept apart from the format readers (``dcp_io``, ``safetensors_io``, ``torch_io``), which import
+torch: ``ckptctl verify`` and ``ckptctl inspect`` ask "is this another tool's checkpoint?"
+first, and for a ckptctl checkpoint the answer must not cost a torch import (seconds of start-up
+in shell loops and cron jobs). The readers import their file names from here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Literal
+
+from ckptctl.errors import UsageError
+from ckptctl.format.layout import MANIFEST
+from ckptctl.storage import open_storage
+
+Format = Literal["ckptctl", "dcp", "safetensors", "torch"]
+FORMATS: tuple[Format, ...] = ("ckptctl", "dcp", "safetensors", "torch")
+
+CKPTCTL_SHARD = re.compile(r"^rank-\d{5}-of-\d{5}(-\d+)?\.safetensors$")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def is_torch_file(path: str) -> bool:
+    """A torch.save file: by suffix, else by the zip magic its layout starts with."""
+    if path.endswith(TORCH_SUFFIXES):
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def detect(path: str) -> Format:
+    """Which format ``path`` holds. Raises UsageError naming the path when none matches."""
+    if "://" in path and not path.startswith("file://"):
+        st = open_storage(path)
+        if st.stat(MANIFEST) is not None:
+            return "ckptctl"
+        raise UsageError(f"{path}: only ckptctl checkpoints are read from object storage",
+                         hint="copy foreign checkpoints to a local directory first")
+    if os.path.isdir(path):
+        names = set(os.listdir(path))
+        if MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
+            return "ckptctl"  # committed, or a ckptctl save still in progress (shards, no manifest yet)
+        if ".metadata" in names:
+            return "dcp"
+        if SAFETENSORS_INDEX in names or any(n.endswith(".safetensors") for n in names):
+            return "safetensors"
+        raise UsageError(f"{path}: no manifest.json (ckptctl), .metadata (DCP) or *.safetensors here",
+                         hint="point at the checkpoint directory or file itself")
+    if os.path.isfile(path):
+        if path.endswith(".safetensors"):
+            return "safetensors"
+        if is_torch_file(path):
+            return "torch"
+        raise UsageError(f"{path}: not a .safetensors or torch.save (.pt/.pth/.bin) file")
+    raise UsageError(f"{path} does not exist")
+
+
+def foreign_format(path: str) -> Format | None:
+    """The format of ``path`` when it is a local checkpoint of another tool, else None (a
+    ckptctl checkpoint, an object-store URL, or nothing recognisable: the caller's own errors
+    apply)."""
+    if "://" in path:
+        return None
+    try:
+        fmt = detect(path)
+    except UsageError:
+        return None
+    return None if fmt == "ckptctl" else fmt
