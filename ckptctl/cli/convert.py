@@ -6,8 +6,6 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
 from ckptctl.cli.progress import byte_progress
-from ckptctl.interop.base import return_freed_memory
-from ckptctl.ops.convert import convert as run_convert, parse_size
 
 
 @command
@@ -37,6 +35,11 @@ def convert(
 
     Example: ckptctl convert /ckpt/step-0000001000 ./hf --to safetensors --only model/ --dtype bf16 --max-shard-size 5GB
     """
+    # Imported here, not at the top: they import torch, and every `ckptctl` command loads this
+    # module to build the CLI; `ls`, `latest` and the rest must start without torch.
+    from ckptctl.interop.base import return_freed_memory
+    from ckptctl.ops.convert import convert as run_convert, parse_size
+
     return_freed_memory()  # memory stays one tensor, not a heap of freed ones
     size = parse_size(max_shard_size) if max_shard_size is not None else None
     with byte_progress("convert") as progress:

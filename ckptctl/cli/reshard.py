@@ -8,8 +8,6 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, out
 from ckptctl.cli.progress import byte_progress
-from ckptctl.interop.base import return_freed_memory
-from ckptctl.ops.reshard import reshard as run_reshard
 from ckptctl.storage import open_storage
 
 
@@ -35,6 +33,11 @@ def reshard(
 
     Example: ckptctl reshard /ckpt/step-0000001000 /ckpt-8/step-0000001000 --world-size 8
     """
+    # Imported here, not at the top: they import torch, and every `ckptctl` command loads this
+    # module to build the CLI; `ls`, `latest` and the rest must start without torch.
+    from ckptctl.interop.base import return_freed_memory
+    from ckptctl.ops.reshard import reshard as run_reshard
+
     return_freed_memory()  # memory stays one tensor, not a heap of freed ones
     with _torchrun_group() as rank, byte_progress("reshard") as progress:
         r = run_reshard(open_storage(src), open_storage(dst), world_size, overwrite=overwrite, progress=progress)
