@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -30,8 +31,14 @@ def free_port() -> int:
 
 
 def launch(scenario: str, world_size: int, args: dict[str, Any], out: str, *, timeout: float = 180) -> dict[int, Any]:
-    """Run ``scenario`` on ``world_size`` real processes; returns {rank: result or exit code}."""
+    """Run ``scenario`` on ``world_size`` real processes; returns {rank: result or exit code}.
+
+    ``args["store"] == "launcher"``: the c10d store lives in this process, as torchrun's lives
+    in its agent, and outlives any rank; otherwise rank 0 hosts it (tcp:// init)."""
     port = free_port()
+    store = None
+    if args.get("store") == "launcher":
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_main, args=(scenario, r, world_size, port, args, out)) for r in range(world_size)]
     for p in procs:
@@ -52,6 +59,7 @@ def launch(scenario: str, world_size: int, args: dict[str, Any], out: str, *, ti
                 results[r] = json.load(f)
         else:
             results[r] = {"exit": p.exitcode}
+    del store  # served until every rank is done
     return results
 
 
@@ -60,7 +68,11 @@ def _main(scenario: str, rank: int, world_size: int, port: int, args: dict, out:
 
     warnings.filterwarnings("ignore")
     os.makedirs(out, exist_ok=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if args.get("store") == "launcher":
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         result = SCENARIOS[scenario](rank, world_size, args)
     except BaseException as e:  # the test reads the failure from the result file
@@ -191,11 +203,13 @@ def load_check(rank: int, world_size: int, a: dict) -> dict:
 
 def kill_mid_write(rank: int, world_size: int, a: dict) -> dict:
     """Commit step 1; in step 2, rank ``victim`` is SIGKILLed while writing its shard (or,
-    with ``how="hang"``, stops writing for three timeouts, then exits)."""
+    with ``how="hang"``, stops writing for three timeouts, then exits). ``liveness_s``, if
+    given, goes to the Checkpointer."""
     from ckptctl import Checkpointer
 
     model, opt = build("fsdp", world_size, seed=0)
-    ckpt = Checkpointer(a["root"], timeout_s=a["timeout_s"])
+    liveness = {"liveness_s": a["liveness_s"]} if "liveness_s" in a else {}
+    ckpt = Checkpointer(a["root"], timeout_s=a["timeout_s"], **liveness)
     state = {"model": model, "optimizer": opt}
     train_step(model, opt, 1, rank, world_size, "fsdp")
     first = ckpt.save(1, state).wait()
@@ -212,7 +226,7 @@ def kill_mid_write(rank: int, world_size: int, a: dict) -> dict:
             def write(self, b):
                 self.w.write(b)
                 if len(b) and not isinstance(b, bytes):  # header written as bytes, data as a view
-                    if a.get("how") == "hang":  # a stuck write (a hung NFS server, say)
+                    if a.get("how") == "hang":  # a stuck write (a hung NFS server, say); still beating
                         time.sleep(3 * a["timeout_s"])
                         os._exit(3)
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -115,6 +115,56 @@ def test_rank_hung_mid_write_fails_the_save_on_every_other_rank_after_the_timeou
 
 
 @pytest.mark.slow
+def test_killed_rank_is_found_by_its_missing_heartbeat_long_before_the_timeout(tmp_path):
+    root = str(tmp_path / "root")
+    args = {"root": root, "victim": 1, "timeout_s": 120, "liveness_s": 3, "linger": 4}
+    res = launch("kill_mid_write", 3, args, str(tmp_path / "out"))
+    assert res[1] == {"exit": -9}
+    for r in (0, 2):
+        assert res[r]["first"].endswith(step_dir(1))
+        assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
+        assert "rank 1 did not report: no heartbeat for 3s" in res[r]["error"], res[r]["error"]
+        assert res[r]["waited"] < 40  # liveness_s and a beat or two, not timeout_s
+    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+    latest = cli("latest", root, "--json")
+    assert latest.exit_code == 0 and step_dir(1) in latest.stdout
+
+
+@pytest.mark.slow
+def test_rank_hung_but_alive_keeps_its_heartbeat_and_is_caught_by_the_timeout(tmp_path):
+    root = str(tmp_path / "root")
+    args = {"root": root, "victim": 2, "timeout_s": 8, "liveness_s": 2, "how": "hang", "linger": 4}
+    res = launch("kill_mid_write", 3, args, str(tmp_path / "out"))
+    assert res[2] == {"exit": 3}  # it slept through 3 timeouts: never declared dead meanwhile
+    for r in (0, 1):
+        assert "rank 2 did not report within 8s" in res[r]["error"], res[r]["error"]
+        assert "heartbeat" not in res[r]["error"]
+        assert 7 < res[r]["waited"] < 8 + 8
+    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["rank0", "launcher"])
+def test_killed_rank_0_fails_the_save_on_every_other_rank_long_before_the_timeout(tmp_path, store):
+    # "rank0": tcp:// init, the store dies with rank 0 and the others' store calls fail at once.
+    # "launcher": the store outlives rank 0 (as torchrun's agent's does): its heartbeat stops.
+    root = str(tmp_path / "root")
+    args = {"root": root, "victim": 0, "timeout_s": 120, "liveness_s": 3, "store": store}
+    res = launch("kill_mid_write", 3, args, str(tmp_path / "out"))
+    assert res[0] == {"exit": -9}
+    for r in (1, 2):
+        assert res[r]["first"].endswith(step_dir(1))
+        assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
+        assert "rank 0 (the coordinator)" in res[r]["error"], res[r]["error"]
+        why = "no heartbeat from rank 0 for 3s" if store == "launcher" else "the c10d store failed"
+        assert why in res[r]["error"], res[r]["error"]
+        assert res[r]["waited"] < 40
+    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+    latest = cli("latest", root, "--json")
+    assert latest.exit_code == 0 and step_dir(1) in latest.stdout
+
+
+@pytest.mark.slow
 def test_failed_write_names_the_rank_on_every_rank_and_the_next_save_commits(tmp_path):
     root = str(tmp_path / "root")
     res = _ok(launch("failing_write", 3, {"root": root, "victim": 2}, str(tmp_path / "out")))
@@ -253,3 +303,96 @@ def test_messages_are_fixed_size_json_and_long_errors_are_cut_to_fit():
     back = _unpack(packed)
     assert back["rank"] == 2 and back["error"].startswith("xxx") and back["error"].endswith("[...]")
     assert _unpack(_pack(_report(1), REPORT_BYTES, shorten="error")) == _report(1)
+
+
+def _store() -> tuple:
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 1, is_master=False)
+    return server, dist.PrefixStore("ckptctl/t/", client)
+
+
+def _until(cond, limit: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_heartbeat_wakes_rank_0_naming_the_waited_for_rank_whose_counter_stands_still():
+    from ckptctl.save.coordination import _Heartbeat
+
+    server, st = _store()
+    st.append("1/arrived", "0,2,")  # ranks 0 and 2 arrived; rank 1 beat once, then nothing
+    st.add("alive/1", 1)
+    st.add("alive/2", 1)  # arrived: not watched even though it stands still too
+    hb = _Heartbeat(st.clone(), 0, 3, liveness_s=0.6)
+    try:
+        hb.watch = 1
+        assert _until(lambda: st.check(["1/all"]))
+        assert st.get("1/all") == b"lost:1"
+        assert int(st.get("alive/0")) >= 3  # it kept beating meanwhile
+    finally:
+        hb.stop()
+    assert not hb._thread.is_alive()
+    beats = int(st.get("alive/0"))
+    assert not _until(lambda: int(st.get("alive/0")) != beats, limit=0.6)  # stopped: no more beats
+
+
+def test_heartbeat_leaves_a_rank_that_keeps_beating_and_an_answer_already_given():
+    import threading
+
+    from ckptctl.save.coordination import _Heartbeat
+
+    server, st = _store()
+    st.append("1/arrived", "0,")
+    stop = threading.Event()
+
+    def rank1_beats() -> None:  # alive, but not arriving (a hung write)
+        while not stop.wait(0.1):
+            st.add("alive/1", 1)
+
+    beater = threading.Thread(target=rank1_beats, daemon=True)
+    beater.start()
+    hb0 = _Heartbeat(st.clone(), 0, 2, liveness_s=0.6)
+    hb1 = _Heartbeat(st.clone(), 1, 2, liveness_s=0.6)  # rank 0 beats: rank 1 never takes it for dead
+    st.set("2/answer", "ok:")
+    hb0.watch, hb1.watch = 1, 1
+    try:
+        assert not _until(lambda: st.check(["1/all"]) or st.check(["1/answer"]), limit=2.0)
+        hb0.stop()  # rank 0 stops beating: rank 1 sees it within liveness_s, but never overwrites an answer
+        hb1.watch = 2
+        assert not _until(lambda: st.get("2/answer") != b"ok:", limit=1.5)
+        hb1.watch = 1
+        assert _until(lambda: st.check(["1/answer"]))
+        assert st.get("1/answer") == b"coordinator:0"
+    finally:
+        stop.set()
+        hb0.stop()
+        hb1.stop()
+
+
+def test_heartbeat_stops_quietly_when_the_store_is_gone(caplog):
+    from ckptctl.save.coordination import _Heartbeat
+
+    server, st = _store()
+    hb = _Heartbeat(st.clone(), 1, 2, liveness_s=0.6)
+    assert _until(lambda: int(st.get("alive/1")) >= 2)
+    with caplog.at_level("WARNING", logger="ckptctl"):
+        del server, st  # the store's server goes away: the next beat fails
+        assert _until(lambda: not hb._thread.is_alive())
+    assert "heartbeat stopped" in caplog.text
+    hb.stop()
+
+
+def test_liveness_below_three_shortest_beats_is_refused():
+    from ckptctl.errors import UsageError
+    from ckptctl.save.coordination import Coordinator
+
+    with pytest.raises(UsageError, match="liveness_s"):
+        Coordinator.create(None, 60, liveness_s=0.1)
