@@ -7,6 +7,7 @@ ranks, which talk over TCP on localhost, and inspects what they return and what 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -325,13 +326,13 @@ def _until(cond, limit: float = 10.0) -> bool:
 
 
 def test_heartbeat_wakes_rank_0_naming_the_waited_for_rank_whose_counter_stands_still():
-    from ckptctl.save.coordination import _Heartbeat
+    from ckptctl.save.heartbeat import Heartbeat
 
     server, st = _store()
     st.append("1/arrived", "0,2,")  # ranks 0 and 2 arrived; rank 1 beat once, then nothing
     st.add("alive/1", 1)
     st.add("alive/2", 1)  # arrived: not watched even though it stands still too
-    hb = _Heartbeat(st.clone(), 0, 3, liveness_s=0.6)
+    hb = Heartbeat(st.clone(), 0, 3, liveness_s=0.6)
     try:
         hb.watch = 1
         assert _until(lambda: st.check(["1/all"]))
@@ -347,7 +348,7 @@ def test_heartbeat_wakes_rank_0_naming_the_waited_for_rank_whose_counter_stands_
 def test_heartbeat_leaves_a_rank_that_keeps_beating_and_an_answer_already_given():
     import threading
 
-    from ckptctl.save.coordination import _Heartbeat
+    from ckptctl.save.heartbeat import Heartbeat
 
     server, st = _store()
     st.append("1/arrived", "0,")
@@ -359,8 +360,8 @@ def test_heartbeat_leaves_a_rank_that_keeps_beating_and_an_answer_already_given(
 
     beater = threading.Thread(target=rank1_beats, daemon=True)
     beater.start()
-    hb0 = _Heartbeat(st.clone(), 0, 2, liveness_s=0.6)
-    hb1 = _Heartbeat(st.clone(), 1, 2, liveness_s=0.6)  # rank 0 beats: rank 1 never takes it for dead
+    hb0 = Heartbeat(st.clone(), 0, 2, liveness_s=0.6)
+    hb1 = Heartbeat(st.clone(), 1, 2, liveness_s=0.6)  # rank 0 beats: rank 1 never takes it for dead
     st.set("2/answer", "ok:")
     hb0.watch, hb1.watch = 1, 1
     try:
@@ -377,17 +378,20 @@ def test_heartbeat_leaves_a_rank_that_keeps_beating_and_an_answer_already_given(
         hb1.stop()
 
 
-def test_heartbeat_stops_quietly_when_the_store_is_gone(caplog):
-    from ckptctl.save.coordination import _Heartbeat
+def test_heartbeat_survives_a_lost_store_quietly_and_keeps_trying(caplog):
+    from ckptctl.save.heartbeat import Heartbeat
 
     server, st = _store()
-    hb = _Heartbeat(st.clone(), 1, 2, liveness_s=0.6)
+    hb = Heartbeat(st.clone(), 1, 2, liveness_s=0.6)
     assert _until(lambda: int(st.get("alive/1")) >= 2)
     with caplog.at_level("WARNING", logger="ckptctl"):
-        del server, st  # the store's server goes away: the next beat fails
-        assert _until(lambda: not hb._thread.is_alive())
-    assert "heartbeat stopped" in caplog.text
+        del server, st  # the store's server goes away: every beat fails from now on
+        assert _until(lambda: "heartbeat interrupted" in caplog.text)
+        time.sleep(3 * hb.interval)  # more failed beats: still one warning, and no exception
+    assert caplog.text.count("heartbeat interrupted") == 1
+    assert hb._thread.is_alive()  # a blip must not silence this rank for good
     hb.stop()
+    assert not hb._thread.is_alive()
 
 
 def test_liveness_below_three_shortest_beats_is_refused():

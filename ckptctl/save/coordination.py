@@ -40,10 +40,7 @@ stopped by a debugger or SIGSTOP) cannot beat either, and is taken as dead too.
 from __future__ import annotations
 
 import json
-import logging
 import re
-import threading
-import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable
@@ -53,16 +50,10 @@ import torch.distributed as dist
 
 from ckptctl.errors import CkptError, CoordinationError, UsageError
 from ckptctl.format.manifest import FileEntry, TensorEntry
+from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, parse_ranks
 from ckptctl.save.plan import Plan, numel
 
 DEFAULT_TIMEOUT_S = 900.0
-DEFAULT_LIVENESS_S = 60.0  # no heartbeat for this long: the rank is dead
-# A beat every liveness_s / 6, within these bounds: several beats may be missed (a loaded host,
-# a busy store) before a rank is taken as dead, and 4,096 ranks beating every 10 s are
-# ~400 store operations a second.
-BEAT_MIN_S, BEAT_MAX_S = 0.2, 10.0
-
-log = logging.getLogger("ckptctl")
 
 # Verdicts for ``agree``, ordered so that the minimum over ranks is the collective one.
 AGREE_FATAL, AGREE_SKIP, AGREE_OK = 0, 1, 2
@@ -109,7 +100,7 @@ class Coordinator:
         self._structure: str | None = None
         self._store: "dist.Store | None" = None  # liveness side channel, see _barrier
         self._round = 0  # saves coordinated so far; names this save's keys in the store
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
 
     @classmethod
     def create(
@@ -117,7 +108,7 @@ class Coordinator:
     ) -> "Coordinator":
         """A dedicated gloo group over the ranks of ``process_group`` (default: all ranks).
         Every rank of that group must call this, in the same order as its other new groups.
-        Starts this rank's heartbeat thread (see ``_Heartbeat``); ``close`` stops it."""
+        Starts this rank's heartbeat thread (see ``Heartbeat``); ``close`` stops it."""
         if not liveness_s >= 3 * BEAT_MIN_S:  # also refuses NaN
             raise UsageError(
                 f"liveness_s={liveness_s!r}: must be at least {3 * BEAT_MIN_S:g}s",
@@ -135,7 +126,7 @@ class Coordinator:
         coord._store = _side_channel(group)
         clone = getattr(coord._store, "clone", None)  # torch < 2.5 has none: timeout_s alone then
         if coord.world_size > 1 and clone is not None:
-            coord._heartbeat = _Heartbeat(clone(), coord.rank, coord.world_size, liveness_s)
+            coord._heartbeat = Heartbeat(clone(), coord.rank, coord.world_size, liveness_s)
         return coord
 
     def close(self) -> None:
@@ -321,14 +312,14 @@ class Coordinator:
                     st.wait([f"{rnd}/all"], self.timeout)
                     verdict = st.get(f"{rnd}/all").decode()
                     if verdict != "1":  # our heartbeat thread found ranks that stopped beating
-                        cause, missing = "heartbeat", _parse_ranks(verdict.partition(":")[2])
+                        cause, missing = "heartbeat", parse_ranks(verdict.partition(":")[2])
                 except dist.DistStoreError:  # timed out; find out who is missing
-                    arrived = set(_parse_ranks(st.get(f"{rnd}/arrived").decode()))
+                    arrived = set(parse_ranks(st.get(f"{rnd}/arrived").decode()))
                     cause, missing = "timeout", [r for r in range(ws) if r not in arrived]
                 # If another rank took rank 0 for dead meanwhile, its verdict stands for all.
                 answer = st.compare_set(f"{rnd}/answer", "", f"{cause}:{','.join(map(str, missing))}").decode()
                 cause, _, ranks = answer.partition(":")
-                missing = _parse_ranks(ranks)
+                missing = parse_ranks(ranks)
                 if rnd > 1:  # every rank has read the previous round's answer by now
                     for key in ("count", "all", "answer", "arrived"):
                         st.delete_key(f"{rnd - 1}/{key}")
@@ -336,7 +327,7 @@ class Coordinator:
                 # Rank 0 may itself arrive up to a timeout late, then waits a timeout for the rest.
                 st.wait([f"{rnd}/answer"], 2 * self.timeout)
                 cause, _, ranks = st.get(f"{rnd}/answer").decode().partition(":")
-                missing = _parse_ranks(ranks)
+                missing = parse_ranks(ranks)
         except dist.DistStoreError as e:  # rank 0 never answered
             self._lost(step, [0], f"within {self.timeout.total_seconds():g}s ({_first_line(e)})", coordinator=True)
         except RuntimeError as e:  # DistNetworkError: the store is gone (it may have lived in rank 0)
@@ -395,105 +386,6 @@ def _side_channel(group: "dist.ProcessGroup") -> "dist.Store | None":
         return dist.PrefixStore(f"ckptctl/{group.group_name}/", _get_default_store())
     except (ImportError, AttributeError, ValueError, RuntimeError):
         return None
-
-
-def _parse_ranks(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-class _Heartbeat:
-    """This rank's sign of life: a daemon thread adds 1 to ``alive/<rank>`` every beat, a
-    counter and not a time (hosts' clocks differ). While the rank waits in ``_barrier``
-    (``watch`` is the round), the same thread reads the counters of the ranks it waits for
-    and notes, by its own monotonic clock, when each last changed; one that has not changed
-    for ``liveness_s`` is dead, and the waiting thread is woken (see ``_barrier``).
-
-    It has a store connection of its own (``Store.clone``): a TCPStore connection serves one
-    request at a time, and the barrier's wait holds it for as long as it waits. The thread
-    never raises into the training process: when the store fails, it logs and stops beating
-    (the ranks that wait for this one then take it as dead, as they should: it could not
-    answer them through that store either)."""
-
-    def __init__(self, store: "dist.Store", rank: int, world_size: int, liveness_s: float) -> None:
-        self.store, self.rank, self.world_size, self.liveness_s = store, rank, world_size, liveness_s
-        self.interval = min(max(liveness_s / 6, BEAT_MIN_S), BEAT_MAX_S)
-        self.watch: int | None = None  # set by the writer thread; read here
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"ckptctl-heartbeat-{rank}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        # A beat in flight takes a store round trip; do not hold close() up for longer.
-        self._thread.join(timeout=1.0)
-
-    def _run(self) -> None:
-        seen: dict[int, tuple[int | None, float]] = {}  # rank -> (counter, when it last changed)
-        watched: int | None = None
-        while True:
-            try:
-                self.store.add(f"alive/{self.rank}", 1)
-                rnd = self.watch
-                if rnd != watched:  # a new wait: nobody has been seen standing still yet
-                    seen, watched = {}, rnd
-                if rnd is not None:
-                    self._check(rnd, seen)
-            except RuntimeError as e:  # DistStoreError, DistNetworkError: the store is gone
-                log.warning(
-                    "rank %d: heartbeat stopped, the c10d store failed: %s; other ranks will take this rank "
-                    "as dead %gs after they start waiting for it",
-                    self.rank, _first_line(e), self.liveness_s,
-                )
-                return
-            if self._stop.wait(self.interval):
-                return
-
-    def _check(self, rnd: int, seen: dict[int, tuple[int | None, float]]) -> None:
-        st = self.store
-        if self.rank == 0:
-            arrived = set(_parse_ranks(st.get(f"{rnd}/arrived").decode()))  # rank 0 is in it
-            waiting = [r for r in range(self.world_size) if r not in arrived]
-        else:
-            waiting = [0]
-        if not waiting:
-            return
-        now = time.monotonic()
-        dead: list[int] = []
-        known = [r for r in waiting if seen.get(r, (None, 0.0))[0] is not None]
-        for r, count in _read_counters(st, waiting, known).items():
-            last = seen.get(r)
-            if last is None or last[0] != count:
-                seen[r] = (count, now)
-            elif now - last[1] >= self.liveness_s:
-                dead.append(r)
-        if not dead:
-            return
-        # Never overwrites a real arrival or answer that came in meanwhile (see _barrier).
-        if self.rank == 0:
-            st.compare_set(f"{rnd}/all", "", "lost:" + ",".join(map(str, dead)))
-        else:
-            st.compare_set(f"{rnd}/answer", "", "coordinator:0")
-
-
-def _read_counters(st: "dist.Store", ranks: list[int], known: list[int]) -> dict[int, int | None]:
-    """The heartbeat counters of ``ranks`` in one request, None for a rank that has not beaten
-    yet (it may be just past ``create``): ``get`` of an absent key would block until the
-    store's timeout, so keys not ``known`` to exist are checked first."""
-    unknown = set(ranks).difference(known)
-    if unknown and not st.check([f"alive/{r}" for r in unknown]):  # rare: before every first beat
-        absent = {r for r in unknown if not st.check([f"alive/{r}"])}
-        ranks = [r for r in ranks if r not in absent]
-    else:
-        absent = set()
-    keys = [f"alive/{r}" for r in ranks]
-    multi_get = getattr(st, "multi_get", None)
-    if not keys:
-        values: list[bytes] = []
-    elif multi_get is not None:
-        values = multi_get(keys)
-    else:
-        values = [st.get(k) for k in keys]
-    return {**dict.fromkeys(absent), **{r: int(v) for r, v in zip(ranks, values)}}
 
 
 REPORT_BYTES = 1024  # one rank's report: ~350 bytes, plus room for an error message
