@@ -136,6 +136,7 @@ def test_corrupt_source_chunk_refused_wherever_it_is_read(tmp_path, tensor, worl
     assert "checksum" in r.stderr and "source" in r.stderr
     assert not os.path.exists(os.path.join(dst, MARKER))
     assert not os.path.exists(os.path.join(dst, "manifest.json"))
+    assert not os.path.exists(dst) or os.listdir(dst) == []  # the shards written before the refusal are gone
 
 
 def test_source_header_with_a_changed_chunk_checksum_refused(tmp_path):
@@ -268,6 +269,7 @@ def test_reshard_under_torchrun_splits_the_writing_over_ranks(tmp_path):
     p = _torchrun(2, "reshard", src, bad, "--world-size", "3")
     assert p.returncode != 0 and "checksum" in p.stderr
     assert not os.path.exists(os.path.join(bad, MARKER))
+    assert not os.path.exists(bad) or os.listdir(bad) == []
 
 
 @pytest.mark.slow

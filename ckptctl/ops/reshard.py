@@ -19,7 +19,8 @@ Safety: the source is verified (every checksum) before anything is committed and
 read: its structure and file checksums first (``check_source``, ``check_source_files``: no
 tensor data read), then each chunk's bytes against its checksum as pass 1 or pass 2 reads them
 (so a corrupt source is refused before anything is committed, and each source byte is read
-twice, not three times).
+twice, not three times). A refused or failed write removes the shard files it left in the
+target (which was empty before it started).
 The target gets its shards, then the manifest, then the marker, and is verified before
 success is reported; if that verification fails its marker is removed. A target that already
 exists is refused (exit 1, ``RefusedForSafety``) unless ``overwrite``, which removes the old
@@ -191,6 +192,8 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
             mine = [f for g in gathered for f in g[0]]
             report.bytes_read = sum(g[1] for g in gathered)
     if failure is not None:
+        if me == 0:
+            _remove_partial(dst, world_size)
         raise failure
     files = mine
     failure = None
@@ -276,6 +279,19 @@ def prepare_target(src: Storage, dst: Storage, *, overwrite: bool) -> None:
         if info.key != MARKER:
             dst.delete(info.key)
     dst.remove_dir("")
+
+
+def _remove_partial(dst: Storage, world_size: int) -> None:
+    """After a refused or failed write, remove the shard files this run wrote. ``prepare_target``
+    found DST empty (or emptied it), so those names are ours; nothing else is touched, and no
+    marker exists yet. A file that cannot be removed stays: it is unmarked, so nothing reads
+    it, and ``prune`` or a rerun with ``--overwrite`` clears it."""
+    for r in range(world_size):
+        try:
+            dst.delete(shard_name(r, world_size))
+        except (CkptError, OSError):
+            return
+    dst.remove_dir("")  # only if empty; a directory the user named is kept, empty
 
 
 def same_place(a: Storage, b: Storage) -> bool:
