@@ -213,6 +213,8 @@ def child(a: argparse.Namespace) -> int:
                 stats = inspect_checkpoint(open_storage(url)).stats
                 add("ck", "write_s", stats.get("write_s"))  # max over ranks
                 add("ck", "manifest_stall_s", stats.get("stall_s"))
+                add("ck", "capture_s", stats.get("capture_s"))  # max over ranks
+                add("ck", "copy_s", stats.get("copy_s"))
                 res["ck"]["file_bytes"] = dir_bytes(local_path(url))
             last_ck = url
             # DCP
@@ -325,6 +327,8 @@ def summarize(job: dict, load_job: dict | None, load_from: int | None) -> dict:
     s["steps_before_first_save_s"] = max((r["steps_s"] for r in ranks if "steps_s" in r), default=None)
     s["ck_write_s"] = r0["ck"].get("write_s") or []
     s["ck_manifest_stall_s"] = r0["ck"].get("manifest_stall_s") or []
+    s["ck_capture_s"] = r0["ck"].get("capture_s") or []
+    s["ck_copy_s"] = r0["ck"].get("copy_s") or []
     if load_job is not None:
         lr = load_job["ranks"]
         s["load_from"] = load_from
@@ -396,6 +400,9 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
           + " ms | " + " ".join(f"{r[0] * 1e3:.0f}" for r in s["dcp_stall_per_rank"]) + " ms")
         p(f"  {'  CPU time of the stall, steady':<40}{ms(med(s['ck_stall_cpu_s'][1:]))}{ms(med(s['dcp_stall_cpu_s'][1:]))}")
         p(f"  {'  of which DCP get_state_dict':<40}{'':>13}{ms(med(s['dcp_get_state_dict_s']))}")
+        if s["ck_capture_s"] and None not in s["ck_capture_s"]:
+            p(f"  {'  ckptctl capture+plan | copy, steady':<40}{ms(med(s['ck_capture_s'][1:]))} | {med(s['ck_copy_s'][1:]) * 1e3:.1f} ms"
+              " (max over ranks, from the manifest)")
         p(f"  {'save start -> committed':<40}{ms(med(s['ck_commit_s']))}{ms(med(s['dcp_commit_s']))}   "
           f"{xs(s['ck_commit_s'])} | {xs(s['dcp_commit_s'])}")
         p(f"  {'save return -> committed':<40}{ms(med(s['ck_bg_s']))}{ms(med(s['dcp_bg_s']))}   "

@@ -35,8 +35,9 @@ def inspect(
     if r.stats:
         s = r.stats
         out.print(
-            f"save        stall {s.get('stall_s', 0):.3f}s   write {s.get('write_s', 0):.3f}s   "
-            f"waited {s.get('wait_s', 0):.3f}s for the previous save"
+            f"save        stall {s.get('stall_s', 0):.3f}s"
+            + (f" (capture {s['capture_s']:.3f}s, copy {s['copy_s']:.3f}s)" if "capture_s" in s and "copy_s" in s else "")
+            + f"   write {s.get('write_s', 0):.3f}s   waited {s.get('wait_s', 0):.3f}s for the previous save"
         )
     if tensors:
         _print_tensors([(t.name, t.dtype, t.shape, t.bytes, t.chunks, t.group) for t in r.tensors])
