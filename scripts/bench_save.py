@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_save.py [--size-gib 1.0] [--tensors 300] [--dir PATH]
                                            [--repeat 3] [--json] [--skip dcp,dcp_cached,torch_save]
+    .venv/bin/python scripts/bench_save.py --ranks 1,2,4 [--size-gib 0.25]   # multi-rank: bench_dist.py
 
 One run builds one state ({"model": {name: tensor}}, fp32 and some bf16, varied shapes) and
 measures, on that state and the same disk:
@@ -770,7 +771,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="steady-state save rounds and cold read rounds (default 3)")
     ap.add_argument("--json", action="store_true", help="machine-readable results on stdout (the table goes to stderr)")
     ap.add_argument("--skip", default="", help="comma-separated tools to leave out: dcp, dcp_cached, torch_save")
+    ap.add_argument("--ranks", default=None,
+                    help="run the multi-rank comparison instead: torchrun with N ranks for each N of this "
+                         "comma-separated list, an FSDP2 model of --size-gib (scripts/bench_dist.py)")
     args = ap.parse_args(argv)
+    if args.ranks:
+        from bench_dist import main as bench_dist_main
+
+        extra = (["--dir", args.dir] if args.dir else []) + (["--json"] if args.json else [])
+        return bench_dist_main(["--ranks", args.ranks, "--size-mib", str(args.size_gib * 1024),
+                                "--steady", str(max(args.repeat - 1, 1)), *extra])
     repeat = max(args.repeat, 1)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     unknown = skip - {"dcp", "dcp_cached", "torch_save"}
