@@ -6,6 +6,8 @@ that a Python user can call directly.
 
 from __future__ import annotations
 
+from inspect import cleandoc
+
 import typer
 
 from ckptctl.cli import inspect, interval, latest, ls, prune, verify
@@ -25,16 +27,29 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-app.command("ls")(ls.ls)
-app.command("inspect")(inspect.inspect)
-app.command("verify")(verify.verify)
-app.command("latest")(latest.latest)
-app.command("restore")(restore.restore)
-app.command("cp")(cp.cp)
-app.command("prune")(prune.prune)
-app.command("interval")(interval.interval)
-app.command("reshard")(reshard.reshard)
-app.command("convert")(convert.convert)
+
+
+def _reflowed(doc: str | None) -> str:
+    """The docstring with each paragraph on one line. Typer keeps a help text's line breaks,
+    so prose wrapped at 96 columns in the source broke raggedly in an 80-column terminal;
+    rich wraps one-line paragraphs to the terminal's width."""
+    paragraphs = cleandoc(doc or "").split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+for name, fn in [
+    ("ls", ls.ls),
+    ("inspect", inspect.inspect),
+    ("verify", verify.verify),
+    ("latest", latest.latest),
+    ("restore", restore.restore),
+    ("cp", cp.cp),
+    ("prune", prune.prune),
+    ("interval", interval.interval),
+    ("reshard", reshard.reshard),
+    ("convert", convert.convert),
+]:
+    app.command(name, help=_reflowed(fn.__doc__))(fn)
 
 
 def main() -> None:
