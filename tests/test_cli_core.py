@@ -84,3 +84,19 @@ def test_console_script_runs_in_a_real_process(tmp_path):
     assert r.stdout.strip() == ckpt_dir(str(tmp_path), 1)
     r = cli_subprocess("--help")
     assert r.exit_code == 0 and "verify" in r.stdout
+
+
+def test_help_paragraphs_wrap_to_the_terminal_not_to_the_source():
+    # Typer keeps a docstring's line breaks; ours are joined first, so at any width a
+    # paragraph is only broken where the terminal needs it.
+    from inspect import cleandoc
+
+    from ckptctl.cli.app import app
+
+    for command in app.registered_commands:
+        r = cli_subprocess(command.name, "--help", env={"TERMINAL_WIDTH": "1000", "TERM": "dumb"})
+        assert r.exit_code == 0, r.stderr
+        shown = [line.strip(" │") for line in r.stdout.splitlines()]
+        for paragraph in cleandoc(command.callback.__doc__ or "").split("\n\n")[1:]:
+            one_line = " ".join(part.strip() for part in paragraph.splitlines())
+            assert one_line in shown, f"ckptctl {command.name} --help broke: {one_line[:60]!r}"
