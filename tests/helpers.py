@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from typing import Iterator
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -50,3 +54,23 @@ def cli_subprocess(*args: str, env: dict | None = None, timeout: float = 120) ->
 
 def ckpt_dir(root: str, step: int) -> str:
     return os.path.join(root, step_dir(step))
+
+
+@contextlib.contextmanager
+def tmpfs(size: str) -> Iterator[str]:
+    """A real, small filesystem to fill up (a tmpfs of ``size``); skips the test without root."""
+    mountpoint = tempfile.mkdtemp(prefix="ckptctl-tmpfs-")
+    try:
+        try:
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mountpoint],
+                check=True, capture_output=True,
+            )
+        except (OSError, subprocess.CalledProcessError) as err:
+            pytest.skip(f"cannot mount a small tmpfs to fill (needs root/CAP_SYS_ADMIN): {err}")
+        try:
+            yield mountpoint
+        finally:
+            subprocess.run(["umount", mountpoint], check=True)
+    finally:
+        os.rmdir(mountpoint)

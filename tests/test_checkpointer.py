@@ -237,3 +237,26 @@ def test_prepare_waits_for_the_first_step_and_load_latest_prepares(tmp_path):
             assert ckpt.load_latest(fresh.state(), prepare=prepare) == 2
             assert ckpt._staging.held == prepare
         assert _deep_equal(_snapshot(fresh), at_save)
+
+
+def test_full_disk_fails_the_save_cleanly_and_the_last_good_checkpoint_stays(tmp_path):
+    from helpers import cli, tmpfs
+
+    small = {"w": torch.ones(256 << 10)}  # 1 MiB
+    with tmpfs("6m") as mountpoint:
+        root = os.path.join(mountpoint, "ckpt")
+        with Checkpointer(root) as ckpt:
+            ckpt.save(1, small).wait()
+            with pytest.raises(SaveFailed, match="disk full") as info:
+                ckpt.save(2, {"w": torch.ones(2 << 20)}).wait()  # 8 MiB: does not fit
+            assert "rank-00000-of-00001.safetensors" in str(info.value)  # names the file at fault
+            assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+            assert cli("latest", root).stdout.strip().endswith(step_dir(1))
+            assert cli("verify", os.path.join(root, step_dir(1))).exit_code == 0
+            # The failed write took its partial file back; prune clears the empty step directory
+            # (no marker, idle), and the job saves on.
+            r = cli("prune", root, "--keep-last", "1", "--partial-after", "0s", "--yes")
+            assert r.exit_code == 0, r.stderr
+            assert not os.path.exists(os.path.join(root, step_dir(2)))
+            ckpt.save(3, small).wait()
+        assert cli("latest", root).stdout.strip().endswith(step_dir(3))

@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError, UsageError
 from ckptctl.storage import Storage, open_storage
 from ckptctl.storage.local import LocalStorage
 from ckptctl.storage.s3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Storage, part_size_for
+from helpers import tmpfs
 
 MiB = 1 << 20
 BAD_KEYS = ["../x", "/abs", "a//b", "a/./b", "a/..", "a\\b", "x\0y"]
@@ -417,27 +417,8 @@ def test_local_refuses_non_regular_files(local: LocalStorage) -> None:
         local.open_reader("fifo")  # must not hang waiting for a FIFO writer
 
 
-@contextlib.contextmanager
-def _tmpfs(size: str) -> Iterator[str]:
-    mountpoint = tempfile.mkdtemp(prefix="ckptctl-tmpfs-")
-    try:
-        try:
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mountpoint],
-                check=True, capture_output=True,
-            )
-        except (OSError, subprocess.CalledProcessError) as err:
-            pytest.skip(f"cannot mount a small tmpfs to fill (needs root/CAP_SYS_ADMIN): {err}")
-        try:
-            yield mountpoint
-        finally:
-            subprocess.run(["umount", mountpoint], check=True)
-    finally:
-        os.rmdir(mountpoint)
-
-
 def test_local_disk_full_is_storage_error_and_leaves_nothing(tmp_path) -> None:
-    with _tmpfs("1m") as mountpoint:
+    with tmpfs("1m") as mountpoint:
         store = LocalStorage(os.path.join(mountpoint, "root"))
         with pytest.raises(StorageError, match="disk full while writing") as info:
             with store.open_writer("step/shard") as writer:
