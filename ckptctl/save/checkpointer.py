@@ -28,6 +28,7 @@ from ckptctl.format.checkpoint import newest_committed
 from ckptctl.format.layout import MARKER, shard_name, step_dir
 from ckptctl.load.reader import CheckpointReader
 from ckptctl.load.restore import restore
+from ckptctl.save.background_retention import BackgroundRetention
 from ckptctl.save.commit import build_manifest, commit, manifest_of
 from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.plan import Plan, make_plan, signature_of
@@ -86,13 +87,9 @@ class Checkpointer:
         process has shown no sign of life (a heartbeat through the c10d store) for this long
         is taken as dead sooner than ``timeout_s``."""
         self.root = storage or open_storage(root)
-        self._retention = None
+        retention = None
         if keep_last is not None or keep_every is not None:
-            # Imported here, not at the top: retention lives in ops/, a layer above save/ (see
-            # ARCHITECTURE.md), and only a Checkpointer that was asked to prune needs it.
-            from ckptctl.ops.retention import from_options
-
-            self._retention = from_options(keep_last, keep_every, None, ())  # bad values: UsageError now
+            retention = BackgroundRetention(self.root, keep_last, keep_every)  # bad values raise here
         self.async_save = async_save
         self._coordinator: Coordinator | None = None
         self.rank, self.world_size = 0, 1
@@ -103,14 +100,7 @@ class Checkpointer:
         self._plan: Plan | None = None
         self._pending: SaveHandle | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-writer")
-        self._retention_pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="ckptctl-retention")
-            if self._retention is not None and self.rank == 0
-            else None
-        )
-        self._retention_next: tuple[int, "Future[str]"] | None = None  # newest save to prune after
-        self._retention_queued = False
-        self._retention_lock = threading.Lock()
+        self._retention = retention if self.rank == 0 else None  # rank 0 alone prunes
         self._lock = threading.Lock()  # one save() at a time, even from several threads
         self._closed = False
 
@@ -189,8 +179,8 @@ class Checkpointer:
 
             future = self._pool.submit(_wrap(step, ckpt.url, job))
             handle = self._pending = SaveHandle(step, ckpt.url, future)
-            if self._retention_pool is not None:
-                self._schedule_retention(step, future)
+            if self._retention is not None:
+                self._retention.after(step, future)
         if not self.async_save:
             handle.wait()
         return handle
@@ -238,44 +228,6 @@ class Checkpointer:
             if not h.observed:  # raise each failure once: to wait(), or else here
                 h.observed = True
                 raise
-
-    def _schedule_retention(self, step: int, save: "Future[str]") -> None:
-        """Prune after ``save`` commits, on the retention thread: a slow prune (it fully
-        verifies the new checkpoint) never delays the next write or, across ranks, rank 0's
-        arrival at the barrier. Requests coalesce: at most one prune runs and one waits, and
-        the waiting one prunes after the newest save requested so far."""
-        with self._retention_lock:
-            self._retention_next = (step, save)
-            if self._retention_queued:
-                return
-            self._retention_queued = True
-        assert self._retention_pool is not None
-        self._retention_pool.submit(self._retain).add_done_callback(_log_unexpected)
-
-    def _retain(self) -> None:
-        with self._retention_lock:
-            self._retention_queued = False
-            assert self._retention_next is not None
-            step, save = self._retention_next
-        if save.exception() is not None:
-            return  # nothing new was committed, so there is nothing new to rely on
-        # Imported lazily for the same reason as in __init__: ops/ sits above save/.
-        from ckptctl.ops.prune import prune
-
-        try:
-            plan, outcome = prune(self.root, self._retention, command=f"Checkpointer retention after step {step}")
-        except CkptError as e:  # lock held by a cron prune, nothing verifies, storage trouble
-            log.warning("retention after step %d did not run: %s", step, e)
-            return
-        for item in plan.broken_left:
-            log.warning("retention: %s is broken and was left in place: %s", item.url, item.reason)
-        for note in plan.notes + (outcome.notes if outcome else []):
-            log.info("retention: %s", note)
-        if outcome is not None:
-            for o in outcome.failed + outcome.skipped:
-                log.warning("retention: %s %s: %s", o.result, o.name, o.detail)
-            if outcome.deleted:
-                log.info("retention after step %d deleted %s", step, ", ".join(o.name for o in outcome.deleted))
 
     # --- loading ----------------------------------------------------------------------------
 
@@ -354,8 +306,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
-            if self._retention_pool is not None:
-                self._retention_pool.shutdown(wait=True)
+            if self._retention is not None:
+                self._retention.close()
             self._staging.release()
             if self._coordinator is not None:
                 self._coordinator.close()
@@ -371,13 +323,6 @@ class Checkpointer:
                 self.close()
             except CkptError as e:
                 log.error("while closing after an error: %s", e)
-
-
-def _log_unexpected(future: "Future[None]") -> None:
-    # Nobody waits on a retention task: an unexpected error (a bug) would vanish without this.
-    exc = future.exception()
-    if exc is not None:
-        log.error("retention failed unexpectedly", exc_info=exc)
 
 
 def _wrap(step: int, url: str, job):
