@@ -2,15 +2,19 @@
 
     >>> from ckptctl import Checkpointer
     >>> with Checkpointer("/ckpt") as ckpt:                       # doctest: +SKIP
-    ...     step = ckpt.load_latest(state) or 0                   # resume, or start fresh
-    ...     for step in range(step + 1, total):
+    ...     start = ckpt.load_latest(state) or 0                  # resume, or start fresh
+    ...     for step in range(start + 1, total):
     ...         train_step()
+    ...         if step == start + 1:
+    ...             ckpt.prepare(state)                           # staging buffer, in the background
     ...         if step % 500 == 0:
     ...             ckpt.save(step, state)                        # returns after the host copy
 
 ``save`` copies every tensor into a reusable host staging buffer and returns; a background
 thread checksums and writes the shard, then the manifest, then the marker. A second ``save``
 while one is still writing first waits for it (back-pressure: memory stays one snapshot).
+``prepare`` makes that buffer ready ahead of the first save (``load_latest`` does it after a
+resume), so the first save stalls no longer than the others.
 """
 
 from __future__ import annotations
