@@ -195,29 +195,32 @@ def _rss() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-def test_prepare_faults_the_staging_buffer_in_before_the_first_snapshot():
+@pytest.mark.parametrize("huge_pages", ["0", "1"])
+def test_prepare_faults_the_staging_buffer_in_before_the_first_snapshot(monkeypatch, huge_pages):
     from ckptctl.save.plan import make_plan, signature_of
     from ckptctl.save.staging import StagingBuffer
     from ckptctl.state.capture import capture
 
-    state = {"w": torch.ones(24 << 20, dtype=torch.uint8), "v": torch.ones(8 << 20, dtype=torch.uint8)}
+    monkeypatch.setenv("CKPTCTL_HUGEPAGES", huge_pages)
+    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so every buffer is fresh memory.
+    state = {"w": torch.ones(48 << 20, dtype=torch.uint8), "v": torch.ones(16 << 20, dtype=torch.uint8)}
     captured = capture(state, with_rng=False)
     plan = make_plan(captured.tensors, signature_of(captured.tensors), rank=0, world_size=1)
-    assert plan.nbytes == 32 << 20
+    assert plan.nbytes == 64 << 20
 
     lazy = StagingBuffer()
     before = _rss()
     lazy.reserve(plan)  # allocated, not touched: the first snapshot would fault it in
-    assert _rss() - before < 8 << 20
+    assert _rss() - before < 16 << 20
 
     staged = StagingBuffer()
     before = _rss()
     assert staged.prepare(plan) and staged.held
     assert not staged.prepare(plan)  # already under way
     buf = staged.reserve(plan)  # waits for the background thread
-    assert _rss() - before >= 30 << 20
+    assert _rss() - before >= 60 << 20
     assert staged.snapshot(plan, captured.tensors).data_ptr() == buf.data_ptr()  # the one buffer, reused
-    assert bool((buf[: 32 << 20] == 1).all())
+    assert bool((buf[: 64 << 20] == 1).all())
 
 
 def test_prepare_waits_for_the_first_step_and_load_latest_prepares(tmp_path):

@@ -7,12 +7,14 @@ at full bandwidth and can be issued asynchronously on a side stream.
 
 The first snapshot pays for faulting the buffer's pages in (or, for accelerator state, for
 pinning them), unless ``prepare`` did that earlier on a background thread: the training job
-calls ``Checkpointer.prepare`` (or ``load_latest`` does) long before its first save. On Linux the (unpinned) buffer is
-an anonymous mapping advised MADV_HUGEPAGE, so that costs one fault per 2 MiB instead of per
-4 KiB: measured on the 2-core dev VM, a first 1 GiB copy took 830 ms into ``torch.empty``
-memory, 144 ms into a huge-page mapping, and 66 ms into already-faulted memory. On a loaded
-machine with fragmented memory the kernel may compact memory to find huge pages, and single
-first saves were seen slower than without; set ``CKPTCTL_HUGEPAGES=0`` to use ordinary pages.
+calls ``Checkpointer.prepare`` (or ``load_latest`` does) long before its first save.
+
+Ordinary pages by default. Huge pages (``CKPTCTL_HUGEPAGES=1``: an anonymous mapping advised
+MADV_HUGEPAGE) fault in faster when the kernel has free ones, and much slower when it must
+compact memory to find them: on the 2-core dev VM a first 1 GiB copy took 63 ms into huge pages
+after a free, 500-1,700 ms when compaction was needed, and a steady ~200 ms into ordinary
+pages (54 ms into resident memory). A predictable first save is worth more than a fast one
+now and then, and steady copies were no faster on huge pages.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
     if pin:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < (2 << 20) or os.environ.get("CKPTCTL_HUGEPAGES", "1") == "0":
+    if advice is None or nbytes < (2 << 20) or os.environ.get("CKPTCTL_HUGEPAGES", "0") != "1":
         return torch.empty(nbytes, dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
