@@ -195,7 +195,7 @@ def _rss() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-@pytest.mark.parametrize("huge_pages", ["0", "1"])
+@pytest.mark.parametrize("huge_pages", ["", "0", "1"])  # default: huge only when prepared
 def test_prepare_faults_the_staging_buffer_in_before_the_first_snapshot(monkeypatch, huge_pages):
     from ckptctl.save.plan import make_plan, signature_of
     from ckptctl.save.staging import StagingBuffer
