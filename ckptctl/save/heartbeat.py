@@ -85,7 +85,12 @@ class Heartbeat:
     def _check(self, rnd: int, seen: dict[int, tuple[int | None, float]]) -> None:
         st = self.store
         if self.rank == 0:
-            arrived = set(parse_ranks(st.get(f"{rnd}/arrived").decode()))  # rank 0 is in it
+            # Rank 0 appended itself before watching, so the key exists, unless this thread
+            # lagged a whole save behind and the next barrier deleted it: a ``get`` would
+            # then block for the store's timeout, silencing this rank's heartbeat meanwhile.
+            if not st.check([f"{rnd}/arrived"]):
+                return
+            arrived = set(parse_ranks(st.get(f"{rnd}/arrived").decode()))
             waiting = [r for r in range(self.world_size) if r not in arrived]
         else:
             waiting = [0]
