@@ -31,7 +31,8 @@ import torch
 
 from ckptctl.format.manifest import FileEntry
 from ckptctl.save.commit import manifest_of
-from ckptctl.save.coordination import REPORT_BYTES, Coordinator, RankReport, _pack, _unpack
+from ckptctl.save.coordination import Coordinator
+from ckptctl.save.messages import REPORT_BYTES, RankReport, pack, unpack
 from ckptctl.save.plan import make_plan, signature_of
 from ckptctl.state.capture import LOCAL, SavedTensor
 
@@ -71,7 +72,7 @@ def simulate_once(ranks: int, tensors: int) -> dict[str, float]:
     for r in range(ranks):
         entry = FileEntry(f"rank-{r:05d}-of-{ranks:05d}.safetensors", 1 << 30, "0123456789abcdef", r, tensors)
         rep = RankReport(r, 1000, entry, None, plan.structure, r == 0, {"bytes": float(1 << 30), "stall_s": 0.5, "write_s": 3.0})
-        payloads.append(_pack(asdict(rep), REPORT_BYTES, shorten="error"))
+        payloads.append(pack(asdict(rep), REPORT_BYTES, shorten="error"))
     per_report = len(json.dumps(asdict(rep)))
     summed = torch.tensor(plan.coverage, dtype=torch.int64).reshape(len(plan.table), 2)
     summed[:, 0] = ranks  # after the reduce: every rank holds one chunk of every tensor
@@ -86,7 +87,7 @@ def simulate_once(ranks: int, tensors: int) -> dict[str, float]:
         return "sim://step-0000001000"
 
     t0 = time.perf_counter()
-    gathered = [_unpack(p) for p in payloads]
+    gathered = [unpack(p) for p in payloads]
     action, _ = coord._decide(gathered, plan)
     assert action == "plan", action
     action, msg = coord._check_coverage(1000, plan, summed)
@@ -99,7 +100,7 @@ def simulate_once(ranks: int, tensors: int) -> dict[str, float]:
         g["replanned"] = False
     coord._last_plan = plan
     t0 = time.perf_counter()
-    gathered2 = [_unpack(p) for p in payloads]
+    gathered2 = [unpack(p) for p in payloads]
     for g in gathered2:
         g["replanned"] = False
     assert coord._decide(gathered2, plan)[0] == "commit"

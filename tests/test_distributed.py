@@ -269,7 +269,7 @@ def _report(rank: int, step: int = 7, *, error: str | None = None, structure: st
     from dataclasses import asdict
 
     from ckptctl.format.manifest import FileEntry
-    from ckptctl.save.coordination import RankReport
+    from ckptctl.save.messages import RankReport
 
     entry = None if error else FileEntry(f"rank-{rank:05d}-of-00004.safetensors", 10, "ab", rank, 1)
     return asdict(RankReport(rank, step, entry, error, structure, replanned, {"bytes": 10.0, "write_s": 0.1 * rank}))
@@ -296,14 +296,14 @@ def test_rank0_decides_from_the_reports_alone():
 
 
 def test_messages_are_fixed_size_json_and_long_errors_are_cut_to_fit():
-    from ckptctl.save.coordination import REPORT_BYTES, _pack, _unpack
+    from ckptctl.save.messages import REPORT_BYTES, pack, unpack
 
     doc = _report(2, error="x" * 5000 + " \N{UMBRELLA WITH RAIN DROPS}" * 300)
-    packed = _pack(dict(doc), REPORT_BYTES, shorten="error")
+    packed = pack(dict(doc), REPORT_BYTES, shorten="error")
     assert packed.numel() == REPORT_BYTES
-    back = _unpack(packed)
+    back = unpack(packed)
     assert back["rank"] == 2 and back["error"].startswith("xxx") and back["error"].endswith("[...]")
-    assert _unpack(_pack(_report(1), REPORT_BYTES, shorten="error")) == _report(1)
+    assert unpack(pack(_report(1), REPORT_BYTES, shorten="error")) == _report(1)
 
 
 def _store() -> tuple:

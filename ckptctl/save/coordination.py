@@ -39,9 +39,8 @@ stopped by a debugger or SIGSTOP) cannot beat either, and is taken as dead too.
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Callable
 
@@ -51,6 +50,7 @@ import torch.distributed as dist
 from ckptctl.errors import CkptError, CoordinationError, UsageError
 from ckptctl.format.manifest import FileEntry, TensorEntry
 from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, parse_ranks
+from ckptctl.save.messages import ANSWER_BYTES, REPORT_BYTES, RankReport, pack, unpack
 from ckptctl.save.plan import Plan, numel
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -60,19 +60,6 @@ AGREE_FATAL, AGREE_SKIP, AGREE_OK = 0, 1, 2
 
 # (files, tensors, stats) -> URL of the committed checkpoint; runs on rank 0 only.
 CommitFn = Callable[[list[FileEntry], dict[str, TensorEntry], dict[str, float]], str]
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank tells rank 0 after its write."""
-
-    rank: int
-    step: int
-    file: FileEntry | None  # None when the write failed
-    error: str | None
-    structure: str  # digest of the state's global structure (plan.structure_digest)
-    replanned: bool  # its plan changed since the last committed save
-    stats: dict[str, float]
 
 
 class Coordinator:
@@ -200,21 +187,20 @@ class Coordinator:
                 answer = self._commit(step, gathered, commit)
         return self._broadcast(step, answer)
 
-    # Fixed-size JSON messages: one collective each (gather_object and broadcast_object_list
-    # first exchange sizes, an all-gather over every rank, then the pickled data).
+    # Fixed-size JSON messages (see ``messages``): one collective each.
 
     def _gather(self, step: int, report: dict) -> list[dict] | None:
         """Every rank's report at rank 0 (None elsewhere)."""
-        mine = _pack(report, REPORT_BYTES, shorten="error")
+        mine = pack(report, REPORT_BYTES, shorten="error")
         out = [torch.empty(REPORT_BYTES, dtype=torch.uint8) for _ in range(self.world_size)] if self.rank == 0 else None
         self._collective(step, "gather", lambda: dist.gather(mine, out, group=self.group, group_dst=0))
-        return [_unpack(t) for t in out] if out is not None else None
+        return [unpack(t) for t in out] if out is not None else None
 
     def _broadcast(self, step: int, answer: tuple[str, str] | None) -> tuple[str, str]:
         """Rank 0's (action, message) on every rank."""
-        buf = _pack(list(answer), ANSWER_BYTES, shorten=1) if answer is not None else torch.empty(ANSWER_BYTES, dtype=torch.uint8)
+        buf = pack(list(answer), ANSWER_BYTES, shorten=1) if answer is not None else torch.empty(ANSWER_BYTES, dtype=torch.uint8)
         self._collective(step, "broadcast", lambda: dist.broadcast(buf, group=self.group, group_src=0))
-        action, message = _unpack(buf)
+        action, message = unpack(buf)
         return action, message
 
     def _check_coverage(self, step: int, plan: Plan, cov: torch.Tensor) -> tuple[str, str]:
@@ -386,37 +372,6 @@ def _side_channel(group: "dist.ProcessGroup") -> "dist.Store | None":
         return dist.PrefixStore(f"ckptctl/{group.group_name}/", _get_default_store())
     except (ImportError, AttributeError, ValueError, RuntimeError):
         return None
-
-
-REPORT_BYTES = 1024  # one rank's report: ~350 bytes, plus room for an error message
-ANSWER_BYTES = 4096  # rank 0's answer: the outcome, naming up to a few failing ranks
-
-
-def _pack(doc: object, size: int, *, shorten: object) -> torch.Tensor:
-    """``doc`` as JSON in a zero-padded uint8 tensor of ``size`` bytes; the string at key or
-    index ``shorten`` is cut to fit (an error message may be arbitrarily long)."""
-    raw = json.dumps(doc).encode()
-    if len(raw) > size:
-        text = doc[shorten]  # type: ignore[index]
-        # Bytes left for the string once everything else is encoded; characters escape to
-        # 1 to 12 bytes of JSON, so they are counted one by one.
-        budget = size - (len(raw) - len(json.dumps(text).encode())) - len(json.dumps(" [...]").encode())
-        used, keep = 0, 0
-        for ch in text:
-            used += len(json.dumps(ch).encode()) - 2
-            if used > budget:
-                break
-            keep += 1
-        doc[shorten] = text[:keep] + " [...]"  # type: ignore[index]
-        raw = json.dumps(doc).encode()
-    out = torch.zeros(size, dtype=torch.uint8)
-    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return out
-
-
-def _unpack(t: torch.Tensor) -> object:
-    raw = bytes(t.numpy().tobytes()).rstrip(b"\0")
-    return json.loads(raw)
 
 
 def _ranks(ranks: list[int]) -> str:
