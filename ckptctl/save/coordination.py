@@ -8,7 +8,7 @@ One save's exchange, in order:
 
 1. A barrier: every rank has finished its write. Rank 0 waits at most ``timeout_s`` and
    tells every other rank which ranks did not arrive (killed, hung, or far slower), so every
-   rank's error names them. This one step goes through the c10d store (see ``_barrier``).
+   rank's error names them. This one step goes through the c10d store (see ``barrier``).
 2. A ``gather`` to rank 0 of one fixed-size JSON report per rank (1 KiB: its file entry, or
    the error that stopped its write, the digest of its state's structure, a few timings).
 3. Rank 0 decides: fail (naming the failing ranks), or commit (manifest, then marker), or,
@@ -49,7 +49,8 @@ import torch.distributed as dist
 
 from ckptctl.errors import CkptError, CoordinationError, UsageError
 from ckptctl.format.manifest import FileEntry, TensorEntry
-from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, parse_ranks
+from ckptctl.save.barrier import StoreBarrier
+from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat
 from ckptctl.save.messages import ANSWER_BYTES, REPORT_BYTES, RankReport, pack, unpack
 from ckptctl.save.plan import Plan, numel
 
@@ -85,8 +86,7 @@ class Coordinator:
         self._last_plan: Plan | None = None  # the plan of the last committed save
         self._tensors: dict[str, TensorEntry] | None = None  # rank 0: checked table of that plan
         self._structure: str | None = None
-        self._store: "dist.Store | None" = None  # liveness side channel, see _barrier
-        self._round = 0  # saves coordinated so far; names this save's keys in the store
+        self._store_barrier: StoreBarrier | None = None  # None: gloo's monitored_barrier instead
         self._heartbeat: Heartbeat | None = None
 
     @classmethod
@@ -110,10 +110,12 @@ class Coordinator:
             group_desc="ckptctl_coordination",
         )
         coord = cls(group, timeout_s=timeout_s, liveness_s=liveness_s)
-        coord._store = _side_channel(group)
-        clone = getattr(coord._store, "clone", None)  # torch < 2.5 has none: timeout_s alone then
+        store = _side_channel(group)
+        clone = getattr(store, "clone", None)  # torch < 2.5 has none: timeout_s alone then
         if coord.world_size > 1 and clone is not None:
             coord._heartbeat = Heartbeat(clone(), coord.rank, coord.world_size, liveness_s)
+        if store is not None:
+            coord._store_barrier = StoreBarrier(store, coord.rank, coord.world_size, coord.timeout, coord._heartbeat)
         return coord
 
     def close(self) -> None:
@@ -257,79 +259,24 @@ class Coordinator:
 
     def _barrier(self, step: int) -> None:
         """Wait until every rank has finished writing, at most ``timeout_s``; every rank learns
-        which ranks did not arrive, and whether they were lost to a timeout or to a heartbeat.
-
-        Liveness goes through the c10d store every rank already talks to, not through the
-        gloo group: a gloo wait that times out breaks the group's connections, so rank 0
-        could no longer tell the others which rank was missing (``monitored_barrier`` names
-        it on rank 0 only and leaves the others blocked until their own timeout). The store
-        carries a few keys per save, independent of the number of ranks:
-
-        - each rank appends its rank to ``<round>/arrived`` (who is missing) and increments
-          ``<round>/count``; the last one sets ``<round>/all`` to ``1``;
-        - rank 0 waits for ``<round>/all`` up to the timeout, then writes ``<round>/answer``
-          (``ok:``, or ``timeout:`` or ``heartbeat:`` and the missing ranks); the others wait
-          for that answer.
-
-        Each wait is one blocking wait, not a loop of short ones (a TCPStore wait that times
-        out logs two warnings; sliced waits would print them every slice on every rank). The
-        heartbeat thread watches while this thread waits, and wakes it by writing the key it
-        waits for: rank 0's sets ``<round>/all`` to ``lost:<ranks>`` once a rank that has not
-        arrived stops beating; another rank's sets ``<round>/answer`` to ``coordinator:0``
-        once rank 0 stops beating. Both use ``compare_set`` on an absent key, so a real
-        arrival or answer is never overwritten; rank 0 writes its answer the same way, so the
-        first verdict written is the one every rank acts on.
-        """
+        which ranks did not arrive, and whether they were lost to a timeout or to a heartbeat
+        (see ``barrier.StoreBarrier``). Without a store, gloo's ``monitored_barrier``."""
         if self.world_size == 1:
             return
-        if self._store is None:
+        if self._store_barrier is None:
             return self._monitored_barrier(step)
-        self._round += 1
-        st, rnd, ws = self._store, self._round, self.world_size
-        missing: list[int] = []
-        cause = "ok"
         try:
-            st.append(f"{rnd}/arrived", f"{self.rank},")
-            if st.add(f"{rnd}/count", 1) == ws:
-                st.set(f"{rnd}/all", "1")
-            self._watch(rnd)
-            if self.rank == 0:
-                try:
-                    st.wait([f"{rnd}/all"], self.timeout)
-                    verdict = st.get(f"{rnd}/all").decode()
-                    if verdict != "1":  # our heartbeat thread found ranks that stopped beating
-                        cause, missing = "heartbeat", parse_ranks(verdict.partition(":")[2])
-                except dist.DistStoreError:  # timed out; find out who is missing
-                    arrived = set(parse_ranks(st.get(f"{rnd}/arrived").decode()))
-                    cause, missing = "timeout", [r for r in range(ws) if r not in arrived]
-                # If another rank took rank 0 for dead meanwhile, its verdict stands for all.
-                answer = st.compare_set(f"{rnd}/answer", "", f"{cause}:{','.join(map(str, missing))}").decode()
-                cause, _, ranks = answer.partition(":")
-                missing = parse_ranks(ranks)
-                if rnd > 1:  # every rank has read the previous round's answer by now
-                    for key in ("count", "all", "answer", "arrived"):
-                        st.delete_key(f"{rnd - 1}/{key}")
-            else:
-                # Rank 0 may itself arrive up to a timeout late, then waits a timeout for the rest.
-                st.wait([f"{rnd}/answer"], 2 * self.timeout)
-                cause, _, ranks = st.get(f"{rnd}/answer").decode().partition(":")
-                missing = parse_ranks(ranks)
+            cause, missing = self._store_barrier.wait()
         except dist.DistStoreError as e:  # rank 0 never answered
             self._lost(step, [0], f"within {self.timeout.total_seconds():g}s ({_first_line(e)})", coordinator=True)
         except RuntimeError as e:  # DistNetworkError: the store is gone (it may have lived in rank 0)
             self._lost(step, [0], f": the c10d store failed ({_first_line(e)})", coordinator=True)
-        finally:
-            self._watch(None)
         if cause == "coordinator":
             self._lost(step, [0], f": no heartbeat from rank 0 for {self.liveness_s:g}s", coordinator=True)
         if cause == "heartbeat":
             self._lost(step, missing, f": no heartbeat for {self.liveness_s:g}s (the process died or froze)")
         if missing:
             self._lost(step, missing, f"within {self.timeout.total_seconds():g}s")
-
-    def _watch(self, rnd: int | None) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.watch = rnd
 
     def _monitored_barrier(self, step: int) -> None:
         """Fallback without a store: gloo's own, which names the missing ranks on rank 0."""

@@ -3,7 +3,7 @@
 The c10d store cannot tell a dead rank from a slow one, so without this a killed rank is
 noticed only when ``timeout_s`` (default 900 s) runs out. With it, every rank's daemon thread
 bumps a counter in the store, and a rank that is waited for and whose counter stands still
-for ``liveness_s`` is taken as dead (``coordination._barrier`` says who waits for whom).
+for ``liveness_s`` is taken as dead (``barrier`` says who waits for whom).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ def parse_ranks(text: str) -> list[int]:
 
 class Heartbeat:
     """This rank's sign of life: a daemon thread adds 1 to ``alive/<rank>`` every beat, a
-    counter and not a time (hosts' clocks differ). While the rank waits in ``_barrier``
+    counter and not a time (hosts' clocks differ). While the rank waits in the save's barrier
     (``watch`` is the round), the same thread reads the counters of the ranks it waits for
     and notes, by its own monotonic clock, when each last changed; one that has not changed
-    for ``liveness_s`` is dead, and the waiting thread is woken (see ``_barrier``).
+    for ``liveness_s`` is dead, and the waiting thread is woken (see ``barrier``).
 
     It has a store connection of its own (``Store.clone``): a TCPStore connection serves one
     request at a time, and the barrier's wait holds it for as long as it waits. The thread
