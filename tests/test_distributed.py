@@ -86,20 +86,27 @@ def test_save_at_4_load_at_3_2_1_and_back_to_4_fsdp2_and_ddp(tmp_path):
     assert len(steps) == len(set(steps)) == 6
 
 
+def _assert_step_2_lost(res: dict, root: str, survivors: tuple[int, ...], says: str, waited: tuple[float, float]) -> None:
+    """``kill_mid_write``'s outcome: every survivor's save of step 2 failed, saying ``says``,
+    after a wait within ``waited``; no marker; step 1 is still the latest checkpoint."""
+    for r in survivors:
+        error = res[r]["error"]
+        assert res[r]["first"].endswith(step_dir(1))
+        assert error.startswith("SaveFailed") and "no marker was written" in error, error
+        assert says in error, error
+        assert waited[0] < res[r]["waited"] < waited[1]
+    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+    latest = cli("latest", root, "--json")
+    assert latest.exit_code == 0 and step_dir(1) in latest.stdout
+
+
 @pytest.mark.slow
 def test_rank_killed_mid_write_fails_the_save_on_every_survivor_within_the_timeout(tmp_path):
     root = str(tmp_path / "root")
     res = launch("kill_mid_write", 3, {"root": root, "victim": 1, "timeout_s": 8, "linger": 4}, str(tmp_path / "out"))
     assert res[1] == {"exit": -9}
-    for r in (0, 2):
-        assert res[r]["first"].endswith(step_dir(1))
-        assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
-        assert res[r]["waited"] < 8 + 8
-    for r in (0, 2):  # every survivor names the lost rank (rank 0 found it, told the others)
-        assert "rank 1 did not report" in res[r]["error"], res[r]["error"]
-    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
-    latest = cli("latest", root, "--json")
-    assert latest.exit_code == 0 and step_dir(1) in latest.stdout
+    # Every survivor names the lost rank (rank 0 found it, told the others).
+    _assert_step_2_lost(res, root, (0, 2), "rank 1 did not report", waited=(0, 8 + 8))
 
 
 @pytest.mark.slow
@@ -107,12 +114,8 @@ def test_rank_hung_mid_write_fails_the_save_on_every_other_rank_after_the_timeou
     root = str(tmp_path / "root")
     res = launch("kill_mid_write", 3, {"root": root, "victim": 2, "timeout_s": 4, "how": "hang", "linger": 4}, str(tmp_path / "out"))
     assert res[2] == {"exit": 3}
-    for r in (0, 1):
-        assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
-        assert 3 < res[r]["waited"] < 4 + 8  # bounded by the timeout, not by the hung rank
-    for r in (0, 1):
-        assert "rank 2 did not report within 4s" in res[r]["error"], res[r]["error"]
-    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+    # Bounded by the timeout, not by the hung rank.
+    _assert_step_2_lost(res, root, (0, 1), "rank 2 did not report within 4s", waited=(3, 4 + 8))
 
 
 @pytest.mark.slow
@@ -121,14 +124,8 @@ def test_killed_rank_is_found_by_its_missing_heartbeat_long_before_the_timeout(t
     args = {"root": root, "victim": 1, "timeout_s": 120, "liveness_s": 3, "linger": 4}
     res = launch("kill_mid_write", 3, args, str(tmp_path / "out"))
     assert res[1] == {"exit": -9}
-    for r in (0, 2):
-        assert res[r]["first"].endswith(step_dir(1))
-        assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
-        assert "rank 1 did not report: no heartbeat for 3s" in res[r]["error"], res[r]["error"]
-        assert res[r]["waited"] < 40  # liveness_s and a beat or two, not timeout_s
-    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
-    latest = cli("latest", root, "--json")
-    assert latest.exit_code == 0 and step_dir(1) in latest.stdout
+    # liveness_s and a beat or two, not timeout_s.
+    _assert_step_2_lost(res, root, (0, 2), "rank 1 did not report: no heartbeat for 3s", waited=(0, 40))
 
 
 @pytest.mark.slow
@@ -137,11 +134,8 @@ def test_rank_hung_but_alive_keeps_its_heartbeat_and_is_caught_by_the_timeout(tm
     args = {"root": root, "victim": 2, "timeout_s": 8, "liveness_s": 2, "how": "hang", "linger": 4}
     res = launch("kill_mid_write", 3, args, str(tmp_path / "out"))
     assert res[2] == {"exit": 3}  # it slept through 3 timeouts: never declared dead meanwhile
-    for r in (0, 1):
-        assert "rank 2 did not report within 8s" in res[r]["error"], res[r]["error"]
-        assert "heartbeat" not in res[r]["error"]
-        assert 7 < res[r]["waited"] < 8 + 8
-    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
+    _assert_step_2_lost(res, root, (0, 1), "rank 2 did not report within 8s", waited=(7, 8 + 8))
+    assert all("heartbeat" not in res[r]["error"] for r in (0, 1))
 
 
 @pytest.mark.slow
@@ -153,16 +147,9 @@ def test_killed_rank_0_fails_the_save_on_every_other_rank_long_before_the_timeou
     args = {"root": root, "victim": 0, "timeout_s": 120, "liveness_s": 3, "store": store}
     res = launch("kill_mid_write", 3, args, str(tmp_path / "out"))
     assert res[0] == {"exit": -9}
-    for r in (1, 2):
-        assert res[r]["first"].endswith(step_dir(1))
-        assert res[r]["error"].startswith("SaveFailed") and "no marker was written" in res[r]["error"]
-        assert "rank 0 (the coordinator)" in res[r]["error"], res[r]["error"]
-        why = "no heartbeat from rank 0 for 3s" if store == "launcher" else "the c10d store failed"
-        assert why in res[r]["error"], res[r]["error"]
-        assert res[r]["waited"] < 40
-    assert not os.path.exists(os.path.join(root, step_dir(2), MARKER))
-    latest = cli("latest", root, "--json")
-    assert latest.exit_code == 0 and step_dir(1) in latest.stdout
+    why = "no heartbeat from rank 0 for 3s" if store == "launcher" else "the c10d store failed"
+    _assert_step_2_lost(res, root, (1, 2), why, waited=(0, 40))
+    assert all("rank 0 (the coordinator)" in res[r]["error"] for r in (1, 2))
 
 
 @pytest.mark.slow
