@@ -132,7 +132,7 @@ class Checkpointer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("Checkpointer is closed")
-            plan = self._plan_for(capture(state, with_rng=False, per_rank=self.world_size > 1))
+            plan = self._plan_for(capture(state, with_rng=False))  # planning needs the tensors only
             if self._pending is not None and not self._pending.done():
                 return False  # a write still reads the buffer: the next save sizes it after draining
             return self._staging.prepare(plan)

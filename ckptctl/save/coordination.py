@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ckptctl.errors import CkptError, CoordinationError, UsageError
 from ckptctl.format.manifest import FileEntry, TensorEntry
 from ckptctl.save.barrier import StoreBarrier
-from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat
+from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, first_line
 from ckptctl.save.messages import ANSWER_BYTES, REPORT_BYTES, RankReport, pack, unpack
 from ckptctl.save.plan import Plan, numel
 
@@ -268,9 +268,9 @@ class Coordinator:
         try:
             cause, missing = self._store_barrier.wait()
         except dist.DistStoreError as e:  # rank 0 never answered
-            self._lost(step, [0], f"within {self.timeout.total_seconds():g}s ({_first_line(e)})", coordinator=True)
+            self._lost(step, [0], f"within {self.timeout.total_seconds():g}s ({first_line(e)})", coordinator=True)
         except RuntimeError as e:  # DistNetworkError: the store is gone (it may have lived in rank 0)
-            self._lost(step, [0], f": the c10d store failed ({_first_line(e)})", coordinator=True)
+            self._lost(step, [0], f": the c10d store failed ({first_line(e)})", coordinator=True)
         if cause == "coordinator":
             self._lost(step, [0], f": no heartbeat from rank 0 for {self.liveness_s:g}s", coordinator=True)
         if cause == "heartbeat":
@@ -284,7 +284,7 @@ class Coordinator:
             dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as e:
             found = sorted({int(x) for m in re.finditer(r"Ranks? ([\d, ]+?) failed to pass", str(e)) for x in re.findall(r"\d+", m.group(1))})
-            why = f"within {self.timeout.total_seconds():g}s ({_first_line(e)})"
+            why = f"within {self.timeout.total_seconds():g}s ({first_line(e)})"
             self._lost(step, found or [0], why, coordinator=not found)
 
     def _lost(self, step: int, missing: list[int], why: str, *, coordinator: bool = False) -> None:
@@ -304,7 +304,7 @@ class Coordinator:
         except RuntimeError as e:
             self.broken = f"a rank was lost during the {what} of {where}"
             raise CoordinationError(
-                f"{where}: coordination failed during {what}: {_first_line(e)}"
+                f"{where}: coordination failed during {what}: {first_line(e)}"
                 + ("; no marker was written" if step is not None else ""),
                 hint="a rank died or hung; restart the job and resume with load_latest",
             ) from None
@@ -326,7 +326,3 @@ def _ranks(ranks: list[int]) -> str:
         return f"rank {ranks[0]}"
     shown = ", ".join(map(str, ranks[:16]))
     return f"ranks {shown}" + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

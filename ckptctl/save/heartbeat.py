@@ -74,7 +74,7 @@ class Heartbeat:
                     log.warning(
                         "rank %d: heartbeat interrupted, the c10d store failed: %s; retrying every %gs "
                         "(other ranks take this rank as dead after %gs without one)",
-                        self.rank, _first_line(e), self.interval, self.liveness_s,
+                        self.rank, first_line(e), self.interval, self.liveness_s,
                     )
                 failing = True
                 continue
@@ -135,5 +135,6 @@ def read_counters(st: "dist.Store", ranks: list[int], known: list[int]) -> dict[
     return {**dict.fromkeys(absent), **{r: int(v) for r, v in zip(ranks, values)}}
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception's first line, for one-line messages (c10d errors span many lines)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
