@@ -1,7 +1,8 @@
 """The exception tree. Every error knows its exit code and a hint that says what to do next.
 
-Exit codes are part of the contract (PRODUCT.md): 0 success; 1 a checkpoint problem was found or
-the tool refused for safety; 2 usage error; 3 operational error (storage, permissions, locks).
+Exit codes are part of the contract (``man/ckptctl.1``, EXIT STATUS): 0 success; 1 a checkpoint
+problem was found or the tool refused for safety; 2 usage error; 3 operational error (storage,
+permissions, locks).
 The CLI maps these classes to messages in one table (``ckptctl.cli.errors``); library users catch
 them by class.
 """

@@ -1,17 +1,14 @@
-"""Checksums: XXH3-64, chosen by measurement.
-
-On the development machine (2-core x86_64) one core hashes XXH3-64 at ~34 GB/s, CRC32C at
-~16 GB/s, zlib CRC32 at ~7 GB/s and SHA-256 at ~2 GB/s (``python scripts/bench_checksums.py``).
-Both xxhash and crc32c release the GIL, so hashing in the writer thread does not stall
-training. The algorithm's name is recorded in every manifest so that a later version can change
-it without misreading old checkpoints.
+"""Checksums: XXH3-64, the fastest per core of the candidates measured (``docs/decisions.md``,
+"Checksum algorithm"; ``scripts/bench_checksums.py`` measures them again). xxhash releases the
+GIL, so hashing in the writer thread does not stall training. The algorithm's name is recorded
+in every manifest so that a later version can change it without misreading old checkpoints.
 
 A shard file's checksum is built from its chunks' checksums rather than by hashing the file
 again: ``XXH3-64(header bytes || the 8-byte digests of its chunks in data order)``. The
 chunks tile the data section exactly (the header parser enforces it), so every byte of the
 file is covered, and each byte is hashed once on every path: save, verify, copy and reshard.
-Hashing the file a second time cost the save path's writer ~20% of its throughput and made
-verify slower than the disk on the 2-core dev VM (``scripts/bench_save.py``).
+Hashing the file a second time cost the writer a fifth of its throughput (``docs/decisions.md``,
+"Hash each byte once").
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def code_of(name: str) -> str:
 
 
 def name_from_code(code: str) -> str | None:
-    return _BY_CODE.get(code)
+    return _BY_CODE.get(code) if isinstance(code, str) else None
 
 
 def itemsize(name: str) -> int:
@@ -66,4 +66,9 @@ def itemsize(name: str) -> int:
 
 
 def is_known(name: str) -> bool:
-    return name in _TABLE
+    return isinstance(name, str) and name in _TABLE
+
+
+def names() -> list[str]:
+    """Every dtype name a checkpoint can hold, in the table's order."""
+    return list(_TABLE)

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ckptctl.errors import InvalidCheckpoint
-from ckptctl.format import dtypes
+from ckptctl.format import dtypes, parse
 from ckptctl.format.checksum import ALGORITHM
 from ckptctl.format.layout import is_valid_shard_name
+from ckptctl.version import tool_info
 
 FORMAT_NAME = "ckptctl"
 FORMAT_VERSION = 1
+# A manifest grows with files + tensors (about 150 bytes each) plus the JSON state: 1 GiB is far
+# above any real model's. The commit marker's ``manifest.size`` is bounded by the same figure.
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_RANKS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,12 @@ class TensorEntry:
     shape: tuple[int, ...]
     group: str  # "model", "optimizer" or "other": what inspect reports bytes by
     chunks: int  # how many chunks, across all shards, hold this tensor
+    # Optional placement hints (readers may use them to open only the shards a region needs;
+    # absent in older manifests): ``owner``, the rank whose file holds the whole tensor as its
+    # one chunk; ``split`` = (dim, block), the file of rank r holds the chunk covering
+    # [r*block, (r+1)*block) of ``dim`` (clipped to the tensor) and all of every other dim.
+    owner: int | None = None
+    split: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -50,11 +62,37 @@ class Manifest:
     world_size: int
     files: list[FileEntry]
     tensors: dict[str, TensorEntry]
-    state: dict[str, Any] = field(default_factory=dict)  # non-tensor state (see save.jsonstate)
+    state: dict[str, Any] = field(default_factory=dict)  # non-tensor state (encoded by state/tree.py)
     stats: dict[str, float] = field(default_factory=dict)  # bytes, stall_s, write_s, ...
     tool: dict[str, str] = field(default_factory=dict)
     checksum_algorithm: str = ALGORITHM
     extra: dict[str, Any] = field(default_factory=dict)  # room for per-format notes (interop)
+
+    @classmethod
+    def new(
+        cls,
+        step: int,
+        world_size: int,
+        files: Sequence[FileEntry],
+        tensors: dict[str, TensorEntry],
+        state: dict[str, Any],
+        stats: dict[str, float],
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> "Manifest":
+        """The manifest of a checkpoint being written now: files by rank, tensors by name, and
+        the ``tool`` entry every writer records (``version.tool_info``)."""
+        return cls(
+            step=step,
+            created=time.time(),
+            world_size=world_size,
+            files=sorted(files, key=lambda f: (f.rank, f.name)),
+            tensors=dict(sorted(tensors.items())),
+            state=state,
+            stats=stats,
+            tool=tool_info(),
+            extra=dict(extra or {}),
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -70,10 +108,7 @@ class Manifest:
             "tool": self.tool,
             "checksum_algorithm": self.checksum_algorithm,
             "files": [asdict(f) for f in self.files],
-            "tensors": {
-                n: {"dtype": t.dtype, "shape": list(t.shape), "group": t.group, "chunks": t.chunks}
-                for n, t in self.tensors.items()
-            },
+            "tensors": {n: _tensor_json(t) for n, t in self.tensors.items()},
             "state": self.state,
             "stats": self.stats,
             "extra": self.extra,
@@ -82,41 +117,41 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> "Manifest":
-        """Parse and validate. Every problem raises InvalidCheckpoint naming ``where``."""
-        try:
-            doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InvalidCheckpoint(
-                f"{where}: manifest is not valid JSON ({e})",
-                hint="the manifest is garbled; this checkpoint cannot be trusted",
-            ) from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise InvalidCheckpoint(f"{where}: not a ckptctl manifest")
-        if doc.get("version") != FORMAT_VERSION:
-            raise InvalidCheckpoint(
-                f"{where}: manifest version {doc.get('version')!r} is not supported (this is v1)",
-                hint="upgrade ckptctl to read this checkpoint",
-            )
-        try:
-            files = [FileEntry(**f) for f in doc["files"]]
-            tensors = {
-                str(n): TensorEntry(t["dtype"], tuple(int(d) for d in t["shape"]), str(t["group"]), int(t["chunks"]))
-                for n, t in doc["tensors"].items()
-            }
-            m = cls(
-                step=int(doc["step"]),
-                created=float(doc["created"]),
-                world_size=int(doc["world_size"]),
-                files=files,
-                tensors=tensors,
-                state=dict(doc.get("state") or {}),
-                stats=dict(doc.get("stats") or {}),
-                tool=dict(doc.get("tool") or {}),
-                checksum_algorithm=str(doc.get("checksum_algorithm", "")),
-                extra=dict(doc.get("extra") or {}),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise InvalidCheckpoint(f"{where}: manifest is missing or has a bad field ({e!r})") from None
+        """Parse and validate. Every problem raises InvalidCheckpoint naming ``where``.
+
+        Forward compatible: keys this version does not know are ignored, at the top level and
+        in each file and tensor entry; a higher ``version`` is refused (see ``parse``)."""
+        # NaN and ±Infinity may appear inside ``state`` (a saved loss can be nan); every typed
+        # field below is checked finite.
+        doc = parse.load_json(raw, where, "manifest", max_bytes=MAX_MANIFEST_BYTES, allow_nonfinite=True)
+        top = parse.Obj(doc, where, "manifest")
+        if doc.get("format") != FORMAT_NAME:
+            raise parse.invalid(where, "not a ckptctl manifest (no \"format\": \"ckptctl\")")
+        parse.check_version(doc, where, "manifest", supported=FORMAT_VERSION)
+        world_size = top.int("world_size", lo=1, hi=MAX_RANKS)
+        files = [_file_entry(parse.Obj(f, where, f"manifest: files[{i}]"))
+                 for i, f in enumerate(top.list("files"))]
+        tensors = {n: _tensor_entry(parse.Obj(t, where, f"manifest: tensor {n!r}"))
+                   for n, t in top.dict("tensors").items()}
+        stats: dict[str, float] = {}
+        for k, v in (top.dict("stats", default=None) or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):  # other kinds: a newer writer's notes
+                stats[k] = parse.as_float(v, lo=0.0, hi=float(parse.INT64_MAX),
+                                          err=lambda why, k=k: top.bad("stats", f"entry {k!r} {why}"))
+        tool = {k: v for k, v in (top.dict("tool", default=None) or {}).items() if isinstance(v, str)}
+        m = cls(
+            step=top.int("step", lo=0, hi=parse.INT64_MAX),
+            created=top.float("created", lo=0.0, hi=parse.MAX_TIME),
+            world_size=world_size,
+            files=files,
+            tensors=tensors,
+            state=top.dict("state", default=None) or {},
+            stats=stats,
+            tool=tool,
+            checksum_algorithm=top.str("checksum_algorithm", max_len=64, default=""),
+            extra=top.dict("extra", default=None) or {},
+        )
+        parse.check_state_tree(m.state, where, "manifest: 'state'")
         m._validate(where)
         return m
 
@@ -143,3 +178,41 @@ class Manifest:
         for n, t in self.tensors.items():
             if not dtypes.is_known(t.dtype) or any(d < 0 for d in t.shape):
                 raise InvalidCheckpoint(f"{where}: tensor {n!r} has a bad dtype or shape")
+
+
+def _file_entry(f: parse.Obj) -> FileEntry:
+    """One ``files`` item; keys this version does not know are ignored."""
+    return FileEntry(
+        name=f.str("name", max_len=255),
+        size=f.int("size"),
+        checksum=f.str("checksum", max_len=128),
+        rank=f.int("rank", hi=MAX_RANKS),
+        chunks=f.int("chunks"),
+    )
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape), "group": t.group, "chunks": t.chunks}
+    if t.owner is not None:
+        doc["owner"] = t.owner
+    if t.split is not None:
+        doc["split"] = list(t.split)
+    return doc
+
+
+def _tensor_entry(t: parse.Obj) -> TensorEntry:
+    """One ``tensors`` value: a known dtype and a shape whose byte size fits in int64, and the
+    optional placement hints (``owner``, ``split``), checked against that shape."""
+    dtype = t.str("dtype", max_len=64)
+    if not dtypes.is_known(dtype):
+        raise t.bad("dtype", f"{dtype!r} is not a dtype this ckptctl knows")
+    shape = parse.shape(t.doc.get("shape"), dtypes.itemsize(dtype), lambda why: t.bad("shape", why))
+    owner = t.int("owner", hi=MAX_RANKS, default=None)
+    split = t.doc.get("split")
+    if split is not None:
+        if not (isinstance(split, list) and len(split) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in split)
+                and 0 <= split[0] < len(shape) and 1 <= split[1] <= parse.INT64_MAX):
+            raise t.bad("split", f"{parse.show(split)} is not [dim, block] for shape {list(shape)}")
+        split = (split[0], split[1])
+    return TensorEntry(dtype, shape, t.str("group", max_len=64), t.int("chunks"), owner, split)

@@ -12,9 +12,13 @@ import time
 from dataclasses import dataclass
 
 from ckptctl.errors import InvalidCheckpoint
+from ckptctl.format import parse
 from ckptctl.format.checksum import ALGORITHM, digest
+from ckptctl.format.manifest import MAX_MANIFEST_BYTES
 
 MARKER_FORMAT = "ckptctl-commit"
+MARKER_VERSION = 1
+MAX_MARKER_BYTES = 1 << 20  # a marker is ~200 bytes; anything near this is not a marker
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class Marker:
         return json.dumps(
             {
                 "format": MARKER_FORMAT,
-                "version": 1,
+                "version": MARKER_VERSION,
                 "step": self.step,
                 "manifest": {"size": self.manifest_size, "checksum": self.manifest_checksum, "algorithm": ALGORITHM},
                 "committed": self.committed,
@@ -41,14 +45,23 @@ class Marker:
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> "Marker":
-        try:
-            doc = json.loads(raw)
-            if doc.get("format") != MARKER_FORMAT:
-                raise ValueError("not a ckptctl marker")
-            m = doc["manifest"]
-            return cls(int(doc["step"]), int(m["size"]), str(m["checksum"]), float(doc["committed"]))
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise InvalidCheckpoint(f"{where}: marker is garbled ({e})") from None
+        """Parse and validate; every problem raises InvalidCheckpoint naming ``where``. Keys this
+        version does not know are ignored; a higher ``version`` is refused."""
+        doc = parse.load_json(raw, where, "commit marker", max_bytes=MAX_MARKER_BYTES, max_depth=8)
+        top = parse.Obj(doc, where, "commit marker")
+        if doc.get("format") != MARKER_FORMAT:
+            raise parse.invalid(where, f"not a ckptctl commit marker (no \"format\": \"{MARKER_FORMAT}\")")
+        parse.check_version(doc, where, "commit marker", supported=MARKER_VERSION)
+        m = top.obj("manifest", "commit marker: 'manifest'")
+        algorithm = m.str("algorithm", max_len=64, default=ALGORITHM)
+        if algorithm != ALGORITHM:
+            raise m.bad("algorithm", f"is {algorithm!r}, not {ALGORITHM!r}")
+        return cls(
+            step=top.int("step", lo=0, hi=parse.INT64_MAX),
+            manifest_size=m.int("size", lo=0, hi=MAX_MANIFEST_BYTES),
+            manifest_checksum=m.str("checksum", max_len=128),
+            committed=top.float("committed", lo=0.0, hi=parse.MAX_TIME),
+        )
 
     def check(self, manifest_bytes: bytes, where: str) -> None:
         """Raise unless ``manifest_bytes`` is the manifest this marker committed."""

@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ckptctl.errors import InvalidCheckpoint
-from ckptctl.format import dtypes
+from ckptctl.format import dtypes, parse
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger claim is an attack or garbage
 METADATA_KEY = "ckptctl"
+SHARD_VERSION = 1  # the chunk index's format version; a higher one is refused
 _ALIGN = 8
 
 
@@ -70,7 +71,7 @@ def build_header(
     """The bytes that precede the data section: 8-byte little-endian length, then JSON padded
     with spaces so the data section starts 8-byte aligned (as safetensors itself does)."""
     meta = {
-        "version": 1,
+        "version": SHARD_VERSION,
         "rank": rank,
         "chunks": {c.name: {"offsets": list(c.offsets), "checksum": c.checksum} for c in chunks},
         "rank_state": rank_state or {},
@@ -94,22 +95,22 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
     raw = prefix[8 : 8 + n]
     if len(raw) != n:
         raise InvalidCheckpoint(f"{where}: header truncated ({len(raw)} of {n} bytes)")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidCheckpoint(f"{where}: safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise InvalidCheckpoint(f"{where}: safetensors header is not a JSON object")
+    header = parse.load_json(raw, where, "safetensors header", max_bytes=MAX_HEADER_BYTES)
+    parse.Obj(header, where, "safetensors header")  # an object, or InvalidCheckpoint
     meta_raw = header.pop("__metadata__", None) or {}
     ours: dict[str, Any] = {}
     if isinstance(meta_raw, dict) and METADATA_KEY in meta_raw:
-        try:
-            ours = json.loads(meta_raw[METADATA_KEY])
-        except (TypeError, json.JSONDecodeError):
-            raise InvalidCheckpoint(f"{where}: ckptctl chunk index in the header is garbled") from None
-        if not isinstance(ours, dict):
-            raise InvalidCheckpoint(f"{where}: ckptctl chunk index in the header is garbled")
-    index = ours.get("chunks", {}) if isinstance(ours.get("chunks", {}), dict) else {}
+        text = meta_raw[METADATA_KEY]
+        if not isinstance(text, str):
+            raise parse.invalid(where, "ckptctl chunk index in the header is not a string")
+        # NaN/Infinity may appear in rank_state (saved per-rank values); typed fields are checked.
+        ours = parse.load_json(text, where, "ckptctl chunk index", max_bytes=MAX_HEADER_BYTES, allow_nonfinite=True)
+        meta = parse.Obj(ours, where, "ckptctl chunk index")
+        parse.check_version(ours, where, "shard header", supported=SHARD_VERSION)
+        meta.dict("chunks", default=None)
+        meta.dict("rank_state", default=None)
+        meta.int("rank", hi=parse.INT64_MAX, default=None)
+    index = ours.get("chunks") or {}
     data_start = 8 + n
     data_size = file_size - data_start
     chunks = [_parse_entry(name, entry, index.get(name), data_size, where) for name, entry in header.items()]
@@ -124,6 +125,14 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
         rank_state=rank_state if isinstance(rank_state, dict) else {},
         header_bytes=bytes(prefix[:data_start]),
     )
+
+
+def read_header_with(read: Callable[[int, int], bytes], file_size: int, where: str) -> ShardHeader:
+    """Parse a shard's header through ``read(offset, length)``, a ranged read of the file the
+    caller has open (this module does no I/O of its own): at most two small reads, since one
+    usually gets the header whole and headers are small next to the data."""
+    n = header_length(read(0, min(8, file_size)), file_size, where)
+    return parse_header(read(0, 8 + min(n, MAX_HEADER_BYTES)), file_size, where)
 
 
 def header_length(first8: bytes, file_size: int, where: str) -> int:
@@ -145,15 +154,16 @@ def _parse_entry(name: str, entry: Any, index: Any, data_size: int, where: str) 
     code, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     dtype = dtypes.name_from_code(code) if isinstance(code, str) else None
     if dtype is None:
-        raise InvalidCheckpoint(f"{where}: tensor {name!r}: unknown dtype {code!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise InvalidCheckpoint(f"{where}: tensor {name!r}: bad shape {shape!r}")
+        raise InvalidCheckpoint(f"{where}: tensor {name!r}: unknown dtype {parse.show(code)}")
+    if not isinstance(shape, list):
+        raise InvalidCheckpoint(f"{where}: tensor {name!r}: bad shape {parse.show(shape)}")
+    parse.shape(shape, dtypes.itemsize(dtype), lambda why: parse.invalid(where, f"tensor {name!r}: shape {why}"))
     if not (
-        isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+        isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
         and 0 <= offs[0] <= offs[1] <= data_size
     ):
         raise InvalidCheckpoint(
-            f"{where}: tensor {name!r}: data_offsets {offs!r} fall outside the "
+            f"{where}: tensor {name!r}: data_offsets {parse.show(offs)} fall outside the "
             f"{data_size}-byte data section",
             hint="the shard is truncated or its header is corrupt",
         )
@@ -169,12 +179,14 @@ def _parse_entry(name: str, entry: Any, index: Any, data_size: int, where: str) 
     checksum = None
     if isinstance(index, dict):
         o = index.get("offsets")
-        if isinstance(o, list) and len(o) == len(shape) and all(isinstance(x, int) and x >= 0 for x in o):
+        if isinstance(o, list) and len(o) == len(shape) and all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= parse.INT64_MAX for x in o
+        ):
             offsets = tuple(o)
         elif o is not None:
-            raise InvalidCheckpoint(f"{where}: tensor {name!r}: bad chunk offsets {o!r}")
+            raise InvalidCheckpoint(f"{where}: tensor {name!r}: bad chunk offsets {parse.show(o)}")
         c = index.get("checksum")
-        checksum = c if isinstance(c, str) else None
+        checksum = c if isinstance(c, str) and len(c) <= 128 else None
     return Chunk(name, dtype, tuple(shape), offsets, offs[0], offs[1], checksum)
 
 

@@ -61,27 +61,6 @@ class Source(ABC):
         self.close()
 
 
-class TensorBuffer:
-    """One reusable byte buffer, grown to the largest tensor seen, viewed as each tensor."""
-
-    def __init__(self) -> None:
-        self._buf = torch.empty(0, dtype=torch.uint8)
-
-    def view(self, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-        n = math.prod(shape) * dtypes.itemsize(dtype)
-        if self._buf.numel() < n:
-            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old one before growing
-            self._buf = torch.empty(n, dtype=torch.uint8)
-        return self._buf[:n].view(dtypes.torch_dtype(dtype)).view(shape)
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def group_of(name: str) -> str:
     top = name.split("/", 1)[0].split(".", 1)[0]
     if top in ("model", "module", "models"):

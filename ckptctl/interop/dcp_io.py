@@ -34,14 +34,17 @@ import io
 import json
 import os
 import pickle
+import stat
 import warnings
 from typing import Any
 
 import torch
 
-from ckptctl.errors import InvalidCheckpoint
-from ckptctl.format import dtypes
-from ckptctl.interop.base import Fill, Source, TensorBuffer, TensorMeta, Written, group_of
+from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.format import dtypes, parse
+from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
+from ckptctl.state.buffers import TensorBuffer
+from ckptctl.interop.dcp_check import check_metadata
 from ckptctl.state import tree as statetree
 
 METADATA = ".metadata"
@@ -66,14 +69,49 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
 
 
-def read_metadata(path: str) -> Any:
-    where = os.path.join(path, METADATA)
+def open_regular(where: str) -> io.BufferedReader:
+    """Open a local file for reading without ever blocking: a FIFO or device planted under a
+    checkpoint's name is refused (InvalidCheckpoint naming it) before a byte is read. Symlinks
+    are not followed."""
     try:
-        with open(where, "rb") as f:
-            return _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
-        raise InvalidCheckpoint(f"{where}: refusing DCP metadata: {e}",
-                                hint="the file is not plain DCP metadata; do not trust this checkpoint") from None
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{where} is missing", hint="the checkpoint is incomplete") from None
+    except OSError as e:
+        if os.path.islink(where):
+            raise InvalidCheckpoint(f"{where} is a symlink; refusing to follow it out of the checkpoint",
+                                    hint="the checkpoint layout was altered; treat it as untrusted") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidCheckpoint(f"{where} is not a regular file (a FIFO, device or directory)",
+                                    hint="the checkpoint layout was altered; treat it as untrusted")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_metadata(path: str) -> Any:
+    """DCP's ``.metadata``, unpickled with the restricted unpickler and then checked: every
+    storage record is a plain file in ``path`` with its bytes inside that file, every size and
+    chunk is in range. Raises InvalidCheckpoint naming the file and the record."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    where = os.path.join(path, METADATA)
+    with open_regular(where) as f:
+        try:
+            md = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError,
+                OverflowError, IndexError, KeyError, RuntimeError, RecursionError, MemoryError) as e:
+            detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise InvalidCheckpoint(f"{where}: refusing DCP metadata: {detail}",
+                                    hint="the file is not plain DCP metadata; do not trust this checkpoint") from None
+    if not isinstance(md, Metadata):
+        raise InvalidCheckpoint(f"{where}: refusing DCP metadata: it holds a {type(md).__name__}, not Metadata")
+    check_metadata(md, path, where)
+    return md
 
 
 def _reader_class() -> type:
@@ -134,6 +172,10 @@ class DcpSource(Source):
                 except ValueError:
                     self.dropped.append(f"tensor {fqn!r}: dtype {meta.properties.dtype} is not supported")
                     continue
+                if name in self.tensors:
+                    raise UsageError(f"{self.url}: entries {self._fqn[name]!r} and {fqn!r} are both named {name!r} "
+                                     "(keys that differ only in type); refusing to convert",
+                                     hint="rename one of the keys so that every tensor has its own name")
                 self.tensors[name] = TensorMeta(name, dt, tuple(meta.size), group_of(name))
                 self._fqn[name] = fqn
                 paths[name] = p
@@ -144,7 +186,7 @@ class DcpSource(Source):
                     self.dropped.append(f"{fqn!r}: needs pickle beyond plain values ({str(e).splitlines()[0][:120]})")
                     continue
                 if fqn == STATE_KEY and isinstance(value, str):
-                    saved_tree = json.loads(value)
+                    saved_tree = self._saved_tree(value)
                 elif fqn == STEP_KEY and isinstance(value, int):
                     self.step = value
                 else:
@@ -153,6 +195,15 @@ class DcpSource(Source):
             self.tree = saved_tree
         else:
             self.tree = _tree_from_paths(paths, values, self.dropped)
+
+    def _saved_tree(self, text: str) -> Any:
+        try:
+            tree = parse.load_json(text, self.url, f"{STATE_KEY} entry", max_bytes=1 << 30, allow_nonfinite=True)
+            statetree.check(tree, self.url)
+        except InvalidCheckpoint as e:
+            self.dropped.append(f"{STATE_KEY}: {e}")
+            return None
+        return tree
 
     def _load_bytes(self, fqn: str) -> Any:
         sd: dict[str, Any] = {fqn: None}

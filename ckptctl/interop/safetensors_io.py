@@ -22,22 +22,19 @@ from typing import Any, Sequence
 import torch
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
-from ckptctl.format import dtypes
-from ckptctl.format.checkpoint import read_header
-from ckptctl.format.shard import MAX_HEADER_BYTES, header_length
-from ckptctl.interop.base import Fill, Source, TensorBuffer, TensorMeta, Written, byte_view, group_of
+from ckptctl.format import dtypes, parse
+from ckptctl.format.shard import MAX_HEADER_BYTES, header_length, read_header_with
+from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
+from ckptctl.state.buffers import TensorBuffer, tensor_bytes as byte_view
 from ckptctl.interop.detect import SAFETENSORS_INDEX as INDEX
-from ckptctl.storage import Storage, open_storage
+from ckptctl.settings import WRITE_PIECE
+from ckptctl.state import tree as statetree
+from ckptctl.storage import open_storage
 
 SINGLE = "model.safetensors"
+MAX_INDEX_BYTES = 64 << 20  # an index lists one line per tensor; far above any real model's
 STATE_KEY = "ckptctl.state"
 STEP_KEY = "ckptctl.step"
-WRITE_PIECE = 64 << 20
-
-
-def is_safetensors_dir(storage: Storage) -> bool:
-    names = [i.key for i in storage.children()]
-    return INDEX in names or any(n.endswith(".safetensors") for n in names)
 
 
 class SafetensorsSource(Source):
@@ -59,10 +56,7 @@ class SafetensorsSource(Source):
             self._add_file(f)
         state = self.metadata.pop(STATE_KEY, None)
         if state is not None:
-            try:
-                self.tree = json.loads(state)
-            except json.JSONDecodeError:
-                self.dropped.append(f"{STATE_KEY} metadata is not valid JSON")
+            self.tree = self._saved_tree(state)
         step = self.metadata.pop(STEP_KEY, None)
         if step is not None and step.isdigit():
             self.step = int(step)
@@ -75,20 +69,53 @@ class SafetensorsSource(Source):
                 raise UsageError(f"{self.storage.url}: no *.safetensors files and no {INDEX}")
             return files
         where = self.storage.url_of(INDEX)
-        try:
-            doc = json.loads(self.storage.read(INDEX, max_size=MAX_HEADER_BYTES))
-            weight_map = doc["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            raise InvalidCheckpoint(f"{where}: not a valid safetensors index ({e!r})") from None
-        for f in files:
-            if not isinstance(f, str) or "/" in f or f in ("", ".", ".."):
-                raise InvalidCheckpoint(f"{where}: refusing shard name {f!r}: not a plain file name in the directory",
+        if idx.size > MAX_INDEX_BYTES:
+            raise InvalidCheckpoint(f"{where}: {idx.size} bytes, more than the {MAX_INDEX_BYTES} an index may have",
+                                    hint="this is not a safetensors index; do not trust this checkpoint")
+        doc = parse.load_json(self.storage.read(INDEX, max_size=MAX_INDEX_BYTES), where, "safetensors index",
+                              max_bytes=MAX_INDEX_BYTES, max_depth=16)
+        weight_map = parse.Obj(doc, where, "safetensors index").dict("weight_map")
+        for tensor, f in weight_map.items():
+            # Reading stays inside the checkpoint: one plain file name, as our own manifest requires.
+            if not parse.plain_file_name(f):
+                raise InvalidCheckpoint(f"{where}: tensor {tensor!r}: refusing shard name {f!r}: not a plain file "
+                                        "name inside the checkpoint directory",
                                         hint="the index was altered; treat this checkpoint as untrusted")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            info = self.storage.stat(f)
+            if info is None or info.kind != "file":
+                raise InvalidCheckpoint(f"{where}: names shard {f!r}, which is "
+                                        f"{'missing' if info is None else 'not a regular file'}",
+                                        hint="the checkpoint is incomplete or was altered")
         return files
 
+    def _saved_tree(self, text: str) -> Any:
+        """The ckptctl state tree a ckptctl-written file carries, when it still describes the
+        tensors the files hold; otherwise None (flat names), with what is lost listed."""
+        try:
+            tree = parse.load_json(text, self.url, f"{STATE_KEY} metadata", max_bytes=MAX_HEADER_BYTES,
+                                   allow_nonfinite=True)
+            statetree.check(tree, self.url)
+        except InvalidCheckpoint as e:
+            self.dropped.append(f"{STATE_KEY} metadata: {e}")
+            return None
+        refs = set(statetree.tensor_refs(tree))
+        missing, unnamed = sorted(refs - set(self.tensors)), sorted(set(self.tensors) - refs)
+        if not missing and not unnamed:
+            return tree
+        # Tensors renamed or removed since the structure was written: keep every tensor under its
+        # own name, and say that the saved structure and its non-tensor values did not come along.
+        what = "; ".join(x for x in (
+            f"names tensors the files do not hold ({_few(missing)})" if missing else "",
+            f"does not name tensors the files hold ({_few(unnamed)})" if unnamed else "") if x)
+        self.dropped.append(f"{STATE_KEY} metadata (the saved structure and non-tensor state): it {what}; "
+                            "tensors are kept under their own names")
+        return None
+
     def _add_file(self, fname: str) -> None:
-        h = read_header(self.storage, fname)  # validates bounds and tiling
+        with self.storage.open_reader(fname) as r:  # the parser validates bounds and tiling
+            h = read_header_with(r.read, r.size, self.storage.url_of(fname))
         for c in h.chunks:
             if any(c.offsets):
                 raise UsageError(f"{self.storage.url_of(fname)} is one shard of a ckptctl checkpoint, not whole tensors",
@@ -97,7 +124,8 @@ class SafetensorsSource(Source):
                 raise InvalidCheckpoint(f"{self.storage.url_of(fname)}: tensor {c.name!r} also appears in {self._where[c.name][0]}")
             self._where[c.name] = (fname, h.data_start + c.begin, h.data_start + c.end)
             self.tensors[c.name] = TensorMeta(c.name, c.dtype, tuple(c.shape), group_of(c.name))
-        raw = json.loads(h.header_bytes[8:])
+        raw = parse.load_json(h.header_bytes[8:], self.storage.url_of(fname), "safetensors header",
+                              max_bytes=MAX_HEADER_BYTES)
         meta = raw.get("__metadata__") or {}
         if isinstance(meta, dict):
             for k, v in meta.items():
@@ -189,3 +217,8 @@ def _pack(metas: Sequence[TensorMeta], limit: int | None) -> list[list[TensorMet
         groups[-1].append(m)
         size += m.nbytes
     return groups
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -30,7 +30,8 @@ import torch
 
 from ckptctl.errors import InvalidCheckpoint, StateError, UsageError
 from ckptctl.format import dtypes
-from ckptctl.interop.base import Fill, Source, TensorMeta, Written, byte_view, group_of
+from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
+from ckptctl.state.buffers import tensor_bytes as byte_view
 from ckptctl.state import tree as statetree
 
 class TorchSource(Source):
@@ -49,8 +50,10 @@ class TorchSource(Source):
                 hint="only weights_only-safe files are read; re-save it as a plain state_dict of tensors, or load it "
                 "yourself if you trust its source",
             ) from None
-        except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
-            raise InvalidCheckpoint(f"{path}: not a readable torch.save file ({e})") from None
+        except (RuntimeError, OSError, EOFError, zipfile.BadZipFile, ValueError, TypeError, KeyError, IndexError,
+                OverflowError, RecursionError) as e:  # what a damaged zip or pickle stream raises
+            detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise InvalidCheckpoint(f"{path}: not a readable torch.save file ({detail})") from None
         self._tensors: dict[str, torch.Tensor] = {}
         self._mapped: list[tuple[int, int]] | None = None  # address ranges that map this file
         if not isinstance(obj, dict):
@@ -58,7 +61,15 @@ class TorchSource(Source):
 
         def on_tensor(name: str, t: torch.Tensor) -> None:
             if name in self._tensors:
-                return
+                if t is self._tensors[name]:
+                    return
+                # Keys that only differ in type ({1: a, "1": b}) name the same tensor once
+                # joined; taking either would silently write the other's values for both.
+                raise UsageError(
+                    f"{path}: two tensors are both named {name!r} (keys that differ only in type, "
+                    "such as 1 and \"1\"); refusing to convert",
+                    hint="rename one of the keys so that every tensor has its own name",
+                )
             try:
                 dt = dtypes.name_of(t.dtype)
             except ValueError:
@@ -174,7 +185,7 @@ def _fill_records(path: str, order: list[TensorMeta], fill: Fill) -> None:
     records.sort(key=lambda i: int(i.filename.rsplit("/", 1)[1]))
     if [r.file_size for r in records] != [m.nbytes for m in order]:
         raise RuntimeError(f"{path}: torch.save laid out {len(records)} storages that do not match the {len(order)} tensors")
-    from ckptctl.interop.base import TensorBuffer
+    from ckptctl.state.buffers import TensorBuffer
 
     buf = TensorBuffer()
     crcs: dict[str, int] = {}

@@ -4,6 +4,8 @@ bottom-up, and what an ``lstat`` says about an entry."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import os
 import stat
@@ -17,6 +19,57 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # it has no effect on regular files, which are all we accept.
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# sync_file_range(2) flags (linux/fs.h); Python's os module does not wrap the call.
+SYNC_WRITE = 2  # SYNC_FILE_RANGE_WRITE: start writeback of the range's dirty pages, do not wait
+SYNC_WAIT = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on disk when it returns
+# Answers meaning "this file or platform cannot", not "the data is in danger".
+UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _load_sync_file_range():  # type: ignore[no-untyped-def]
+    if not os.uname().sysname == "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn  # a ctypes.CDLL call releases the GIL while the kernel works
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def sync_range(fd: int, offset: int, length: int, flags: int) -> bool:
+    """``sync_file_range(fd, offset, length, flags)``; False when the platform or filesystem
+    does not support it. Any other failure raises ``OSError``: with a wait flag the kernel
+    consumes the file's writeback error, so a later fsync would no longer report it."""
+    if _SYNC_FILE_RANGE is None:
+        return False
+    if _SYNC_FILE_RANGE(fd, offset, length, flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code))
+
+
+def drop_cached(fd: int, offset: int, length: int) -> bool:
+    """Ask the kernel to drop the file's clean cached pages in the range (0 = to the end); only
+    pages already on disk go. Advice, never data: False when it cannot be given."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError as err:
+        if err.errno in UNSUPPORTED:
+            return False
+        raise
+    return True
 
 
 def close_fd(fd: int | None) -> None:

@@ -4,6 +4,11 @@
 nothing visible until it is durable: it fills a hidden temporary file in the final directory,
 and ``commit`` = fsync the file, rename it over the final name, fsync the directory. A crash
 leaves at most a ``.NAME.tmp-PID-RANDOM`` file, never a short file under the real name.
+
+Large files are written behind (``settings.WRITE_BEHIND``): each window is handed to the disk
+as soon as it is written, and the window before it is waited for and dropped from the page
+cache. This changes when bytes reach the disk, never what the commit guarantees: the fsync,
+rename and directory fsync still run, in that order, before anything is visible.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import secrets
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.storage.base import Reader, Writer, byte_view
 from ckptctl.storage.local_errors import mapped, os_error
-from ckptctl.storage.local_fs import CREATE_FLAGS, close_fd
+from ckptctl.settings import WRITE_BEHIND
+from ckptctl.storage.local_fs import CREATE_FLAGS, SYNC_WAIT, SYNC_WRITE, close_fd, drop_cached, sync_range
 
 # Filesystems without hard links (some FUSE and SMB mounts) answer link() with these.
 _NO_HARDLINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV}
@@ -87,19 +93,60 @@ class LocalWriter(Writer):
         self._tmp = f".{name[:180]}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         with mapped(shown):
             self._fd: int | None = os.open(self._tmp, CREATE_FLAGS, 0o666, dir_fd=dir_fd)
+        self._size = 0  # bytes written so far
+        self._queued = 0  # bytes before this were handed to the disk (write-behind)
+        self._dropped = 0  # bytes before this are on disk and out of the page cache
+        self._behind = WRITE_BEHIND > 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         fd = self._require_open()
         view = byte_view(data)
         pos = 0
+        # One call per window, so that write-behind follows the writes closely.
+        step = WRITE_BEHIND if self._behind else len(view)
         try:
             while pos < len(view):
                 # os.write may write less than asked (Linux caps one call near 2 GiB); slicing a
                 # memoryview does not copy, so the caller's buffer goes to the kernel as is.
-                pos += os.write(fd, view[pos:])
+                n = os.write(fd, view[pos : pos + step])
+                pos += n
+                self._size += n
+                if self._behind and self._size - self._queued >= WRITE_BEHIND:
+                    self._write_behind(fd)
         except OSError as err:
             self._discard()
             raise os_error(err, self._shown) from err
+
+    def overwrite(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` again at ``offset``, over bytes this writer already wrote (a header
+        reserved before its checksums were known). POSIX only: object stores cannot."""
+        fd = self._require_open()
+        view = byte_view(data)
+        if offset < 0 or offset + len(view) > self._size:
+            raise ValueError(f"overwrite of bytes {offset}-{offset + len(view)} outside the {self._size} written")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as err:
+            self._discard()
+            raise os_error(err, self._shown) from err
+
+    def _write_behind(self, fd: int) -> None:
+        """Hand the newest window to the disk; wait for the one before and drop it from the
+        page cache. Writing goes on while the disk works on the newest window, so the wait
+        rarely blocks; dirty pages stay within about two windows per file."""
+        if not sync_range(fd, self._queued, self._size - self._queued, SYNC_WRITE):
+            self._behind = False  # not supported here: the final fsync does all the work
+            return
+        self._queued = self._size
+        settled = self._queued - WRITE_BEHIND
+        if settled - self._dropped >= WRITE_BEHIND:
+            # A failure here raises (and aborts the write): waiting consumed the error, so
+            # the final fsync would not see it.
+            sync_range(fd, self._dropped, settled - self._dropped, SYNC_WAIT)
+            drop_cached(fd, self._dropped, settled - self._dropped)
+            self._dropped = settled
 
     def commit(self) -> None:
         """fsync the file, rename it over the final name, fsync the directory."""
@@ -108,6 +155,8 @@ class LocalWriter(Writer):
         assert dir_fd is not None
         try:
             os.fsync(fd)
+            if self._behind and self._size >= WRITE_BEHIND:
+                drop_cached(fd, 0, 0)  # all clean now; a save is not read back soon
             self._fd = None
             os.close(fd)
             os.rename(self._tmp, self._name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -85,9 +85,9 @@ class S3Storage(Storage):
         url: str,
         *,
         endpoint_url: str | None = None,
-        # 16 MiB parts, 8 in flight: measured against 64 MiB x 4 with scripts/bench_s3.py, a
-        # single large shard uploads 1.5-2x faster (more parts in parallel sooner), and a
-        # writer's memory bound drops from ~320 to ~144 MiB.
+        # 16 MiB parts, 8 in flight: more parts in parallel sooner, so a single large shard
+        # uploads faster than with fewer, larger parts, and a writer holds at most ~144 MiB
+        # (docs/decisions.md, "S3 part size").
         multipart_threshold: int = 16 << 20,
         part_size: int = 16 << 20,
         max_inflight_parts: int = 8,

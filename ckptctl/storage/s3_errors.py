@@ -49,7 +49,15 @@ _UNAVAILABLE = {"SlowDown", "503", "ServiceUnavailable", "RequestTimeout", "Inte
 
 
 def s3_error(err: ClientError | BotoCoreError, shown: str, bucket: str, endpoint: str) -> CkptError:
-    """Translate a botocore error about ``shown`` (an s3:// URL) into our tree."""
+    """Translate a botocore error about ``shown`` (an s3:// URL) into our tree: errors raised
+    on this side (configuration, network) and errors the service answered."""
+    if isinstance(err, ClientError):
+        return _answered(err, shown, bucket)
+    return _local(err, shown, endpoint)
+
+
+def _local(err: BotoCoreError, shown: str, endpoint: str) -> CkptError:
+    """Configuration, credentials or network: the request never got an answer."""
     if isinstance(err, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)):
         return StorageError(
             f"no AWS credentials found for {shown}",
@@ -66,8 +74,11 @@ def s3_error(err: ClientError | BotoCoreError, shown: str, bucket: str, endpoint
             f"cannot reach {endpoint} for {shown}: {_one_line(err)}",
             hint="check the network, and AWS_ENDPOINT_URL for S3-compatible stores",
         )
-    if isinstance(err, BotoCoreError):
-        return StorageError(f"{shown}: {_one_line(err)}", hint="check the AWS configuration")
+    return StorageError(f"{shown}: {_one_line(err)}", hint="check the AWS configuration")
+
+
+def _answered(err: ClientError, shown: str, bucket: str) -> CkptError:
+    """An error response from the service, by its code."""
     code = error_code(err)
     message = _one_line(err.response.get("Error", {}).get("Message", "")) or code
     if is_missing(err):

@@ -1,0 +1,87 @@
+"""Every tunable in one place: piece sizes and thread counts, each with why it has its value.
+
+A leaf module (it imports only ``ckptctl.errors``). The values a user may need to change for
+their machine or storage can be set by environment variable; each is read once, at first
+import, and parsed strictly: a value that is not a positive integer raises UsageError naming
+the variable (the CLI turns it into exit 2), never a silent fallback to the default.
+
+- ``VERIFY_THREADS`` (``CKPTCTL_VERIFY_THREADS``): readers checking checksums (verify, prune)
+- ``IO_THREADS`` (``CKPTCTL_IO_THREADS``): readers filling tensors on load and restore
+- ``COPY_THREADS`` (``CKPTCTL_COPY_THREADS``): files copied at once (cp, restore)
+- ``STREAM_THREADS`` (``CKPTCTL_STREAM_THREADS``): checksum threads of reshard and convert
+- ``WRITE_BEHIND`` (``CKPTCTL_WRITE_BEHIND_MIB``, 0 = off): the POSIX writer's write-behind window
+- ``VERIFY_PIECE``, ``STREAM_PIECE``, ``WRITE_PIECE``: bytes per read, buffer and write call
+  (fixed: they trade memory against per-call overhead, not something to tune per machine)
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckptctl.errors import UsageError
+
+
+def env_int(name: str, default: int, *, minimum: int = 1, maximum: int = 1024) -> int:
+    """The integer in environment variable ``name``, else ``default``.
+
+    Raises UsageError naming the variable when it is set to anything but an integer in
+    ``[minimum, maximum]`` (an empty value counts as unset: ``VAR= ckptctl ...``)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise UsageError(
+            f"environment variable {name}={raw!r} is not an integer",
+            hint=f"set {name} to a whole number from {minimum} to {maximum}, or unset it (default {default})",
+        ) from None
+    if not minimum <= value <= maximum:
+        raise UsageError(
+            f"environment variable {name}={value} is outside {minimum}..{maximum}",
+            hint=f"set {name} to a whole number from {minimum} to {maximum}, or unset it (default {default})",
+        )
+    return value
+
+
+# --- thread counts ---------------------------------------------------------------------------
+
+# Readers verifying one checkpoint, spread over files when there are many and within a file
+# when few. Four keep a local NVMe disk or an S3 connection pool busy while hashing stays
+# below one core each; more mostly add contention on small machines.
+VERIFY_THREADS = env_int("CKPTCTL_VERIFY_THREADS", 4)
+
+# Readers filling tensors when loading: loads read many chunks of many files, mostly small
+# ranged reads whose latency (network filesystems, S3) dominates, so more are in flight than
+# for verify's large sequential reads.
+IO_THREADS = env_int("CKPTCTL_IO_THREADS", 8)
+
+# Files copied at once by cp/restore; each S3 writer adds its own parallel part uploads, so a
+# small number already saturates a link.
+COPY_THREADS = env_int("CKPTCTL_COPY_THREADS", 4)
+
+# Threads hashing chunks while reshard and convert stream a checkpoint: hashing is the CPU cost
+# there, and four match verify so that a reshard checks its source as fast as verify would.
+STREAM_THREADS = env_int("CKPTCTL_STREAM_THREADS", 4)
+
+# --- piece sizes (not user settings: they trade memory against call overhead) ----------------
+
+# One verify read: large enough that per-call overhead (an S3 request, a syscall) is noise,
+# small enough that VERIFY_THREADS double-buffered pieces stay well under 1 GiB of memory.
+VERIFY_PIECE = 16 << 20
+
+# One reshard/convert buffer: pieces this small stay in the CPU cache between copying and
+# hashing; much larger ones ran several times slower end to end (see docs/decisions.md).
+STREAM_PIECE = 4 << 20
+
+# One write call of a shard: large sequential writes for throughput; it also bounds how much
+# one hash update covers.
+WRITE_PIECE = 64 << 20
+
+# Write-behind window of the POSIX writer (``CKPTCTL_WRITE_BEHIND_MIB``, 0 turns it off): every
+# window written is handed to the disk at once (sync_file_range), and the window before it,
+# once on disk, is dropped from the page cache. The final fsync then has little left to flush,
+# and a job's page cache does not grow by a checkpoint per save: on the 2-core VM, writes into
+# fresh page-cache memory ran 5-10x slower save after save (docs/decisions.md, "Time to
+# durable"). Files smaller than one window are left alone (manifests, markers).
+WRITE_BEHIND = env_int("CKPTCTL_WRITE_BEHIND_MIB", 32, minimum=0, maximum=4096) << 20

@@ -1,0 +1,618 @@
+"""Hostile files never crash or hang ckptctl (issue 11 §3): every parser of a file the tool reads
+gives a typed value or ``InvalidCheckpoint``, and the root-wide verbs skip a checkpoint whose
+manifest or marker is hostile, exit 0 or 1 (never 3, never a traceback) and still find the older
+good checkpoint.
+
+Property-based: each parser is fed thousands of generated documents (valid ones mutated at a
+random place with wrong types, NaN/Infinity/1e308, huge integers and shapes, lone surrogates,
+nesting ≥ 1,000 levels; truncated and random bytes). Each property runs twice: once
+derandomized (the same examples every run, for CI) and once with a random seed, which is noted
+in the failure report; set ``CKPTCTL_HOSTILE_SEED`` to replay it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import struct
+import time
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, note, seed, settings
+from hypothesis import strategies as st
+
+from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.format import parse
+from ckptctl.format.checksum import digest
+from ckptctl.format.layout import MANIFEST, MARKER
+from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
+from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
+from ckptctl.format.shard import Chunk, build_header, parse_header
+from ckptctl.interop.safetensors_io import SafetensorsSource
+from ckptctl.ops.lock import LockInfo, stale_reason
+from ckptctl.ops.verify_cache import CACHE_KEY, VerifyCache, verify_cached
+from ckptctl.storage import open_storage
+from helpers import ckpt_dir, cli, make_checkpoints
+
+SEED = int(os.environ.get("CKPTCTL_HOSTILE_SEED") or random.randrange(2**32))
+_SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+FUZZ_DOCS = 1200  # per parser and seed, from a plain seeded generator (cheap: no shrinking)
+PROPERTY_EXAMPLES = 100  # per parser, through hypothesis (shrinks a failure to a small example)
+
+
+# --- hostile documents: one generator, driven by hypothesis or by a seeded Random -----------
+
+class RandomPick:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi)
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        return seq[self.rng.randrange(len(seq))]
+
+
+class DataPick:
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.data.draw(st.integers(lo, hi))
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        return self.data.draw(st.sampled_from(seq))
+
+
+def nest(depth: int, leaf: Any = 1, kind: str = "list") -> Any:
+    doc = leaf
+    for _ in range(depth):
+        doc = [doc] if kind == "list" else {"a": doc}
+    return doc
+
+
+def deep_bytes(depth: int, kind: str = "list") -> bytes:
+    """Nesting as text, built without recursion (json.dumps itself would recurse)."""
+    return (b"[" * depth + b"1" + b"]" * depth) if kind == "list" else (b'{"a":' * depth + b"1" + b"}" * depth)
+
+
+INTS = [2**63, 2**63 - 1, -(2**63), 2**64, 2**70, 10**30, 10**39, 0, -1, 1, 2**31, 2**62]
+FLOATS = [1e308, -1e308, 1e300, float("nan"), float("inf"), float("-inf"), 0.5, -0.0, 5e-324]
+STRINGS = ["", "../other_run/x.safetensors", "/etc/passwd", "a/b", "float32", "F32", "complex128", "ckptctl",
+           "ckptctl-commit", "ckptctl-lock", "xxh3-64", "model", "\x00", "x" * 5000, "\ud800", "a\udfffb"]
+
+
+def scalar(p: Any) -> Any:
+    kind = p.int(0, 9)
+    if kind == 0:
+        return p.choice([None, True, False])
+    if kind == 1:
+        return p.int(-(2**70), 2**70)
+    if kind == 2:
+        return p.choice(INTS)
+    if kind == 3:
+        return p.choice(FLOATS)
+    if kind == 4:  # any 64-bit pattern: subnormals, NaNs, infinities, huge and tiny
+        return struct.unpack("<d", struct.pack("<Q", p.int(0, 2**64 - 1)))[0]
+    if kind == 5:  # junk text, lone surrogates included
+        return "".join(chr(p.int(0, 0x10FFFF)) for _ in range(p.int(0, 6)))
+    if kind == 6:
+        return [p.int(-5, 2**70) for _ in range(p.int(0, 5))]  # shapes, offsets
+    return p.choice(STRINGS)
+
+
+def value(p: Any, depth: int = 0) -> Any:
+    if depth >= 3 or p.int(0, 2):
+        return scalar(p)
+    if p.int(0, 1):
+        return [value(p, depth + 1) for _ in range(p.int(0, 3))]
+    return {str(scalar(p)): value(p, depth + 1) for _ in range(p.int(0, 3))}
+
+
+def hostile(p: Any) -> Any:
+    if p.int(0, 15) == 0:
+        return nest(p.int(900, 2500), kind=p.choice(["list", "dict"]))
+    return value(p)
+
+
+def _slots(doc: Any) -> list[tuple[Any, Any]]:
+    """(container, key) of every value inside ``doc``, iteratively."""
+    out, stack = [], [doc]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            out.append((node, k))
+            if len(out) < 10_000:
+                stack.append(v)
+    return out
+
+
+def mutated(p: Any, base: Any) -> Any:
+    """``base`` with one to three values replaced, removed or added at random places."""
+    doc = copy.deepcopy(base)
+    for _ in range(p.int(1, 3)):
+        slots = _slots(doc)
+        if not slots or p.int(0, 30) == 0:
+            return hostile(p)  # the whole document
+        node, key = slots[p.int(0, len(slots) - 1)]
+        action = p.choice(["replace", "replace", "replace", "delete", "add"])
+        if action == "replace":
+            node[key] = hostile(p)
+        elif action == "delete":
+            del node[key]
+        elif isinstance(node, dict):
+            node[str(scalar(p))] = hostile(p)
+        else:
+            node.append(hostile(p))
+    return doc
+
+
+def encode(doc: Any) -> bytes:
+    try:
+        text = json.dumps(doc, allow_nan=True)
+    except RecursionError:  # a generated nest deeper than json.dumps can write: as text instead
+        return deep_bytes(2000)
+    return text.encode("utf-8", "surrogatepass")
+
+
+def hostile_bytes(p: Any, base: Any) -> bytes:
+    good = encode(base)
+    how = p.choice(["mutate"] * 7 + ["truncate", "flip", "random", "deep"])
+    if how == "mutate":
+        return encode(mutated(p, base))
+    if how == "truncate":
+        return good[: p.int(0, len(good) - 1)]
+    if how == "flip":
+        i = p.int(0, len(good) - 1)
+        return good[:i] + bytes([good[i] ^ p.int(1, 255)]) + good[i + 1 :]
+    if how == "random":
+        return bytes(p.int(0, 255) for _ in range(p.int(0, 64)))
+    return deep_bytes(p.int(900, 5000), p.choice(["list", "dict"]))
+
+
+def hostile_docs(make: Callable[[Any], bytes], check: Callable[[bytes], None], n: int = PROPERTY_EXAMPLES) -> tuple[Callable, Callable, Callable]:
+    """Three tests of one parser: hypothesis, derandomized (CI); hypothesis from SEED; and
+    FUZZ_DOCS documents from a seeded Random for each of a fixed seed and SEED. A failure
+    names the seed to replay with CKPTCTL_HOSTILE_SEED."""
+
+    def body(data: Any) -> None:
+        note(f"random run seed: CKPTCTL_HOSTILE_SEED={SEED}")
+        check(make(DataPick(data)))
+
+    fixed = settings(max_examples=n, derandomize=True, **_SETTINGS)(given(st.data())(body))
+    rnd = seed(SEED)(settings(max_examples=max(n // 4, 10), **_SETTINGS)(given(st.data())(body)))
+
+    def fuzz() -> None:
+        for s in (0, SEED):
+            pick = RandomPick(random.Random(s))
+            for i in range(FUZZ_DOCS):
+                raw = make(pick)
+                try:
+                    check(raw)
+                except Exception as e:  # re-raised, naming the seed and the document
+                    raise AssertionError(f"document {i} of seed {s} (CKPTCTL_HOSTILE_SEED={s}): "
+                                         f"{type(e).__name__}: {e}\n{raw[:300]!r}") from e
+
+    return fixed, rnd, fuzz
+
+
+# --- the documents, valid ------------------------------------------------------------------
+
+SHARD = "rank-00000-of-00001.safetensors"
+GOOD_MANIFEST = Manifest(
+    step=7, created=1.7e9, world_size=1,
+    files=[FileEntry(SHARD, 1000, "0123456789abcdef", 0, 2)],
+    tensors={"model/w": TensorEntry("float32", (4, 2), "model", 1), "model/b": TensorEntry("bfloat16", (3,), "model", 1)},
+    state={"model": {"w": {"__tensor__": "model/w"}}, "loss": 0.5, "betas": {"__tuple__": [0.9, 0.99]}},
+    stats={"bytes": 1000.0, "stall_s": 0.1}, tool={"name": "ckptctl", "version": "1"},
+)
+GOOD_MANIFEST_DOC = json.loads(GOOD_MANIFEST.to_json())
+GOOD_MARKER_DOC = json.loads(Marker.for_manifest(7, GOOD_MANIFEST.to_json()).to_json())
+_CHUNKS = [Chunk("model/w", "float32", (4, 2), (0, 0), 0, 32, "aa"), Chunk("model/b", "bfloat16", (3,), (0,), 32, 38, "bb")]
+_HEADER = build_header(_CHUNKS, rank=0, rank_state={"rng": [1, 2, 3]})
+GOOD_SHARD_DOC = json.loads(_HEADER[8:])
+GOOD_SHARD_META = json.loads(GOOD_SHARD_DOC["__metadata__"]["ckptctl"])
+GOOD_LOCK_DOC = json.loads(LockInfo("other-host", 12345, "999", 1.7e9, 1.7e9, "ckptctl prune /r", "t0ken").to_json())
+GOOD_INDEX_DOC = {"metadata": {"total_size": 32}, "weight_map": {"w": "model.safetensors"}}
+
+
+def only_invalid(parser: Callable[[], Any]) -> Any:
+    """Run ``parser``: a value or InvalidCheckpoint are fine; anything else fails the test."""
+    try:
+        return parser()
+    except InvalidCheckpoint as e:
+        assert str(e) and "\n" not in str(e), "errors are one line"
+        return None
+
+
+# --- each parser, property-based -----------------------------------------------------------
+
+def _manifest(raw: bytes) -> None:
+    m = only_invalid(lambda: Manifest.from_json(raw, "m.json"))
+    if m is not None:  # what is accepted is typed, in range, and round-trips
+        assert isinstance(m.step, int) and not isinstance(m.step, bool) and 0 <= m.step < 2**63
+        assert all(t.nbytes < 2**63 for t in m.tensors.values()) and m.total_bytes >= 0
+        Manifest.from_json(m.to_json(), "again")
+
+
+test_manifest_parser, test_manifest_parser_random_seed, test_manifest_parser_fuzz = hostile_docs(
+    lambda p: hostile_bytes(p, GOOD_MANIFEST_DOC), _manifest)
+
+
+def _marker(raw: bytes) -> None:
+    mk = only_invalid(lambda: Marker.from_json(raw, "COMMITTED"))
+    if mk is not None:
+        assert 0 <= mk.step < 2**63 and 0 <= mk.manifest_size <= 1 << 30
+        only_invalid(lambda: mk.check(b"{}", "m.json"))
+
+
+test_marker_parser, test_marker_parser_random_seed, test_marker_parser_fuzz = hostile_docs(
+    lambda p: hostile_bytes(p, GOOD_MARKER_DOC), _marker)
+
+
+def shard_bytes(p: Any) -> bytes:
+    outer, meta = copy.deepcopy(GOOD_SHARD_DOC), copy.deepcopy(GOOD_SHARD_META)
+    if p.int(0, 1):
+        meta = mutated(p, meta)
+    else:
+        outer = mutated(p, outer)
+    if isinstance(outer, dict) and isinstance(outer.get("__metadata__"), dict):
+        outer["__metadata__"]["ckptctl"] = encode(meta).decode("utf-8", "surrogatepass")
+    raw = encode(outer) if p.int(0, 9) else deep_bytes(p.int(900, 3000))
+    return struct.pack("<Q", len(raw)) + raw + bytes(p.choice([38, 0, 40]))
+
+
+def _shard(raw: bytes) -> None:
+    h = only_invalid(lambda: parse_header(raw, len(raw), "rank.safetensors"))
+    if h is not None:
+        assert h.data_size <= len(raw) and all(c.end >= c.begin for c in h.chunks)
+
+
+test_shard_header_parser, test_shard_header_parser_random_seed, test_shard_header_parser_fuzz = hostile_docs(
+    shard_bytes, _shard)
+
+
+def _lock(raw: bytes) -> None:
+    info = LockInfo.from_json(raw)  # a lock it cannot read is None: never an exception
+    if info is not None:
+        now = time.time()
+        info.describe(now)
+        stale_reason(info, now=now, stale_after_s=3600.0, host="not-" + info.host)
+
+
+test_lock_parser, test_lock_parser_random_seed, test_lock_parser_fuzz = hostile_docs(
+    lambda p: hostile_bytes(p, GOOD_LOCK_DOC), _lock)
+
+
+@pytest.fixture(scope="module")
+def good_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Steps 1 and 2, committed; tests that damage step 2 put it back afterwards."""
+    root = str(tmp_path_factory.mktemp("root"))
+    make_checkpoints(root, [1, 2], size=16, tensors=2)
+    return root
+
+
+def _saved(path: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(path, n), "rb").read() for n in (MANIFEST, MARKER)}
+
+
+def _put(path: str, files: dict[str, bytes]) -> None:
+    for n, raw in files.items():
+        with open(os.path.join(path, n), "wb") as f:
+            f.write(raw)
+
+
+def test_verification_record_parser(good_root: str) -> None:
+    """Hostile ``.ckptctl-verified.json`` (mutations of a real record whose fingerprint would
+    otherwise hit): the record is ignored or used, verification still runs, nothing raises."""
+    root = open_storage(good_root)
+    name = os.path.basename(ckpt_dir(good_root, 1))
+    cache = VerifyCache.load(root)
+    verify_cached(root.sub(name), name, cache, level="quick")
+    cache.save()
+    base = json.loads(open(os.path.join(good_root, CACHE_KEY), "rb").read())
+    try:
+        @settings(max_examples=PROPERTY_EXAMPLES, derandomize=True, **_SETTINGS)
+        @given(st.data())
+        def prop(data: Any) -> None:
+            raw = hostile_bytes(DataPick(data), base)
+            with open(os.path.join(good_root, CACHE_KEY), "wb") as f:
+                f.write(raw)
+            loaded = VerifyCache.load(root)
+            report, _, _ = verify_cached(root.sub(name), name, loaded, level="quick")
+            assert report.ok
+
+        prop()
+    finally:
+        os.unlink(os.path.join(good_root, CACHE_KEY))
+
+
+def test_hf_index_parser(tmp_path: Any) -> None:
+    """Hostile ``model.safetensors.index.json``: the source opens or refuses with
+    InvalidCheckpoint (a missing file named by it: UsageError/InvalidCheckpoint), nothing else."""
+    from ckptctl.interop.safetensors_io import build_header as st_header
+    from ckptctl.interop.base import TensorMeta
+
+    header, _ = st_header([TensorMeta("w", "float32", (8,))], {})
+    (tmp_path / "model.safetensors").write_bytes(header + bytes(32))
+
+    @settings(max_examples=PROPERTY_EXAMPLES, derandomize=True, **_SETTINGS)
+    @given(st.data())
+    def prop(data: Any) -> None:
+        raw = hostile_bytes(DataPick(data), GOOD_INDEX_DOC)
+        (tmp_path / "model.safetensors.index.json").write_bytes(raw)
+        try:
+            SafetensorsSource(str(tmp_path)).close()
+        except (InvalidCheckpoint, UsageError) as e:
+            assert str(e) and "\n" not in str(e)
+
+    prop()
+
+
+# --- deep nesting, explicitly, for every file type -----------------------------------------
+
+DEPTHS = [129, 999, 1000, 5000, 100_000]
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_deep_nesting_is_invalid_for_every_file_type(tmp_path: Any, depth: int, kind: str) -> None:
+    deep = deep_bytes(depth, kind)
+    # the whole document, and the same nesting inside an otherwise valid one
+    in_manifest = GOOD_MANIFEST.to_json().replace(b'"loss": 0.5', b'"loss": ' + deep)
+    for raw in (deep, in_manifest):
+        with pytest.raises(InvalidCheckpoint, match="nested"):
+            Manifest.from_json(raw, "m.json")
+    in_marker = json.dumps(GOOD_MARKER_DOC).encode().replace(b'"committed"', b'"x": ' + deep + b', "committed"')
+    for raw in (deep, in_marker):
+        with pytest.raises(InvalidCheckpoint, match="nested"):
+            Marker.from_json(raw, "COMMITTED")
+    meta = json.dumps(GOOD_SHARD_META).replace('"rank_state": {', '"rank_state": {"deep": ' + deep.decode() + ", ")
+    for outer in (deep, json.dumps({**GOOD_SHARD_DOC, "__metadata__": {"ckptctl": meta}}).encode()):
+        raw = struct.pack("<Q", len(outer)) + outer + bytes(38)
+        with pytest.raises(InvalidCheckpoint, match="nested"):
+            parse_header(raw, len(raw), "rank.safetensors")
+    assert LockInfo.from_json(deep) is None
+    lock = json.dumps(GOOD_LOCK_DOC).encode().replace(b'"host"', b'"x": ' + deep + b', "host"')
+    assert LockInfo.from_json(lock) is None
+    root = open_storage(str(tmp_path))
+    (tmp_path / CACHE_KEY).write_bytes(deep)
+    assert VerifyCache.load(root).notes and "nested" in VerifyCache.load(root).notes[0]
+    (tmp_path / "model.safetensors.index.json").write_bytes(deep)
+    with pytest.raises(InvalidCheckpoint, match="nested"):
+        SafetensorsSource(str(tmp_path))
+
+
+def test_bounds_named_in_the_issue() -> None:
+    """Each reproduction of issue 11 §3, refused with InvalidCheckpoint naming the field."""
+
+    def manifest(change: Callable[[dict[str, Any]], None]) -> bytes:
+        d = copy.deepcopy(GOOD_MANIFEST_DOC)
+        change(d)
+        return json.dumps(d, allow_nan=True).encode()
+
+    w = lambda d: d["tensors"]["model/w"]  # noqa: E731
+    cases = [
+        ("dtype", lambda d: w(d).update(dtype=["float32"])),
+        ("dtype", lambda d: w(d).update(dtype="complex128")),
+        ("created", lambda d: d.update(created=float("nan"))),
+        ("created", lambda d: d.update(created=float("-inf"))),
+        ("created", lambda d: d.update(created=1e300)),
+        ("int64", lambda d: w(d).update(shape=[2**62, 2**62])),
+        ("shape", lambda d: w(d).update(shape=[-1, 2])),
+        ("shape", lambda d: w(d).update(shape=[True])),
+        ("stall_s", lambda d: d["stats"].update(stall_s=1e308)),
+        ("stall_s", lambda d: d["stats"].update(stall_s=float("inf"))),
+        ("step", lambda d: d.update(step=True)),
+        ("step", lambda d: d.update(step=-5)),
+        ("step", lambda d: d.update(step=10**30)),
+        ("step", lambda d: d.update(step=2**63)),
+        ("size", lambda d: d["files"][0].update(size=-1)),
+    ]
+    for field, change in cases:
+        with pytest.raises(InvalidCheckpoint, match=field):
+            Manifest.from_json(manifest(change), "m.json")
+    assert LockInfo.from_json(json.dumps(dict(GOOD_LOCK_DOC, pid=2**63)).encode()) is None
+    assert LockInfo.from_json(json.dumps(dict(GOOD_LOCK_DOC, started=float("nan")), allow_nan=True).encode()) is None
+    for size in (-1, float("inf"), 1e300, 2**63, True):
+        mk = dict(GOOD_MARKER_DOC, manifest=dict(GOOD_MARKER_DOC["manifest"], size=size))
+        with pytest.raises(InvalidCheckpoint, match="size|non-finite"):
+            Marker.from_json(json.dumps(mk, allow_nan=True).encode(), "COMMITTED")
+    with pytest.raises(InvalidCheckpoint, match="bytes"):
+        Marker.from_json(json.dumps(GOOD_MARKER_DOC).encode() + b" " * MAX_MARKER_BYTES, "COMMITTED")
+
+
+def test_forward_compatibility() -> None:
+    """Unknown fields are ignored everywhere; a higher major version is refused saying to
+    upgrade; a version that is not a positive integer is garbage."""
+    d = copy.deepcopy(GOOD_MANIFEST_DOC)
+    d["future"] = {"x": 1}
+    d["files"][0]["future_per_file"] = "x"
+    d["tensors"]["model/w"]["layout"] = "strided"
+    assert Manifest.from_json(json.dumps(d).encode(), "m.json").files[0].name == SHARD
+    mk = dict(GOOD_MARKER_DOC, future=1, manifest=dict(GOOD_MARKER_DOC["manifest"], extra=2))
+    assert Marker.from_json(json.dumps(mk).encode(), "COMMITTED").step == 7
+    meta = dict(GOOD_SHARD_META, future=[1])
+    outer = json.dumps({**GOOD_SHARD_DOC, "__metadata__": {"ckptctl": json.dumps(meta)}}).encode()
+    assert len(parse_header(struct.pack("<Q", len(outer)) + outer + bytes(38), len(outer) + 46, "s").chunks) == 2
+
+    newer = "written by a newer ckptctl \\(format v2\\); upgrade"
+    with pytest.raises(InvalidCheckpoint, match=newer):
+        Manifest.from_json(json.dumps(dict(GOOD_MANIFEST_DOC, version=2)).encode(), "m.json")
+    with pytest.raises(InvalidCheckpoint, match=newer):
+        Marker.from_json(json.dumps(dict(GOOD_MARKER_DOC, version=2)).encode(), "COMMITTED")
+    outer = json.dumps({**GOOD_SHARD_DOC, "__metadata__": {"ckptctl": json.dumps(dict(GOOD_SHARD_META, version=2))}}).encode()
+    with pytest.raises(InvalidCheckpoint, match=newer):
+        parse_header(struct.pack("<Q", len(outer)) + outer + bytes(38), len(outer) + 46, "s")
+    for bad in (0, -1, "1", 1.0, True, None):
+        with pytest.raises(InvalidCheckpoint, match="version"):
+            Marker.from_json(json.dumps(dict(GOOD_MARKER_DOC, version=bad)).encode(), "COMMITTED")
+
+
+def test_load_json_bounds() -> None:
+    ok = parse.load_json(b'{"a": [1, 2.5, "x"]}', "f", "doc", max_bytes=100)
+    assert ok == {"a": [1, 2.5, "x"]}
+    for raw, why in [(b"NaN", "non-finite"), (b"[Infinity]", "non-finite"), (b"1e400", "overflows"),
+                     (b"1" * 41, "digits"), (b"1" * 5000, "digits"), (b'"\\ud800"', "Unicode"),
+                     (b"\xff", "UTF-8"), (b"x" * 10_001, "more than"), (b"[" * 50 + b"]" * 50, "nested")]:
+        with pytest.raises(InvalidCheckpoint, match=why):
+            parse.load_json(raw, "f", "doc", max_bytes=10_000, max_depth=20)
+    assert parse.load_json(b"[NaN]", "f", "doc", max_bytes=100, allow_nonfinite=True)[0] != 0
+
+
+# --- end to end, through the real CLI ------------------------------------------------------
+
+def _check_root_verbs(root: str, older: str, newest_invalid: bool) -> None:
+    """ls, latest and verify --latest: exit 0/1, never 3, no traceback (cli() re-raises any
+    exception); latest names the older checkpoint whenever the newest is invalid."""
+    for args in (["ls", root], ["ls", root, "--json"], ["latest", root], ["verify", "--latest", root]):
+        r = cli(*args)
+        assert r.exit_code in (0, 1), (args, r.exit_code, r.stderr)
+        assert "Traceback" not in r.stderr
+        if args[0] == "latest":
+            assert r.exit_code == 0, r.stderr
+            if newest_invalid:
+                assert r.stdout.strip() == older, (r.stdout, r.stderr)
+
+
+def _committed_pair(manifest_raw: bytes, marker_doc: dict[str, Any] | None = None) -> dict[str, bytes]:
+    """A manifest and a marker that commits exactly those bytes (so the manifest parser runs)."""
+    mk = copy.deepcopy(marker_doc or {"format": "ckptctl-commit", "version": 1, "step": 2, "committed": 1.7e9,
+                                      "manifest": {"algorithm": "xxh3-64"}})
+    mk["manifest"].update(size=len(manifest_raw), checksum=digest(manifest_raw))
+    return {MANIFEST: manifest_raw, MARKER: json.dumps(mk).encode()}
+
+
+def _is_invalid(files: dict[str, bytes]) -> bool:
+    try:
+        marker = Marker.from_json(files[MARKER], "COMMITTED")
+        marker.check(files[MANIFEST], "m")
+        m = Manifest.from_json(files[MANIFEST], "m")
+    except InvalidCheckpoint:
+        return True
+    return m.step != 2 or marker.step != 2
+
+
+def test_root_verbs_skip_hostile_newest_checkpoint(good_root: str) -> None:
+    newest, older = ckpt_dir(good_root, 2), ckpt_dir(good_root, 1)
+    original = _saved(newest)
+    manifest_doc = json.loads(original[MANIFEST])
+    marker_doc = json.loads(original[MARKER])
+
+    def hostile_pair(p: Any) -> dict[str, bytes]:
+        which = p.choice(["manifest", "manifest", "marker", "both"])
+        if which == "manifest":
+            return _committed_pair(hostile_bytes(p, manifest_doc), marker_doc)
+        if which == "marker":
+            return {MANIFEST: original[MANIFEST], MARKER: hostile_bytes(p, marker_doc)}
+        return {MANIFEST: hostile_bytes(p, manifest_doc), MARKER: hostile_bytes(p, marker_doc)}
+
+    @settings(max_examples=30, derandomize=True, **_SETTINGS)
+    @given(st.data())
+    def prop(data: Any) -> None:
+        files = hostile_pair(DataPick(data))
+        _put(newest, files)
+        _check_root_verbs(good_root, older, _is_invalid(files))
+
+    try:
+        prop()
+    finally:
+        _put(newest, original)
+
+
+def _explicit_cases(original: dict[str, bytes]) -> dict[str, dict[str, bytes]]:
+    man, mk = original[MANIFEST], json.loads(original[MARKER])
+
+    def marker(**manifest_fields: Any) -> bytes:
+        return json.dumps(dict(mk, manifest=dict(mk["manifest"], **manifest_fields)), allow_nan=True).encode()
+
+    grown = json.dumps(json.loads(man), indent=4).encode()  # reformatted after commit
+    return {
+        "manifest grew after commit": {MANIFEST: grown, MARKER: original[MARKER]},
+        "negative manifest.size": {MANIFEST: man, MARKER: marker(size=-1)},
+        "infinite manifest.size": {MANIFEST: man, MARKER: marker(size=float("inf"))},
+        "huge manifest.size": {MANIFEST: man, MARKER: marker(size=2**63)},
+        "marker over 1 MiB": {MANIFEST: man, MARKER: original[MARKER] + b" " * (1 << 20)},
+        "deep marker": {MANIFEST: man, MARKER: deep_bytes(5000)},
+        "deep manifest": _committed_pair(deep_bytes(5000), mk),
+        "deep manifest state": _committed_pair(man.replace(b'"state": {', b'"state": {"deep": ' + deep_bytes(999) + b", ", 1), mk),
+        "NaN created": _committed_pair(man.replace(b'"created": ', b'"created": NaN, "x": ', 1), mk),
+        "huge shape": _committed_pair(
+            json.dumps(dict(json.loads(man), tensors={n: dict(t, shape=[2**62, 2**62]) for n, t in json.loads(man)["tensors"].items()}),
+                       allow_nan=True).encode(), mk),
+        "newer version": _committed_pair(json.dumps(dict(json.loads(man), version=2)).encode(), mk),
+        "not UTF-8": _committed_pair(b"\xff\xfe" + man, mk),
+    }
+
+
+CASES = ["manifest grew after commit", "negative manifest.size", "infinite manifest.size", "huge manifest.size",
+         "marker over 1 MiB", "deep marker", "deep manifest", "deep manifest state", "NaN created", "huge shape",
+         "newer version", "not UTF-8"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_root_verbs_skip_each_reproduced_case(good_root: str, case: str) -> None:
+    newest, older = ckpt_dir(good_root, 2), ckpt_dir(good_root, 1)
+    original = _saved(newest)
+    try:
+        _put(newest, _explicit_cases(original)[case])
+        _check_root_verbs(good_root, older, True)
+        r = cli("verify", newest)
+        assert r.exit_code == 1 and "Traceback" not in r.stderr, r.stderr
+    finally:
+        _put(newest, original)
+    assert cli("latest", good_root).stdout.strip() == newest  # put back: the newest again
+
+
+def test_fifo_manifest_is_refused_without_blocking(good_root: str) -> None:
+    """A FIFO where the manifest belongs: refused as corrupt, never opened for a blocking read."""
+    newest, older = ckpt_dir(good_root, 2), ckpt_dir(good_root, 1)
+    original = _saved(newest)
+    os.unlink(os.path.join(newest, MANIFEST))
+    os.mkfifo(os.path.join(newest, MANIFEST))
+    try:
+        _check_root_verbs(good_root, older, True)
+    finally:
+        os.unlink(os.path.join(newest, MANIFEST))
+        _put(newest, original)
+
+
+def test_unsupported_tensors_and_keys_raise_state_error_naming_the_key(tmp_path: Any) -> None:
+    from ckptctl import Checkpointer
+    from ckptctl.errors import StateError
+
+    cases = {
+        "complex128": torch.zeros(2, dtype=torch.complex128),
+        "sparse": torch.zeros(3).to_sparse(),
+        "meta": torch.empty(3, device="meta"),
+        "quantized": torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8),
+    }
+    with Checkpointer(str(tmp_path)) as ckpt:
+        for i, (what, t) in enumerate(cases.items()):
+            with pytest.raises(StateError, match=f"'extra/{what}'") as e:
+                ckpt.save(i + 1, {"extra": {what: t}}).wait()
+            assert e.value.hint and "dense" in e.value.hint
+        with pytest.raises(StateError, match="not valid Unicode"):
+            ckpt.save(10, {"extra": {"\ud800": 1}}).wait()
+        with pytest.raises(StateError, match="not valid Unicode"):
+            ckpt.save(11, {"extra": {"k": "\udfff"}}).wait()
+        with pytest.raises(StateError, match="nested more than"):
+            ckpt.save(12, {"extra": nest(60, kind="dict")}).wait()
+
+
+def test_manifest_state_tree_is_checked_and_agrees_with_the_encoder() -> None:
+    from ckptctl.state import tree
+
+    assert (parse.STATE_TENSOR, parse.STATE_TUPLE, parse.STATE_ITEMS) == (tree.TENSOR, tree.TUPLE, tree.ITEMS)
+    for bad in ({"__items__": 5}, {"__items__": [[1, 2, 3]]}, {"__tensor__": 1}, {"__tuple__": {}},
+                {"__tensor__": "a", "x": 1}, [{"__items__": [[[], 1]]}]):
+        raw = json.dumps(dict(GOOD_MANIFEST_DOC, state={"k": bad})).encode()
+        with pytest.raises(InvalidCheckpoint, match="malformed"):
+            Manifest.from_json(raw, "m.json")
+    ok = {"k": {"__items__": [[1, {"__tuple__": [1, {"__tensor__": "model/w"}]}]]}}
+    assert Manifest.from_json(json.dumps(dict(GOOD_MANIFEST_DOC, state=ok)).encode(), "m.json").state == ok
