@@ -13,7 +13,7 @@ __all__ = ["Checkpointer", "SaveHandle", "__version__"]
 def __getattr__(name: str):
     # Lazy: `ckptctl --help` should not pay for importing torch.
     if name in ("Checkpointer", "SaveHandle"):
-        from ckptctl.save import checkpointer
+        from ckptctl import checkpointer
 
         return getattr(checkpointer, name)
     raise AttributeError(name)

@@ -353,7 +353,7 @@ def mismatch(rank: int, world_size: int, a: dict) -> dict:
     from ckptctl import Checkpointer
     from ckptctl.errors import StateError
     from ckptctl.load.reader import CheckpointReader
-    from ckptctl.load.restore import restore
+    from ckptctl.load.into_state import load_into
     from ckptctl.storage import open_storage
 
     model, opt = build("fsdp", world_size, seed=5, wide=True)
@@ -365,7 +365,7 @@ def mismatch(rank: int, world_size: int, a: dict) -> dict:
     except StateError as e:
         out["strict"] = str(e)
     with CheckpointReader(open_storage(a["path"])) as reader:
-        report = restore(reader, {"model": model, "optimizer": opt}, strict=False, rank=rank)
+        report = load_into(reader, {"model": model, "optimizer": opt}, strict=False, rank=rank)
     out["skipped"] = sorted(report.skipped)
     ref = torch.load(a["ref"], weights_only=True)
     now = full_state(model, opt)
@@ -439,6 +439,193 @@ def loader_positions(rank: int, world_size: int, a: dict) -> dict:
     return {"next": upcoming}
 
 
+class _RaisesOnRank:
+    """A stateful object whose state_dict() raises on one rank at one step: a real failure
+    inside capture, on one rank only, before that rank hands its save to its writer."""
+
+    def __init__(self, rank: int, victim: int) -> None:
+        self.rank, self.victim, self.step = rank, victim, 0
+
+    def state_dict(self) -> dict:
+        if self.rank == self.victim and self.step == 5:
+            raise TypeError("state_dict() of the victim failed")
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = sd["step"]
+
+
+def raising_state(rank: int, world_size: int, a: dict) -> dict:
+    """Rank ``victim`` fails inside save() itself; the others must learn it at once (not after
+    timeout_s), and the next save must commit on every rank."""
+    from ckptctl import Checkpointer
+
+    model, opt = build("fsdp", world_size, seed=0)
+    ckpt = Checkpointer(a["root"], timeout_s=a.get("timeout_s", 120))
+    thing = _RaisesOnRank(rank, a["victim"])
+    state = {"model": model, "optimizer": opt, "thing": thing}
+    train_step(model, opt, 1, rank, world_size, "fsdp")
+    thing.step = 5
+    out: dict = {}
+    t0 = time.monotonic()
+    try:
+        ckpt.save(5, state).wait()
+        out["first"] = "committed"
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        out["first"] = f"{type(e).__name__}: {e}"
+    out["waited"] = time.monotonic() - t0
+    thing.step = 6
+    out["second"] = ckpt.save(6, state).wait()
+    ckpt.close()
+    return out
+
+
+def new_group_during_barrier(rank: int, world_size: int, a: dict) -> dict:
+    """Rank 0's writer waits in the save barrier while rank 1 is still busy (it starts its save
+    late); rank 0's training thread meanwhile creates a process group, which talks to the
+    default c10d store. That must not queue behind the barrier's blocking wait."""
+    from ckptctl import Checkpointer
+
+    ckpt = Checkpointer(a["root"], timeout_s=120)
+    state = {"w": torch.ones(4) * rank}
+    out: dict = {}
+    if rank == 0:
+        handle = ckpt.save(1, state)
+        time.sleep(1.0)  # the writer has written and now waits for rank 1 in the barrier
+        t0 = time.monotonic()
+        dist.new_group([0], use_local_synchronization=True)
+        out["new_group_s"] = time.monotonic() - t0
+        out["url"] = handle.wait()
+    else:
+        time.sleep(a["delay"])
+        out["url"] = ckpt.save(1, state).wait()
+    ckpt.close()
+    return out
+
+
+def load_warnings(rank: int, world_size: int, a: dict) -> dict:
+    """Load a checkpoint saved by fewer ranks; report the warnings the ckptctl logger gave."""
+    import logging
+
+    from ckptctl import Checkpointer
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("ckptctl").addHandler(Keep(logging.WARNING))
+    state = {"w": torch.zeros(4), "extra": {"pos": -1}}
+    with Checkpointer(a["root"]) as ckpt:
+        step = ckpt.load_latest(state, prepare=False)
+    return {"step": step, "extra": state["extra"], "warnings": seen}
+
+
+def shard0_load_latest(rank: int, world_size: int, a: dict) -> dict:
+    """``load_latest`` into ``Shard(0)`` DTensors of a 1-D mesh: each rank reads part of every
+    saved chunk (a re-sharding load). Returns the step and this rank's local rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptctl import Checkpointer
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {"w": distribute_tensor(torch.zeros(a["rows"], a["cols"]), mesh, [Shard(0)]), "extra": {}}
+    with Checkpointer(a["root"], timeout_s=60) as ckpt:
+        step = ckpt.load_latest(state, prepare=False)
+    return {"step": step, "w": state["w"].full_tensor().tolist(), "extra": state["extra"]}
+
+
+# --- reads proportional to what a rank loads (issue 14 §1) ------------------------------------
+
+SHARDED = {"w": (37, 6), "v": (8, 3)}  # rows not divisible by 3, 4 or 8: uneven and empty blocks
+WHOLE = {"b": (5,), "c": (7, 2)}
+OPENED: list[str] = []  # files this process opened through CountingStorage
+
+
+def _counting_storage(root: str):
+    from ckptctl.storage.local import LocalStorage
+
+    class CountingStorage(LocalStorage):
+        """The local backend, noting every file opened for reading (headers and data)."""
+
+        def open_reader(self, key: str):
+            OPENED.append(self.url_of(key))
+            return super().open_reader(key)
+
+    return CountingStorage(root)
+
+
+def _reads_full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float32) * 0.5 + len(name)).reshape(shape)
+
+
+def _reads_state(world_size: int, fill: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state: dict = {}
+    for name, shape in SHARDED.items():
+        full = _reads_full(name, shape) if fill else torch.zeros(shape)
+        state[name] = distribute_tensor(full, mesh, [Shard(0)])
+    for name, shape in WHOLE.items():
+        state[name] = _reads_full(name, shape) if fill else torch.zeros(shape)
+    state["extra"] = {"rank": dist.get_rank()} if fill else {}
+    return state
+
+
+def reads_save(rank: int, world_size: int, a: dict) -> dict:
+    """Save ``Shard(0)`` DTensors and whole tensors at ``world_size`` ranks."""
+    from ckptctl import Checkpointer
+
+    with Checkpointer(a["root"], timeout_s=300) as ckpt:
+        path = ckpt.save(a["step"], _reads_state(world_size, fill=True)).wait()
+    return {"path": path}
+
+
+def reads_load(rank: int, world_size: int, a: dict) -> dict:
+    """``load_latest`` through a storage that notes the files opened; returns whether every
+    tensor is bitwise equal to what was saved, the files opened and the manifest's hints."""
+    from ckptctl import Checkpointer
+    from ckptctl.layouts.native import read_committed
+
+    state = _reads_state(world_size, fill=False)
+    OPENED.clear()
+    with Checkpointer(a["root"], storage=_counting_storage(a["root"]), timeout_s=300) as ckpt:
+        step = ckpt.load_latest(state, prepare=False)
+    opened = sorted({os.path.basename(u) for u in OPENED if u.endswith(".safetensors")})
+    bad = [n for n in SHARDED if not torch.equal(state[n].full_tensor(), _reads_full(n, SHARDED[n]))]
+    bad += [n for n in WHOLE if not torch.equal(state[n], _reads_full(n, WHOLE[n]))]
+    manifest, _ = read_committed(_counting_storage(a["root"]).sub(os.path.basename(a["path"])))
+    hints = {n: [t.owner, list(t.split) if t.split else None] for n, t in manifest.tensors.items()}
+    files = {f.name: f.rank for f in manifest.files}
+    return {"step": step, "bad": bad, "opened": opened, "hints": hints, "files": files, "extra": state["extra"]}
+
+
+def replicas_differ(rank: int, world_size: int, a: dict) -> dict:
+    """DDP with ``broadcast_buffers=False`` and BatchNorm fed a different batch on each rank:
+    the running statistics differ per rank. Save with ``check_replicas=a["check"]``."""
+    from ckptctl import Checkpointer
+    from ckptctl.errors import CkptError
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), broadcast_buffers=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + rank))
+    model(x).sum().backward()
+    opt.step()
+    try:
+        with Checkpointer(a["root"], timeout_s=300, check_replicas=a.get("check")) as ckpt:
+            return {"path": ckpt.save(1, {"model": model, "optimizer": opt}).wait()}
+    except CkptError as e:
+        return {"failed": str(e)}
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "train_save": train_save,
     "load_check": load_check,
@@ -450,4 +637,11 @@ SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "two_saves": two_saves,
     "subgroups": subgroups,
     "loader_positions": loader_positions,
+    "raising_state": raising_state,
+    "new_group_during_barrier": new_group_during_barrier,
+    "load_warnings": load_warnings,
+    "shard0_load_latest": shard0_load_latest,
+    "reads_save": reads_save,
+    "reads_load": reads_load,
+    "replicas_differ": replicas_differ,
 }

@@ -195,9 +195,9 @@ def _rss() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-@pytest.mark.parametrize("huge_pages", ["", "0", "1"])  # default: huge only when prepared
+@pytest.mark.parametrize("huge_pages", ["", "0", "1"])  # unset is the default: ordinary pages
 def test_prepare_faults_the_staging_buffer_in_before_the_first_snapshot(monkeypatch, huge_pages):
-    from ckptctl.save.plan import make_plan, signature_of
+    from ckptctl.save.shard_layout import make_layout, signature_of
     from ckptctl.save.staging import StagingBuffer
     from ckptctl.state.capture import capture
 
@@ -205,7 +205,7 @@ def test_prepare_faults_the_staging_buffer_in_before_the_first_snapshot(monkeypa
     # 64 MiB: above glibc's largest mmap threshold (32 MiB), so every buffer is fresh memory.
     state = {"w": torch.ones(48 << 20, dtype=torch.uint8), "v": torch.ones(16 << 20, dtype=torch.uint8)}
     captured = capture(state, with_rng=False)
-    plan = make_plan(captured.tensors, signature_of(captured.tensors), rank=0, world_size=1)
+    plan = make_layout(captured.tensors, signature_of(captured.tensors), rank=0, world_size=1)
     assert plan.nbytes == 64 << 20
 
     lazy = StagingBuffer()
@@ -227,9 +227,9 @@ def test_prepare_waits_for_the_first_step_and_load_latest_prepares(tmp_path):
     job = ToyJob()
     with Checkpointer(str(tmp_path)) as ckpt:
         assert not ckpt.prepare(job.state())  # the optimizer has no state yet: size unknown
-        assert not ckpt._staging.held
+        assert not ckpt.staging_held
         job.step()
-        assert ckpt.prepare(job.state()) and ckpt._staging.held
+        assert ckpt.prepare(job.state()) and ckpt.staging_held
         job.step()
         ckpt.save(2, job.state()).wait()
         at_save = _snapshot(job)
@@ -238,7 +238,7 @@ def test_prepare_waits_for_the_first_step_and_load_latest_prepares(tmp_path):
         fresh = ToyJob(seed=1)
         with Checkpointer(str(tmp_path)) as ckpt:
             assert ckpt.load_latest(fresh.state(), prepare=prepare) == 2
-            assert ckpt._staging.held == prepare
+            assert ckpt.staging_held == prepare
         assert _deep_equal(_snapshot(fresh), at_save)
 
 
@@ -263,3 +263,39 @@ def test_full_disk_fails_the_save_cleanly_and_the_last_good_checkpoint_stays(tmp
             assert not os.path.exists(os.path.join(root, step_dir(2)))
             ckpt.save(3, small).wait()
         assert cli("latest", root).stdout.strip().endswith(step_dir(3))
+
+
+def test_shard_hashed_while_written_matches_its_checksums(tmp_path):
+    # On POSIX the writer hashes the data section piece by piece as it writes it, then writes
+    # the header over a placeholder: tensors that straddle pieces, empty tensors and a tensor
+    # bigger than a piece must all come back with checksums that verify and bytes that load.
+    from helpers import cli
+
+    from ckptctl.format.layout import MANIFEST
+    from ckptctl.settings import STREAM_PIECE
+
+    g = torch.Generator().manual_seed(5)
+    piece = STREAM_PIECE // 4  # float32 elements per piece
+    state = {"w": {
+        "a": torch.randn(piece // 3, generator=g),
+        "empty": torch.empty(0),
+        "b": torch.randn(2 * piece + 17, generator=g),
+        "c": torch.randn(5, generator=g),
+        "empty2": torch.empty(0, 3),
+    }}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        path = ckpt.save(1, state).wait()
+        assert os.path.exists(os.path.join(str(tmp_path), step_dir(1), MANIFEST))
+        assert cli("verify", path).exit_code == 0
+        target = {"w": {k: torch.zeros_like(v) for k, v in state["w"].items()}}
+        ckpt.load(path, target)
+    assert _deep_equal(target, state)
+    # A flipped byte in the last piece of "b" is caught by its chunk checksum.
+    shard = os.path.join(str(tmp_path), step_dir(1), "rank-00000-of-00001.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(-40, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-40, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    r = cli("verify", path)
+    assert r.exit_code != 0 and "w/b" in (r.stdout + r.stderr)

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from ckptctl.format.checkpoint import read_committed, read_header
+from ckptctl.layouts.native import read_committed, read_header
 from ckptctl.format.layout import MARKER, step_dir
-from ckptctl.save.plan import assign_replicated
+from ckptctl.save.shard_layout import assign_replicated
 from ckptctl.storage import open_storage
 from dist_workers import launch
 from helpers import cli
@@ -164,6 +164,46 @@ def test_failed_write_names_the_rank_on_every_rank_and_the_next_save_commits(tmp
     assert all(r["second"].endswith(step_dir(6)) for r in res.values())
     # A committed step is never overwritten, and every rank refuses alike.
     assert all(r["again"].startswith("RefusedForSafety") for r in res.values())
+
+
+@pytest.mark.slow
+def test_save_raising_on_one_rank_fails_every_rank_at_once_and_the_next_save_commits(tmp_path):
+    # A state whose state_dict() raises on rank 1 only: before, rank 1 raised in save() and
+    # the others waited out timeout_s (here 120 s) in the barrier, with counters out of step.
+    root = str(tmp_path / "root")
+    res = _ok(launch("raising_state", 3, {"root": root, "victim": 1, "timeout_s": 120}, str(tmp_path / "out")))
+    assert res[1]["first"].startswith("TypeError") and "victim failed" in res[1]["first"]
+    for r in (0, 2):
+        assert "rank 1 failed" in res[r]["first"] and "state_dict() of the victim failed" in res[r]["first"], res[r]
+        assert res[r]["waited"] < 30, res[r]
+    assert not os.path.exists(os.path.join(root, step_dir(5), MARKER))
+    assert all(r["second"].endswith(step_dir(6)) for r in res.values())
+
+
+@pytest.mark.slow
+def test_new_group_is_not_blocked_by_a_save_waiting_in_its_barrier(tmp_path):
+    root = str(tmp_path / "root")
+    res = _ok(launch("new_group_during_barrier", 2, {"root": root, "delay": 8.0}, str(tmp_path / "out")))
+    assert res[0]["url"] == res[1]["url"] == os.path.join(root, step_dir(1))
+    # Rank 1 starts its save ~7 s after rank 0 created the group: a blocked new_group takes that long.
+    assert res[0]["new_group_s"] < 4.0, res[0]
+
+
+@pytest.mark.slow
+def test_a_one_rank_checkpoint_resumed_on_two_ranks_warns_that_rank_1_gets_rank_0s_state(tmp_path):
+    import torch
+
+    from ckptctl import Checkpointer
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root) as ckpt:  # one process, no process group: a 1-rank checkpoint
+        ckpt.save(3, {"w": torch.arange(4.0), "extra": {"pos": 17}}).wait()
+    res = _ok(launch("load_warnings", 2, {"root": root}, str(tmp_path / "out")))
+    assert res[0]["step"] == res[1]["step"] == 3
+    assert res[0]["extra"] == res[1]["extra"] == {"pos": 17}
+    assert not any("rank 0's" in w for w in res[0]["warnings"]), res[0]["warnings"]
+    assert any("rank 1" in w and "rank 0's copy of extra" in w for w in res[1]["warnings"]), res[1]["warnings"]
+    assert any("RNG state of rank 1" in w for w in res[1]["warnings"]), res[1]["warnings"]
 
 
 @pytest.mark.slow
@@ -387,3 +427,90 @@ def test_liveness_below_three_shortest_beats_is_refused():
 
     with pytest.raises(UsageError, match="liveness_s"):
         Coordinator.create(None, 60, liveness_s=0.1)
+
+
+@pytest.mark.slow
+def test_corrupt_byte_in_a_1_rank_checkpoint_loaded_as_shard0_on_2_ranks_falls_back_on_every_rank(tmp_path):
+    """Each rank reads half of the saved chunk; the flipped byte is in rank 1's half, so only a
+    reader that checks the whole chunk on every rank notices it, and every rank moves on to
+    step 1 together."""
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.load.reader import CheckpointReader
+
+    root = str(tmp_path / "root")
+    w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    with Checkpointer(root) as ck:  # one process: a 1-rank checkpoint, one chunk per tensor
+        for s in (1, 2):
+            ck.save(s, {"w": w + 100 * s, "extra": {"step": s}}).wait()
+    two = os.path.join(root, step_dir(2))
+    with CheckpointReader(open_storage(two)) as r:
+        (loc,) = r.chunks("w")
+    start, end = loc.byte_range
+    at = start + (end - start) * 7 // 8  # row 7: rank 1's half
+    with open(os.path.join(two, loc.file), "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    res = _ok(launch("shard0_load_latest", 2, {"root": root, "rows": 8, "cols": 6}, str(tmp_path / "out")))
+    for r, got in res.items():
+        assert got["step"] == 1, (r, got)
+        assert got["w"] == (w + 100).tolist() and got["extra"] == {"step": 1}
+
+
+def _expected_opened(res: dict, rank: int, saved_by: int, loaded_by: int) -> set[str]:
+    """The shard files rank ``rank`` of ``loaded_by`` ranks may open: the blocks of the saved
+    split that overlap its own block, the owners of whole tensors, its own and rank 0's file
+    (per-rank state)."""
+    from dist_workers import SHARDED
+
+    by_rank = {r: name for name, r in res["files"].items()}
+    want = {0, rank} & set(by_rank)
+    for name, (rows, _) in SHARDED.items():
+        owner, split = res["hints"][name]
+        assert owner is None and split == [0, -(-rows // saved_by)], (name, res["hints"][name])
+        mine = -(-rows // loaded_by)
+        lo, hi = rank * mine, min(rows, (rank + 1) * mine)
+        if lo < hi:
+            want |= set(range(lo // split[1], (hi - 1) // split[1] + 1))
+    for name, (owner, split) in res["hints"].items():
+        if name not in SHARDED:
+            assert owner is not None, (name, res["hints"][name])
+            want.add(owner)
+    return {by_rank[r] for r in want}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_by,loaded_by", [(4, 8), (8, 3)])
+def test_reshard_load_opens_only_the_shards_it_needs(tmp_path, saved_by, loaded_by):
+    """Issue 14 §1: a rank opens only the shards that overlap what it loads (the manifest's
+    placement hints), and the reduced reads return bitwise the tensors that were saved."""
+    root = str(tmp_path / "root")
+    saved = _ok(launch("reads_save", saved_by, {"root": root, "step": 5}, str(tmp_path / "a"), timeout=420))
+    res = _ok(launch("reads_load", loaded_by, {"root": root, "path": saved[0]["path"]}, str(tmp_path / "b"), timeout=420))
+    for r, got in res.items():
+        assert got["step"] == 5 and got["bad"] == [], (r, got)
+        assert got["extra"] == ({"rank": r} if r < saved_by else {"rank": 0}), (r, got["extra"])
+        expected = _expected_opened(got, r, saved_by, loaded_by)
+        assert set(got["opened"]) <= expected, (r, got["opened"], expected)
+        assert len(got["opened"]) < saved_by, (r, got["opened"])  # never every shard
+
+
+@pytest.mark.slow
+def test_replicas_that_differ_fail_the_save_naming_tensor_and_ranks(tmp_path):
+    """Issue 14 §3: BatchNorm statistics under DDP ``broadcast_buffers=False`` differ per
+    rank; the default check (CPU replicas) fails the save on every rank, naming the buffers
+    and the ranks, and writes no marker; ``check_replicas=False`` saves anyway."""
+    root = str(tmp_path / "root")
+    res = launch("replicas_differ", 3, {"root": root}, str(tmp_path / "a"), timeout=300)
+    for r, got in res.items():
+        assert "failed" in got, (r, got)
+        msg = got["failed"]
+        assert "replicated tensors differ" in msg and "running_mean" in msg and "running_var" in msg, msg
+        assert "running_mean' (rank 0 vs rank 1 vs rank 2)" in msg, msg  # three batches: three copies
+        assert "weight'" not in msg and "bias'" not in msg, msg  # DDP kept the parameters equal
+    assert not os.path.exists(os.path.join(root, step_dir(1), MARKER))
+    ok = _ok(launch("replicas_differ", 3, {"root": str(tmp_path / "root2"), "check": False}, str(tmp_path / "b"), timeout=300))
+    assert all("path" in got for got in ok.values())

@@ -1,4 +1,4 @@
-"""Restoring a training state in place from a checkpoint.
+"""Loading a training state in place from a checkpoint: ``load_into(reader, state)``.
 
 Modules and plain tensors are filled where they are: bytes go from storage straight into the
 parameter's memory. Optimizers and other stateful objects get a state dict whose tensors were
@@ -34,13 +34,15 @@ from ckptctl.errors import StateError
 from ckptctl.format import dtypes
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.state import rng, tree
-from ckptctl.state.capture import RNG_KEY, STATE_KEY, kind_of, module_state_dict, optimizer_state_dict, per_rank_values
+from ckptctl.state.capture import RNG_KEY, model_for, module_state_dict, optimizer_state_dict
+from ckptctl.state.per_rank import RANK_STATE_KEY, per_rank_values
+from ckptctl.state.roles import Role, role_of
 
 log = logging.getLogger("ckptctl")
 
 
 @dataclass
-class RestoreReport:
+class LoadResult:
     step: int
     skipped: list[str] = field(default_factory=list)  # strict=False: names not loaded
 
@@ -60,7 +62,7 @@ class _Filler:
         entry = self.reader.manifest.tensors.get(name)
         if entry is None:
             if self.strict:
-                self.reader._entry(name)  # raises the standard "not in checkpoint" error
+                self.reader.tensor(name)  # raises the standard "not in checkpoint" error
             self.skipped.append(name)
             return None
         if target is None:
@@ -110,67 +112,84 @@ def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return t.to_local().detach(), tuple(int(o) for o in offsets)
 
 
-def restore(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = True, rank: int = 0) -> RestoreReport:
+def load_into(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = True, rank: int = 0) -> LoadResult:
     """Fill ``state`` in place as rank ``rank`` of the loading job (see the module docstring
     for which rank's per-rank state it gets)."""
     saved = reader.manifest.state
     fill = _Filler(reader, strict)
-    rank_states = reader.rank_states()
-    own = per_rank_values(rank_states[rank][STATE_KEY]) if STATE_KEY in rank_states.get(rank, {}) else {}
-    # Keys that were saved per rank (rank 0's header lists them): loading one without this
-    # rank's own copy falls back to rank 0's, which the user is told about.
-    per_rank = set(rank_states.get(0, {}).get(STATE_KEY, {}).get("tree", {}))
-    borrowed = sorted(k for k in state if k in per_rank and k not in own)
+    rank_states = reader.rank_states((rank, 0))  # its own shard's and rank 0's headers only
+    own = _own_state(rank_states, rank)
+    _warn_borrowed(reader, state, rank_states, own, rank)
     finish: list = []  # load_state_dict calls and assignments, run after the reads
     for key, value in state.items():
-        if key not in saved:
-            if strict:
-                raise StateError(
-                    f"state key {key!r} is not in checkpoint {reader.storage.url}",
-                    hint="pass strict=False to restore the keys that exist",
-                )
-            fill.skipped.append(key)
-            continue
-        doc = saved[key]
-        kind = kind_of(value)
-        if kind == "module":
-            _module(fill, value, doc, key, finish, strict)
-        elif kind != "optimizer" and kind != "tensor" and key in own:
-            # This rank's own copy of per-rank state: no shared tensors to read.
-            finish.append(lambda v=value, d=own[key], k=kind, key=key: _set_own(state, key, v, d, k))
-        elif kind in ("optimizer", "stateful"):
-            current = optimizer_state_dict(value, state, key, for_load=True) if kind == "optimizer" else value.state_dict()
-            loaded = _decode_into(fill, doc, current)
-            finish.append(lambda v=value, d=loaded, k=kind: _load_stateful(v, d, k, state, key))
-        elif kind == "tensor":
-            fill.tensor(tree.join((key,)), value)
-        elif isinstance(value, dict):
-            loaded = _decode_into(fill, doc, value)
-            finish.append(lambda v=value, d=loaded: _update_dict(v, d))
-        else:
-            loaded = _decode_into(fill, doc, None)
-            finish.append(lambda k=key, d=loaded: state.__setitem__(k, d))
-    if strict:
-        extra = set(saved) - set(state)
-        if extra:
+        if key in saved:
+            _schedule(fill, state, key, value, saved[key], own, finish, strict)
+        elif strict:
             raise StateError(
-                f"checkpoint {reader.storage.url} has state keys the target lacks: {sorted(extra)}",
-                hint="add them to the state passed to load, or pass strict=False",
+                f"state key {key!r} is not in checkpoint {reader.storage.url}",
+                hint="pass strict=False to restore the keys that exist",
             )
-    if borrowed:
-        log.warning(
-            "rank %d: %s has no state saved by rank %d (saved by %d ranks); restoring rank 0's copy of %s",
-            rank, reader.storage.url, rank, reader.manifest.world_size, ", ".join(sorted(borrowed)),
+        else:
+            fill.skipped.append(key)
+    if strict and set(saved) - set(state):
+        raise StateError(
+            f"checkpoint {reader.storage.url} has state keys the target lacks: {sorted(set(saved) - set(state))}",
+            hint="add them to the state passed to load, or pass strict=False",
         )
     fill.run()
     for f in finish:
         f()
     _restore_rng(rank_states, rank, reader)
-    return RestoreReport(reader.manifest.step, fill.skipped)
+    return LoadResult(reader.manifest.step, fill.skipped)
 
 
-def _set_own(state: dict[str, Any], key: str, value: Any, loaded: Any, kind: str) -> None:
-    if kind == "stateful":
+def _own_state(rank_states: dict[int, dict], rank: int) -> dict[str, Any]:
+    """This rank's own copy of its per-rank state, from its shard header; empty if none."""
+    mine = rank_states.get(rank, {})
+    return per_rank_values(mine[RANK_STATE_KEY]) if RANK_STATE_KEY in mine else {}
+
+
+def _warn_borrowed(reader: CheckpointReader, state: dict[str, Any], rank_states: dict[int, dict], own: dict[str, Any], rank: int) -> None:
+    """Tell the user which per-rank state this rank takes from rank 0's copy."""
+    saved = reader.manifest.state
+    # Keys that were saved per rank (rank 0's header lists them).
+    per_rank = set(rank_states.get(0, {}).get(RANK_STATE_KEY, {}).get("tree", {}))
+    if rank >= reader.manifest.world_size:
+        # This rank did not exist at save time (a 1-rank checkpoint keeps no per-rank copies at
+        # all): every key that is per-rank state comes from rank 0's copy.
+        per_rank |= {k for k, v in state.items() if k in saved and role_of(v) not in ("module", "optimizer", "tensor")}
+    borrowed = sorted(k for k in state if k in per_rank and k not in own)
+    if borrowed:
+        log.warning(
+            "rank %d: %s has no state saved by rank %d (saved by %d ranks); restoring rank 0's copy of %s",
+            rank, reader.storage.url, rank, reader.manifest.world_size, ", ".join(borrowed),
+        )
+
+
+def _schedule(fill: _Filler, state: dict[str, Any], key: str, value: Any, doc: Any, own: dict[str, Any], finish: list, strict: bool) -> None:
+    """Queue the reads of one state key's tensors, and what to do with them once read."""
+    role = role_of(value)
+    if role == "module":
+        _module(fill, value, doc, key, finish, strict)
+    elif role not in ("optimizer", "tensor") and key in own:
+        # This rank's own copy of per-rank state: no shared tensors to read.
+        finish.append(lambda: _set_own(state, key, value, own[key], role))
+    elif role in ("optimizer", "stateful"):
+        current = optimizer_state_dict(value, state, key, for_load=True) if role == "optimizer" else value.state_dict()
+        loaded = _decode_into(fill, doc, current)
+        finish.append(lambda: _load_stateful(value, loaded, role, state, key))
+    elif role == "tensor":
+        fill.tensor(tree.join((key,)), value)
+    elif isinstance(value, dict):
+        loaded = _decode_into(fill, doc, value)
+        finish.append(lambda: _update_dict(value, loaded))
+    else:
+        loaded = _decode_into(fill, doc, None)
+        finish.append(lambda: state.__setitem__(key, loaded))
+
+
+def _set_own(state: dict[str, Any], key: str, value: Any, loaded: Any, role: Role) -> None:
+    if role == "stateful":
         value.load_state_dict(loaded)
     elif isinstance(value, dict) and isinstance(loaded, dict):
         _update_dict(value, loaded)
@@ -228,11 +247,9 @@ def _decode_into(fill: _Filler, doc: Any, current: Any) -> Any:
     return walk(doc, current)
 
 
-def _load_stateful(value: Any, loaded: Any, kind: str, state: dict[str, Any], key: str) -> None:
-    if kind == "optimizer":
+def _load_stateful(value: Any, loaded: Any, role: Role, state: dict[str, Any], key: str) -> None:
+    if role == "optimizer":
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        from ckptctl.state.capture import model_for
 
         model = model_for(value, state, key)
         if model is not None:
@@ -255,7 +272,7 @@ def _restore_rng(states: dict[int, dict], rank: int, reader: CheckpointReader) -
     mine = states.get(rank)
     if not (mine and RNG_KEY in mine):
         mine = states.get(0)
-        if mine and RNG_KEY in mine and reader.manifest.world_size > 1:
+        if mine and RNG_KEY in mine and rank != 0:
             log.warning("rank %d: %s has no RNG state of rank %d; restoring rank 0's", rank, reader.storage.url, rank)
     if mine and RNG_KEY in mine:
         rng.set_state(mine[RNG_KEY])

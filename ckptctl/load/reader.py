@@ -1,95 +1,119 @@
-"""Reading tensors, or regions of them, out of a committed checkpoint.
+"""Reading tensors, or regions of them, out of a committed checkpoint, verifying every byte used.
 
-For each target region the reader finds the saved chunks that overlap it and reads exactly the
-overlapping bytes with ranged reads, straight into the target's memory when the layouts allow
-(a whole chunk, or whole rows of it) and through a bounded temporary otherwise. A read that
-covers a whole chunk is checked against the chunk's checksum, so a resume never trains on
-corrupt bytes. The same code serves loading at a different world size and offline reshard.
+Opening a checkpoint (``CheckpointReader``) reads its marker and manifest; a shard header is
+read when a read needs that shard (the manifest's placement hints say which shards hold which
+block of a tensor, see ``man/ckptctl-format.5``), and each header is bound to the manifest: the file checksum the manifest records is rebuilt from
+the header bytes and the chunk checksums in the header (``format.checksum.file_checksum``), so
+a shard copied in from another save, or a header edited after commit, is refused before any
+data is read. Every chunk read is then checked against its chunk checksum, which chains the
+data to the marker: marker -> manifest -> file checksum -> header -> chunk checksum -> bytes.
+
+Reads are by *chunk*, the region of a tensor one shard holds. A target region (a whole tensor,
+or the part a rank holds after re-sharding) is filled from every chunk that overlaps it:
+
+- a chunk the target needs whole, and whose elements are one contiguous run of the target
+  (same sharding, or whole rows of it), is read straight into the target and hashed there:
+  no copy;
+- a chunk the target needs part of is still read whole, because its checksum covers all of
+  it: the needed rows go straight into place when they are contiguous in the target, the rest
+  streams through one bounded piece buffer only to be hashed; other layouts (column splits)
+  stream every row through the piece buffer and copy the needed columns out of it. The extra
+  bytes read are at most one chunk per edge of the target, and memory is one piece.
+
+A mismatch raises ``InvalidCheckpoint`` naming the file, tensor and byte range; the target may
+then hold some bytes of the bad chunk, so a caller falls back and overwrites it
+(``Checkpointer.load_latest`` does). The same code serves loading at a different world size,
+``convert`` and offline ``reshard``.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from ckptctl.errors import InvalidCheckpoint, StateError
 from ckptctl.format import dtypes
-from ckptctl.format.checkpoint import read_committed, read_header
-from ckptctl.format.checksum import digest
-from ckptctl.format.manifest import Manifest
-from ckptctl.format.shard import Chunk, ShardHeader
+from ckptctl.format.checksum import Hasher, digest
+from ckptctl.format.geometry import Box, contiguous_in, fits, intersection
+from ckptctl.load.shard_index import Located, ReadJob, ShardIndex, region_of
+from ckptctl.settings import IO_THREADS, STREAM_PIECE
+from ckptctl.state.buffers import tensor_bytes
 from ckptctl.storage.base import Reader, Storage
 
-IO_THREADS = 8
+# Bytes of a chunk streamed at a time when only part of it is needed (the rest is read only to
+# be hashed): cache-sized pieces, as reshard's, so hashing reads them from cache.
+VERIFY_PIECE = STREAM_PIECE
 
 
-@dataclass(frozen=True)
-class Located:
-    file: str
-    data_start: int
-    chunk: Chunk
+class CheckpointReader(ShardIndex):
+    """Open one committed checkpoint: its marker and manifest, and shard headers on demand,
+    each header bound to the manifest by its file checksum (``InvalidCheckpoint`` otherwise).
 
+    A read opens only the headers of the shards that can hold the region it fills: the
+    manifest's placement hints (``TensorEntry.owner``/``split``, recorded at save time) say
+    which rank's file holds which block of a tensor, so a rank loading its FSDP shard opens
+    one or two headers, not every rank's. A tensor without hints (an older checkpoint, an
+    irregular sharding) opens every header once. ``headers`` (file name -> ``ShardHeader``)
+    opens them all; ``headers_read`` counts the headers opened so far.
 
-@dataclass(frozen=True)
-class ReadJob:
-    """Fill ``target`` with the region of tensor ``name`` that starts at ``offsets``."""
-
-    name: str
-    target: torch.Tensor
-    offsets: tuple[int, ...] | None = None
-
-
-class CheckpointReader:
-    """Open one committed checkpoint: marker, manifest and every shard header.
+    ``chunks(name)``/``locate(name, box)`` say where a tensor's bytes are;
+    ``read_into``/``read_many`` fill targets, ``read_chunk``/``stream_chunk`` hand out whole
+    chunks; all of them verify what they read. Close it (or use it as a context manager) to
+    release open files.
 
     >>> with CheckpointReader(open_storage("/ckpt/step-0000001000")) as r:  # doctest: +SKIP
     ...     w = r.read("model/fc.weight")
     """
 
     def __init__(self, ckpt: Storage, *, verify_checksums: bool = True) -> None:
-        self.storage = ckpt
-        self.verify_checksums = verify_checksums
-        self.manifest: Manifest = read_committed(ckpt)[0]
+        super().__init__(ckpt, verify_checksums=verify_checksums)
         self._readers: dict[str, Reader] = {}
-        self._lock = threading.Lock()
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            headers = list(pool.map(self._header, [f.name for f in self.manifest.files]))
-        self.headers: dict[str, ShardHeader] = dict(zip((f.name for f in self.manifest.files), headers))
-        self.index: dict[str, list[Located]] = {}
-        for fname, h in self.headers.items():
-            for c in h.chunks:
-                self.index.setdefault(c.name, []).append(Located(fname, h.data_start, c))
+        self._local = threading.local()
 
-    def _header(self, name: str) -> ShardHeader:
-        expected = next(f.size for f in self.manifest.files if f.name == name)
-        h = read_header(self.storage, name)
-        actual = h.data_start + h.data_size
-        if actual != expected:
-            raise InvalidCheckpoint(
-                f"{self.storage.url_of(name)}: file has {actual} bytes, manifest says {expected}",
-                hint="the shard is truncated or was replaced; run `ckptctl verify` for details",
-            )
-        return h
+    # --- whole chunks -----------------------------------------------------------------------
 
-    def rank_states(self) -> dict[int, dict]:
-        return {h.rank: h.rank_state for h in self.headers.values() if h.rank is not None and h.rank_state}
+    def read_chunk(self, loc: Located, out: memoryview | None = None) -> memoryview:
+        """The bytes of chunk ``loc``, checked against its checksum; into ``out`` (exactly the
+        chunk's size) when given, else into a new buffer."""
+        n = loc.chunk.end - loc.chunk.begin
+        view = out if out is not None else memoryview(bytearray(n))
+        if len(view) != n:
+            raise ValueError(f"read_chunk: buffer of {len(view)} bytes for a chunk of {n}")
+        self._pread(loc.file, loc.byte_range[0], view)
+        self._check(loc, digest(view))
+        return view
 
-    # --- reads ----------------------------------------------------------------------------
+    def stream_chunk(self, loc: Located, piece_bytes: int = VERIFY_PIECE) -> Iterator[memoryview]:
+        """The bytes of chunk ``loc`` in order, in pieces of at most ``piece_bytes`` (each valid
+        until the next is asked for). After the last piece the chunk's checksum is checked and
+        ``InvalidCheckpoint`` raised on a mismatch: consume the iterator to its end before
+        trusting anything computed from the pieces."""
+        start, end = loc.byte_range
+        buf = memoryview(bytearray(min(max(piece_bytes, 1), max(end - start, 1))))
+        h = Hasher()
+        for pos in range(start, end, len(buf)):
+            view = buf[: min(len(buf), end - pos)]
+            self._pread(loc.file, pos, view)
+            h.update(view)
+            yield view
+        self._check(loc, h.hexdigest())
+
+    # --- regions ----------------------------------------------------------------------------
 
     def read(self, name: str) -> torch.Tensor:
-        """The whole global tensor, newly allocated."""
-        t = self._entry(name)
+        """The whole global tensor, newly allocated, verified."""
+        t = self.tensor(name)
         out = torch.empty(t.shape, dtype=dtypes.torch_dtype(t.dtype))
         self.read_into(ReadJob(name, out))
         return out
 
     def read_many(self, jobs: Sequence[ReadJob]) -> None:
-        """Fill many targets, in parallel (ranged reads and hashing release the GIL)."""
+        """Fill many targets, verified, in parallel (ranged reads and hashing release the GIL).
+        The headers they need are opened first, in parallel, once."""
+        self.prefetch(jobs)
         if len(jobs) <= 1:
             for j in jobs:
                 self.read_into(j)
@@ -99,91 +123,123 @@ class CheckpointReader:
                 f.result()
 
     def read_into(self, job: ReadJob) -> None:
-        entry = self._entry(job.name)
+        """Fill ``job.target`` from every chunk that overlaps its region, each chunk read whole
+        and checked against its checksum (``InvalidCheckpoint`` naming file, tensor and byte
+        range on a mismatch)."""
+        self._fill(job, verify=self.verify_checksums)
+
+    def read_into_unverified(self, job: ReadJob) -> None:
+        """Like ``read_into``, but reading only the bytes the target needs, unchecked. Only for
+        a caller that checks every byte it reads this way against a checksum computed from
+        verified bytes (reshard's second pass compares each chunk it writes with the digest the
+        first, verified, pass computed). A loader must use ``read_into``."""
+        self._fill(job, verify=False)
+
+    def _fill(self, job: ReadJob, *, verify: bool) -> None:
+        entry = self.tensor(job.name)
         target = job.target
-        offsets = job.offsets or tuple(0 for _ in target.shape)
-        want = dtypes.torch_dtype(entry.dtype)
-        if target.dtype != want:
+        want = region_of(job)
+        if target.dtype != dtypes.torch_dtype(entry.dtype):
             raise StateError(
                 f"tensor {job.name!r}: checkpoint has {entry.dtype}, target is {dtypes.name_of(target.dtype)}",
                 hint="cast after loading, or convert the checkpoint with `ckptctl convert --dtype`",
             )
-        if len(offsets) != len(entry.shape) or target.dim() != len(entry.shape) or any(
-            o + s > g for o, s, g in zip(offsets, target.shape, entry.shape)
-        ):
+        if not fits(want, entry.shape):
             raise StateError(
                 f"tensor {job.name!r}: checkpoint shape {list(entry.shape)} does not fit the "
-                f"target {list(target.shape)} at offsets {list(offsets)}",
+                f"target {list(target.shape)} at offsets {list(want.offsets)}",
                 hint="the model's architecture differs from the checkpoint's; pass strict=False to skip mismatched tensors",
             )
-        if target.device.type != "cpu":
-            host = torch.empty(target.shape, dtype=target.dtype, pin_memory=torch.cuda.is_available())
-            self.read_into(ReadJob(job.name, host, offsets))
+        if target.device.type != "cpu" or not target.is_contiguous():
+            # A bounce through host memory (pinned for a GPU target, so the copy is a DMA):
+            # reads and hashing need contiguous CPU memory.
+            pin = target.device.type == "cuda" and torch.cuda.is_available()
+            host = torch.empty(target.shape, dtype=target.dtype, pin_memory=pin)
+            self._fill(ReadJob(job.name, host, want.offsets), verify=verify)
             target.copy_(host)
             return
-        if not target.is_contiguous():
-            tmp = torch.empty(target.shape, dtype=target.dtype)
-            self.read_into(ReadJob(job.name, tmp, offsets))
-            target.copy_(tmp)
-            return
         covered = 0
-        for loc in self.index.get(job.name, []):
-            covered += self._copy_overlap(job.name, loc, target, offsets)
+        for loc in self.locate(job.name, want):
+            part = intersection(loc.box, want)
+            if part is not None:
+                self._copy_part(job.name, loc, target, want, part, verify)
+                covered += part.numel
         if covered != target.numel():
             raise InvalidCheckpoint(
                 f"{self.storage.url}: tensor {job.name!r}: saved chunks cover {covered} of the "
                 f"{target.numel()} elements requested",
-                hint="shards are missing from this checkpoint; run `ckptctl verify --load`",
+                hint="shards are missing from this checkpoint; run `ckptctl verify`",
             )
 
-    def _entry(self, name: str):
-        try:
-            return self.manifest.tensors[name]
-        except KeyError:
-            raise StateError(
-                f"tensor {name!r} is not in checkpoint {self.storage.url}",
-                hint="pass strict=False to load the tensors that exist",
-            ) from None
-
-    def _copy_overlap(self, name: str, loc: Located, target: torch.Tensor, toff: tuple[int, ...]) -> int:
+    def _copy_part(self, name: str, loc: Located, target: torch.Tensor, want: Box, part: Box, verify: bool) -> None:
+        """Copy region ``part`` (global coordinates) of chunk ``loc`` into ``target`` (which
+        holds region ``want``), reading and hashing the whole chunk when ``verify``."""
         c = loc.chunk
-        lo = [max(a, b) for a, b in zip(c.offsets, toff)]
-        hi = [min(a + s, b + t) for a, s, b, t in zip(c.offsets, c.shape, toff, target.shape)]
-        if any(h <= l for l, h in zip(lo, hi)):
-            return 0
-        n = math.prod(h - l for l, h in zip(lo, hi))
-        whole_chunk = all(l == o and h == o + s for l, h, o, s in zip(lo, hi, c.offsets, c.shape))
-        if whole_chunk and tuple(c.shape) == tuple(target.shape):
-            return self._read_whole(name, loc, target)
-        row = math.prod(c.shape[1:]) * target.element_size()
-        r0, r1 = lo[0] - c.offsets[0], hi[0] - c.offsets[0]  # rows of the chunk we need
-        start = loc.data_start + c.begin + r0 * row
-        full_rows = all(l == o and h == o + s for l, h, o, s in zip(lo[1:], hi[1:], c.offsets[1:], c.shape[1:]))
-        same_rows = tuple(target.shape[1:]) == tuple(c.shape[1:])
-        if full_rows and same_rows:
-            # Row-sharded on both sides (FSDP-style): the overlap is contiguous in the file and
-            # in the target, so it is read straight into place.
-            t0 = lo[0] - toff[0]
-            self._pread(loc.file, start, _bytes_of(target[t0 : t0 + (r1 - r0)]))
-            return n
-        tmp = torch.empty((r1 - r0, *c.shape[1:]), dtype=target.dtype)
-        self._pread(loc.file, start, _bytes_of(tmp))
-        src = tmp[(slice(None),) + tuple(slice(l - o, h - o) for l, h, o in zip(lo[1:], hi[1:], c.offsets[1:]))]
-        dst = target[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, toff))]
-        dst.copy_(src)
-        return n
+        verify = verify and c.checksum is not None
+        cbox = loc.box
+        dst = target[part.relative_to(want).slices()]
+        in_chunk = part.relative_to(cbox)
+        rows = cbox.shape[0] if cbox.ndim else 1
+        row_bytes = (c.end - c.begin) // max(rows, 1)
+        r0, r1 = (in_chunk.offsets[0], in_chunk.end[0]) if cbox.ndim else (0, 1)
+        whole_rows = cbox.ndim == 0 or in_chunk.shape[1:] == cbox.shape[1:]
+        start, end = loc.byte_range
+        if whole_rows and contiguous_in(part.relative_to(want), Box((0,) * want.ndim, want.shape)) and dst.is_contiguous():
+            # The needed rows are one run in the file and in the target: read them in place.
+            lo, hi = start + r0 * row_bytes, start + r1 * row_bytes
+            h = Hasher() if verify else None
+            if h is not None:
+                self._hash_range(loc.file, start, lo, h)
+            mid = tensor_bytes(dst)
+            self._pread(loc.file, lo, mid)
+            if h is not None:
+                h.update(mid)
+                self._hash_range(loc.file, hi, end, h)
+                self._check(loc, h.hexdigest(), name)
+            return
+        # Rows through the piece buffer; the needed columns of each are copied out of it.
+        first, last = (0, rows) if verify else (r0, r1)
+        step = max(1, VERIFY_PIECE // max(row_bytes, 1))
+        h = Hasher() if verify else None
+        cols = in_chunk.slices()[1:]
+        for a in range(first, last, step):
+            b = min(a + step, last)
+            piece = self._piece((b - a) * row_bytes)
+            self._pread(loc.file, start + a * row_bytes, piece)
+            if h is not None:
+                h.update(piece)
+            lo, hi = max(a, r0), min(b, r1)
+            if lo < hi:
+                rows_view = torch.frombuffer(piece, dtype=target.dtype).view(b - a, *cbox.shape[1:])
+                dst[lo - r0 : hi - r0].copy_(rows_view[(slice(lo - a, hi - a), *cols)])
+        if h is not None:
+            self._check(loc, h.hexdigest(), name)
 
-    def _read_whole(self, name: str, loc: Located, target: torch.Tensor) -> int:
+    def _hash_range(self, file: str, lo: int, hi: int, h: Hasher) -> None:
+        for pos in range(lo, hi, VERIFY_PIECE):
+            piece = self._piece(min(VERIFY_PIECE, hi - pos))
+            self._pread(file, pos, piece)
+            h.update(piece)
+
+    def _piece(self, n: int) -> memoryview:
+        """This thread's piece buffer, ``n`` bytes of it (grown when needed: one row may be
+        larger than ``VERIFY_PIECE``)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = bytearray(max(n, 1))
+        return memoryview(buf)[:n]
+
+    def _check(self, loc: Located, got: str, name: str | None = None) -> None:
         c = loc.chunk
-        buf = _bytes_of(target)
-        self._pread(loc.file, loc.data_start + c.begin, buf)
-        if self.verify_checksums and c.checksum is not None and digest(buf) != c.checksum:
+        if self.verify_checksums and c.checksum is not None and got != c.checksum:
+            start, end = loc.byte_range
             raise InvalidCheckpoint(
-                f"{self.storage.url_of(loc.file)}: tensor {name!r} (bytes {loc.data_start + c.begin}-"
-                f"{loc.data_start + c.end}) does not match its checksum",
+                f"{self.storage.url_of(loc.file)}: tensor {name or c.name!r} (bytes {start}-{end}) "
+                "does not match its checksum",
                 hint="the shard is corrupt; resume from an older checkpoint (`ckptctl latest`)",
             )
-        return target.numel()
+
+    # --- files ------------------------------------------------------------------------------
 
     def _pread(self, file: str, offset: int, out: memoryview) -> None:
         if len(out):
@@ -197,6 +253,7 @@ class CheckpointReader:
             return r
 
     def close(self) -> None:
+        """Close every file this reader opened; it may be used again (files reopen on demand)."""
         with self._lock:
             for r in self._readers.values():
                 r.close()
@@ -207,11 +264,3 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (any dtype)."""
-    if t.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-

@@ -13,9 +13,11 @@ One save's exchange, in order:
    the error that stopped its write, the digest of its state's structure, a few timings).
 3. Rank 0 decides: fail (naming the failing ranks), or commit (manifest, then marker), or,
    only when some rank re-planned (the state's structure changed) or the last save failed,
-   plan first: then a ``reduce`` of each rank's per-tensor (chunks, elements) lets rank 0
-   count every tensor's chunks for the manifest and check that every tensor is covered
-   exactly once, and commit.
+   plan first: then a ``reduce`` of each rank's per-tensor (chunks, elements, regular,
+   owner) lets rank 0 count every tensor's chunks for the manifest, check that every tensor
+   is covered exactly once, record where each tensor's chunks are when a rule says so (the
+   manifest's placement hints, which let a loading rank open only the shards it needs), and
+   commit.
 4. One ``broadcast`` of the outcome; every rank's ``wait()`` returns the same URL or raises
    the same error. In the steady state a save costs the barrier, one gather and one
    broadcast, whatever the number of tensors.
@@ -47,12 +49,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ckptctl.errors import CkptError, CoordinationError, UsageError
+from ckptctl.errors import CoordinationError, UsageError
+from ckptctl.format.geometry import numel
 from ckptctl.format.manifest import FileEntry, TensorEntry
 from ckptctl.save.barrier import StoreBarrier
 from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, first_line
 from ckptctl.save.messages import ANSWER_BYTES, REPORT_BYTES, RankReport, pack, unpack
-from ckptctl.save.plan import Plan, numel
+from ckptctl.save.replicas import NAMED, bounds, combined, differing, replica_message
+from ckptctl.save.replicas import ranks_text as _ranks
+from ckptctl.save.shard_layout import ShardLayout
 
 DEFAULT_TIMEOUT_S = 900.0
 
@@ -83,8 +88,8 @@ class Coordinator:
         self.timeout = timedelta(seconds=timeout_s)
         self.liveness_s = liveness_s
         self.broken: str | None = None  # why the group cannot be used any more
-        self._last_plan: Plan | None = None  # the plan of the last committed save
-        self._tensors: dict[str, TensorEntry] | None = None  # rank 0: checked table of that plan
+        self._last_layout: ShardLayout | None = None  # the layout of the last committed save
+        self._tensors: dict[str, TensorEntry] | None = None  # rank 0: checked table of that layout
         self._structure: str | None = None
         self._store_barrier: StoreBarrier | None = None  # None: gloo's monitored_barrier instead
         self._heartbeat: Heartbeat | None = None
@@ -115,7 +120,11 @@ class Coordinator:
         if coord.world_size > 1 and clone is not None:
             coord._heartbeat = Heartbeat(clone(), coord.rank, coord.world_size, liveness_s)
         if store is not None:
-            coord._store_barrier = StoreBarrier(store, coord.rank, coord.world_size, coord.timeout, coord._heartbeat)
+            # A connection of its own: a blocking wait holds its client's lock, and on the
+            # default connection it would stall the training thread's new_group() or lazy NCCL
+            # set-up until the slowest rank finished writing.
+            own = clone() if clone is not None else store
+            coord._store_barrier = StoreBarrier(own, coord.rank, coord.world_size, coord.timeout, coord._heartbeat)
         return coord
 
     def close(self) -> None:
@@ -129,36 +138,44 @@ class Coordinator:
     # --- one save ---------------------------------------------------------------------------
 
     def finish(
-        self, step: int, file: FileEntry | None, error: str | None, plan: Plan, stats: dict[str, float], commit: CommitFn
+        self, step: int, file: FileEntry | None, error: str | None, layout: ShardLayout, stats: dict[str, float], commit: CommitFn,
+        replicas: list[int] | None = None,
     ) -> str:
         """Agree on the outcome of ``step`` once this rank's write is over (``file`` written, or
         ``error``); returns the committed URL or raises ``CoordinationError`` naming the
-        ranks that failed. Rank 0 calls ``commit`` when, and only when, every rank succeeded."""
+        ranks that failed. Rank 0 calls ``commit`` when, and only when, every rank succeeded.
+        ``replicas``: this rank's digest of each replicated tensor, by ``layout.table`` entry
+        (0: not hashed; see ``save.replicas``); a save whose replicas differ fails, naming the
+        tensors and the ranks."""
         if self.broken is not None:
             raise CoordinationError(
                 f"step {step}: cannot coordinate: {self.broken}",
                 hint="a rank was lost during an earlier save; restart the job and resume with load_latest",
             )
-        report = RankReport(self.rank, step, file, error, plan.structure, plan is not self._last_plan, stats)
+        digests = replicas if replicas is not None and len(replicas) == len(layout.table) else [0] * len(layout.table)
+        report = RankReport(self.rank, step, file, error, layout.structure, layout is not self._last_layout, stats,
+                            combined(digests))
         self._barrier(step)
         gathered = self._gather(step, asdict(report))
         # Rank 0 decides and, in the steady state, commits before answering: one broadcast.
         answer = None
         if self.rank == 0:
-            answer = self._decide(gathered, plan)
+            answer = self._decide(gathered, layout)
             if answer[0] == "commit":
                 answer = self._commit(step, gathered, commit)
         action, message = self._broadcast(step, answer)
+        if action == "replicas":
+            action, message = self._replica_round(step, layout, gathered, digests, commit)
         if action == "plan":
-            action, message = self._plan_round(step, plan, gathered, commit)
+            action, message = self._plan_round(step, layout, gathered, commit)
         if action != "ok":
-            self._last_plan = None  # the next save re-checks the plan from scratch
+            self._last_layout = None  # the next save re-checks the layout from scratch
             raise CoordinationError(message, hint="no marker was written; the partial directory is left for `ckptctl prune`")
-        self._last_plan = plan
+        self._last_layout = layout
         return message
 
-    def _decide(self, gathered: list | None, plan: Plan) -> tuple[str, str]:
-        """Rank 0: fail, plan, or commit; from the gathered reports alone."""
+    def _decide(self, gathered: list | None, layout: ShardLayout, *, replicas_checked: bool = False) -> tuple[str, str]:
+        """Rank 0: fail, compare replicas, plan, or commit; from the gathered reports alone."""
         reports = [RankReport(**{**r, "file": FileEntry(**r["file"]) if r["file"] else None}) for r in gathered or []]
         failed = [r for r in reports if r.error is not None]
         if failed:
@@ -174,17 +191,46 @@ class Coordinator:
                 f"step {steps[0]}: the state's tensors (names, dtypes or global shapes) differ between "
                 f"rank 0 and {_ranks(odd)}; every rank must save the same state structure"
             )
-        if any(r.replanned for r in reports) or self._structure != plan.structure:
+        if not replicas_checked and len({r.replicas for r in reports}) > 1:
+            return "replicas", ""
+        if any(r.replanned for r in reports) or self._structure != layout.structure:
             return "plan", ""
         return "commit", ""
 
-    def _plan_round(self, step: int, plan: Plan, gathered: list | None, commit: CommitFn) -> tuple[str, str]:
+    def _replica_round(self, step: int, layout: ShardLayout, gathered: list | None, digests: list[int], commit: CommitFn) -> tuple[str, str]:
+        """The ranks' combined replica digests differ: find which tensors differ (a MIN and a
+        MAX reduce of the per-tensor digests: O(tensors) at rank 0), then which ranks hold
+        which copy of up to ``NAMED`` of them (a gather of that many digests per rank). A
+        tensor one rank did not hash (0) is not compared. No difference after all (ranks hashed
+        different sets): rank 0 goes on as ``_decide`` would."""
+        lo, hi = bounds(digests)
+        self._collective(step, "reduce", lambda: dist.reduce(lo, group=self.group, group_dst=0, op=dist.ReduceOp.MIN))
+        self._collective(step, "reduce", lambda: dist.reduce(hi, group=self.group, group_dst=0, op=dist.ReduceOp.MAX))
+        which = differing(lo, hi, NAMED) if self.rank == 0 else torch.empty(NAMED, dtype=torch.int64)
+        self._collective(step, "broadcast", lambda: dist.broadcast(which, group=self.group, group_src=0))
+        mine = torch.tensor([digests[i] if i >= 0 else 0 for i in which.tolist()], dtype=torch.int64)
+        out = [torch.empty(NAMED, dtype=torch.int64) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._collective(step, "gather", lambda: dist.gather(mine, out, group=self.group, group_dst=0))
+        answer = None
+        if self.rank == 0:
+            assert out is not None
+            named = [i for i in which.tolist() if i >= 0]
+            if named:
+                answer = ("fail", replica_message(step, [layout.table[i].name for i in named],
+                                                  [[int(t[k]) for t in out] for k in range(len(named))], lo, hi))
+            else:
+                answer = self._decide(gathered, layout, replicas_checked=True)
+                if answer[0] == "commit":
+                    answer = self._commit(step, gathered, commit)
+        return self._broadcast(step, answer)
+
+    def _plan_round(self, step: int, layout: ShardLayout, gathered: list | None, commit: CommitFn) -> tuple[str, str]:
         """Sum every rank's (chunks, elements) per tensor at rank 0, check coverage, commit."""
-        cov = torch.tensor(plan.coverage or [], dtype=torch.int64).reshape(len(plan.table), 2)
+        cov = torch.tensor(layout.coverage or [], dtype=torch.int64).reshape(len(layout.table), 4)
         self._collective(step, "reduce", lambda: dist.reduce(cov, group=self.group, group_dst=0))
         answer = None
         if self.rank == 0:
-            answer = self._check_coverage(step, plan, cov)
+            answer = self._check_coverage(step, layout, cov)
             if answer[0] == "commit":
                 answer = self._commit(step, gathered, commit)
         return self._broadcast(step, answer)
@@ -205,20 +251,26 @@ class Coordinator:
         action, message = unpack(buf)
         return action, message
 
-    def _check_coverage(self, step: int, plan: Plan, cov: torch.Tensor) -> tuple[str, str]:
+    def _check_coverage(self, step: int, layout: ShardLayout, cov: torch.Tensor) -> tuple[str, str]:
         tensors: dict[str, TensorEntry] = {}
         bad: list[str] = []
-        for meta, (chunks, elements) in zip(plan.table, cov.tolist()):
+        for meta, (chunks, elements, regular, owner1) in zip(layout.table, cov.tolist()):
             if elements != numel(meta.shape):
                 bad.append(f"{meta.name!r} ({elements} of {numel(meta.shape)} elements)")
-            tensors[meta.name] = TensorEntry(meta.dtype, meta.shape, meta.group, int(chunks))
+            # Placement hints (see ``shard_layout.placement_columns``): with coverage exact, one
+            # whole chunk names its owner, and every chunk on its rank's block proves the split.
+            owner = int(owner1) - 1 if chunks == 1 and owner1 > 0 else None
+            split = None
+            if owner is None and chunks > 0 and regular == chunks and meta.shape:
+                split = (0, -(-meta.shape[0] // self.world_size))
+            tensors[meta.name] = TensorEntry(meta.dtype, meta.shape, meta.group, int(chunks), owner, split)
         if bad:
             return "fail", (
                 f"step {step}: the ranks' shards do not cover {len(bad)} tensors exactly once, e.g. "
                 + ", ".join(bad[:3])
                 + "; a tensor assumed replicated may have a different shape on some rank"
             )
-        self._tensors, self._structure = tensors, plan.structure
+        self._tensors, self._structure = tensors, layout.structure
         return "commit", ""
 
     def _commit(self, step: int, gathered: list | None, commit: CommitFn) -> tuple[str, str]:
@@ -232,8 +284,8 @@ class Coordinator:
         stats["ranks"] = float(len(gathered))
         try:
             return "ok", commit(files, self._tensors, stats)
-        except (CkptError, OSError) as e:
-            return "fail", f"step {step}: rank 0 could not commit: {e}"
+        except Exception as e:  # any failure must reach every rank, or they would wait on rank 0
+            return "fail", f"step {step}: rank 0 could not commit: {type(e).__name__}: {e}"
 
     # --- loading ----------------------------------------------------------------------------
 
@@ -319,10 +371,3 @@ def _side_channel(group: "dist.ProcessGroup") -> "dist.Store | None":
         return dist.PrefixStore(f"ckptctl/{group.group_name}/", _get_default_store())
     except (ImportError, AttributeError, ValueError, RuntimeError):
         return None
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    shown = ", ".join(map(str, ranks[:16]))
-    return f"ranks {shown}" + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

@@ -24,9 +24,10 @@ class RankReport:
     step: int
     file: FileEntry | None  # None when the write failed
     error: str | None
-    structure: str  # digest of the state's global structure (plan.structure_digest)
-    replanned: bool  # its plan changed since the last committed save
+    structure: str  # digest of the state's global structure (shard_layout.structure_digest)
+    replanned: bool  # its layout changed since the last committed save
     stats: dict[str, float]
+    replicas: str = ""  # combined digest of its replicated tensors (``replicas.combined``); "" if none
 
 
 REPORT_BYTES = 1024  # one rank's report: ~350 bytes, plus room for an error message

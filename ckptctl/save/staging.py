@@ -1,147 +1,370 @@
 """Host staging: the one copy made on the training thread.
 
 One reusable uint8 buffer laid out exactly like the shard's data section, so the writer thread
-writes it to storage as it is, with no second copy. It is allocated once and reused while it is
-large enough; for accelerator tensors it is pinned (page-locked) so device-to-host copies run
-at full bandwidth and can be issued asynchronously on a side stream.
+writes it to storage as it is, with no second copy. It is mapped once with exactly the
+layout's size and reused while it is large enough. For accelerator state it is page-locked
+by us, in chunks, and unlocked on ``release`` or when it must grow (``ckptctl.state.pinned``
+says why torch's pinned allocator is not used); if locking fails the save goes on through
+ordinary memory, with one warning.
 
-The first snapshot pays for faulting the buffer's pages in (or, for accelerator state, for
-pinning them), unless ``prepare`` did that earlier on a background thread: the training job
-calls ``Checkpointer.prepare`` (or ``load_latest`` does) long before its first save.
+The first snapshot pays for faulting the buffer's pages in (and for pinning them), unless
+``prepare`` did that earlier on a background thread: the training job calls
+``Checkpointer.prepare`` (or ``load_latest`` does) long before its first save.
 
-Ordinary pages by default. Huge pages (``CKPTCTL_HUGEPAGES=1``: an anonymous mapping advised
-MADV_HUGEPAGE) fault in faster when the kernel has free ones, and much slower when it must
-compact memory to find them: on the 2-core dev VM a first 1 GiB copy took 63 ms into huge pages
-after a free, 500-1,700 ms when compaction was needed, and a steady ~200 ms into ordinary
-pages (54 ms into resident memory). A predictable first save is worth more than a fast one
-now and then, and steady copies were no faster on huge pages.
+Device-to-host copies, and why they are grouped by device: a copy's ``copy_`` is queued on the
+*current stream of the source tensor's device*, and ``torch.cuda.stream(s)`` makes ``s``
+current only on ``s``'s own device. So each source device gets a side stream of its own
+(created under that device), which first waits for that device's current (compute) stream, so
+every kernel queued before ``save()`` lands in the snapshot; the copies are issued under that
+device with its stream current, and every stream used is synchronized before ``snapshot``
+returns, so the training loop may change its tensors as soon as it does.
+
+Ordinary pages by default. Huge pages (``CKPTCTL_HUGEPAGES=1``: the mapping is advised
+MADV_HUGEPAGE) fault in faster when the kernel has free ones, and several times slower when it
+must compact memory to find them (figures: ``docs/decisions.md``, "Staging on ordinary pages").
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import AbstractSet, Any, Callable, Mapping
 
 import torch
 
-from ckptctl.save.plan import Plan, view
-from ckptctl.state.capture import SavedTensor
+from ckptctl.save.shard_layout import ShardLayout, Slot, view
+from ckptctl.state.pinned import CudaRegistrar, HostRegion, Registrar, split_at
+from ckptctl.state.placement import SavedTensor
+from ckptctl.state.roles import role_of
 
 log = logging.getLogger("ckptctl")
 
+# Makes the registrar that page-locks host memory for copies from device ``index``.
+RegistrarFor = Callable[[int], Registrar]
+
+HOST = -1  # the group key of slots whose source is already in host memory
+
 
 class StagingBuffer:
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-        self._pinned = False
-        self._stream: "torch.cuda.Stream | None" = None
-        self._coming: "tuple[Future[torch.Tensor], bool] | None" = None  # (buffer, pinned) from prepare
+    """The reusable host buffer of one rank's saves.
 
-    def prepare(self, plan: Plan) -> bool:
-        """Allocate the buffer for ``plan`` and fault its pages in (or pin them) on a background
-        thread, so that the next snapshot only copies. Returns False when there is nothing to
-        do: a large enough buffer exists or is already being prepared."""
-        pin = _wants_pinned(plan)
-        if self._coming is not None or self._fits(plan, pin):
+    ``registrar_for`` injects how memory is page-locked (default: CUDA's ``cudaHostRegister``
+    when CUDA is available); with it given, pinning is attempted whenever the layout holds
+    accelerator state, which lets the whole ownership sequence run without a GPU."""
+
+    def __init__(self, *, registrar_for: RegistrarFor | None = None) -> None:
+        self._registrar_for = registrar_for
+        self._region: HostRegion | None = None
+        self._pin_asked = False  # whether _region was made asking for pinning (a failure is not retried)
+        self._streams: dict[int, "torch.cuda.Stream"] = {}
+        self._coming: "tuple[Future[HostRegion], bool] | None" = None  # (region, pin asked) from prepare
+        self.fence: CopyFence | None = None  # copies the last snapshot left in flight (overlap)
+
+    # --- the buffer ----------------------------------------------------------------------
+
+    def prepare(self, layout: ShardLayout, tensors: Mapping[str, SavedTensor] | None = None) -> bool:
+        """Map the buffer for ``layout``, fault its pages in and pin them on a background
+        thread, so that the next snapshot only copies. ``tensors`` (optional) tell which GPU
+        the state lives on. Returns False when there is nothing to do: a large enough buffer
+        exists or is already being prepared."""
+        pin = self._wants_pinned(layout)
+        if self._coming is not None or self._fits(layout, pin):
             return False
-        self._buf = None  # the old one is too small: free it before allocating its replacement
-        ready: "Future[torch.Tensor]" = Future()
-        # The current CUDA device is per thread: pin under the caller's (the rank's own GPU),
-        # never under the new thread's default, device 0.
-        device = torch.cuda.current_device() if pin else None
+        self.settle()
+        self._drop_region()  # the old one is too small: unmap it before mapping its replacement
+        ready: "Future[HostRegion]" = Future()
+        # The current CUDA device is per thread: choose it here, on the caller's thread.
+        registrar = self._registrar(tensors) if pin else None
 
         def work() -> None:
             try:
-                with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-                    ready.set_result(_fault_in(_allocate(max(plan.nbytes, 1), pin), pin))
-            except (MemoryError, OSError, RuntimeError) as e:  # what mmap and torch raise
+                ready.set_result(HostRegion(layout.nbytes, registrar=registrar, fault_in=True))
+            except BaseException as e:  # noqa: BLE001 - any failure must reach reserve(), which waits on it
                 ready.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise
 
         threading.Thread(target=work, name="ckptctl-prefault", daemon=True).start()
         self._coming = (ready, pin)
         return True
 
-    def reserve(self, plan: Plan) -> torch.Tensor:
-        """A buffer of at least ``plan.nbytes``, reused while it is large enough: only the first
-        snapshot faults pages in (unless prepared); later ones copy into resident memory."""
+    def reserve(self, layout: ShardLayout, tensors: Mapping[str, SavedTensor] | None = None) -> torch.Tensor:
+        """A buffer of at least ``layout.nbytes``, reused while it is large enough: only the
+        first snapshot faults pages in and pins them (unless prepared); later ones copy into
+        resident memory."""
         if self._coming is not None:  # wait for the prepared buffer rather than make a second
-            (ready, pinned), self._coming = self._coming, None
+            (ready, pin), self._coming = self._coming, None
             try:
-                self._buf, self._pinned = ready.result(), pinned
-            except (MemoryError, OSError, RuntimeError) as e:
+                self._region, self._pin_asked = ready.result(), pin
+            except Exception as e:  # reported, then the buffer is mapped here: the save goes on
                 log.warning("could not prepare the staging buffer in advance (%s); allocating it now", e)
-        pin = _wants_pinned(plan)
-        if not self._fits(plan, pin):
-            self._buf = None  # free the old one before allocating its replacement
-            self._buf = _allocate(max(plan.nbytes, 1), pin)
-            self._pinned = pin
-        assert self._buf is not None
-        return self._buf
+        pin = self._wants_pinned(layout)
+        if not self._fits(layout, pin):
+            self.settle()  # no copy may still be landing in the buffer about to be unmapped
+            self._drop_region()  # unlock and unmap the old one before mapping its replacement
+            registrar = self._registrar(tensors) if pin else None
+            self._region, self._pin_asked = HostRegion(layout.nbytes, registrar=registrar), pin
+        assert self._region is not None
+        return self._region.tensor
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffer held is page-locked (staging for GPU state)."""
+        return self._region is not None and self._region.pinned
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes this buffer holds page-locked now: the layout's size, or 0."""
+        return self._region.pinned_bytes if self._region is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer held (0 when none)."""
+        return self._region.nbytes if self._region is not None else 0
 
     @property
     def held(self) -> bool:
         """Whether a buffer is held or being prepared."""
-        return self._buf is not None or self._coming is not None
+        return self._region is not None or self._coming is not None
 
-    def _fits(self, plan: Plan, pin: bool) -> bool:
-        return self._buf is not None and self._buf.numel() >= plan.nbytes and self._pinned == pin
+    def _wants_pinned(self, layout: ShardLayout) -> bool:
+        return layout.needs_pinned and (self._registrar_for is not None or torch.cuda.is_available())
 
-    def snapshot(self, plan: Plan, tensors: dict[str, SavedTensor]) -> torch.Tensor:
+    def _fits(self, layout: ShardLayout, pin: bool) -> bool:
+        r = self._region
+        return r is not None and r.nbytes >= layout.nbytes and self._pin_asked == pin
+
+    def _registrar(self, tensors: Mapping[str, SavedTensor] | None) -> Registrar:
+        device = pin_device(
+            [t.data.device for t in tensors.values()] if tensors else [],
+            local_rank=os.environ.get("LOCAL_RANK"),
+            device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            current=torch.cuda.current_device() if torch.cuda.is_available() else 0,
+        )
+        return (self._registrar_for or CudaRegistrar)(device)
+
+    def _drop_region(self) -> None:
+        region, self._region = self._region, None
+        if region is not None:
+            region.release()
+
+    # --- the copies ----------------------------------------------------------------------
+
+    def snapshot(
+        self, layout: ShardLayout, tensors: Mapping[str, SavedTensor], *, deferred: AbstractSet[str] = frozenset()
+    ) -> torch.Tensor:
         """Copy every tensor into the buffer; returns when the copies are complete, so the
-        training loop may modify its tensors as soon as this returns."""
-        buf = self.reserve(plan)
-        if not plan.needs_pinned:
-            for slot in plan.slots:
+        training loop may modify its tensors as soon as this returns.
+
+        ``deferred`` (the opt-in overlap, see ``overlap_plan``): names of GPU tensors whose
+        copies may still be in flight when this returns; ``self.fence`` then holds the events
+        that mark their end (``CopyFence``). Every other copy is complete on return."""
+        self.settle()
+        buf = self.reserve(layout, tensors)
+        if not layout.needs_pinned:
+            for slot in layout.slots:
                 view(buf, slot).copy_(tensors[slot.name].data)
             return buf
-        self._snapshot_device(plan, tensors, buf)
+        groups = group_by_device(layout.slots, {n: t.data.device for n, t in tensors.items()})
+        boundaries = self._region.boundaries if self._region is not None else ()
+        used: list["torch.cuda.Stream"] = []
+        now: list["torch.cuda.Event"] = []  # per device: its synchronous copies are done
+        later: dict[int, "torch.cuda.Event"] = {}  # per device: its deferred copies are done too
+        ok = False
+        try:
+            for index, slots in groups.items():
+                if index == HOST:
+                    continue
+                stream = self._stream_on(index)
+                used.append(stream)
+                with torch.cuda.device(index):
+                    stream.wait_stream(torch.cuda.current_stream(index))
+                    with torch.cuda.stream(stream):
+                        # Synchronous copies first: the host waits only for them.
+                        for slot in (s for s in slots if s.name not in deferred):
+                            _copy_device_slot(buf, slot, tensors[slot.name].data, boundaries)
+                        late = [s for s in slots if s.name in deferred]
+                        if late:
+                            now.append(stream.record_event())
+                            for slot in late:
+                                src = tensors[slot.name].data
+                                # The training loop may free it before the copy has read it:
+                                # the allocator must not hand its memory out before then.
+                                src.record_stream(stream)
+                                _copy_device_slot(buf, slot, src, boundaries)
+                            later[index] = stream.record_event()
+            # Host-resident tensors are copied while the device copies are in flight.
+            for slot in groups.get(HOST, ()):
+                view(buf, slot).copy_(tensors[slot.name].data)
+            ok = True
+        finally:
+            if not ok or not later:  # a failure leaves no copy landing in buf behind it
+                for stream in used:
+                    stream.synchronize()
+            else:
+                for index, stream in zip((i for i in groups if i != HOST), used):
+                    if index not in later:
+                        stream.synchronize()
+                for event in now:
+                    event.synchronize()
+        self.fence = CopyFence(later) if ok and later else None
         return buf
 
-    def _snapshot_device(self, plan: Plan, tensors: dict[str, SavedTensor], buf: torch.Tensor) -> None:
-        # Copies go on a side stream that first waits for the compute stream (so pending
-        # kernels that write the tensors finish first); non_blocking D2H into pinned memory
-        # overlaps copies; one synchronize at the end makes the snapshot consistent.
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for slot in plan.slots:
-                src = tensors[slot.name].data
-                view(buf, slot).copy_(src, non_blocking=src.device.type == "cuda")
-        self._stream.synchronize()
+    def settle(self) -> None:
+        """Wait for copies a previous snapshot left in flight (no-op without the overlap)."""
+        fence, self.fence = self.fence, None
+        if fence is not None:
+            fence.synchronize()
+
+    def _stream_on(self, index: int) -> "torch.cuda.Stream":
+        stream = self._streams.get(index)
+        if stream is None:
+            # A stream belongs to the device current when it is made: make it under ``index``.
+            with torch.cuda.device(index):
+                stream = self._streams[index] = torch.cuda.Stream()
+        return stream
 
     def release(self) -> None:
-        self._buf = None
-        self._stream = None
-        self._coming = None  # a background preparation finishes, then its buffer is freed
+        """Unlock and unmap the buffer (the caller has drained every write that reads it). A
+        preparation still running releases its buffer as soon as it is done."""
+        self.settle()
+        self._drop_region()
+        self._streams = {}
+        if self._coming is not None:
+            (ready, _), self._coming = self._coming, None
+            ready.add_done_callback(_release_prepared)
 
 
-def _wants_pinned(plan: Plan) -> bool:
-    return plan.needs_pinned and torch.cuda.is_available()
+def _release_prepared(ready: "Future[HostRegion]") -> None:
+    if ready.exception() is None:
+        ready.result().release()
 
 
-def _fault_in(buf: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """Touch one byte per page so the kernel backs the whole buffer now. Pinned memory is
-    resident already. torch releases the GIL while it writes, so the training thread runs on."""
-    if not pinned:
-        buf[:: mmap.PAGESIZE].fill_(0)
-    return buf
+def _copy_device_slot(buf: torch.Tensor, slot: Slot, src: torch.Tensor, boundaries: tuple[int, ...]) -> None:
+    """Queue the copy of one device tensor into its slot on the current (side) stream, split
+    so that no single copy crosses from one page-locked chunk into the next."""
+    if slot.begin == slot.end:
+        return
+    if not src.is_contiguous():
+        # torch would do the same inside copy_ (a device-to-host copy needs a dense source):
+        # a full-size temporary on the source GPU. Made here, explicitly, on the side stream
+        # (the current stream in this context), so the allocator reuses its block for the
+        # next non-contiguous tensor in stream order: at most one such temporary is live.
+        src = src.contiguous()
+    flat = src.reshape(-1).view(torch.uint8)
+    for begin, end in split_at(slot.begin, slot.end, boundaries):
+        buf[begin:end].copy_(flat[begin - slot.begin : end - slot.begin], non_blocking=True)
 
 
-def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
-    if pin:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < (2 << 20) or os.environ.get("CKPTCTL_HUGEPAGES", "0") != "1":
-        return torch.empty(nbytes, dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(advice)
-    except OSError:  # THP disabled in this kernel: ordinary pages still work
-        pass
-    # The tensor keeps ``region`` alive; the mapping is unmapped when the tensor is freed.
-    return torch.frombuffer(region, dtype=torch.uint8)
+def group_by_device(slots: tuple[Slot, ...], devices: Mapping[str, torch.device]) -> dict[int, list[Slot]]:
+    """The slots by source device: the CUDA device index, or ``HOST`` for tensors copied
+    synchronously (host memory, other accelerators). Order within a group is the layout's (ascending offsets)."""
+    groups: dict[int, list[Slot]] = {}
+    for slot in slots:
+        d = devices[slot.name]
+        # Other accelerators (MPS, XPU) have no side stream here: their copy_ to the host
+        # is synchronous, so they are copied like host tensors.
+        key = (d.index if d.index is not None else _current_or_zero()) if d.type == "cuda" else HOST
+        groups.setdefault(key, []).append(slot)
+    return groups
+
+
+def _current_or_zero() -> int:
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def pin_device(devices: list[torch.device], *, local_rank: str | None, device_count: int, current: int) -> int:
+    """The CUDA device under which to page-lock the buffer: the first GPU a tensor lives on;
+    else ``LOCAL_RANK`` (the common ``model.to(local_rank)`` without ``set_device`` leaves
+    the current device at 0 on every rank) when it names an existing device; else the
+    current one. Registering under a device creates its context if needed, which is why a
+    rank must never default to GPU 0."""
+    for d in devices:
+        if d.type == "cuda":
+            return d.index if d.index is not None else current
+    if local_rank is not None and local_rank.strip().isdigit() and int(local_rank) < device_count:
+        return int(local_rank)
+    return current
+
+
+# --- the opt-in overlap: copies that finish under forward/backward ---------------------------
+#
+# Opt-in (``Checkpointer(..., overlap_copies=True)``) and not measured on a GPU yet. A
+# parameter, or an optimizer's state tensor, changes only in that optimizer's ``step()``, so
+# its copy may run while the next forward/backward does; ``step()`` first waits for it (a
+# one-shot step pre-hook that makes each device's current stream wait for the copies' event:
+# no host stall). Everything else (module buffers such as BatchNorm's running statistics,
+# which forward changes; tensors of other keys; parameters no optimizer in the state steps)
+# is copied before ``save()`` returns. The writer waits for the event before it hashes.
+# Not covered: code that writes parameters in place outside ``step()`` (an EMA copied into the
+# weights, ``p.data.copy_`` by hand) before the next step; such jobs keep the default.
+
+
+@dataclass
+class CopyFence:
+    """The end of the copies a snapshot left in flight: one event per source device."""
+
+    events: dict[int, "torch.cuda.Event"]
+
+    def hold_streams(self) -> None:
+        """Make each device's *current* stream (the caller's) wait for the copies, without
+        blocking the host: kernels queued after this run after the copies have read."""
+        for index, event in self.events.items():
+            torch.cuda.current_stream(index).wait_event(event)
+
+    def synchronize(self) -> None:
+        """Block until every copy has landed in host memory."""
+        for event in self.events.values():
+            event.synchronize()
+
+
+def overlap_plan(state: Mapping[str, Any], tensors: Mapping[str, SavedTensor]) -> tuple[frozenset[str], list[Any]]:
+    """(names of the GPU tensors whose copies may be deferred, the optimizers whose ``step()``
+    must wait for them)."""
+    names = frozenset(n for n in stepped_by_optimizers(state, tensors) if tensors[n].data.device.type == "cuda")
+    return names, [v for v in state.values() if role_of(v) == "optimizer"] if names else []
+
+
+def stepped_by_optimizers(state: Mapping[str, Any], tensors: Mapping[str, SavedTensor]) -> frozenset[str]:
+    """The names of the model and optimizer tensors that only an optimizer of ``state``
+    changes: its parameters and its state tensors. A tensor counts as one of them when it
+    shares storage with one (the state dict helpers return detached views of the parameters,
+    DTensors their local shards). Module buffers, tensors of other keys, and parameters no
+    optimizer of the state steps are not."""
+    owned: set[int] = set()
+    for opt in (v for v in state.values() if role_of(v) == "optimizer"):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                owned.add(_storage_ptr(p))
+        for per_param in opt.state.values():
+            for v in per_param.values() if isinstance(per_param, dict) else ():
+                if isinstance(v, torch.Tensor):
+                    owned.add(_storage_ptr(v))
+    owned.discard(0)  # empty tensors have no memory: they match nothing
+    return frozenset(n for n, t in tensors.items() if t.group in ("model", "optimizer") and _storage_ptr(t.data) in owned)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", None)  # a DTensor parameter: its local shard's memory
+    return (local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr()
+
+
+def hold_steps(optimizers: list[Any], fence: CopyFence) -> list[Any]:
+    """Register on each optimizer a one-shot step pre-hook that holds its next step behind
+    ``fence``; returns the hooks' handles, which the caller removes (at the next save, or on
+    close): a hook cannot remove itself, because torch iterates over the hook dict while it
+    calls them."""
+    handles: list[Any] = []
+    for opt in optimizers:
+        fired = [False]
+
+        def hook(_opt: Any, _args: Any, _kwargs: Any, fired: list[bool] = fired) -> None:
+            if not fired[0]:  # one-shot: later steps do not wait on this save
+                fired[0] = True
+                fence.hold_streams()
+
+        handles.append(opt.register_step_pre_hook(hook))
+    return handles

@@ -5,10 +5,10 @@ Tensors are laid out by element size, largest first, then by name: every offset 
 multiple of its tensor's element size (so the staging buffer can be viewed as each dtype), and
 the layout does not depend on dict order.
 
-Across ranks, the plan also decides who writes what (``assign_replicated``): every rank's own
+Across ranks, the layout also decides who writes what (``assign_replicated``): every rank's own
 DTensor shards, and for tensors that every rank holds whole, exactly one writer chosen by size
 balancing. The choice is a pure function of the names and sizes, which every rank sees alike,
-so all ranks agree without communicating; the coordinator checks the result once per plan
+so all ranks agree without communicating; the coordinator checks the result once per layout
 (every tensor covered exactly, see ``coordination``).
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptctl.format import dtypes
-from ckptctl.state.capture import NONE, RANK0, REPLICATED, SavedTensor
+from ckptctl.state.placement import NONE, RANK0, REPLICATED, SavedTensor
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class TensorMeta:
+class GlobalTensor:
     """What the manifest says of one global tensor; the same on every rank."""
 
     name: str
@@ -48,24 +48,25 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ShardLayout:
     slots: tuple[Slot, ...]
     nbytes: int
-    signature: tuple  # what must not change for the plan to be reused
+    signature: tuple  # what must not change for the layout to be reused
     needs_pinned: bool  # any tensor lives on an accelerator
     # Every global tensor of the state, sorted by name (whether or not this rank writes it),
     # and a digest of that table: ranks compare digests, never the tables themselves.
-    table: tuple[TensorMeta, ...] = ()
+    table: tuple[GlobalTensor, ...] = ()
     structure: str = ""
-    # Per table entry, (chunks, elements) this rank writes: summed over ranks by the
-    # coordinator to count each tensor's chunks and check that it is covered exactly.
-    coverage: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    # Per table entry, (chunks, elements, regular, owner + 1) this rank writes: summed over
+    # ranks by the coordinator to count each tensor's chunks, check that it is covered
+    # exactly, and derive the manifest's placement hints (``placement_columns``).
+    coverage: tuple[tuple[int, int, int, int], ...] = field(default=(), repr=False)
 
 
 def signature_of(tensors: dict[str, SavedTensor]) -> tuple:
     """Cheap structural fingerprint: names, dtypes, shapes, placement. No data is read."""
     return tuple(
-        (n, t.data.dtype, tuple(t.data.shape), t.data.device.type, t.global_shape, t.offsets, t.group, t.kind)
+        (n, t.data.dtype, tuple(t.data.shape), t.data.device.type, t.global_shape, t.offsets, t.group, t.writer)
         for n, t in tensors.items()
     )
 
@@ -84,23 +85,23 @@ def assign_replicated(sizes: dict[str, int], world_size: int) -> dict[str, int]:
 
 def writes_here(tensors: dict[str, SavedTensor], rank: int, world_size: int) -> dict[str, SavedTensor]:
     """The tensors this rank writes into its shard."""
-    replicated = {n: t.data.numel() * t.data.element_size() for n, t in tensors.items() if t.kind == REPLICATED}
+    replicated = {n: t.data.numel() * t.data.element_size() for n, t in tensors.items() if t.writer == REPLICATED}
     owner = assign_replicated(replicated, world_size) if world_size > 1 else {}
     out = {}
     for n, t in tensors.items():
-        if t.kind == NONE:
+        if t.writer == NONE:
             continue
-        if world_size > 1 and t.kind == RANK0 and rank != 0:
+        if world_size > 1 and t.writer == RANK0 and rank != 0:
             continue
-        if t.kind == REPLICATED and owner.get(n, 0) != rank:
+        if t.writer == REPLICATED and owner.get(n, 0) != rank:
             continue
         out[n] = t
     return out
 
 
-def make_plan(
+def make_layout(
     tensors: dict[str, SavedTensor], signature: tuple | None = None, *, rank: int = 0, world_size: int = 1
-) -> Plan:
+) -> ShardLayout:
     mine = writes_here(tensors, rank, world_size)
     order = sorted(mine.items(), key=lambda kv: (-kv[1].data.element_size(), kv[0]))
     slots, pos = [], 0
@@ -109,10 +110,13 @@ def make_plan(
         slots.append(Slot(name, dtypes.name_of(t.data.dtype), tuple(t.data.shape), t.global_shape, t.offsets, t.group, pos, pos + n))
         pos += n
     table = tuple(
-        TensorMeta(n, dtypes.name_of(t.data.dtype), tuple(t.global_shape), t.group) for n, t in sorted(tensors.items())
+        GlobalTensor(n, dtypes.name_of(t.data.dtype), tuple(t.global_shape), t.group) for n, t in sorted(tensors.items())
     )
-    coverage = tuple((1, mine[m.name].data.numel()) if m.name in mine else (0, 0) for m in table)
-    return Plan(
+    coverage = tuple(
+        (1, mine[m.name].data.numel(), *placement_columns(mine[m.name], rank, world_size)) if m.name in mine else (0, 0, 0, 0)
+        for m in table
+    )
+    return ShardLayout(
         slots=tuple(slots),
         nbytes=pos,
         signature=signature if signature is not None else signature_of(tensors),
@@ -123,7 +127,23 @@ def make_plan(
     )
 
 
-def structure_digest(table: tuple[TensorMeta, ...]) -> str:
+def placement_columns(t: SavedTensor, rank: int, world_size: int) -> tuple[int, int]:
+    """(regular, owner + 1) for the chunk this rank writes of ``t``. ``regular`` is 1 when the
+    chunk is exactly rank ``rank``'s block of an even split of dim 0 (FSDP2 ``Shard(0)``:
+    rows [r*b, (r+1)*b), b = ceil(rows / world_size)); ``owner + 1`` is nonzero when it is the
+    whole tensor. Summed over ranks, they prove a placement rule for every chunk at once, so
+    rank 0 records it in the manifest from O(tensors) numbers (``coordination``)."""
+    shape, local, offs = tuple(t.global_shape), tuple(t.data.shape), tuple(t.offsets)
+    owner = rank + 1 if local == shape and not any(offs) else 0
+    regular = 0
+    if shape and shape[0] > 0:
+        b = -(-shape[0] // max(world_size, 1))
+        rows = max(0, min(b, shape[0] - rank * b))
+        regular = int(local == (rows, *shape[1:]) and offs == (rank * b, *(0,) * (len(shape) - 1)))
+    return regular, owner
+
+
+def structure_digest(table: tuple[GlobalTensor, ...]) -> str:
     h = hashlib.sha256()
     for m in table:
         h.update(f"{m.name}\0{m.dtype}\0{','.join(map(str, m.shape))}\0{m.group}\n".encode())

@@ -1,0 +1,25 @@
+"""Loading one committed checkpoint into a training state, as one rank of a job of any size.
+
+``load_checkpoint`` opens the checkpoint (marker, manifest, the shard headers it needs), reads
+every tensor of the state into place, checking the checksum of every chunk it reads from, and
+restores the rest of the state. Choosing *which* checkpoint to load, and agreeing on it across
+ranks, is ``ckptctl.Checkpointer.load_latest``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl.load.into_state import load_into
+from ckptctl.load.reader import CheckpointReader
+from ckptctl.storage.base import Storage
+
+
+def load_checkpoint(ckpt: Storage, state: dict[str, Any], *, strict: bool = True, rank: int = 0) -> int:
+    """Restore ``state`` in place from the committed checkpoint ``ckpt``; returns its step.
+
+    Raises ``InvalidCheckpoint``/``NotFound`` when the checkpoint is not committed or any byte
+    read fails its checksum (an older checkpoint may do), ``StateError`` when the state does
+    not match the checkpoint (no older checkpoint fixes that)."""
+    with CheckpointReader(ckpt) as reader:
+        return load_into(reader, state, strict=strict, rank=rank).step

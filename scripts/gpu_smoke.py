@@ -1,0 +1,453 @@
+#!/usr/bin/env python
+"""One prepared script for the first GPU host: is ckptctl's CUDA path right, and how fast?
+
+    python scripts/gpu_smoke.py [--device cuda|cpu] [--json out.json] [--quick] [--gib 4] [--dir DIR]
+
+Under 5 minutes on one H200. Prints one JSON document (also written to ``--json``); exits 0
+all good, 1 wrong data, 2 a resource or performance target missed (or the time budget ran
+out), 3 cannot start (no CUDA, an import failed). Checks, in order:
+
+- ordering: a producer queued behind a ~200 ms ``torch.cuda._sleep`` spin is in the snapshot,
+  writes made right after ``save()`` returned are not, over two saves of one buffer;
+- dtypes: a bitwise round trip of every dtype the format holds (random bytes, via the GPU);
+- reshard: two gloo ranks sharing the GPU load a 1-rank checkpoint as ``Shard(0)`` DTensors
+  (1->2), save, load as ``Shard(1)`` (2->2); one process loads it whole (2->1); a copy with
+  one flipped data byte must not load (corrupt_byte_refused);
+- d2h_bandwidth: device-to-host copy into memory we page-locked ourselves;
+- stall: ckptctl's first (after ``prepare``) and steady stall for ``--gib`` of state, also with
+  ``overlap_copies=True``, beside DCP ``async_save`` with one reused pinned ``DefaultStager``
+  (synchronous and asynchronous staging); ``torch.cuda.synchronize()`` before every timer;
+  hiccup: the slowest training step while ``prepare()`` maps and pins in the background;
+- pinned_after_close: pinned bytes held after a load and after ``close()``.
+
+``--device cpu`` runs the same logic without a GPU, at ``--quick`` sizes (the test suite does);
+CUDA-only parts report ``"skipped"``. The host's torch may be older than ours: newer APIs
+(``DefaultStager``, ``no_dist``, ``host_memory_stats``) are used only where present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+# Run from a checkout on a host where ckptctl is not installed: import it from here.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BUDGET_S = 270.0
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--json", default=None, help="also write the JSON results here")
+    ap.add_argument("--quick", action="store_true", help="small sizes (the test suite's CPU run)")
+    ap.add_argument("--gib", type=float, default=4.0, help="state size of the stall measurement")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    a = ap.parse_args()
+    report: dict = {"device": a.device, "checks": [], "exit": 3}
+    try:
+        import torch
+
+        import ckptctl  # noqa: F401 - fail here, as "cannot start", if it does not import
+        report["torch"] = torch.__version__
+        if a.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
+            report["gpu"] = torch.cuda.get_device_name(0)
+    except Exception as e:  # reported as exit 3, whatever it was
+        report["error"] = f"cannot start: {type(e).__name__}: {e}"
+        return _finish(report, a.json)
+    root = a.dir or _scratch(a.gib)
+    smoke = Smoke(a.device, a.quick or a.device == "cpu", a.gib, root)  # on the CPU: its logic, small
+    try:
+        for fn, kind in ((smoke.ordering, "data"), (smoke.dtypes, "data"), (smoke.reshard, "data"), (smoke.d2h_bandwidth, "perf"),
+                         (smoke.stall_and_hiccup, "perf"), (smoke.pinned_after_close, "resource")):
+            smoke.run(fn, kind)
+    finally:
+        if a.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    report["checks"] = smoke.checks
+    report["elapsed_s"] = round(time.perf_counter() - smoke.t0, 1)
+    data_bad = any(c["kind"] == "data" and c["ok"] is False for c in smoke.checks)
+    perf_bad = any(c["ok"] is False for c in smoke.checks)
+    report["exit"] = 1 if data_bad else 2 if perf_bad else 0
+    return _finish(report, a.json)
+
+
+def _finish(report: dict, path: str | None) -> int:
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    return int(report["exit"])
+
+
+class Smoke:
+    def __init__(self, device: str, quick: bool, gib: float, root: str) -> None:
+        import torch
+
+        self.torch, self.device, self.quick, self.root = torch, device, quick, root
+        self.cuda = device == "cuda"
+        self.stall_bytes = 64 * MiB if quick else int(gib * GiB)
+        self.checks: list[dict] = []
+        self.t0 = time.perf_counter()
+
+    def run(self, fn, kind: str) -> None:
+        """Run one check (it returns its results); one that raises fails as ``kind``, with the
+        traceback's tail; past the budget, the rest are skipped."""
+        if time.perf_counter() - self.t0 > BUDGET_S:
+            self.checks.append({"name": fn.__name__, "kind": "resource", "ok": False, "skipped": "time budget spent"})
+            return
+        try:
+            self.checks.extend(fn())
+        except Exception as e:  # reported in the JSON, the run goes on
+            self.checks.append({"name": fn.__name__, "kind": kind, "ok": False, "error": f"{type(e).__name__}: {e}",
+                                "trace": traceback.format_exc()[-1500:]})
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def spin(self, ms: float = 200.0) -> None:
+        if self.cuda:  # on the CPU every op is synchronous: nothing to queue behind
+            torch = self.torch
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(); torch.cuda._sleep(1_000_000); end.record(); end.synchronize()
+            torch.cuda._sleep(int(1_000_000 / max(start.elapsed_time(end), 1e-3) * ms))
+
+    def params(self, total: int, pieces: int, device: str | None = None):
+        nn = self.torch.nn
+        m = nn.Module()
+        m.w = nn.ParameterList(nn.Parameter(self.torch.zeros(total // pieces // 4, device=device or self.device)) for _ in range(pieces))
+        return m
+
+    # --- correctness -------------------------------------------------------------------
+
+    def ordering(self) -> list[dict]:
+        from ckptctl import Checkpointer
+
+        torch = self.torch
+        pieces, total = 4, (16 * MiB if self.quick else 256 * MiB)
+        model = self.params(total, pieces)
+        bad = []
+        with Checkpointer(os.path.join(self.root, "ordering")) as ck:
+            for step, v in ((1, 10.0), (2, 20.0)):
+                self.spin()
+                with torch.no_grad():
+                    for i, p in enumerate(model.w):
+                        p.fill_(v + i)  # behind the spin: must be in the snapshot
+                h = ck.save(step, {"model": model})
+                with torch.no_grad():
+                    for p in model.w:
+                        p.fill_(-1.0)  # after save() returned: must not be
+                path = h.wait()
+                back = self.params(total, pieces, "cpu")
+                ck.load(path, {"model": back})
+                got = [torch.unique(p.detach()).tolist() for p in back.w]
+                if got != [[v + i] for i in range(pieces)]:
+                    bad.append({"step": step, "got": got[:4]})
+            pinned = ck.staging_pinned_bytes
+        want_pinned = total if self.cuda else 0
+        return [{"name": "ordering", "kind": "data", "ok": not bad and pinned == want_pinned, "bytes": total,
+                 "pinned_bytes": pinned, "wrong": bad}]
+
+    def dtypes(self) -> list[dict]:
+        from ckptctl import Checkpointer
+        from ckptctl.format import dtypes
+
+        torch = self.torch
+        g = torch.Generator().manual_seed(0)
+        names = [n for n in dtypes.names() if hasattr(torch, n)]
+        state = {}
+        for i, n in enumerate(names):
+            dt = getattr(torch, n)
+            raw = torch.randint(0, 256, (1000 + i, dt.itemsize), dtype=torch.uint8, generator=g)
+            t = raw.view(dt).reshape(-1)
+            if dt == torch.bool:
+                t = raw[:, 0] % 2 == 1  # only 0 and 1 are valid bools
+            state[n] = t.to(self.device)
+        want = {n: t.cpu().clone() for n, t in state.items()}
+        with Checkpointer(os.path.join(self.root, "dtypes")) as ck:
+            path = ck.save(1, {"extra": state}).wait()
+            back = {n: torch.zeros_like(t) for n, t in want.items()}
+            ck.load(path, {"extra": back})
+        wrong = [n for n in names if not torch.equal(_bits(back[n]), _bits(want[n]))]
+        return [{"name": "dtypes", "kind": "data", "ok": not wrong, "count": len(names), "wrong": wrong}]
+
+    def reshard(self) -> list[dict]:
+        import torch.multiprocessing as mp
+
+        from ckptctl import Checkpointer
+        from ckptctl.errors import InvalidCheckpoint
+
+        torch = self.torch
+        shape = (64, 48) if self.quick else (2048, 1024)
+        full = _pattern(torch, shape)
+        one, two = os.path.join(self.root, "one"), os.path.join(self.root, "two")
+        with Checkpointer(one) as ck:  # the 1-rank source of 1 -> 2
+            m = torch.nn.Module()
+            m.w = torch.nn.Parameter(full.to(self.device))
+            ck.save(1, {"model": m}).wait()
+        port = _free_port()
+        mp.spawn(_reshard_rank, args=(2, f"tcp://127.0.0.1:{port}", self.root, self.device, shape), nprocs=2, join=True)
+        ranks = [json.load(open(os.path.join(self.root, f"rank{r}.json"))) for r in range(2)]
+        out = [{"name": f"reshard_{k}", "kind": "data", "ok": all(r[k] for r in ranks)} for k in ("1to2", "2to2_shard0_to_shard1")]
+        # 2 -> 1: one process, no process group, the whole tensor on the device
+        m = torch.nn.Module()
+        m.w = torch.nn.Parameter(torch.zeros(shape, device=self.device))
+        with Checkpointer(two) as ck:
+            ck.load_latest({"model": m}, prepare=False)
+        out.append({"name": "reshard_2to1", "kind": "data", "ok": torch.equal(m.w.detach().cpu(), full)})
+        bad = os.path.join(self.root, "bad")
+        shutil.copytree(two, bad)
+        shard = max((os.path.join(d, f) for d, _, fs in os.walk(bad) for f in fs if f.startswith("rank")), key=os.path.getsize)
+        with open(shard, "r+b") as f:  # the last byte: tensor data, never the header
+            f.seek(-1, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0x01]))
+        m.w.data.zero_()
+        refused, why = False, "it loaded"
+        step_dir = next(d for d in os.listdir(bad) if d.startswith("step-"))
+        try:
+            with Checkpointer(bad) as ck:
+                ck.load(os.path.join(bad, step_dir), {"model": m})
+        except InvalidCheckpoint as e:
+            refused, why = True, str(e)
+        out.append({"name": "corrupt_byte_refused", "kind": "data", "ok": refused, "detail": why[:300], "file": os.path.basename(shard)})
+        return out
+
+    # --- resources and speed -------------------------------------------------------------
+
+    def d2h_bandwidth(self) -> list[dict]:
+        if not self.cuda:
+            return [{"name": "d2h_bandwidth", "kind": "perf", "ok": None, "skipped": "cpu"}]
+        from ckptctl.state.pinned import CudaRegistrar, HostRegion
+
+        torch, n = self.torch, (256 * MiB if self.quick else GiB)
+        region = HostRegion(n, registrar=CudaRegistrar(0), fault_in=True)
+        src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        times = []
+        for _ in range(4):
+            self.sync()
+            t = time.perf_counter()
+            region.tensor.copy_(src, non_blocking=True)
+            self.sync()
+            times.append(time.perf_counter() - t)
+        gbs = n / min(times[1:]) / 1e9
+        pinned = region.pinned
+        region.release()
+        return [{"name": "d2h_bandwidth", "kind": "perf", "ok": pinned and gbs >= 20.0, "GB_per_s": round(gbs, 1),
+                 "pinned": pinned, "target": ">= 20 GB/s (PCIe Gen5 ~50)"}]
+
+    def stall_and_hiccup(self) -> list[dict]:
+        from ckptctl import Checkpointer
+
+        torch, out = self.torch, []
+        n = self.stall_bytes
+        model = self.params(n, max(1, n // (64 * MiB)))
+        # lr 0: saves change nothing. One small momentum buffer, so the optimizer has state and
+        # prepare() plans (an optimizer that never stepped has no state to size).
+        opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+        model.w[0].grad = torch.zeros_like(model.w[0])
+        opt.step()
+        a = torch.randn(*((4096, 4096) if self.cuda else (128, 128)), device=self.device)
+
+        def train_step() -> float:  # a few ms of GPU work, then the host waits for it
+            t = time.perf_counter()
+            for _ in range(20):
+                a.copy_(torch.tanh(a @ a) * 0.01)
+            self.sync()
+            return time.perf_counter() - t
+
+        base = sorted(train_step() for _ in range(11))[5]
+        results = {}
+        for overlap in (False, True):
+            with Checkpointer(os.path.join(self.root, f"stall{int(overlap)}"), overlap_copies=overlap) as ck:
+                state = {"model": model, "optimizer": opt}
+                ck.prepare(state)
+                steps, t = [], time.perf_counter()
+                while time.perf_counter() - t < (3.0 if self.cuda else 0.3) or not steps:  # while it pins
+                    steps.append(train_step())
+                if not overlap:
+                    hiccup = max(steps) - base
+                    out.append({"name": "hiccup", "kind": "perf", "ok": hiccup < 0.25 if self.cuda else None, "step_s": round(base, 4),
+                                "worst_step_during_prepare_s": round(max(steps), 4), "target": "hiccup < 0.25 s"})
+                stalls = []
+                for step in range(1, 4):
+                    self.sync()
+                    t = time.perf_counter()
+                    h = ck.save(step, state)
+                    stalls.append(time.perf_counter() - t)
+                    opt.step()
+                    shutil.rmtree(_local(h.wait()))  # keep the scratch disk small
+                results[overlap] = {"first_s": round(stalls[0], 4), "steady_s": round(min(stalls[1:]), 4)}
+        sd = {f"w{i}": p.detach() for i, p in enumerate(model.w)}
+        dcp = self.dcp_stalls({**sd, "m0": opt.state[model.w[0]]["momentum_buffer"]})  # the same bytes
+        entry = {"name": "stall", "kind": "perf", "bytes": n, "ckptctl": results[False], "ckptctl_overlap": results[True], "dcp": dcp}
+        ref = [d["steady_s"] for d in dcp.values() if isinstance(d, dict) and "steady_s" in d]
+        if ref:
+            entry["ok"] = results[False]["steady_s"] <= min(ref)
+            entry["overlap_vs_dcp"] = round(results[True]["steady_s"] / min(ref), 3)
+            entry["target"] = "ckptctl steady <= DCP's; overlap <= 0.1 x DCP's (goal, not gated)"
+        else:
+            entry["ok"] = None  # nothing to compare with (cpu, or DCP failed: see "dcp")
+        out.append(entry)
+        return out
+
+    def dcp_stalls(self, sd: dict) -> dict:
+        if not self.cuda:
+            return {"skipped": "cpu"}
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        params = inspect.signature(dcp.async_save).parameters
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:
+            DefaultStager = None
+        started = False
+        if "no_dist" not in params and not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            started = True
+        out: dict = {}
+        try:
+            modes = [("sync_staging", False), ("async_staging", True)] if DefaultStager and "async_stager" in params else [("default", None)]
+            for label, use_async in modes:
+                kw: dict = {"no_dist": True} if "no_dist" in params else {}
+                stager = DefaultStager(StagingOptions(use_async_staging=use_async)) if use_async is not None else None
+                if stager is not None:
+                    kw["async_stager"] = stager
+                stalls = []
+                try:
+                    for step in range(3):
+                        self.sync()
+                        t = time.perf_counter()
+                        r = dcp.async_save({"model": sd}, checkpoint_id=os.path.join(self.root, f"dcp-{label}-{step}"), **kw)
+                        staged = getattr(r, "staging_completion", None)
+                        if staged is not None:
+                            staged.result()  # the training loop may not touch its tensors before this
+                        stalls.append(time.perf_counter() - t)
+                        (getattr(r, "upload_completion", None) or r).result()
+                        shutil.rmtree(os.path.join(self.root, f"dcp-{label}-{step}"), ignore_errors=True)
+                finally:
+                    if stager is not None:
+                        stager.close()
+                out[label] = {"first_s": round(stalls[0], 4), "steady_s": round(min(stalls[1:]), 4)}
+        except Exception as e:  # reported beside ckptctl's figures: a DCP failure is not ours
+            out["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if started:
+                dist.destroy_process_group()
+        return out
+
+    def pinned_after_close(self) -> list[dict]:
+        from ckptctl import Checkpointer
+
+        torch = self.torch
+        stats = getattr(torch.cuda, "host_memory_stats", None) if self.cuda else None
+        cache = (lambda: stats().get("allocated_bytes.current", 0)) if stats else (lambda: 0)
+        model = self.params(32 * MiB, 2)
+        root = os.path.join(self.root, "pinned")
+        before = cache()
+        with Checkpointer(root) as ck:
+            ck.save(1, {"model": model}).wait()
+            held_saving = ck.staging_pinned_bytes
+        after_close = ck.staging_pinned_bytes
+        with Checkpointer(root) as ck:
+            ck.load_latest({"model": model}, prepare=False)
+            after_load = ck.staging_pinned_bytes
+            cache_after_load = cache()
+        want = 32 * MiB if self.cuda else 0
+        return [{"name": "pinned_after_close", "kind": "resource",
+                 "ok": held_saving == want and after_close == 0 and after_load == 0 and cache_after_load - before <= 512 * MiB,
+                 "held_while_saving": held_saving, "after_close": after_close, "after_load": after_load,
+                 "torch_host_cache_growth_after_load": cache_after_load - before}]
+
+
+def _reshard_rank(rank: int, world: int, init: str, root: str, device: str, shape: tuple) -> None:
+    """One of two ranks (sharing the GPU): 1 -> 2 as Shard(0), save, 2 -> 2 as Shard(1)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ckptctl import Checkpointer
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        mesh = DeviceMesh(device, list(range(world)))
+        full = _pattern(torch, shape)
+
+        def module(dim: int, fill: bool):
+            local = full.chunk(world, dim)[rank]
+            m = torch.nn.Module()
+            data = local.clone() if fill else torch.zeros_like(local)
+            m.w = torch.nn.Parameter(DTensor.from_local(data.to(device), mesh, [Shard(dim)], run_check=False))
+            return m, local
+
+        res = {}
+        m, want = module(0, False)
+        with Checkpointer(os.path.join(root, "one")) as ck:
+            ck.load_latest({"model": m}, prepare=False)
+        res["1to2"] = torch.equal(m.w.to_local().detach().cpu(), want)
+        src, _ = module(0, True)
+        with Checkpointer(os.path.join(root, "two")) as ck:
+            ck.save(1, {"model": src}).wait()
+        m, want = module(1, False)
+        with Checkpointer(os.path.join(root, "two")) as ck:
+            ck.load_latest({"model": m}, prepare=False)
+        res["2to2_shard0_to_shard1"] = torch.equal(m.w.to_local().detach().cpu(), want)
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def _scratch(gib: float) -> str:
+    """A scratch directory: in /dev/shm when it has room for a few copies of the state (the
+    stall is measured until save() returns, so the disk's speed only costs wall time)."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free > (3 * gib + 2) * GiB:
+        return tempfile.mkdtemp(prefix="ckptctl-smoke-", dir=shm)
+    return tempfile.mkdtemp(prefix="ckptctl-smoke-")
+
+
+def _pattern(torch, shape: tuple):
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float32) * 1.5 + 0.25).reshape(shape)
+
+
+def _bits(t):
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
