@@ -1,4 +1,4 @@
-"""``ckptctl prune`` and the ops behind it, on real files and real processes (issue 4)."""
+"""``ckptctl prune`` and the ops behind it, on real files and real processes."""
 
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ import pytest
 import torch
 
 from ckptctl import Checkpointer
-from ckptctl.format.checkpoint import list_steps, status_of
+from ckptctl.layouts.catalog import list_checkpoints
+from ckptctl.layouts.native import read_state
 from ckptctl.format.layout import MANIFEST, MARKER, step_dir
 from ckptctl.ops.lock import RootLock
 from ckptctl.ops.prune import plan as make_plan
+from ckptctl.ops.prune import prune
 from ckptctl.ops.retention import from_options
 from ckptctl.ops.verify import verify_checkpoint
 from ckptctl.storage import open_storage
+from ckptctl.storage.base import Writer
 from ckptctl.storage.local import LocalStorage
 from helpers import ckpt_dir, cli, cli_subprocess, make_checkpoints
 
@@ -266,30 +269,41 @@ def test_marker_removed_first_means_an_interrupted_delete_looks_partial(tmp_path
     assert actions(root, keep_last=1)[step_dir(2)] == "skip"
     # manifest gone too (killed after the second unlink): still partial, never committed
     os.unlink(os.path.join(ckpt_dir(root, 2), MANIFEST))
-    assert status_of(open_storage(ckpt_dir(root, 2)))[0] == "partial"
+    assert read_state(open_storage(ckpt_dir(root, 2))).status == "partial"
 
 
-def test_deletion_order_marker_manifest_then_shards(tmp_path, monkeypatch):
+class _RecordingDisk(LocalStorage):
+    """A disk that remembers, in order, every file deleted through it (one list shared with
+    the storages ``sub`` derives from it)."""
+
+    deleted: list[str]
+
+    def sub(self, key: str) -> "_RecordingDisk":
+        child = super().sub(key)
+        child.deleted = self.deleted
+        return child
+
+    def delete(self, key: str) -> bool:
+        self.deleted.append(self.url_of(key))
+        return super().delete(key)
+
+
+def test_deletion_order_marker_manifest_then_shards(tmp_path):
     root = str(tmp_path)
     make_checkpoints(root, [1, 2])
-    seen: list[str] = []
-    real = LocalStorage.delete
-
-    def spy(self, key):
-        seen.append(self.url_of(key))
-        return real(self, key)
-
-    monkeypatch.setattr(LocalStorage, "delete", spy)
-    assert cli("prune", root, "--keep-last", "1", "--yes").exit_code == 0
-    mine = [os.path.relpath(u, ckpt_dir(root, 1)) for u in seen if u.startswith(ckpt_dir(root, 1))]
+    disk = _RecordingDisk(root)
+    disk.deleted = []
+    _, outcome = prune(disk, from_options(1, None, None, ()))
+    assert outcome is not None and names(root) == S(2)
+    mine = [os.path.relpath(u, ckpt_dir(root, 1)) for u in disk.deleted if u.startswith(ckpt_dir(root, 1))]
     assert mine[:2] == [MARKER, MANIFEST] and mine[2].endswith(".safetensors")
 
 
 def _committed_but_broken(root: str) -> list[str]:
     bad = []
-    for e in list_steps(open_storage(root)):
+    for e in list_checkpoints(open_storage(root)):
         ckpt = open_storage(os.path.join(root, e.name))
-        status, _ = status_of(ckpt)
+        status = read_state(ckpt).status
         if status == "corrupt" or (status == "committed" and not verify_checkpoint(ckpt, "checksums").ok):
             bad.append(e.name)
     return bad
@@ -383,8 +397,8 @@ def test_prune_while_training_saves_into_the_same_root(tmp_path):
     while writer.poll() is None:
         r = cli("prune", root, "--keep-last", "1", "--yes", "--json", "--partial-after", "1h")
         runs += 1
-        if r.exit_code == 1:  # nothing committed yet (or not even the root)
-            assert "no committed checkpoint" in r.stderr or "no such directory" in r.stderr, r.stderr
+        if r.exit_code in (1, 2):  # nothing committed yet (1), or not even the root (2)
+            assert "no committed checkpoint" in r.stderr or "no such file or directory" in r.stderr, r.stderr
             continue
         assert r.exit_code == 0, r.stderr
         deleted.update(r.json()["outcome"]["deleted"])
@@ -396,7 +410,7 @@ def test_prune_while_training_saves_into_the_same_root(tmp_path):
     # Everything the writer committed is either still there, committed, or was pruned whole.
     for s in range(1, n + 1):
         d = step_dir(s)
-        assert d in deleted or status_of(open_storage(ckpt_dir(root, s)))[0] == "committed", d
+        assert d in deleted or read_state(open_storage(ckpt_dir(root, s))).status == "committed", d
     assert cli("prune", root, "--keep-last", "1", "--yes").exit_code == 0
     assert names(root) == S(n)
 
@@ -428,20 +442,31 @@ def test_bad_options_are_usage_errors(tmp_path, args, text):
     assert r.exit_code == 2 and text in r.stderr
 
 
-def test_on_a_terminal_it_asks(tmp_path, monkeypatch):
-    from typer.testing import CliRunner
+def _prune_on_a_terminal(root: str, answer: str) -> subprocess.CompletedProcess:
+    """``ckptctl prune ROOT --keep-last 1`` in a real process whose stdin is a terminal (a
+    pseudo-terminal), answering the prompt with ``answer``."""
+    import pty
 
-    from ckptctl.cli import prune as prune_cli
-    from ckptctl.cli.app import app
+    primary, secondary = pty.openpty()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "prune", root, "--keep-last", "1"],
+                             stdin=secondary, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.close(secondary)
+        os.write(primary, answer.encode())  # the terminal buffers it until the prompt reads
+        out, err = p.communicate(timeout=120)
+    finally:
+        os.close(primary)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
+
+def test_on_a_terminal_it_asks(tmp_path):
     root = str(tmp_path)
     make_checkpoints(root, [1, 2])
-    monkeypatch.setattr(prune_cli, "interactive", lambda: True)
-    r = CliRunner().invoke(app, ["prune", root, "--keep-last", "1"], input="n\n")
-    assert r.exit_code == 1 and "Delete 1 entry?" in r.stderr and "nothing was deleted" in r.stderr
+    r = _prune_on_a_terminal(root, "n\n")
+    assert r.returncode == 1 and "Delete 1 entry?" in r.stderr and "nothing was deleted" in r.stderr
     assert names(root) == S(1, 2)
-    r = CliRunner().invoke(app, ["prune", root, "--keep-last", "1"], input="y\n")
-    assert r.exit_code == 0 and "deleted  step-0000000001" in r.stdout
+    r = _prune_on_a_terminal(root, "y\n")
+    assert r.returncode == 0 and "deleted  step-0000000001" in r.stdout, r.stderr
     assert names(root) == S(2)
 
 
@@ -485,32 +510,50 @@ def test_library_retention_never_fails_a_save(tmp_path, caplog):
     assert "retention after step 3 did not run" in caplog.text and "is held by pid" in caplog.text
 
 
-def test_library_retention_does_not_delete_when_the_new_checkpoint_fails(tmp_path, caplog, monkeypatch):
+class _FlippingWriter(Writer):
+    """Passes every write through, with one byte of the first payload write flipped."""
+
+    def __init__(self, inner: Writer) -> None:
+        self.inner, self.writes = inner, 0
+
+    def write(self, data) -> None:
+        self.writes += 1
+        if self.writes == 2 and len(data):  # the first write is the header; this is payload
+            raw = bytearray(memoryview(data).cast("B"))
+            raw[len(raw) // 2] ^= 0x55
+            data = raw
+        self.inner.write(data)
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class _BitRotDisk(LocalStorage):
+    """A disk that silently corrupts the shards of one step: the save succeeds (checksums are
+    computed from memory), and only reading the bytes back shows it."""
+
+    bad_dir = step_dir(3)
+
+    def open_writer(self, key: str) -> Writer:
+        writer = super().open_writer(key)
+        if self.bad_dir in self.url_of(key).split("/") and key.endswith(".safetensors"):
+            return _FlippingWriter(writer)
+        return writer
+
+
+def test_library_retention_does_not_delete_when_the_new_checkpoint_fails(tmp_path, caplog):
     root = str(tmp_path)
     make_checkpoints(root, [1, 2])
-    import ckptctl.ops.verify_cache as vc
-
-    real = vc.verify_checkpoint
-
-    def newest_fails(ckpt, level, progress=None):
-        rep = real(ckpt, level, progress)
-        if ckpt.url.endswith(step_dir(3)):
-            rep.problems.append(_problem())
-        return rep
-
-    monkeypatch.setattr(vc, "verify_checkpoint", newest_fails)
     with caplog.at_level("WARNING", logger="ckptctl"):
-        with Checkpointer(root, keep_last=1) as ckpt:
-            ckpt.save(3, {"x": torch.ones(10)}).wait()
+        with Checkpointer(root, storage=_BitRotDisk(root), keep_last=1) as ckpt:
+            ckpt.save(3, {"x": torch.ones(100_000)}).wait()
+    assert not verify_checkpoint(open_storage(ckpt_dir(root, 3)), "checksums").ok  # the fault landed
     # The new one failed verification: the anchor is step 2; step 3 is reported, not deleted.
     assert names(root) == S(2, 3)
     assert "is broken and was left in place" in caplog.text
-
-
-def _problem():
-    from ckptctl.ops.verify import Problem
-
-    return Problem("simulated failure", file="rank-00000-of-00001.safetensors")
 
 
 def test_json_plan_is_complete(tmp_path):
@@ -527,7 +570,7 @@ def test_json_plan_is_complete(tmp_path):
 
 def test_missing_root_is_an_error_and_is_not_created(tmp_path):
     r = cli("prune", str(tmp_path / "typo"), "--keep-last", "1", "--yes")
-    assert r.exit_code == 1 and "no such directory" in r.stderr
+    assert r.exit_code == 2 and f"no such file or directory: {tmp_path / 'typo'}" in r.stderr
     assert not (tmp_path / "typo").exists()
 
 

@@ -11,9 +11,10 @@ import torch
 from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint, RefusedForSafety
 from ckptctl.format.layout import MANIFEST, MARKER
-from ckptctl.ops import transfer
 from ckptctl.ops.transfer import copy_checkpoint, restore_latest
 from ckptctl.storage import open_storage
+from ckptctl.storage.base import Writer
+from ckptctl.storage.local import LocalStorage
 from helpers import ckpt_dir, cli, make_checkpoints
 
 
@@ -79,33 +80,44 @@ def test_restore_pinned_corrupt_step_exits_1(tmp_path):
     assert ok.exit_code == 0 and ok.stdout.strip() == ckpt_dir(dst, 20)
 
 
-def test_interrupted_restore_rerun_completes(tmp_path, monkeypatch):
+class _KilledMidWrite(Writer):
+    """Writes half of the first piece it is given, then the job is killed (Ctrl-C)."""
+
+    def __init__(self, inner: Writer) -> None:
+        self.inner = inner
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.inner.write(view[: len(view) // 2])
+        raise KeyboardInterrupt
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class _KilledDuringCopy(LocalStorage):
+    """A destination whose shard writes are interrupted part-way, as when the job is killed."""
+
+    def open_writer(self, key: str) -> Writer:
+        writer = super().open_writer(key)
+        return _KilledMidWrite(writer) if key.endswith(".safetensors") else writer
+
+
+def test_interrupted_restore_rerun_completes(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     with Checkpointer(src) as ck:
         # Two shards' worth of files is what one rank writes; make several tensors so the
         # interruption lands mid-copy.
         ck.save(5, {"model": {f"w{i}": torch.arange(50_000, dtype=torch.float32) + i for i in range(4)}}).wait()
-    calls = {"n": 0}
-    real_write = transfer.stream_file
-
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        sink = kwargs["sink"]
-
-        def broken(view):
-            sink(view[: len(view) // 2])
-            raise KeyboardInterrupt  # the job was killed mid-copy
-
-        return real_write(*args, **{**kwargs, "sink": broken})
-
-    monkeypatch.setattr(transfer, "stream_file", failing)
     with pytest.raises(KeyboardInterrupt):
-        restore_latest(open_storage(src), open_storage(dst))
+        restore_latest(open_storage(src), _KilledDuringCopy(dst))
     assert not os.path.exists(os.path.join(ckpt_dir(dst, 5), MARKER))
     # No half-written file under a real name: the atomic writer discarded it.
     leftover = os.listdir(ckpt_dir(dst, 5)) if os.path.exists(ckpt_dir(dst, 5)) else []
     assert not any(n.endswith(".safetensors") for n in leftover)
-    monkeypatch.setattr(transfer, "stream_file", real_write)
     r = cli("restore", src, dst)
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(dst, 5)
     assert cli("verify", ckpt_dir(dst, 5)).exit_code == 0
@@ -163,7 +175,7 @@ def test_cp_to_root_and_to_step_dir(tmp_path):
     r = cli("cp", ckpt_dir(src, 12), named, "--json")
     assert r.exit_code == 0 and r.json()["status"] == "copied"
     assert cli("verify", named).exit_code == 0
-    assert cli("cp", str(tmp_path / "nothing"), named).exit_code == 1
+    assert cli("cp", str(tmp_path / "nothing"), named).exit_code == 2  # no such file or directory
 
 
 def test_restore_with_world_size_reshards_on_the_way(tmp_path):
@@ -206,4 +218,6 @@ def test_src_may_name_one_checkpoint(tmp_path):
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(dst, 1)
     wrong = cli("restore", ckpt_dir(src, 1), dst, "--step", "2")
     assert wrong.exit_code == 1 and "not 2" in wrong.stderr
-    assert cli("restore", str(tmp_path / "empty"), dst).exit_code == 1
+    os.makedirs(tmp_path / "empty")
+    assert cli("restore", str(tmp_path / "empty"), dst).exit_code == 1  # an empty root: nothing committed
+    assert cli("restore", str(tmp_path / "missing"), dst).exit_code == 2  # no such file or directory

@@ -177,7 +177,8 @@ def test_steps_compare_as_integers_not_strings() -> None:
 
 
 def test_product_scenario_newer_checkpoints_broken_anchor_survives() -> None:
-    # PRODUCT.md problem 3: keep the last 3 while 4000..6000 exist but only 3000 verifies.
+    # Keep the last 3 while 4000..6000 exist but only 3000 verifies: the anchor and everything
+    # newer survive (man/ckptctl-prune.1: failing newer checkpoints are reported, not deleted).
     cands = [c(s, float(s)) for s in (1000, 2000, 3000, 4000, 5000, 6000)]
     decisions = RetentionPolicy([KeepLast(3)]).decide(cands, anchor_step=3000)
     assert {s for s, d in decisions.items() if d.keep} == {3000, 4000, 5000, 6000}

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-import ckptctl.ops.verify_cache as vc
 from ckptctl.ops.prune import plan as make_plan
 from ckptctl.ops.retention import from_options
 from ckptctl.ops.verify_cache import CACHE_KEY, VerifyCache, fingerprint
 from ckptctl.storage import open_storage
+from ckptctl.storage.local import LocalStorage
 from helpers import ckpt_dir, cli, make_checkpoints
 
 POLICY = from_options(1, None, None, ())
@@ -116,18 +116,23 @@ def test_failures_are_never_recorded(root):
     assert "step-0000000003" not in entries and "step-0000000002" in entries
 
 
-def test_a_checkpoint_changing_while_verified_is_neither_recorded_nor_trusted(root, monkeypatch):
-    real = vc.verify_checkpoint
+class _RewrittenWhileRead(LocalStorage):
+    """A disk on which another writer touches step 3's shard while ckptctl reads it: opening
+    the shard moves its mtime on by a microsecond (the bytes read are still good)."""
 
-    def touching(ckpt, level, progress=None):
-        rep = real(ckpt, level, progress)
-        if ckpt.url.endswith("step-0000000003"):
-            st = os.stat(shard_of(root, 3))
-            os.utime(shard_of(root, 3), ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
-        return rep
+    def open_reader(self, key: str):
+        reader = super().open_reader(key)
+        path = self.local_path(key)
+        if "step-0000000003" in path.split(os.sep) and key.endswith(".safetensors"):
+            st = os.stat(path)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+        return reader
 
-    monkeypatch.setattr(vc, "verify_checkpoint", touching)
-    p = make_plan(open_storage(root), POLICY)
+
+def test_a_checkpoint_changing_while_verified_is_neither_recorded_nor_trusted(root):
+    before = os.stat(shard_of(root, 3)).st_mtime_ns
+    p = make_plan(_RewrittenWhileRead(root), POLICY)
+    assert os.stat(shard_of(root, 3)).st_mtime_ns > before  # the fault landed
     assert p.anchor.step == 2
     assert "changed while it was being verified" in p.items[-1].reason
     assert "step-0000000003" not in VerifyCache.load(open_storage(root)).entries

@@ -29,31 +29,30 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ckptctl.errors import UsageError
 from ckptctl.format.layout import MANIFEST, MARKER, shard_name
 from ckptctl.format.manifest import Manifest, TensorEntry
-from ckptctl.interop.base import Source, TensorBuffer, TensorMeta
+from ckptctl.interop.base import Source, TensorMeta
 from ckptctl.interop.detect import FORMATS, Format, detect
+from ckptctl.layouts.native import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.ops.reshard import prepare_target, require_verified, same_place
 from ckptctl.ops.stream_shard import ChunkSpec, write_shard_streaming
-from ckptctl.save.commit import commit
 from ckptctl.state import tree as statetree
+from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage import Storage, open_storage
-from ckptctl.version import __version__
+from ckptctl.progress import Progress
 
 CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
          "fp32": "float32", "float32": "float32"}
 FLOATING = ("float64", "float32", "float16", "bfloat16")
 
-Progress = Callable[[int], None]
 
 
 @dataclass
@@ -155,11 +154,12 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
                          hint="write to a local path, or use --to ckptctl or safetensors for object storage")
     src_fmt = detect(src_path)
     _refuse_same(src_path, dst_path)
-    _prepare_dst(src_path, dst_path, to, overwrite)
     if src_fmt == "ckptctl":
         require_verified(open_storage(src_path))  # every checksum, before anything is written
     with open_source(src_path, src_fmt) as src:
         report = ConvertReport(src.url, dst_path, src.kind, to, cast=cast, source_checksums=src.has_checksums)
+        # Once the source's step is known: a ckptctl result must not land in another step's directory.
+        _prepare_dst(src_path, dst_path, to, overwrite, step=src.step if src.step is not None else 0)
         keep = [m for n, m in src.tensors.items() if not only or any(n.startswith(p) for p in only)]
         report.skipped_by_only = len(src.tensors) - len(keep)
         if not keep:
@@ -221,15 +221,11 @@ def _write_ckptctl(dst: Storage, metas: dict[str, TensorMeta], fill: Any, *, tre
 
     # Whole chunks: sources read whole tensors (a DCP record is one unit).
     written = write_shard_streaming(dst, shard_name(0, 1), specs, fill_chunk, rank=0, piece_bytes=None)
-    manifest = Manifest(
-        step=step if step is not None else 0,
-        created=time.time(),
-        world_size=1,
-        files=[written.file],
-        tensors={n: TensorEntry(m.dtype, m.shape, m.group, 1) for n, m in sorted(metas.items())},
-        state=tree if isinstance(tree, dict) else {"state": tree},
-        stats={"bytes": float(written.file.size)},
-        tool={"ckptctl": __version__, "torch": torch.__version__, "python": platform.python_version()},
+    manifest = Manifest.new(
+        step if step is not None else 0, 1, [written.file],
+        {n: TensorEntry(m.dtype, m.shape, m.group, 1) for n, m in metas.items()},
+        tree if isinstance(tree, dict) else {"state": tree},
+        {"bytes": float(written.file.size)},
         extra={"converted_from": {"url": source.url, "format": source.kind, "checksums": source.has_checksums},
                **({"safetensors_metadata": metadata} if metadata else {})},
     )
@@ -297,11 +293,11 @@ def _refuse_same(src: str, dst: str) -> None:
                          hint="convert into a new file or directory; the source is never modified")
 
 
-def _prepare_dst(src: str, dst: str, to: str, overwrite: bool) -> None:
+def _prepare_dst(src: str, dst: str, to: str, overwrite: bool, *, step: int) -> None:
     from ckptctl.errors import RefusedForSafety
 
     if to == "ckptctl":
-        prepare_target(open_storage(src), open_storage(dst), overwrite=overwrite)
+        prepare_target(open_storage(src), open_storage(dst), overwrite=overwrite, step=step)
         return
     if to == "torch" and os.path.isdir(dst):
         raise UsageError(f"{dst} is a directory; --to torch writes one file", hint="give a file name, e.g. model.pt")

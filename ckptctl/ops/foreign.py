@@ -8,7 +8,6 @@ it cannot back. Converting with ``ckptctl convert --to ckptctl`` gives the check
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,10 +15,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ckptctl.errors import CkptError
-from ckptctl.interop.base import Source, TensorBuffer
+from ckptctl.format.geometry import box, coverage_problems
+from ckptctl.interop.base import Source
 from ckptctl.interop.detect import foreign_format
 from ckptctl.ops.convert import open_source
-from ckptctl.ops.verify import Level, Problem, Progress, VerifyReport
+from ckptctl.state.buffers import TensorBuffer
+from ckptctl.ops.verify import Level, Problem, VerifyReport
+from ckptctl.progress import Progress
 
 NO_CHECKSUMS = "{fmt} records no checksums: corruption that still decodes cannot be detected; " \
                "structure and coverage were checked{loaded}. `ckptctl convert --to ckptctl` adds checksums."
@@ -98,8 +100,8 @@ def _test_load(src: Source, report: VerifyReport, progress: Progress | None) -> 
 
 
 def _dcp_coverage(src: Source) -> list[Problem]:
-    """DCP: each tensor's saved chunks must tile it, and every chunk's record must exist within
-    its file."""
+    """DCP: each tensor's saved chunks must cover it exactly once (``format.geometry``), and
+    every chunk's record must exist within its file."""
     md = getattr(src, "md", None)
     if md is None:
         return []
@@ -111,15 +113,10 @@ def _dcp_coverage(src: Source) -> list[Problem]:
         if not isinstance(meta, TensorStorageMetadata):
             continue
         chunks = list(meta.chunks)
-        total = sum(math.prod(c.sizes) for c in chunks)
-        if total != math.prod(meta.size):
-            problems.append(Problem(f"chunks cover {total} of {math.prod(meta.size)} elements", tensor=fqn,
-                                    hint="a rank's .distcp file or its entries are missing"))
-        for i, a in enumerate(chunks):
-            for b in chunks[i + 1 :]:
-                if len(a.offsets) and all(max(ao, bo) < min(ao + asz, bo + bsz)
-                                          for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                    problems.append(Problem(f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap", tensor=fqn))
+        for gap in coverage_problems(tuple(meta.size), [box(c.offsets, c.sizes) for c in chunks]):
+            hint = "a rank's .distcp file or its entries are missing" if gap.kind == "volume" else None
+            problems.append(Problem(gap.message, tensor=fqn, hint=hint))
+        for a in chunks:
             info = md.storage_data.get(MetadataIndex(fqn, a.offsets)) if md.storage_data else None
             if info is None:
                 problems.append(Problem(f"chunk at {list(a.offsets)} has no storage record", tensor=fqn))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ckptctl.format.checkpoint import read_committed
+from ckptctl.layouts.native import read_committed
 from ckptctl.storage.base import Storage
 
 
@@ -38,6 +38,7 @@ class InspectResult:
 
 
 def inspect_checkpoint(ckpt: Storage, *, tensors: bool = False) -> InspectResult:
+    """What the committed checkpoint ``ckpt`` holds, from its manifest; ``tensors`` lists each."""
     m, _ = read_committed(ckpt)
     groups: dict[str, int] = {"model": 0, "optimizer": 0, "other": 0}
     for t in m.tensors.values():

@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ckptctl.durations import format_duration
-from ckptctl.errors import LockHeld, NotFound
+from ckptctl.errors import InvalidCheckpoint, LockHeld, NotFound
+from ckptctl.format import parse
 from ckptctl.storage.base import Storage
 
 LOCK_KEY = ".ckptctl-lock"
@@ -49,6 +50,7 @@ GUARD_STALE_AFTER_S = 300.0
 # Refreshing rewrites the lock file; once a minute is plenty against a 6-hour timeout.
 REFRESH_EVERY_S = 60.0
 _MAX_LOCK_BYTES = 64 << 10
+_MAX_PID = (1 << 31) - 1
 
 log = logging.getLogger("ckptctl")
 
@@ -70,22 +72,25 @@ class LockInfo:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "LockInfo | None":
-        """The holder, or None when the file is not a lock we can read (garbled, foreign)."""
+        """The holder, or None when the file is not a lock we can read (garbled, foreign, out
+        of range). Keys this version does not know are ignored."""
         try:
-            doc = json.loads(raw)
-            if not isinstance(doc, dict) or doc.get("format") != "ckptctl-lock":
+            doc = parse.load_json(raw, LOCK_KEY, "lock file", max_bytes=_MAX_LOCK_BYTES, max_depth=8)
+            lock = parse.Obj(doc, LOCK_KEY, "lock file")
+            if doc.get("format") != "ckptctl-lock":
                 return None
-            start = doc.get("pid_start")
+            parse.check_version(doc, LOCK_KEY, "lock file", supported=1)
             return cls(
-                host=str(doc["host"]),
-                pid=int(doc["pid"]),
-                pid_start=None if start is None else str(start),
-                started=float(doc["started"]),
-                refreshed=float(doc["refreshed"]),
-                command=str(doc["command"]),
-                token=str(doc["token"]),
+                host=lock.str("host", max_len=1024),
+                # os.kill takes a C int: a pid outside it is garbage, not a process.
+                pid=lock.int("pid", lo=0, hi=_MAX_PID),
+                pid_start=lock.str("pid_start", max_len=64, default=None),
+                started=lock.float("started", lo=0.0, hi=parse.MAX_TIME),
+                refreshed=lock.float("refreshed", lo=0.0, hi=parse.MAX_TIME),
+                command=lock.str("command", max_len=1 << 14),
+                token=lock.str("token", max_len=256),
             )
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except InvalidCheckpoint:
             return None
 
     def describe(self, now: float) -> str:
@@ -171,10 +176,14 @@ class RootLock:
         info = self.root.stat(key)
         if info is None:
             return None
+        if info.size > _MAX_LOCK_BYTES:
+            return None, info.mtime  # not a lock we can read: judged like a garbled one
         try:
             raw = self.root.read(key, max_size=_MAX_LOCK_BYTES)
         except NotFound:
             return None  # released between stat and read
+        except InvalidCheckpoint:  # not a regular file: as unreadable as garbled bytes
+            return None, info.mtime
         return LockInfo.from_json(raw), info.mtime
 
     def acquire(self) -> "RootLock":

@@ -4,7 +4,7 @@
 re-checks and deletes; ``prune()``, here, does both under the root's lock and is what the CLI
 and ``Checkpointer(keep_last=...)`` call. All three are importable from this module.
 
-Safety, in this order (issue 4, PRODUCT.md):
+Safety, in this order (the user-facing statement is ``man/ckptctl-prune.1``):
 
 1. **Anchor.** Committed checkpoints are verified fully (level ``load``: marker, manifest, every
    checksum, a decode of every tensor), newest first, until one passes. That one is the anchor:
@@ -32,9 +32,11 @@ outside the root is touched.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 from ckptctl.errors import NotFound
+from ckptctl.layouts.base import Layout
+from ckptctl.layouts.catalog import LAYOUTS
 from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.prune_execute import ItemOutcome, PruneOutcome, Result, execute
 from ckptctl.ops.prune_plan import (
@@ -49,7 +51,7 @@ from ckptctl.ops.prune_plan import (
     raise_if_refused,
 )
 from ckptctl.ops.retention import RetentionPolicy
-from ckptctl.ops.verify import Progress
+from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 
 __all__ = [
@@ -81,6 +83,7 @@ def prune(
     lock_stale_after_s: float = DEFAULT_STALE_AFTER_S,
     command: str = "prune",
     progress: Progress | None = None,
+    layouts: Sequence[Layout] = LAYOUTS,
 ) -> tuple[PrunePlan, PruneOutcome | None]:
     """Plan and execute under the root's lock. ``review(plan)`` sees the plan first (to print
     it, to ask for confirmation) and returns whether to go on. Returns the plan and the outcome
@@ -95,7 +98,8 @@ def prune(
         # Checked first: taking the lock would create the directory, and a mistyped root
         # should be an error, not a new empty directory.
         raise NotFound(f"{root.url}: no such directory", hint="check the checkpoint root's path")
-    kwargs = dict(partial_after_s=partial_after_s, delete_broken=delete_broken, reverify=reverify, progress=progress)
+    kwargs = dict(partial_after_s=partial_after_s, delete_broken=delete_broken, reverify=reverify, progress=progress,
+                  layouts=layouts)
     if dry_run:
         p = plan(root, policy, **kwargs)  # type: ignore[arg-type]
         if review is not None:

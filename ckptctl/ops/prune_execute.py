@@ -1,5 +1,6 @@
-"""Executing a prune plan: re-check each entry and delete it marker first, so that a prune
-killed at any point leaves something that reads as partial, never as committed."""
+"""Executing a prune plan: re-check each entry and delete it commit file first (ckptctl's
+marker; another stack's ``.metadata``, ``trainer_state.json``, ...), so that a prune killed at
+any point leaves something that reads as partial, never as committed."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckptctl.errors import CkptError, RefusedForSafety
-from ckptctl.format.layout import MANIFEST, MARKER
+from ckptctl.layouts.catalog import layout_named
+from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.native import remove
+from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.lock import RootLock
-from ckptctl.ops.prune_plan import Action, PlanItem, PrunePlan, raise_if_refused, snapshot_of
+from ckptctl.ops.prune_plan import Action, PlanItem, PrunePlan, entry_snapshot, raise_if_refused
 from ckptctl.ops.verify_cache import fingerprint
 from ckptctl.storage.base import Storage
 
@@ -84,12 +88,15 @@ def execute(plan: PrunePlan, *, lock: RootLock | None = None) -> PruneOutcome:
 
 def _execute(plan: PrunePlan, lock: RootLock) -> PruneOutcome:
     assert plan.anchor is not None
-    anchor = plan.root.sub(plan.anchor.name)
-    if fingerprint(anchor) != plan.anchor_fingerprint:
-        raise RefusedForSafety(
-            f"{anchor.url} changed after it was verified; nothing was deleted",
-            hint="run prune again: it verifies the checkpoints afresh",
-        )
+    for layout, item in plan.anchors.items():
+        anchor = plan.root.sub(item.name)
+        same = (fingerprint(anchor) == plan.anchor_fingerprint if layout == NATIVE_NAME
+                else entry_snapshot(plan.root, item.name) == item.snapshot)
+        if not same:
+            raise RefusedForSafety(
+                f"{anchor.url} changed after it was verified; nothing was deleted",
+                hint="run prune again: it verifies the checkpoints afresh",
+            )
     outcome = PruneOutcome()
     for item in plan.items:
         if item.action != "delete":
@@ -111,7 +118,8 @@ def _execute(plan: PrunePlan, lock: RootLock) -> PruneOutcome:
             outcome.items.append(ItemOutcome(item.step, item.name, "delete", "failed", str(e)))
             log.warning("prune: could not delete %s: %s", item.url, e)
     if plan.cache is not None:
-        plan.cache.retain({i.name for i in plan.items if i.kind in ("committed", "broken")} - {o.name for o in outcome.deleted})
+        plan.cache.retain({i.name for i in plan.items if i.kind in ("committed", "broken") and i.layout == NATIVE_NAME}
+                          - {o.name for o in outcome.deleted})
         plan.cache.save()
         outcome.notes.extend(n for n in plan.cache.notes if n not in plan.notes)
     return outcome
@@ -119,32 +127,54 @@ def _execute(plan: PrunePlan, lock: RootLock) -> PruneOutcome:
 
 def _changed_since_plan(plan: PrunePlan, item: PlanItem) -> str | None:
     """Why ``item`` may no longer be deleted, or None when it is exactly as planned."""
-    assert plan.anchor is not None
-    if item.kind == "committed" and item.step >= plan.anchor.step:
-        raise RefusedForSafety(f"plan would delete {item.url}, not older than the anchor; refusing")
+    anchor = plan.anchors.get(item.layout)
+    if item.kind == "unknown" or (item.kind == "committed" and (anchor is None or item.step >= anchor.step)):
+        raise RefusedForSafety(f"plan would delete {item.url}, not older than its layout's anchor; refusing")
     if item.kind == "link":
         info = plan.root.stat(item.name)
         return None if info is not None and info.kind == "link" else "no longer a symlink; left alone"
-    if snapshot_of(plan.root.sub(item.name)) != item.snapshot:
+    if entry_snapshot(plan.root, item.name) != item.snapshot:
         return "changed since the plan (a save may be writing into it); left alone"
     return None
 
 
 def _delete(root: Storage, item: PlanItem) -> None:
-    """Marker first, then manifest, then the rest, then the empty directory."""
+    """Commit file first (``layouts.native.remove`` for ckptctl's own; the stack's
+    ``removal_order`` for others), only the files the plan saw, each only while unchanged; then
+    the directory, when empty."""
     if item.kind == "link":
         root.delete(item.name)
         return
-    ckpt = root.sub(item.name)
-    first = {MARKER: 0, MANIFEST: 1}
-    for key, size, mtime, _kind in sorted(item.snapshot, key=lambda s: (first.get(s[0], 2), s[0])):
+    expected = {key: (size, mtime) for key, size, mtime, _kind in item.snapshot}
+    if "" in expected:  # a checkpoint that is one file (Lightning's *.ckpt)
+        now = root.stat(item.name)
+        if now is not None and (now.kind, now.size, now.mtime) != ("file", *expected[""]):
+            raise _Changed(f"{root.url_of(item.name)} changed while deleting; left in place")
+        if now is not None:
+            root.delete(item.name)
+        return
+    if item.layout == NATIVE_NAME:
+        changed = remove(root.sub(item.name), expected=expected)
+    else:
+        changed = _remove_stack(root.sub(item.name), layout_named(item.layout, root), expected)
+    if changed is not None:
+        raise _Changed(f"{changed} changed while deleting; the rest is left in place")
+
+
+def _remove_stack(ckpt: Storage, layout: object, expected: dict[str, tuple[int, float]]) -> str | None:
+    """Another stack's checkpoint: the file its commit rule reads first (``.metadata``,
+    ``trainer_state.json``, ...), then the rest, each only while unchanged, then the empty
+    directories. Returns the URL of the first file that changed, or None."""
+    order = layout.removal_order(expected) if isinstance(layout, StackLayout) else sorted(expected)
+    for key in order:
         now = ckpt.stat(key)
         if now is None:
-            continue  # already gone (an earlier, interrupted prune)
-        if (now.size, now.mtime) != (size, mtime):
-            raise _Changed(f"{ckpt.url_of(key)} changed while deleting; the rest is left in place")
+            continue  # already gone (an earlier, interrupted removal)
+        if (now.size, now.mtime) != expected[key]:
+            return ckpt.url_of(key)
         ckpt.delete(key)
-    root.remove_dir(item.name)
+    ckpt.remove_dir("")
+    return None
 
 
 def _left_over(root: Storage, item: PlanItem) -> str | None:

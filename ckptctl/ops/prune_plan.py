@@ -1,22 +1,34 @@
-"""Planning a prune: survey every step entry under the root and decide what to keep and delete.
+"""Planning a prune: survey every checkpoint entry under the root and decide what to keep and delete.
 
 ``plan()`` reads only (apart from the verification record) and never deletes; see
 ``ckptctl.ops.prune`` for the safety rules it applies and ``prune_execute`` for carrying a
 plan out.
+
+A root may hold checkpoints of several layouts (ckptctl's own, torchtitan/DCP, the Hugging
+Face Trainer, Megatron-LM, DeepSpeed: ``layouts.catalog``). Each layout's checkpoints are
+planned on their own: their own anchor (the newest that passes full verification by that
+layout's rules), the policies counted within the layout, their pointer targets and Trainer's
+best checkpoint protected. Only a layout's *own* incomplete checkpoints are subject to
+``partial_after_s``; a directory no layout claims (``unknown``) is never deleted.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from ckptctl.durations import format_duration
-from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, NotFound
-from ckptctl.format.checkpoint import list_steps, read_committed
+from ckptctl.errors import NoValidCheckpoint
 from ckptctl.format.layout import MARKER
+from ckptctl.layouts.base import Checkpoint, Layout
+from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints
+from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.stack import StackLayout
+from ckptctl.ops.layout_verify import verify_stack
 from ckptctl.ops.retention import Candidate, KeepSteps, RetentionPolicy
-from ckptctl.ops.verify import Level, Progress, VerifyReport
+from ckptctl.ops.verify import Level, VerifyReport
+from ckptctl.progress import Progress
 from ckptctl.ops.verify_cache import Fingerprint, VerifyCache, verify_cached
 from ckptctl.storage.base import Storage
 
@@ -24,7 +36,7 @@ DEFAULT_PARTIAL_AFTER_S = 6 * 3600.0
 ANCHOR_LEVEL: Level = "load"
 
 Action = Literal["keep", "delete", "skip"]
-Kind = Literal["committed", "broken", "partial", "link", "duplicate"]
+Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown"]
 Snapshot = tuple[tuple[str, int, float, str], ...]  # (key, size, mtime, kind) of every file
 
 
@@ -43,10 +55,11 @@ class PlanItem:
     modified: float | None = None  # newest modification inside (partial ones)
     verification: dict[str, Any] | None = None  # summary of a verification, when one ran
     snapshot: Snapshot = ()  # the files as planned; execute deletes only if they are unchanged
+    layout: str = NATIVE_NAME  # whose checkpoint it is (layouts.catalog)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step, "name": self.name, "url": self.url, "kind": self.kind,
+            "step": self.step, "name": self.name, "url": self.url, "kind": self.kind, "layout": self.layout,
             "action": self.action, "reason": self.reason, "size": self.size,
             "created": self.created, "modified": self.modified, "verification": self.verification,
         }
@@ -61,11 +74,12 @@ class PrunePlan:
     reverify: bool
     now: float
     items: list[PlanItem] = field(default_factory=list)  # ordered by step, then name
-    anchor: PlanItem | None = None
+    anchor: PlanItem | None = None  # ckptctl's own anchor when there is one, else the newest layout's
     refused: str | None = None  # why nothing may be deleted (no checkpoint verifies)
     notes: list[str] = field(default_factory=list)
     anchor_fingerprint: Fingerprint | None = None
     cache: VerifyCache | None = None
+    anchors: dict[str, PlanItem] = field(default_factory=dict)  # layout -> its anchor
 
     @property
     def deletions(self) -> list[PlanItem]:
@@ -84,6 +98,7 @@ class PrunePlan:
             "delete_broken": self.delete_broken,
             "reverify": self.reverify,
             "anchor": None if self.anchor is None else {"step": self.anchor.step, "name": self.anchor.name, "url": self.anchor.url},
+            "anchors": {k: {"step": a.step, "name": a.name, "url": a.url} for k, a in self.anchors.items()},
             "refused": self.refused,
             "items": [i.to_dict() for i in self.items],
             "notes": list(self.notes),
@@ -108,72 +123,111 @@ def plan(
     now: float | None = None,
     progress: Progress | None = None,
     heartbeat: Callable[[], None] | None = None,
+    layouts: Sequence[Layout] = LAYOUTS,
 ) -> PrunePlan:
     """Decide what to keep and delete under ``root``. Reads only, apart from the verification
     record (an optimisation that is always safe to write). Never raises for a checkpoint
     problem: a plan with nothing verified has ``refused`` set and deletes nothing.
 
     ``heartbeat`` is called between verifications (a lock holder refreshes its lock there).
+    ``layouts`` are the layouts whose checkpoints may be deleted (``Checkpointer`` retention
+    passes ckptctl's own only); other layouts' entries are listed and left alone.
     """
     p = PrunePlan(root, policy, partial_after_s, delete_broken, reverify, time.time() if now is None else now)
     p.cache = VerifyCache.load(root)
-    p.items = [_survey(root, e.step, e.name, e.kind, p.now, partial_after_s) for e in list_steps(root)]
+    ours = {layout.name for layout in layouts}
+    p.items = [_survey(root, e, p.now, partial_after_s) for e in list_checkpoints(root)]
+    for item in p.items:
+        if item.layout not in ours and item.kind not in ("unknown", "link"):
+            item.kind, item.action = "unknown", "skip"
+            item.reason = f"a {item.layout} checkpoint; this prune manages {', '.join(sorted(ours))} only"
     _mark_duplicates(p.items)
-    _choose_anchor(p, progress, heartbeat)
-    _apply_policy(p)
+    groups = sorted({i.layout for i in p.items if i.kind in ("committed", "broken", "partial")})
+    for name in groups:
+        _choose_anchor(p, name, progress, heartbeat)
+    _pick_primary_anchor(p, groups)
+    for name in groups:
+        _apply_policy(p, name)
+    committed = [Candidate(i.step, 0.0) for i in p.items if i.kind == "committed"]
+    for pol in p.policy.policies:
+        if isinstance(pol, KeepSteps):
+            for step in sorted(pol.missing(committed)):
+                p.notes.append(f"--keep {step}: no committed checkpoint has that step")
     for item in p.items:
         if item.kind == "broken":
             _decide_broken(p, item)
+    for item in p.deletions:
+        if item.kind != "link" and item.layout not in p.anchors:
+            item.action, item.reason = "skip", f"{item.reason}; not deleted: no {item.layout} checkpoint verifies"
+    _protect(p, root)
     if p.refused is not None:
         for item in p.deletions:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no checkpoint verifies"
-    p.cache.retain({i.name for i in p.items if i.kind in ("committed", "broken")})
+    p.cache.retain({i.name for i in p.items if i.kind in ("committed", "broken") and i.layout == NATIVE_NAME})
     p.cache.save()
     p.notes.extend(p.cache.notes)
     return p
 
 
 def snapshot_of(ckpt: Storage) -> Snapshot:
+    """Every file below ``ckpt`` as (key, size, mtime, kind): what a deletion checks against."""
     return tuple(sorted((i.key, i.size, i.mtime, i.kind) for i in ckpt.list()))
 
 
-def _survey(root: Storage, step: int, name: str, kind: str, now: float, partial_after_s: float) -> PlanItem:
-    """Classify one step entry from its listing, marker and manifest (no data read)."""
-    url = root.url_of(name)
-    if kind == "link":
+def entry_snapshot(root: Storage, name: str) -> Snapshot:
+    """``snapshot_of`` the entry ``name`` under ``root``; a checkpoint that is one file
+    (Lightning's ``*.ckpt``) is that file, under the key ``""``."""
+    info = root.stat(name)
+    if info is not None and info.kind == "file":
+        return (("", info.size, info.mtime, "file"),)
+    return snapshot_of(root.sub(name))
+
+
+def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float) -> PlanItem:
+    """Classify one catalog entry from its status and a snapshot of its files (no data read)."""
+    step, name, url, ckpt = entry.step, entry.name, entry.url, entry.storage
+    if entry.status == "unknown":
+        return PlanItem(step, name, url, "unknown", "skip", entry.reason or "no layout recognises it", layout=entry.layout)
+    if ckpt is None:  # a link
         return PlanItem(step, name, url, "link", "delete",
-                        "symlink: the link is removed, never followed; its target is not touched")
-    ckpt = root.sub(name)
-    snap = snapshot_of(ckpt)
-    item = PlanItem(step, name, url, "partial", size=sum(s[1] for s in snap if s[3] == "file"), snapshot=snap)
-    if not any(key == MARKER for key, *_ in snap):
+                        "symlink: the link is removed, never followed; its target is not touched", layout=entry.layout)
+    snap = entry_snapshot(root, name)
+    item = PlanItem(step, name, url, "partial", size=sum(s[1] for s in snap if s[3] == "file"), snapshot=snap,
+                    layout=entry.layout)
+    native = entry.layout == NATIVE_NAME
+    if (native and not any(key == MARKER for key, *_ in snap)) or (not native and entry.status == "partial"):
         own = root.stat(name)
         item.modified = max([s[2] for s in snap] + [own.mtime if own else 0.0])
         idle = now - item.modified
+        why = "no marker" if native else f"incomplete {entry.layout} checkpoint ({entry.reason})"
         if idle >= partial_after_s:
             item.action = "delete"
-            item.reason = (f"abandoned: no marker and nothing modified for {format_duration(idle)} "
+            item.reason = (f"abandoned: {why}, and nothing modified for {format_duration(idle)} "
                            f"(--partial-after {format_duration(partial_after_s)})")
         else:
-            item.reason = (f"no marker, modified {format_duration(max(0.0, idle))} ago: may still be "
+            item.reason = (f"{why}, modified {format_duration(max(0.0, idle))} ago: may still be "
                            f"written; left alone until idle for {format_duration(partial_after_s)}")
         return item
-    try:
-        manifest, _ = read_committed(ckpt)
-    except (NotFound, InvalidCheckpoint) as e:
-        item.kind, item.reason = "broken", str(e)
+    if entry.status == "partial":
+        # Committed between the catalog's look and the snapshot: judged on the next run.
+        item.reason = "committed while this plan was made; left alone until the next prune"
         return item
-    item.kind, item.created = "committed", manifest.created
+    if entry.status != "committed" or (native and entry.manifest is None):
+        item.kind, item.reason = "broken", entry.reason or entry.status
+        return item
+    item.kind = "committed"
+    # Other stacks record no creation time: the newest modification inside stands for it.
+    item.created = entry.manifest.created if entry.manifest is not None else max((s[2] for s in snap), default=0.0)
     return item
 
 
 def _mark_duplicates(items: list[PlanItem]) -> None:
-    """Two directories for one step (``step-9`` and ``step-0000000009``): which one a reader
-    picks is not well defined, so neither is ever deleted or trusted as the anchor."""
-    dirs: dict[int, list[PlanItem]] = {}
+    """Two directories of one layout for one step (``step-9`` and ``step-0000000009``): which
+    one a reader picks is not well defined, so neither is ever deleted or trusted as the anchor."""
+    dirs: dict[tuple[str, int], list[PlanItem]] = {}
     for i in items:
-        if i.kind != "link":
-            dirs.setdefault(i.step, []).append(i)
+        if i.kind not in ("link", "unknown"):
+            dirs.setdefault((i.layout, i.step), []).append(i)
     for same in dirs.values():
         if len(same) > 1:
             names = ", ".join(i.name for i in same)
@@ -189,21 +243,42 @@ def _summary(report: VerifyReport, cached: bool) -> dict[str, Any]:
     }
 
 
-def _choose_anchor(p: PrunePlan, progress: Progress | None, heartbeat: Callable[[], None] | None) -> None:
-    committed = [i for i in p.items if i.kind == "committed"]
+def _choose_anchor(p: PrunePlan, layout: str, progress: Progress | None, heartbeat: Callable[[], None] | None) -> None:
+    """The newest checkpoint of ``layout`` that passes full verification by its own rules."""
+    committed = [i for i in p.items if i.kind == "committed" and i.layout == layout]
+    bound = None if layout == NATIVE_NAME else layout_named(layout, p.root)
     for item in reversed(committed):
         if heartbeat:
             heartbeat()
-        report, cached, fp = verify_cached(p.root.sub(item.name), item.name, p.cache,
-                                           level=ANCHOR_LEVEL, reverify=p.reverify, progress=progress)
+        ckpt = p.root.sub(item.name)
+        if isinstance(bound, StackLayout):
+            report = verify_stack(ckpt, bound, ANCHOR_LEVEL)
+            cached, vouched = False, report.ok and entry_snapshot(p.root, item.name) == item.snapshot
+        else:
+            report, cached, fp = verify_cached(ckpt, item.name, p.cache, level=ANCHOR_LEVEL,
+                                               reverify=p.reverify, progress=progress)
+            vouched = fp is not None
         item.verification = _summary(report, cached)
-        if report.ok and fp is not None:
-            p.anchor, p.anchor_fingerprint = item, fp
+        if report.ok and vouched:
+            p.anchors[layout] = item
+            if layout == NATIVE_NAME:
+                p.anchor_fingerprint = fp
             return
         item.kind = "broken"
         item.reason = ("changed while it was being verified" if report.ok
                        else f"fails full verification: {report.problems[0]}"
                        + (f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""))
+
+
+def _pick_primary_anchor(p: PrunePlan, groups: list[str]) -> None:
+    """``anchor`` is ckptctl's own anchor when there is one, else the newest of the others';
+    ``refused`` is set when no layout has one (then nothing at all is deleted)."""
+    if p.anchors:
+        p.anchor = p.anchors.get(NATIVE_NAME) or max(p.anchors.values(), key=lambda a: a.step)
+        for name in groups:
+            if name not in p.anchors and any(i.layout == name and i.kind in ("committed", "broken") for i in p.items):
+                p.notes.append(f"no {name} checkpoint passes full verification: none of them is deleted")
+        return
     marked = [i for i in p.items if i.kind == "broken"]
     if marked:
         p.refused = (f"{p.root.url}: none of {len(marked)} committed checkpoint(s) passes full verification; "
@@ -212,11 +287,13 @@ def _choose_anchor(p: PrunePlan, progress: Progress | None, heartbeat: Callable[
         p.refused = f"{p.root.url}: no committed checkpoint; nothing is deleted"
 
 
-def _apply_policy(p: PrunePlan) -> None:
-    """Committed checkpoints up to the anchor go to the policies; the anchor is always kept."""
-    cands = [i for i in p.items if i.kind == "committed" and (p.anchor is None or i.step <= p.anchor.step)]
+def _apply_policy(p: PrunePlan, layout: str) -> None:
+    """Committed checkpoints of ``layout`` up to its anchor go to the policies; the anchor is
+    always kept."""
+    own = p.anchors.get(layout)
+    cands = [i for i in p.items if i.kind == "committed" and i.layout == layout and (own is None or i.step <= own.step)]
     by_step = {i.step: i for i in cands}
-    anchor = p.anchor.step if p.anchor is not None else None
+    anchor = own.step if own is not None else None
     decisions = p.policy.decide([Candidate(i.step, float(i.created or 0.0)) for i in cands], anchor)
     for step, d in decisions.items():
         item = by_step[step]
@@ -226,17 +303,34 @@ def _apply_policy(p: PrunePlan) -> None:
             item.action = "delete"
             item.reason = (f"older than the anchor (step {anchor}) and kept by no policy ({p.policy.describe()})"
                            if anchor is not None else f"kept by no policy ({p.policy.describe()})")
-    for pol in p.policy.policies:
-        if isinstance(pol, KeepSteps):
-            for step in sorted(pol.missing([Candidate(i.step, 0.0) for i in cands])):
-                p.notes.append(f"--keep {step}: no committed checkpoint has that step")
 
 
 def _decide_broken(p: PrunePlan, item: PlanItem) -> None:
-    newer = p.anchor is None or item.step > p.anchor.step
+    own = p.anchors.get(item.layout)
+    newer = own is None or item.step > own.step
     where = "newer than the anchor" if newer else "older than the anchor"
-    if p.delete_broken and p.anchor is not None:
+    if p.delete_broken and own is not None:
         item.action, item.reason = "delete", f"broken ({where}), --delete-broken: {item.reason}"
     else:
         item.action = "skip"
         item.reason = f"broken ({where}), reported, not deleted (--delete-broken removes it): {item.reason}"
+
+
+def _protect(p: PrunePlan, root: Storage) -> None:
+    """What other stacks' pointers name (DeepSpeed ``latest``, Megatron's tracker) and
+    Trainer's ``best_model_checkpoint`` are kept whatever the policies say, as those stacks do."""
+    for name in sorted({i.layout for i in p.items} - {NATIVE_NAME, "unknown"}):
+        try:
+            layout = layout_named(name, root)
+        except KeyError:
+            continue
+        if not isinstance(layout, StackLayout):
+            continue
+        entries = [(i.name, "committed" if i.kind == "committed" else i.kind) for i in p.items if i.layout == name]
+        for target, why in layout.protected(entries).items():
+            for item in p.items:
+                if item.layout == name and item.name == target and item.kind != "link":
+                    if item.action == "delete":
+                        item.action, item.reason = "keep", f"protected: {why}"
+                    elif item.action == "keep":
+                        item.reason = f"{item.reason}; protected: {why}"

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -49,16 +48,18 @@ import torch
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, RefusedForSafety, UsageError
 from ckptctl.format import dtypes
-from ckptctl.format.layout import MARKER, shard_name
+from ckptctl.format.layout import shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.format.checkpoint import read_committed, read_header
+from ckptctl.layouts.native import check_target_name, commit, read_committed, read_header, remove, uncommit
 from ckptctl.format.checksum import file_checksum
-from ckptctl.ops.stream_shard import PIECE, ChunkBuffer, ChunkSpec, ShardWritten, checked_source_checksums, write_shard_streaming
+from ckptctl.ops.reshard_source import checked_source_checksums
+from ckptctl.ops.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
-from ckptctl.save.commit import commit
+from ckptctl.progress import Progress
+from ckptctl.settings import STREAM_PIECE
+from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage.base import Storage
-from ckptctl.version import __version__
 
 # Target shards written at once (pass 2). Each shard ends with an fsync; one at a time, the
 # CPU and the disk queue sat idle through every fsync. Measured (2 CPUs, ext4, 2 GiB, 1 -> 3
@@ -67,7 +68,6 @@ from ckptctl.version import __version__
 WRITERS = 4
 SPLIT_BYTES = 1 << 20  # tensors this large are split even when the source holds them whole
 
-Progress = Callable[[int], None]
 
 
 @dataclass
@@ -136,7 +136,7 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
     dist_on = dist.is_available() and dist.is_initialized()
     me, n = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
     if me == 0:
-        failure = _attempt(lambda: (prepare_target(src, dst, overwrite=overwrite), check_source(src)))
+        failure = _attempt(lambda: (prepare_target(src, dst, overwrite=overwrite, step=read_committed(src)[0].step), check_source(src)))
     else:
         failure = None
     _agree(dist_on, failure)  # nobody writes before rank 0 has checked the source and cleared the target
@@ -149,11 +149,13 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
 
         def fill(spec: ChunkSpec, out: torch.Tensor, row: int) -> None:
             offsets = (spec.offsets[0] + row, *spec.offsets[1:]) if spec.offsets else spec.offsets
-            reader.read_into(ReadJob(spec.name, out, offsets))
+            # Unverified region reads: pass 2 checks every chunk it writes against pass 1's
+            # digest, which was hashed from source chunks checked whole.
+            reader.read_into_unverified(ReadJob(spec.name, out, offsets))
             if progress:
                 progress(out.numel() * out.element_size())
 
-        buf = ChunkBuffer()
+        buf = TensorBuffer()
         mine: list[FileEntry] = []
 
         def write_mine() -> None:
@@ -171,12 +173,12 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
             targets = list(range(me, world_size, n))
 
             def one(r: int) -> ShardWritten:
-                b = buf if r == targets[0] else ChunkBuffer()  # one piece buffer per writer
+                b = buf if r == targets[0] else TensorBuffer()  # one piece buffer per writer
                 return write_shard_streaming(dst, shard_name(r, world_size), plan[r], fill, rank=r, rank_state=rank_states.get(r), buffer=b)
 
-            # Each writer has its own piece buffer (``stream_shard.PIECE``, or one row when a row
+            # Each writer has its own piece buffer (``settings.STREAM_PIECE``, or one row when a row
             # is larger): with rows that large, one writer, so memory stays one chunk + fixed.
-            wide = any(s.shape and s.nbytes > PIECE * max(s.shape[0], 1) for s in mine_specs)
+            wide = any(s.shape and s.nbytes > STREAM_PIECE * max(s.shape[0], 1) for s in mine_specs)
             with ThreadPoolExecutor(1 if wide else max(1, min(WRITERS, len(targets))), thread_name_prefix="ckptctl-write") as pool:
                 for w in pool.map(one, targets):
                     mine.append(w.file)
@@ -204,15 +206,11 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
                 counts[s.name] = counts.get(s.name, 0) + 1
         report.split_tensors = sum(1 for c in counts.values() if c > 1)
         files.sort(key=lambda f: (f.rank, f.name))
-        manifest = Manifest(
-            step=m.step,
-            created=time.time(),
-            world_size=world_size,
-            files=files,
-            tensors={name: TensorEntry(t.dtype, t.shape, t.group, counts.get(name, 0)) for name, t in m.tensors.items()},
-            state=m.state,
-            stats={"bytes": float(sum(f.size for f in files)), "reshard_s": time.perf_counter() - t0},
-            tool={"ckptctl": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        manifest = Manifest.new(
+            m.step, world_size, files,
+            {name: TensorEntry(t.dtype, t.shape, t.group, counts.get(name, 0)) for name, t in m.tensors.items()},
+            m.state,
+            {"bytes": float(sum(f.size for f in files)), "reshard_s": time.perf_counter() - t0},
             extra={**m.extra, "resharded_from": {"url": src.url, "world_size": m.world_size}},
         )
         # The result is read back in full (``checksums``), although pass 2 already checked every
@@ -234,7 +232,8 @@ def sharded_dims(reader: CheckpointReader) -> dict[str, int]:
     """For each tensor the source shards along exactly one dimension, that dimension (a
     tensor-parallel weight split by columns keeps its column split); others are absent."""
     out = {}
-    for name, locs in reader.index.items():
+    for name in reader.manifest.tensors:
+        locs = reader.chunks(name)
         varying = {i for loc in locs for i, o in enumerate(loc.chunk.offsets) if o}
         if len(varying) == 1:
             out[name] = varying.pop()
@@ -263,22 +262,21 @@ def _agree(dist_on: bool, failure: CkptError | None) -> None:
         raise failure
 
 
-def prepare_target(src: Storage, dst: Storage, *, overwrite: bool) -> None:
-    """Refuse to write onto the source or, without ``overwrite``, onto anything that exists.
-    With ``overwrite`` the old target is removed, marker first."""
+def prepare_target(src: Storage, dst: Storage, *, overwrite: bool, step: int | None = None) -> None:
+    """Refuse to write onto the source, into the directory of another step than ``step`` or,
+    without ``overwrite``, onto anything that exists. With ``overwrite`` the old target is
+    removed, marker first."""
     if same_place(src, dst):
         raise UsageError(f"{dst.url} is the source itself", hint="write the result to a new directory; the source is never modified")
+    if step is not None:
+        check_target_name(dst, step)
     existing = list(dst.list())
     if not existing:
         return
     if not overwrite:
         raise RefusedForSafety(f"{dst.url} already exists and holds {len(existing)} file(s)",
                                hint="choose a new directory, or pass --overwrite to replace it")
-    dst.delete(MARKER)  # first: an interrupted overwrite must never leave a committed-looking target
-    for info in existing:
-        if info.key != MARKER:
-            dst.delete(info.key)
-    dst.remove_dir("")
+    remove(dst)  # marker first: an interrupted overwrite must never leave a committed-looking target
 
 
 def _remove_partial(dst: Storage, world_size: int) -> None:
@@ -342,7 +340,7 @@ def require_verified(ckpt: Storage, *, level: Level = "checksums", after_write: 
     if rep.ok:
         return rep
     if after_write:
-        ckpt.delete(MARKER)
+        uncommit(ckpt)
     first = rep.problems[0]
     more = f" (and {len(rep.problems) - 1} more problem(s))" if len(rep.problems) > 1 else ""
     what = "the result" if after_write else "the source"

@@ -273,8 +273,8 @@ class RetentionPolicy:
         ``anchor_step`` is the newest checkpoint that passed verification; it is kept whatever
         the policies say and must be one of the candidates. ``None`` means nothing verified:
         the decisions then follow the policies alone, for display, and a caller must refuse to
-        delete anything (PRODUCT.md: prune deletes nothing if the checkpoint it would rely on
-        fails verification).
+        delete anything (``man/ckptctl-prune.1``: nothing is deleted if no checkpoint passes
+        full verification).
         """
         ordered = _sorted_unique(candidates)
         steps = [c.step for c in ordered]

@@ -12,8 +12,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from ckptctl.errors import InvalidCheckpoint, NotFound, UsageError
-from ckptctl.format.checkpoint import list_steps, read_committed
+from ckptctl.errors import UsageError
+from ckptctl.layouts.catalog import NATIVE, newest_committed
 from ckptctl.ops.interval import IntervalAdvice, advise, cost_from_stalls
 from ckptctl.storage.base import Storage
 
@@ -43,15 +43,13 @@ def recent_save_stats(root: Storage, limit: int = RECENT) -> SaveStats:
     steps: list[int] = []
     stalls: list[float] = []
     writes: list[float] = []
-    for e in reversed(list_steps(root)):
+    # Committed ones only: a partial or damaged checkpoint says nothing reliable about saving.
+    for e in newest_committed(root, layouts=NATIVE):
         if len(steps) >= limit:
             break
-        if e.kind != "dir":
+        manifest = e.manifest
+        if manifest is None:
             continue
-        try:
-            manifest, _ = read_committed(root.sub(e.name))
-        except (NotFound, InvalidCheckpoint):
-            continue  # partial or damaged: it says nothing reliable about saving
         steps.append(manifest.step)
         stall, write = _seconds(manifest.stats.get("stall_s")), _seconds(manifest.stats.get("write_s"))
         if stall is not None:

@@ -19,18 +19,10 @@ checksum must be known before the first data byte is written. The options weighe
 
 Option 3 reads the source at most twice, writes once, needs no scratch space, works the same
 on every backend. Each chunk streams through one small buffer in pieces of whole rows
-(``PIECE``), so memory is that buffer, not even a whole tensor. Re-reads are cheap when the
-source sits in the page cache; ``scripts/bench_reshard.py`` measures the cost (reshard also
-verifies its result, one more read, because it promises it). Reshard's pass 1 is
-``checked_source_checksums``: it reads whole source chunks, checks each against its source
-checksum and hashes the target chunks from the same bytes, so verifying the source costs no
-read of its own.
-
-Measured on the development machine (2 CPUs, ext4, 2 GiB in 64 MiB tensors), and kept or
-dropped accordingly: 4 MiB pieces instead of whole chunks, 2.5x faster (cache-sized pieces);
-pass 1 for all of a rank's chunks on 4 threads (``with_checksums``), ~8% faster; a reader
-thread prefetching the next piece during pass 2, ~15% slower (two cores already busy with
-the kernel's copies), so not kept.
+(``settings.STREAM_PIECE``, sized to stay in the CPU cache between copying and hashing), so
+memory is that buffer, not even a whole tensor. Re-reads are cheap when the source sits in the
+page cache; ``scripts/bench_reshard.py`` measures the cost. Reshard's pass 1, which also
+checks the source chunks it reads, is ``ops.reshard_source.checked_source_checksums``.
 """
 
 from __future__ import annotations
@@ -46,10 +38,9 @@ from ckptctl.format import dtypes
 from ckptctl.format.checksum import Hasher, file_checksum
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
-from ckptctl.interop.base import TensorBuffer, byte_view
+from ckptctl.settings import STREAM_PIECE, STREAM_THREADS, WRITE_PIECE
+from ckptctl.state.buffers import TensorBuffer, tensor_bytes
 from ckptctl.storage.base import Storage
-
-WRITE_PIECE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -71,8 +62,6 @@ class ChunkSpec:
 # ``out`` is contiguous, of the spec's dtype, shaped ``(rows, *spec.shape[1:])``.
 Fill = Callable[[ChunkSpec, torch.Tensor, int], None]
 
-PIECE = 4 << 20  # measured: 4 MiB pieces stay in cache; 64 MiB ones ran 2.5x slower end to end
-
 
 @dataclass
 class ShardWritten:
@@ -85,10 +74,6 @@ def layout(specs: Sequence[ChunkSpec]) -> list[ChunkSpec]:
     """Largest element size first, then by name and offsets: every chunk's byte offset is a
     multiple of its element size (as in ``save.plan``), and the order is reproducible."""
     return sorted(specs, key=lambda s: (-dtypes.itemsize(s.dtype), s.name, s.offsets))
-
-
-class ChunkBuffer(TensorBuffer):
-    """One reusable byte buffer, viewed as each piece of each chunk."""
 
 
 def pieces(spec: ChunkSpec, buf: TensorBuffer, piece_bytes: int | None) -> Iterator[tuple[int, torch.Tensor]]:
@@ -107,7 +92,7 @@ def pieces(spec: ChunkSpec, buf: TensorBuffer, piece_bytes: int | None) -> Itera
         yield 0, buf.view(spec.dtype, spec.shape)
 
 
-def with_checksums(specs: Sequence[ChunkSpec], fill: Fill, *, threads: int = 4, piece_bytes: int = PIECE) -> list[ChunkSpec]:
+def with_checksums(specs: Sequence[ChunkSpec], fill: Fill, *, threads: int = STREAM_THREADS, piece_bytes: int = STREAM_PIECE) -> list[ChunkSpec]:
     """Pass 1 for many chunks at once: the checksum of every spec that lacks one, computed by
     ``threads`` workers (preads and hashing release the GIL), each with one piece buffer."""
     import dataclasses
@@ -124,7 +109,7 @@ def with_checksums(specs: Sequence[ChunkSpec], fill: Fill, *, threads: int = 4, 
         h = Hasher()
         for row, out in pieces(spec, buf, piece_bytes):
             fill(spec, out, row)
-            h.update(byte_view(out))
+            h.update(tensor_bytes(out))
         return dataclasses.replace(spec, checksum=h.hexdigest())
 
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptctl-hash") as pool:
@@ -139,12 +124,12 @@ def write_shard_streaming(
     *,
     rank: int,
     rank_state: dict[str, Any] | None = None,
-    buffer: ChunkBuffer | None = None,
-    piece_bytes: int | None = PIECE,
+    buffer: TensorBuffer | None = None,
+    piece_bytes: int | None = STREAM_PIECE,
 ) -> ShardWritten:
     """Write shard ``name`` holding ``specs``, reading each chunk through ``fill`` in pieces of
     whole rows (``piece_bytes=None``: whole chunks, for sources that read whole tensors only)."""
-    buf = buffer or ChunkBuffer()
+    buf = buffer or TensorBuffer()
     ordered = layout(specs)
     result = ShardWritten(FileEntry(name, 0, "", rank, 0))
     checksums: list[str] = []
@@ -153,7 +138,7 @@ def write_shard_streaming(
             h = Hasher()
             for row, out in pieces(s, buf, piece_bytes):
                 fill(s, out, row)
-                h.update(byte_view(out))
+                h.update(tensor_bytes(out))
             result.bytes_read += s.nbytes
             checksums.append(h.hexdigest())
         else:
@@ -169,7 +154,7 @@ def write_shard_streaming(
             h = Hasher()
             for row, out in pieces(s, buf, piece_bytes):
                 fill(s, out, row)
-                data = byte_view(out)
+                data = tensor_bytes(out)
                 h.update(data)
                 for p in range(0, len(data), WRITE_PIECE):
                     w.write(data[p : p + WRITE_PIECE])
@@ -183,129 +168,3 @@ def write_shard_streaming(
     result.file = FileEntry(name, len(header) + pos, file_checksum(header, checksums), rank, len(chunks))
     result.chunks = chunks
     return result
-
-
-def checked_source_checksums(reader: Any, specs: Sequence[ChunkSpec], *, threads: int = 4, piece_bytes: int = PIECE,
-                             progress: Callable[[int], None] | None = None) -> tuple[list[ChunkSpec], int]:
-    """Pass 1 folded with the source check: ``specs`` with every missing checksum filled in,
-    and the number of source bytes read. ``reader`` is an open ``CheckpointReader``.
-
-    Every source chunk that overlaps a spec lacking a checksum is read once, whole, in
-    ``piece_bytes`` pieces, and its digest is checked against the source chunk's checksum
-    (``InvalidCheckpoint`` otherwise); the target checksums are hashed from the same bytes.
-    Specs that already carry a checksum (whole source chunks) are not read here: pass 2 checks
-    them against that same source checksum before the result is committed.
-
-    When a tensor's target chunks and source chunks are all runs of whole rows (dim-0 splits,
-    and whole tensors) each target chunk is a contiguous byte range of the tensor's row-major
-    bytes, so its hasher is fed from the source pieces in order: one read in all. Other
-    tensors (column splits, 0-d) check their source chunks the same way, then hash the target
-    chunks through ``fill``-style region reads, as ``with_checksums`` does: two reads.
-    Memory: one ``piece_bytes`` buffer per thread; work is spread over threads by tensor
-    (a tensor's source chunks are read in order, so its target hashers see bytes in order).
-    """
-    import dataclasses
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ckptctl.load.reader import ReadJob
-
-    local = threading.local()
-    todo: dict[str, list[int]] = {}
-    for i, s in enumerate(specs):
-        if s.checksum is None:
-            todo.setdefault(s.name, []).append(i)
-    out = list(specs)
-
-    def buffer(n: int) -> memoryview:
-        buf = getattr(local, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = local.buf = bytearray(n)
-        return memoryview(buf)[:n]
-
-    def check_chunk(loc: Any, feed: Callable[[int, memoryview], None] | None) -> int:
-        """Read source chunk ``loc`` whole, piece by piece; ``feed(byte offset in chunk, piece)``."""
-        c = loc.chunk
-        size = c.end - c.begin
-        h = Hasher()
-        for p in range(0, size, piece_bytes):
-            view = buffer(min(piece_bytes, size - p))
-            reader._pread(loc.file, loc.data_start + c.begin + p, view)
-            h.update(view)
-            if feed is not None:
-                feed(p, view)
-            if progress:
-                progress(len(view))
-        # A chunk without a checksum (an old writer's) is covered by its file checksum instead:
-        # reshard verifies such a source in full before this pass.
-        if c.checksum is not None and h.hexdigest() != c.checksum:
-            raise InvalidCheckpoint(
-                f"{reader.storage.url}: the source failed verification: {loc.file}: tensor {c.name!r} "
-                f"(bytes {loc.data_start + c.begin}-{loc.data_start + c.end}) does not match its checksum",
-                hint="run `ckptctl verify` on it; reshard a good checkpoint instead (`ckptctl latest`)",
-            )
-        return size
-
-    def overlaps(c: Any, s: ChunkSpec) -> bool:
-        return all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(c.offsets, c.shape, s.offsets, s.shape)) if s.shape else True
-
-    def one(name: str) -> int:
-        idx = todo[name]
-        t = reader.manifest.tensors[name]
-        locs = sorted(reader.index.get(name, []), key=lambda loc: tuple(loc.chunk.offsets))
-        rest = tuple(t.shape[1:])
-        rowwise = len(t.shape) >= 1 and all(tuple(specs[i].shape[1:]) == rest and not any(specs[i].offsets[1:]) for i in idx) \
-            and all(tuple(loc.chunk.shape[1:]) == rest and not any(loc.chunk.offsets[1:]) for loc in locs)
-        if rowwise:  # the source chunks must tile the rows exactly, in order
-            row = 0
-            for loc in locs:
-                rowwise = rowwise and loc.chunk.offsets[0] == row
-                row = loc.chunk.offsets[0] + loc.chunk.shape[0]
-            rowwise = rowwise and row == t.shape[0]
-        nread = 0
-        if not rowwise:
-            for loc in locs:
-                if any(overlaps(loc.chunk, specs[i]) for i in idx):
-                    nread += check_chunk(loc, None)
-            buf = TensorBuffer()
-            for i in idx:
-                s = specs[i]
-                h = Hasher()
-                for r, view in pieces(s, buf, piece_bytes):
-                    offsets = (s.offsets[0] + r, *s.offsets[1:]) if s.offsets else s.offsets
-                    reader.read_into(ReadJob(s.name, view, offsets))
-                    h.update(byte_view(view))
-                nread += s.nbytes
-                out[i] = dataclasses.replace(s, checksum=h.hexdigest())
-            return nread
-        row_bytes = math.prod(rest) * dtypes.itemsize(t.dtype)
-        # Each target chunk as a byte range [lo, hi) of the tensor's row-major bytes.
-        ranges = [(specs[i].offsets[0] * row_bytes, (specs[i].offsets[0] + specs[i].shape[0]) * row_bytes, i) for i in idx]
-        hashers = {i: Hasher() for i in idx}
-        fed = {i: 0 for i in idx}
-        for loc in locs:
-            base = loc.chunk.offsets[0] * row_bytes
-            end = base + loc.chunk.shape[0] * row_bytes
-            mine = [(lo, hi, i) for lo, hi, i in ranges if max(lo, base) < min(hi, end) or (lo == hi == base)]
-            if not any(lo < hi for lo, hi, _ in mine):
-                continue  # no byte of this chunk is used here (another rank's, or an empty one)
-
-            def feed(p: int, view: memoryview, base: int = base, mine: list = mine) -> None:
-                a0, a1 = base + p, base + p + len(view)
-                for lo, hi, i in mine:
-                    a, b = max(lo, a0), min(hi, a1)
-                    if a < b:
-                        hashers[i].update(view[a - a0 : b - a0])
-                        fed[i] += b - a
-
-            nread += check_chunk(loc, feed)
-        for lo, hi, i in ranges:
-            if fed[i] != hi - lo:  # cannot happen once the rows tile; never write a wrong checksum
-                raise InvalidCheckpoint(f"{reader.storage.url}: tensor {name!r}: source chunks cover {fed[i]} of {hi - lo} bytes")
-            out[i] = dataclasses.replace(specs[i], checksum=hashers[i].hexdigest())
-        return nread
-
-    names = sorted(todo, key=lambda n: -sum(specs[i].nbytes for i in todo[n]))  # largest first: balanced threads
-    with ThreadPoolExecutor(threads, thread_name_prefix="ckptctl-hash") as pool:
-        nread = sum(pool.map(one, names))
-    return out, nread

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Literal
 
@@ -25,15 +26,28 @@ from ckptctl.errors import (
     NoValidCheckpoint,
     NotFound,
     RefusedForSafety,
+    StorageError,
 )
-from ckptctl.format.checkpoint import Committed, iter_marked, list_steps, read_committed_raw
-from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir, step_dir
+from ckptctl.format.layout import MARKER, parse_step_dir, step_dir
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import ShardHeader
-from ckptctl.ops.verify import Problem, Progress, check_file, stream_file
+from ckptctl.layouts.catalog import NATIVE, newest_marked
+from ckptctl.layouts.native import (
+    Committed,
+    check_target_name,
+    commit_copy,
+    read_committed_raw,
+    remove,
+    remove_leftovers,
+    uncommit,
+)
+from ckptctl.ops.problem import Problem
+from ckptctl.ops.shard_scan import check_file, stream_file
+from ckptctl.ops.verify import verify_checkpoint
+from ckptctl.progress import Progress
+from ckptctl.settings import COPY_THREADS
 from ckptctl.storage.base import Storage
 
-THREADS = 4  # files copied at once; each S3 writer adds its own parallel part uploads
 
 CopyStatus = Literal["copied", "already present"]
 
@@ -60,18 +74,21 @@ def _describe(problems: list[Problem], where: str) -> str:
     return f"{where}: {first}{more}"
 
 
-def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None, *, threads: int = THREADS) -> CopyResult:
+def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None, *, threads: int = COPY_THREADS) -> CopyResult:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a checkpoint directory).
 
     Raises NotFound (src not committed), InvalidCheckpoint (src corrupt: nothing is committed
     at dst, and the shards this call wrote are removed), RefusedForSafety (dst already holds a
-    different committed checkpoint) or StorageError.
+    different committed checkpoint, or is the directory of another step) or StorageError.
     """
     t0 = time.perf_counter()
     source = read_committed_raw(src)
     manifest = source.manifest
+    check_target_name(dst, manifest.step)
     result = CopyResult(src.url, dst.url, manifest.step, "copied", files=len(manifest.files))
-    if _already_present(source, dst):
+    with _at_destination(dst):
+        present = _already_present(source, dst)
+    if present:
         result.status = "already present"
         result.seconds = time.perf_counter() - t0
         return result
@@ -96,13 +113,15 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
     stop = threading.Event()  # one corrupt or failed file ends the others early
 
     def copy_one(f: FileEntry) -> tuple[list[Problem], bool]:
-        if _reusable(dst, f, headers[f.name]):
+        with _at_destination(dst):
+            reusable = _reusable(dst, f, headers[f.name])
+            writer = None if reusable else dst.open_writer(f.name)
+        if writer is None:
             if progress:
                 progress(f.size)
             return [], True
-        writer = dst.open_writer(f.name)
         try:
-            found, _ = stream_file(src, f, headers[f.name], "checksums", progress, sink=writer.write, stop=stop)
+            found, _ = stream_file(src, f, headers[f.name], progress, sink=writer.write, stop=stop)
         except BaseException:
             stop.set()
             writer.abort()
@@ -111,7 +130,8 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
             stop.set()
             writer.abort()
             return found, False
-        writer.commit()
+        with _at_destination(dst):
+            writer.commit()
         with lock:
             written.append(f.name)
         return [], False
@@ -133,24 +153,43 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
         result.files_reused += reused
     if problems:
         # The source is corrupt: take back what we wrote so no half copy is left behind.
-        for name in written:
-            dst.delete(name)
-        dst.remove_dir("")  # only if now empty; a no-op on S3
+        with _at_destination(dst):
+            for name in written:
+                dst.delete(name)
+            dst.remove_dir("")  # only if now empty; a no-op on S3
         raise InvalidCheckpoint(_describe(problems, src.url), hint="the source was modified after it was written; copy an older checkpoint")
 
-    dst.write_atomic(MANIFEST, source.manifest_raw)
     # The marker last: the copy is a checkpoint only once every byte above checked out.
-    dst.write_atomic(MARKER, source.marker_raw)
+    with _at_destination(dst):
+        commit_copy(dst, source)
+        remove_leftovers(dst, [f.name for f in manifest.files])  # of a killed earlier run
     result.bytes_copied = sum(f.size for f in manifest.files if f.name in written)
     result.seconds = time.perf_counter() - t0
     return result
 
 
+@contextmanager
+def _at_destination(dst: Storage) -> Iterator[None]:
+    """A checkpoint problem raised by the destination's storage (a symlinked step directory,
+    a file where a directory belongs) is an operational error naming DST (exit 3): never a
+    reason to skip a good source and restore an older step instead."""
+    try:
+        yield
+    except RefusedForSafety:
+        raise
+    except CheckpointError as e:
+        raise StorageError(
+            f"{dst.url}: the destination cannot be written: {e}",
+            hint="fix or remove it (ckptctl never follows links or writes through them), then run again",
+        ) from None
+
+
 def _already_present(source: Committed, dst: Storage) -> bool:
-    """True when ``dst`` already commits the same manifest and its files pass the quick check.
+    """True when ``dst`` already commits the same manifest and its bytes verify (checksums).
 
     A committed destination holding anything else is refused, never overwritten: it may be
-    the only copy of another checkpoint."""
+    the only copy of another checkpoint. The same checkpoint damaged in place is uncommitted
+    (marker first) so that the caller copies it again."""
     if dst.stat(MARKER) is None:
         return False
     try:
@@ -165,13 +204,11 @@ def _already_present(source: Committed, dst: Storage) -> bool:
             f"{dst.url} already holds a different committed checkpoint (step {existing.manifest.step})",
             hint="choose another destination, or delete that checkpoint first",
         )
-    problems: list[Problem] = []
-    for f in existing.manifest.files:
-        check_file(dst, f, existing.manifest, problems)
-    if not problems:
+    # Every byte, not just sizes and headers: a flipped byte in a copy that is then trusted
+    # as "already there" would be handed to training.
+    if verify_checkpoint(dst, "checksums").ok:
         return True
-    # Same checkpoint, damaged in place: uncommit it (marker first), then copy it again.
-    dst.delete(MARKER)
+    uncommit(dst)
     return False
 
 
@@ -184,7 +221,7 @@ def _reusable(dst: Storage, f: FileEntry, h: ShardHeader) -> bool:
     info = dst.stat(f.name)
     if info is None or info.kind != "file" or info.size != f.size:
         return False
-    found, _ = stream_file(dst, f, h, "checksums", None)
+    found, _ = stream_file(dst, f, h)
     return not found
 
 
@@ -220,7 +257,7 @@ def restore_latest(
     *,
     world_size: int | None = None,
     on_skip: Callable[[Skipped], None] | None = None,
-    threads: int = THREADS,
+    threads: int = COPY_THREADS,
 ) -> RestoreResult:
     """Copy the newest committed checkpoint of ``src_root`` that verifies (or ``step``) to
     ``dst_root/step-XXXXXXXXXX``, checked on the fly; returns where it landed.
@@ -242,7 +279,9 @@ def restore_latest(
             source = read_committed_raw(src)
             if world_size is not None and world_size != source.manifest.world_size:
                 reshard_to = world_size
-                if _resharded_present(dst, source, world_size):
+                with _at_destination(dst):
+                    present = _resharded_present(dst, source, world_size)
+                if present:
                     done = CopyResult(src.url, dst.url, cand_step, "already present", files=world_size)
                     return RestoreResult(dst.local_path() or dst.url, cand_step, done, skipped)
                 staging = dst_root.sub(STAGING_PREFIX + step_dir(cand_step))
@@ -280,7 +319,8 @@ STAGING_PREFIX = ".restore-staging-"
 
 def _resharded_present(dst: Storage, source: Committed, world_size: int) -> bool:
     """A committed ``dst`` that is this checkpoint re-sharded for ``world_size``: same step,
-    tensors and state, ``world_size`` ranks. Anything else committed there is refused."""
+    tensors and state, ``world_size`` ranks, and its bytes verify. Anything else committed there
+    is refused; the same one damaged in place is uncommitted (marker first), to be redone."""
     if dst.stat(MARKER) is None:
         return False
     try:
@@ -303,7 +343,10 @@ def _resharded_present(dst: Storage, source: Committed, world_size: int) -> bool
             f"{existing.world_size} ranks)",
             hint="choose another destination, or delete that checkpoint first",
         )
-    return True
+    if verify_checkpoint(dst, "checksums").ok:
+        return True
+    uncommit(dst)
+    return False
 
 
 def _reshard_staged(staging: Storage, dst: Storage, world_size: int, copied: CopyResult, progress: Progress | None) -> CopyResult:
@@ -313,18 +356,10 @@ def _reshard_staged(staging: Storage, dst: Storage, world_size: int, copied: Cop
     # Leftovers of an interrupted restore (no marker) may be replaced; a committed dst was
     # handled by _resharded_present and never reaches this point.
     report = reshard(staging, dst, world_size, overwrite=dst.stat(MARKER) is None, progress=progress)
-    _remove_checkpoint(staging)
+    remove(staging)
     return CopyResult(copied.src, dst.url, copied.step, "copied", files=report.files,
                       bytes_copied=copied.bytes_copied, files_reused=copied.files_reused,
                       seconds=copied.seconds + report.seconds)
-
-
-def _remove_checkpoint(ckpt: Storage) -> None:
-    """Marker first, so an interrupted removal never leaves something that looks committed."""
-    ckpt.delete(MARKER)
-    for info in list(ckpt.list()):
-        ckpt.delete(info.key)
-    ckpt.remove_dir("")
 
 
 def _candidates(src_root: Storage, step: int | None) -> Iterator[tuple[int, Storage]]:
@@ -340,15 +375,9 @@ def _candidates(src_root: Storage, step: int | None) -> Iterator[tuple[int, Stor
             )
         yield own, src_root
         return
-    if step is None:
-        for entry, ckpt in iter_marked(src_root):
-            yield entry.step, ckpt
-        return
-    for entry in list_steps(src_root):
-        if entry.kind == "dir" and entry.step == step:  # a symlinked step dir is never followed
-            ckpt = src_root.sub(entry.name)
-            if ckpt.stat(MARKER) is not None:
-                yield entry.step, ckpt
+    for entry in newest_marked(src_root, step=step, layouts=NATIVE):  # a symlinked step dir is never followed
+        if entry.storage is not None:
+            yield entry.step, entry.storage
 
 
 def checkpoint_dir_for(dst: Storage, step: int) -> Storage:

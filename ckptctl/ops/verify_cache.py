@@ -28,13 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError
+from ckptctl.format import parse
 from ckptctl.format.layout import MARKER
-from ckptctl.format.marker import Marker
-from ckptctl.ops.verify import LEVELS, Level, Progress, VerifyReport, verify_checkpoint
+from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
+from ckptctl.ops.verify import LEVELS, Level, VerifyReport, verify_checkpoint
+from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 
 CACHE_KEY = ".ckptctl-verified.json"
 _FORMAT = "ckptctl-verified"
+_VERSION = 1
+_MAX_BYTES = 64 << 20
 
 # key, size, mtime (s), mtime_ns, ctime_ns, inode; the last three are None on object stores.
 Stamp = tuple[str, int, float, int | None, int | None, int | None]
@@ -50,24 +54,49 @@ class Fingerprint:
 
     @classmethod
     def from_doc(cls, doc: Any) -> "Fingerprint | None":
+        """The recorded fingerprint, or None when the record is not one (any wrong type or range)."""
         try:
-            stamps = tuple(
-                (str(k), int(size), float(mtime), _opt_int(mns), _opt_int(cns), _opt_int(ino))
-                for k, size, mtime, mns, cns, ino in doc["stamps"]
-            )
-            return cls(str(doc["manifest_checksum"]), stamps)
-        except (KeyError, TypeError, ValueError):
+            entry = parse.Obj(doc, CACHE_KEY, "verification record entry")
+            stamps = tuple(_stamp(s) for s in entry.list("stamps"))
+            return cls(entry.str("manifest_checksum", max_len=128), stamps)
+        except InvalidCheckpoint:
             return None
 
 
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else int(v)
+def _stamp(doc: Any) -> Stamp:
+    if not isinstance(doc, list) or len(doc) != 6:
+        raise parse.invalid(CACHE_KEY, "a stamp is not a list of 6 items")
+    key, size, mtime, mns, cns, ino = doc
+    err = lambda why: parse.invalid(CACHE_KEY, f"a stamp value {why}")  # noqa: E731
+    if not isinstance(key, str):
+        raise err("is not a string")
+    opt = [None if v is None else parse.as_int(v, lo=-parse.INT64_MAX, hi=parse.INT64_MAX, err=err) for v in (mns, cns, ino)]
+    return (key, parse.as_int(size, lo=0, hi=parse.INT64_MAX, err=err),
+            parse.as_float(mtime, lo=-parse.MAX_TIME, hi=parse.MAX_TIME, err=err), opt[0], opt[1], opt[2])
+
+
+def _entry(doc: Any) -> dict[str, Any] | None:
+    """A recorded success with every field the lookup uses checked, or None to drop it."""
+    try:
+        e = parse.Obj(doc, CACHE_KEY, "verification record entry")
+        if e.str("level", max_len=16) not in LEVELS:
+            return None
+        e.float("verified_at", lo=0.0, hi=parse.MAX_TIME)
+        e.int("step", lo=0, hi=parse.INT64_MAX, default=None)
+        e.int("files", default=0)
+        e.int("tensors", default=0)
+    except InvalidCheckpoint:
+        return None
+    return doc if Fingerprint.from_doc(doc) is not None else None
 
 
 def fingerprint(ckpt: Storage) -> Fingerprint | None:
     """The fingerprint of a checkpoint as it is now; None when it has no readable marker."""
+    info = ckpt.stat(MARKER)
+    if info is None or info.size > MAX_MARKER_BYTES:  # an oversized marker is no marker here
+        return None
     try:
-        marker = Marker.from_json(ckpt.read(MARKER, max_size=1 << 20), ckpt.url_of(MARKER))
+        marker = Marker.from_json(ckpt.read(MARKER, max_size=MAX_MARKER_BYTES), ckpt.url_of(MARKER))
     except (NotFound, InvalidCheckpoint):
         return None
     stamps = []
@@ -96,19 +125,23 @@ class VerifyCache:
     @classmethod
     def load(cls, root: Storage) -> "VerifyCache":
         try:
-            raw = root.read(CACHE_KEY)
+            raw = root.read(CACHE_KEY, max_size=_MAX_BYTES)
         except NotFound:
             return cls(root)
         except (StorageError, InvalidCheckpoint) as e:
             return cls(root, note=f"ignored the verification record {root.url_of(CACHE_KEY)}: {e}")
+        where = root.url_of(CACHE_KEY)
         try:
-            doc = json.loads(raw)
-            entries = doc["entries"] if doc.get("format") == _FORMAT else None
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError):
-            entries = None
-        if not isinstance(entries, dict):
-            return cls(root, note=f"ignored the unreadable verification record {root.url_of(CACHE_KEY)}")
-        return cls(root, {str(k): v for k, v in entries.items() if isinstance(v, dict)})
+            doc = parse.load_json(raw, where, "verification record", max_bytes=_MAX_BYTES, max_depth=8)
+            top = parse.Obj(doc, where, "verification record")
+            if doc.get("format") != _FORMAT:
+                raise parse.invalid(where, "not a ckptctl verification record")
+            parse.check_version(doc, where, "verification record", supported=_VERSION)
+            entries = top.dict("entries")
+        except InvalidCheckpoint as e:
+            return cls(root, note=f"ignored the unreadable verification record: {e}")
+        kept = {k: v for k, v in ((k, _entry(v)) for k, v in entries.items()) if v is not None}
+        return cls(root, kept)
 
     def lookup(self, name: str, fp: Fingerprint, level: Level) -> dict[str, Any] | None:
         """The recorded success for ``name`` if it covers ``level`` and ``fp`` is unchanged."""
@@ -147,7 +180,7 @@ class VerifyCache:
         saves time."""
         if not self._dirty:
             return
-        doc = {"format": _FORMAT, "version": 1, "entries": self.entries}
+        doc = {"format": _FORMAT, "version": _VERSION, "entries": self.entries}
         try:
             self.root.write_atomic(CACHE_KEY, json.dumps(doc, separators=(",", ":")).encode())
             self._dirty = False

@@ -1,0 +1,100 @@
+"""What the catalog knows about a checkpoint, and what a layout must answer to be listed.
+
+A *layout* is one tool's way of putting checkpoints under a root (ckptctl's own is
+``native.NativeLayout``; other tools' are ``stack.StackLayout`` subclasses: ``dcp``,
+``hf_trainer``, ``megatron``, ``deepspeed``). The catalog asks each layout whether a root's
+child is one of its checkpoints and, if so, what state it is in; everything else about the
+layout stays in its own module.
+
+Ownership is decided from a directory's files, not only from its name: ``step-N`` is both
+ckptctl's and torchtitan's name, so a directory is a layout's own only when that layout
+``claims`` its files. A directory that no layout claims is listed as ``unknown`` and is never
+deleted by anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from ckptctl.format.manifest import Manifest
+from ckptctl.storage.base import ObjectInfo, Storage
+
+# committed: complete by its layout's own commit rule (contents not verified); partial: the
+# layout's own checkpoint, not committed yet (being written, or abandoned); corrupt: claims to
+# be committed but is not self-consistent; link: a symlink under the root, which ckptctl never
+# follows; unknown: named like a checkpoint, but no layout recognises its files as its own.
+Status = Literal["committed", "partial", "corrupt", "link", "unknown"]
+
+UNKNOWN = "unknown"  # the layout name of an entry no layout claims
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint under a root, as the catalog lists it."""
+
+    step: int
+    name: str  # the directory's name under the root
+    url: str
+    layout: str  # which layout recognised it ("ckptctl" for ckptctl's own, "unknown" for none)
+    status: Status
+    reason: str | None = None  # why it is not committed (None when committed)
+    storage: Storage | None = None  # rooted at the checkpoint; None for a link (never followed)
+    manifest: Manifest | None = None  # ckptctl's own layout, when committed
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON-friendly fields (no storage, no manifest)."""
+        return {"step": self.step, "name": self.name, "url": self.url, "layout": self.layout,
+                "status": self.status, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Examined:
+    """A layout's cheap look at one checkpoint directory (marker and manifest, no data)."""
+
+    status: Literal["committed", "partial", "corrupt"]
+    reason: str | None = None
+    manifest: Manifest | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem a layout's check found in a checkpoint, naming the file when it is one."""
+
+    message: str
+    file: str | None = None
+    hint: str | None = None
+
+
+@dataclass
+class Checked:
+    """What a layout's check of one checkpoint found (``StackLayout.check``)."""
+
+    step: int | None = None
+    problems: list[Finding] = field(default_factory=list)
+    files: int = 0
+    bytes_read: int = 0
+    not_loaded: list[str] = field(default_factory=list)  # "NAME: not test-loaded (pickle of CLASS)"
+    notes: list[str] = field(default_factory=list)  # what this level could not check
+
+
+class Layout(Protocol):
+    """One tool's directory layout, as the catalog uses it."""
+
+    name: str
+
+    def for_root(self, root: Storage) -> "Layout":
+        """This layout as it reads ``root`` (a pointer file at the root, for some stacks)."""
+
+    def step_of(self, child: ObjectInfo) -> int | None:
+        """The step a child of the root stands for, by its name, or None when it is not one of ours."""
+
+    def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        """Whether a directory whose immediate children are ``names`` holds this layout's own
+        files (complete or not): a directory no layout claims is never deleted."""
+
+    def is_marked(self, ckpt: Storage) -> bool:
+        """Whether ``ckpt`` claims to be committed: one cheap lookup (a stat or a HEAD)."""
+
+    def examine(self, ckpt: Storage) -> Examined:
+        """Status from the checkpoint's own metadata; never raises for a checkpoint problem."""

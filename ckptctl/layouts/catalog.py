@@ -1,0 +1,143 @@
+"""The catalog: the one way every root-wide verb and ``load_latest`` list checkpoints.
+
+A root's children are offered to each known layout (``LAYOUTS``: ckptctl's own, then
+torchtitan/DCP, the Hugging Face Trainer, Megatron-LM, DeepSpeed and Lightning's
+``*.ckpt`` files). A layout first
+recognises a child by its name (``step_of``); since two layouts may share a name (``step-N``
+is ckptctl's and torchtitan's), the directory belongs to the first one whose files it holds:
+ckptctl's marker decides at once, otherwise one listing of the directory is offered to each
+(``claims``). A directory no layout claims is listed as ``unknown`` and nothing ever deletes
+it. Steps are compared as integers; two entries of one step keep their names' order.
+
+- ``list_checkpoints(root)``: everything, oldest first, each with its cheap status (``ls``,
+  ``prune``'s survey).
+- ``newest_committed(root)``: committed ones, newest first, lazily (``load_latest``, ``interval``).
+- ``newest_marked(root)``: those that claim to be committed, newest first, lazily, corrupt
+  ones included (``verify --all/--latest``, ``latest``: they report what they skip).
+
+``load_latest``, ``interval`` statistics and ``restore`` read ckptctl checkpoints only: they
+pass ``layouts=NATIVE``. The lazy walks cost one listing and one marker lookup per directory
+actually taken, so "the newest that verifies" under thousands of checkpoints (S3: a HEAD each)
+stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout
+from ckptctl.layouts.dcp import DcpLayout
+from ckptctl.layouts.deepspeed import DeepSpeedLayout
+from ckptctl.layouts.hf_trainer import HfTrainerLayout
+from ckptctl.layouts.lightning import LightningLayout
+from ckptctl.layouts.megatron import MegatronLayout
+from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.native import NativeLayout
+from ckptctl.storage.base import ObjectInfo, Storage
+
+NATIVE: tuple[Layout, ...] = (NativeLayout(),)
+# ckptctl's own first: a step-N directory with a ckptctl marker is ckptctl's, whatever else it holds.
+LAYOUTS: tuple[Layout, ...] = (*NATIVE, DcpLayout(), HfTrainerLayout(), MegatronLayout(), DeepSpeedLayout(),
+                               LightningLayout())
+FORMATS: tuple[str, ...] = tuple(layout.name for layout in LAYOUTS)
+
+_Found = tuple[tuple[Layout, ...], ObjectInfo, int]  # (layouts that know the name, child, step)
+
+
+def layouts_named(formats: Sequence[str] | None) -> tuple[Layout, ...]:
+    """The layouts of ``formats`` (names as in ``FORMATS``), all of them for None. Raises
+    ValueError naming an unknown one."""
+    if formats is None:
+        return LAYOUTS
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise ValueError(f"unknown format {', '.join(unknown)}; known: {', '.join(FORMATS)}")
+    return tuple(layout for layout in LAYOUTS if layout.name in formats)
+
+
+def layout_named(name: str, root: Storage) -> Layout:
+    """The layout called ``name``, bound to ``root``. Raises KeyError for an unknown name."""
+    for layout in LAYOUTS:
+        if layout.name == name:
+            return layout.for_root(root)
+    raise KeyError(name)
+
+
+def _scan(root: Storage, layouts: Sequence[Layout]) -> list[_Found]:
+    """One listing of ``root``: the children some layout recognises by name, oldest first."""
+    bound = [layout.for_root(root) for layout in layouts]
+    found: list[_Found] = []
+    for child in root.children():
+        steps = [(layout, layout.step_of(child)) for layout in bound]
+        known = tuple(layout for layout, step in steps if step is not None)
+        if known:
+            found.append((known, child, next(step for _, step in steps if step is not None)))
+    found.sort(key=lambda f: (f[2], f[1].key))
+    return found
+
+
+def _owner(ckpt: Storage, known: Sequence[Layout], kind: str = "dir") -> tuple[Layout | None, bool]:
+    """Which layout's checkpoint ``ckpt`` is, and whether that was decided by ckptctl's marker
+    (then it is known to be marked without another lookup). A file is a checkpoint only of a
+    layout that stores one per file (Lightning), which claims it by its name and contents."""
+    if kind == "file":
+        return next((layout for layout in known if layout.claims(ckpt, frozenset())), None), False
+    for layout in known:
+        if layout.name == NATIVE_NAME and layout.is_marked(ckpt):
+            return layout, True
+    names = frozenset(info.key.rsplit("/", 1)[-1] for info in ckpt.children())
+    for layout in known:
+        if layout.claims(ckpt, names):
+            return layout, False
+    return None, False
+
+
+def _unknown(found: _Found, ckpt: Storage) -> Checkpoint:
+    known, child, step = found
+    looked = ", ".join(layout.name for layout in known)
+    return Checkpoint(step, child.key, ckpt.url, UNKNOWN, "unknown",
+                      f"named like a {looked} checkpoint, but no layout recognises its files as its own; "
+                      "never deleted", ckpt)
+
+
+def _entry(root: Storage, found: _Found, owner: Layout | None = None) -> Checkpoint:
+    known, child, step = found
+    name = child.key
+    if child.kind == "link":
+        return Checkpoint(step, name, root.url_of(name), known[0].name, "link", "symlink, not followed")
+    ckpt = root.sub(name)
+    if owner is None:
+        owner, _ = _owner(ckpt, known, child.kind)
+        if owner is None:
+            return _unknown(found, ckpt)
+    seen = owner.examine(ckpt)
+    return Checkpoint(step, name, ckpt.url, owner.name, seen.status, seen.reason, ckpt, seen.manifest)
+
+
+def list_checkpoints(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> list[Checkpoint]:
+    """Every checkpoint directory (and step-named symlink) under ``root``, oldest first, with
+    its status from its layout's commit rule only (no data read). Raises only StorageError."""
+    return [_entry(root, f) for f in _scan(root, layouts)]
+
+
+def newest_marked(root: Storage, *, step: int | None = None, layouts: Sequence[Layout] = LAYOUTS) -> Iterator[Checkpoint]:
+    """Directories that claim to be committed, newest first, lazily: committed, or corrupt
+    (claiming to be committed). With ``step``, only directories of that step. Symlinks are
+    never followed; directories no layout claims are never taken."""
+    for found in reversed(_scan(root, layouts)):
+        known, child, found_step = found
+        if child.kind == "link" or (step is not None and found_step != step):
+            continue
+        ckpt = root.sub(child.key)
+        owner, marked = _owner(ckpt, known, child.kind)
+        if owner is None or not (marked or owner.is_marked(ckpt)):
+            continue
+        entry = _entry(root, found, owner)
+        if entry.status in ("committed", "corrupt"):  # not "partial": the marker went meanwhile
+            yield entry
+
+
+def newest_committed(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> Iterator[Checkpoint]:
+    """Committed checkpoints, newest first, lazily (each by its layout's commit rule;
+    contents not verified)."""
+    return (e for e in newest_marked(root, layouts=layouts) if e.status == "committed")

@@ -1,0 +1,129 @@
+"""torchtitan and ``torch.distributed.checkpoint`` (DCP): ``ROOT/step-N`` directories.
+
+    ROOT/step-1000/
+        __0_0.distcp ... __R_0.distcp   each rank's records
+        .metadata                       written last: to .metadata.tmp, fsync, then renamed
+
+Commit rule (torch/distributed/checkpoint/filesystem.py, ``FileSystemWriter.finish``): the
+coordinator pickles the global metadata to ``.metadata.tmp`` and renames it to ``.metadata``
+after every rank's files are written, so ``.metadata`` present means the save finished;
+torchtitan (torchtitan/components/checkpoint.py) names the directories ``step-{step}`` and
+itself only resumes from a ``step-N`` holding ``.metadata``. A checkpoint is complete when
+``.metadata`` is present and every storage record it lists names a file that is present with
+the record's bytes inside it. torchtitan may write its last step as Hugging Face safetensors
+instead (``model.safetensors.index.json`` + shards): complete when the index and every shard
+it names are present.
+
+``.metadata`` is read with ckptctl's restricted unpickler (``interop.dcp_io.read_metadata``);
+records are test-loaded with ``torch.load(weights_only=True)``, one at a time.
+Weakness: DCP records no checksums, so a flipped bit in a tensor that still decodes is not
+seen; ``ckptctl convert --to ckptctl`` gives a checkpoint that has them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import Sequence
+
+from ckptctl.errors import InvalidCheckpoint
+from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import Checked, Examined, Finding
+from ckptctl.layouts.stack import Level, Resume, StackLayout
+
+METADATA = ".metadata"
+HF_INDEX = "model.safetensors.index.json"
+MAX_NOT_LOADED = 5  # records that need a class outside the allow-list, named one by one
+
+
+class DcpLayout(StackLayout):
+    name = "dcp"
+    title = "torchtitan / torch DCP"
+    pattern = re.compile(r"step-([0-9]{1,19})\Z", re.ASCII)
+    own_files = re.compile(r"(\.metadata(\.tmp)?|__[0-9]+\.metadata(\.tmp)?|.+\.distcp|"
+                           r"model\.safetensors\.index\.json|model-[0-9]+-of-[0-9]+\.safetensors)\Z")
+    commit_files = (METADATA, HF_INDEX)
+
+    def commit_state(self, path: str, step: int | None) -> Examined:
+        size = safe_load.regular_size(os.path.join(path, METADATA))
+        if size is not None:
+            if size == 0:
+                return Examined("corrupt", f"{METADATA} is 0 bytes: its write never finished")
+            return Examined("committed")
+        if os.path.lexists(os.path.join(path, METADATA)):
+            return Examined("corrupt", f"{METADATA} is not a regular file")
+        if safe_load.regular_size(os.path.join(path, HF_INDEX)) is not None:
+            return _hf_index_state(path)
+        return Examined("partial", f"no {METADATA}: DCP writes it last (to {METADATA}.tmp, then renamed), "
+                                   "so this save did not finish")
+
+    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+        if safe_load.regular_size(os.path.join(path, METADATA)) is None:
+            return
+        from ckptctl.interop.dcp_io import read_metadata  # needs torch
+
+        try:
+            md = read_metadata(path)  # every record: a plain file here, its bytes inside it
+        except InvalidCheckpoint as e:
+            out.problems.append(Finding(str(e), file=METADATA, hint=e.hint))
+            return
+        if level == "load":
+            self._load_records(path, md, out)
+
+    def _load_records(self, path: str, md: object, out: Checked) -> None:
+        skipped = 0
+        for index, info in (getattr(md, "storage_data", None) or {}).items():
+            if getattr(info, "transform_descriptors", None):
+                out.notes.append("records written through a storage transform (compression) were not test-loaded")
+                return
+            rel = os.fspath(info.relative_path)
+            with open(os.path.join(path, rel), "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            out.bytes_read += len(raw)
+            problem, not_loaded = _load_bytes(raw, self.allowed)
+            where = f"{rel} (record {getattr(index, 'fqn', '?')})"
+            if problem is not None:
+                out.problems.append(Finding(problem, file=where))
+            elif not_loaded is not None:
+                skipped += 1
+                if skipped <= MAX_NOT_LOADED:
+                    out.not_loaded.append(f"{where}: {not_loaded}")
+        if skipped > MAX_NOT_LOADED:
+            out.not_loaded.append(f"... and {skipped - MAX_NOT_LOADED} more records not test-loaded")
+
+    def resume(self, ckpt_path: str, step: int) -> Resume:
+        return Resume(ckpt_path, f"torchtitan: --checkpoint.load_step {step} (with --checkpoint.folder its root); "
+                                 f"torch: dcp.load(state_dict, checkpoint_id={ckpt_path!r})")
+
+
+def _load_bytes(raw: bytes, allowed: Sequence[object]) -> tuple[str | None, str | None]:
+    """Test-load one DCP record (a ``torch.save`` of a tensor or a value) from its bytes."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        return None, None
+    except pickle.UnpicklingError as e:
+        m = re.search(r"GLOBAL ([\w.]+)", str(e))
+        return None, f"not test-loaded (pickle of {m.group(1) if m else 'a class outside the allow-list'})"
+    except (RuntimeError, EOFError, ValueError, KeyError, TypeError, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        return f"does not load: {first}", None
+
+
+def _hf_index_state(path: str) -> Examined:
+    doc, problem = safe_load.json_file(os.path.join(path, HF_INDEX))
+    if problem is not None:
+        return Examined("corrupt", f"{HF_INDEX}: {problem}")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        return Examined("corrupt", f"{HF_INDEX}: no weight_map")
+    for shard in sorted({str(v) for v in weight_map.values()}):
+        if "/" in shard or shard in ("", ".", "..") or safe_load.regular_size(os.path.join(path, shard)) is None:
+            return Examined("corrupt", f"{HF_INDEX} names {shard!r}, which is missing")
+    return Examined("committed")

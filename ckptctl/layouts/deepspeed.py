@@ -1,0 +1,106 @@
+"""DeepSpeed: ``ROOT/global_stepN`` directories (the default tag) and the ``latest`` file.
+
+    ROOT/latest                                         the tag of the newest save
+    ROOT/global_step1000/
+        mp_rank_00_model_states.pt                      (ZeRO-3: zero_pp_rank_D_mp_rank_00_model_states.pt)
+        [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt   one per data-parallel rank (ZeRO)
+
+Commit rule (deepspeed/runtime/engine.py, ``DeepSpeedEngine.save_checkpoint``): the tag
+defaults to ``global_step{global_steps}``; every rank writes its model and optimizer state
+files, then rank 0 writes the tag into ``ROOT/latest`` (``save_latest``), and only after that
+do the ranks meet at the final barrier. ``load_checkpoint(ROOT)`` reads ``latest``. So a tag
+is complete when it is at or below the tag ``latest`` names and its model-state files are
+present; a tag newer than ``latest`` is a save that did not finish. ``latest``'s target is
+never deleted by prune.
+
+Weakness, said plainly: ``latest`` is written *before* the final barrier, so when rank 0 is
+fast and another rank dies, ``latest`` names a tag whose other files are missing or 0 bytes
+(diffusion-pipe#159). That is why every file must also be present, non-empty and pass its
+CRC-32 checks (``verify``), and why ``latest`` (the command) checks them before answering.
+A root without ``latest`` has no commit record at all: its tags are reported as broken (never
+deleted as "abandoned"). Files hold DeepSpeed classes (``ZeroStageEnum`` and others) beyond
+the allow-list: they are reported as not test-loaded, never unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Iterable, Sequence
+
+from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import Checked, Examined, Finding
+from ckptctl.layouts.stack import Level, Resume, StackLayout
+from ckptctl.storage.base import Storage
+
+LATEST = "latest"
+MODEL = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]{2}_model_states\.pt\Z")
+OPTIM = re.compile(r"(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]{2})_optim_states\.pt\Z")
+
+
+class DeepSpeedLayout(StackLayout):
+    name = "deepspeed"
+    title = "DeepSpeed"
+    pattern = re.compile(r"global_step([0-9]{1,19})\Z", re.ASCII)
+    own_files = re.compile(r"((zero_pp_rank_[0-9]+_)?mp_rank_[0-9]{2}_model_states\.pt|"
+                           r"(bf16_)?zero_pp_rank_[0-9]+_mp_rank_[0-9]{2}_optim_states\.pt|"
+                           r"layer_[0-9]+-model_[0-9]+-model_states\.pt)\Z")
+    claims_empty = True
+    commit_files = ("mp_rank_00_model_states.pt",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latest: str | None = None
+        self.latest_problem: str | None = f"no `{LATEST}` file at the root"
+
+    @property
+    def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
+        return (argparse.Namespace, *safe_load.numpy_rng())
+
+    def read_root(self, root: Storage) -> None:
+        path = root.local_path()
+        if path is None:
+            return
+        full = os.path.join(path, LATEST)
+        if safe_load.regular_size(full) is None:
+            self.latest, self.latest_problem = None, f"no `{LATEST}` file at the root: DeepSpeed's commit record is missing"
+            return
+        with open(full, "rb") as f:
+            text = f.read(256).decode("utf-8", "replace").strip()
+        if text and "/" not in text and text not in (".", ".."):
+            self.latest, self.latest_problem = text, None
+        else:
+            self.latest, self.latest_problem = None, f"`{LATEST}` holds {text[:40]!r}, not a tag"
+
+    def commit_state(self, path: str, step: int | None) -> Examined:
+        if self.latest is None:
+            return Examined("corrupt", f"{self.latest_problem}; left alone, not taken for an abandoned save")
+        tag = os.path.basename(os.path.abspath(path))
+        m = self.pattern.match(self.latest)
+        if tag != self.latest and (m is None or step is None or step > int(m.group(1))):
+            return Examined("partial", f"newer than the tag `{LATEST}` names ({self.latest}): DeepSpeed writes it after "
+                                       "the files, so this save did not finish")
+        names = os.listdir(path)
+        if not any(MODEL.match(n) for n in names):
+            return Examined("corrupt", "no *model_states.pt file although `latest` covers this tag")
+        return Examined("committed")
+
+    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+        ranks: dict[str, set[int]] = {}
+        for rel in files:
+            m = OPTIM.match(rel)
+            if m is not None:
+                ranks.setdefault(m.group(3), set()).add(int(m.group(2)))
+        for mp, dps in sorted(ranks.items()):
+            missing = sorted(set(range(max(dps) + 1)) - dps)
+            if missing:
+                out.problems.append(Finding(f"optimizer states of data-parallel rank(s) {missing} (mp_rank {mp}) are missing",
+                                            hint="a rank's save did not finish; use an older tag"))
+
+    def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+        return {} if self.latest is None else {self.latest: f"`{LATEST}` names it (load_checkpoint resumes from it)"}
+
+    def resume(self, ckpt_path: str, step: int) -> Resume:
+        root, tag = os.path.split(ckpt_path.rstrip("/"))
+        return Resume(ckpt_path, f"engine.load_checkpoint({root!r}, tag={tag!r})")

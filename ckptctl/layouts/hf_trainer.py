@@ -1,0 +1,108 @@
+"""The Hugging Face ``Trainer``: ``ROOT/checkpoint-N`` directories (its ``output_dir``).
+
+    ROOT/checkpoint-1500/
+        model.safetensors | model-0000k-of-0000n.safetensors + model.safetensors.index.json
+            | pytorch_model.bin (| adapter_model.safetensors for PEFT)
+        config.json, generation_config.json, training_args.bin
+        optimizer.pt, scheduler.pt, scaler.pt, rng_state.pth | rng_state_R.pth
+        trainer_state.json        written last
+
+Commit rule (transformers/trainer.py, ``Trainer._save_checkpoint``): the folder is
+``checkpoint-{global_step}``; the model, then optimizer and scheduler, then the RNG state are
+saved, and ``trainer_state.json`` (``TrainerState.save_to_json``) after them. So a
+``checkpoint-N`` without ``trainer_state.json`` is a save that did not finish (the crash of
+transformers#35782 resumes from it anyway), and its ``global_step`` must be N.
+``best_model_checkpoint`` in the newest complete checkpoint's ``trainer_state.json`` names the
+checkpoint ``Trainer._sorted_checkpoints`` keeps out of rotation; prune protects it the same way.
+
+Files are test-loaded with ``torch.load(weights_only=True)``; ``rng_state*.pth`` holds numpy's
+RNG state, allowed explicitly. ``training_args.bin`` is a pickle of ``TrainingArguments``: it is
+checked for presence and size only, never unpickled, and the report says so.
+Weakness: trainer_state.json is not written atomically (a plain ``open(..., "w")``); a
+truncated one is caught here as unparsable (corrupt), never read as complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterable, Sequence
+
+from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import Checked, Examined, Finding
+from ckptctl.layouts.stack import FileKind, Level, Resume, StackLayout
+
+STATE = "trainer_state.json"
+ARGS = "training_args.bin"
+WEIGHTS = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class HfTrainerLayout(StackLayout):
+    name = "hf-trainer"
+    title = "Hugging Face Trainer"
+    pattern = re.compile(r"checkpoint-([0-9]{1,19})\Z", re.ASCII)
+    own_files = re.compile(r"(trainer_state\.json|training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|"
+                           r"rng_state(_[0-9]+)?\.pth|config\.json|generation_config\.json|"
+                           r"(model|adapter_model)(-[0-9]+-of-[0-9]+)?\.safetensors|"
+                           r"pytorch_model(-[0-9]+-of-[0-9]+)?\.bin|.+\.index\.json)\Z")
+    claims_empty = True  # Trainer made the directory and died before writing into it
+    commit_files = (STATE,)
+
+    @property
+    def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
+        return tuple(safe_load.numpy_rng())
+
+    def commit_state(self, path: str, step: int | None) -> Examined:
+        full = os.path.join(path, STATE)
+        if not os.path.lexists(full):
+            return Examined("partial", f"no {STATE}: Trainer writes it last, so this save did not finish")
+        doc, problem = safe_load.json_file(full)
+        if problem is not None:
+            return Examined("corrupt", f"{STATE}: {problem}")
+        got = doc.get("global_step") if isinstance(doc, dict) else None
+        if not isinstance(got, int) or isinstance(got, bool):
+            return Examined("corrupt", f"{STATE} has no integer global_step")
+        if step is not None and got != step:
+            return Examined("corrupt", f"{STATE} says global_step {got}, the directory says {step}; they must agree")
+        return Examined("committed")
+
+    def kind_of(self, rel: str) -> FileKind:
+        if rel == ARGS:
+            return "pickle"
+        return super().kind_of(rel)
+
+    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+        names = set(files)
+        for index in INDEXES:
+            if index in names:
+                doc, problem = safe_load.json_file(os.path.join(path, index))
+                wm = doc.get("weight_map") if isinstance(doc, dict) else None
+                if problem is not None or not isinstance(wm, dict):
+                    out.problems.append(Finding(problem or "no weight_map", file=index))
+                    continue
+                for shard in sorted({str(v) for v in wm.values()} - names):
+                    out.problems.append(Finding(f"named by {index} but missing", file=shard,
+                                                hint="a weight shard was lost; use an older checkpoint"))
+        if not names & set(WEIGHTS) and not names & set(INDEXES):
+            out.problems.append(Finding("no model weights (model.safetensors, shards with their index, "
+                                        "or pytorch_model.bin)", hint="the save did not write the model"))
+
+    def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+        """The ``best_model_checkpoint`` named by the newest complete checkpoint."""
+        if self.root is None or self.root.local_path() is None:
+            return {}
+        root = self.root.local_path()
+        assert root is not None
+        done = [n for n, status in entries if status == "committed"]
+        for name in sorted(done, key=lambda n: int(self.pattern.match(n).group(1)), reverse=True):  # type: ignore[union-attr]
+            doc, problem = safe_load.json_file(os.path.join(root, name, STATE))
+            if problem is None and isinstance(doc, dict):
+                best = doc.get("best_model_checkpoint")
+                if isinstance(best, str) and best:
+                    return {os.path.basename(best.rstrip("/")): f"Trainer's best_model_checkpoint (in {name}/{STATE})"}
+                return {}
+        return {}
+
+    def resume(self, ckpt_path: str, step: int) -> Resume:
+        return Resume(ckpt_path, f"--resume_from_checkpoint {ckpt_path} (trainer.train(resume_from_checkpoint=...))")

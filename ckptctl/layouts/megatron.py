@@ -1,0 +1,148 @@
+"""Megatron-LM: ``ROOT/iter_NNNNNNN`` directories and the tracker file beside them.
+
+    ROOT/latest_checkpointed_iteration.txt      the tracker: the newest complete iteration
+    ROOT/iter_0001000/
+        torch_dist:  __R_N.distcp, .metadata, metadata.json, common.pt
+        legacy:      mp_rank_TT[_PPP]/model_optim_rng.pt (+ distrib_optim.pt)
+
+Commit rule (megatron/training/checkpointing.py, ``save_checkpoint``): every rank writes its
+files into ``iter_{:07d}``, the ranks meet at a barrier, and only then rank 0 writes the
+iteration into ``latest_checkpointed_iteration.txt`` (``get_checkpoint_tracker_filename``);
+``load_checkpoint`` (``--load ROOT``) reads the tracker and loads that iteration. So an
+iteration is complete when it is at or below the tracker's and its files are there: a
+torch_dist checkpoint (``megatron/core/dist_checkpointing``: DCP files with ``.metadata``, and
+``metadata.json``) or legacy ``mp_rank_*/model_optim_rng.pt`` files. The tracker's target is
+never deleted by prune. If the directory holds ``integrity.json`` (a JSON object mapping each
+file's relative path to its SHA-256, at the top level or under ``"files"``), verify checks it.
+
+Legacy files are test-loaded with ``torch.load(weights_only=True)`` allowing
+``argparse.Namespace`` (Megatron's ``args``) and numpy's RNG state; anything else they hold is
+reported as not test-loaded, never unpickled.
+Weakness: Megatron has no keep-last-N (Megatron-LM#1354), and the tracker is rewritten in
+place (not atomically): an empty or garbled tracker makes every iteration read as incomplete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+from typing import Iterable, Sequence
+
+from ckptctl.errors import InvalidCheckpoint
+from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import Checked, Examined, Finding
+from ckptctl.layouts.stack import Level, Resume, StackLayout
+from ckptctl.storage.base import Storage
+
+TRACKER = "latest_checkpointed_iteration.txt"
+LEGACY = re.compile(r"mp_rank_[0-9]{2}(_[0-9]{3})?/model_optim_rng\.pt\Z")
+INTEGRITY = "integrity.json"
+
+
+class MegatronLayout(StackLayout):
+    name = "megatron"
+    title = "Megatron-LM"
+    pattern = re.compile(r"iter_([0-9]{7,19})\Z", re.ASCII)
+    own_files = re.compile(r"(mp_rank_[0-9]{2}(_[0-9]{3})?|\.metadata|metadata\.json|common\.pt|.+\.distcp|"
+                           r"integrity\.json)\Z")
+    claims_empty = True  # made by ensure_directory_exists before any rank wrote
+    commit_files = (".metadata", "metadata.json")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracker: int | None = None
+        self.tracker_problem: str | None = f"no {TRACKER} at the root"
+
+    @property
+    def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
+        return (argparse.Namespace, *safe_load.numpy_rng())
+
+    def read_root(self, root: Storage) -> None:
+        path = root.local_path()
+        if path is None:
+            return
+        full = os.path.join(path, TRACKER)
+        size = safe_load.regular_size(full)
+        if size is None:
+            self.tracker, self.tracker_problem = None, f"no {TRACKER} at the root (Megatron writes it after every rank saved)"
+            return
+        with open(full, "rb") as f:
+            text = f.read(64).decode("ascii", "replace").strip()
+        if text.isdigit() and text.isascii():
+            self.tracker, self.tracker_problem = int(text), None
+        else:
+            self.tracker, self.tracker_problem = None, f"{TRACKER} holds {text[:20]!r}, not an iteration"
+
+    def commit_state(self, path: str, step: int | None) -> Examined:
+        if self.tracker is None:
+            return Examined("partial", f"{self.tracker_problem}; no iteration is committed")
+        if step is None or step > self.tracker:
+            return Examined("partial", f"newer than {TRACKER} (iteration {self.tracker}): Megatron writes the tracker "
+                                       "after every rank saved, so this save did not finish")
+        names = set(os.listdir(path))
+        if ".metadata" in names or "metadata.json" in names:
+            for need in (".metadata", "metadata.json"):
+                if safe_load.regular_size(os.path.join(path, need)) in (None, 0):
+                    return Examined("corrupt", f"torch_dist checkpoint without a complete {need}")
+            return Examined("committed")
+        if any(LEGACY.match(rel) for rel in _legacy_files(path, names)):
+            return Examined("committed")
+        return Examined("corrupt", "at or below the tracker's iteration but neither a torch_dist checkpoint "
+                                   "(.metadata + metadata.json) nor mp_rank_*/model_optim_rng.pt is here")
+
+    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+        if ".metadata" in files:
+            from ckptctl.interop.dcp_io import read_metadata  # needs torch
+
+            try:
+                read_metadata(path)
+            except InvalidCheckpoint as e:
+                out.problems.append(Finding(str(e), file=".metadata", hint=e.hint))
+        if INTEGRITY in files and level != "quick":
+            _check_integrity(path, out)
+
+    def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+        if self.tracker is None:
+            return {}
+        return {f"iter_{self.tracker:07d}": f"{TRACKER} names it (Megatron's --load resumes from it)"}
+
+    def resume(self, ckpt_path: str, step: int) -> Resume:
+        root = os.path.dirname(ckpt_path.rstrip("/"))
+        how = f"--load {root}"
+        if step != self.tracker:
+            how += f" --ckpt-step {step} (the tracker names iteration {self.tracker}, which did not verify)"
+        return Resume(root, how)
+
+
+def _legacy_files(path: str, names: set[str]) -> list[str]:
+    out = []
+    for n in sorted(names):
+        if n.startswith("mp_rank_") and os.path.isdir(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n)):
+            out += [f"{n}/{m}" for m in os.listdir(os.path.join(path, n))]
+    return out
+
+
+def _check_integrity(path: str, out: Checked) -> None:
+    doc, problem = safe_load.json_file(os.path.join(path, INTEGRITY))
+    table = doc.get("files", doc) if isinstance(doc, dict) else None
+    if problem is not None or not isinstance(table, dict):
+        out.problems.append(Finding(problem or "not a JSON object of file -> SHA-256", file=INTEGRITY))
+        return
+    for rel, want in sorted(table.items()):
+        if not isinstance(want, str) or ".." in rel.split("/") or rel.startswith("/"):
+            out.problems.append(Finding(f"entry {rel!r} is not a relative path with a SHA-256", file=INTEGRITY))
+            continue
+        full = os.path.join(path, rel)
+        if safe_load.regular_size(full) is None:
+            out.problems.append(Finding(f"listed in {INTEGRITY} but missing", file=rel))
+            continue
+        h = hashlib.sha256()
+        with open(full, "rb") as f:
+            while chunk := f.read(safe_load.CHUNK):
+                h.update(chunk)
+                out.bytes_read += len(chunk)
+        if h.hexdigest() != want.lower():
+            out.problems.append(Finding(f"SHA-256 differs from {INTEGRITY}: the bytes changed after the save", file=rel,
+                                        hint="bit rot or an overwrite; use an older checkpoint"))

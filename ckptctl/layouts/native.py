@@ -1,0 +1,306 @@
+"""ckptctl's own layout: reading, committing and deleting one checkpoint on a ``Storage``.
+
+    ROOT/step-0000001000/
+        rank-00000-of-00004.safetensors   one shard per writing rank
+        manifest.json                     what the checkpoint holds
+        COMMITTED                         the marker, written last, never replaced
+
+A checkpoint is committed when its marker exists, records the size and checksum of the
+manifest beside it, and its identity holds: the step in its directory's name (when that is a
+step directory), the manifest's step and the marker's step are one number. Anything that
+claims to be committed and is not is *corrupt*; a directory without a marker is *partial*.
+Every problem in these files is reported as ``InvalidCheckpoint`` (exit 1), never as a storage
+error, so that every root-wide verb skips that checkpoint and goes on with the older ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Literal, Mapping
+
+from ckptctl.errors import CheckpointError, InvalidCheckpoint, NotFound, RefusedForSafety
+from ckptctl.format.layout import MANIFEST, MARKER, MAX_STEP, parse_step_dir, step_dir
+from ckptctl.format.manifest import Manifest
+from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
+from ckptctl.format.shard import ShardHeader, read_header_with
+from ckptctl.layouts.base import Examined
+from ckptctl.storage.base import ObjectInfo, Storage
+
+NAME = "ckptctl"
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint's metadata, parsed and as the exact bytes read: a copy writes
+    the same bytes so that its marker still commits its manifest."""
+
+    manifest: Manifest
+    marker: Marker
+    manifest_raw: bytes
+    marker_raw: bytes
+
+
+@dataclass(frozen=True)
+class CommitState:
+    """What a checkpoint's marker and manifest say about it, decided from typed results."""
+
+    status: Literal["committed", "partial", "corrupt"]
+    committed: Committed | None = None  # when committed
+    error: CheckpointError | None = None  # why not: NotFound (partial) or InvalidCheckpoint
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def read_state(ckpt: Storage) -> CommitState:
+    """Committed, partial (no marker) or corrupt (a marker that does not commit a
+    self-consistent manifest), from marker and manifest only. Raises only StorageError."""
+    try:
+        marker_raw = _read_bounded(ckpt, MARKER, MAX_MARKER_BYTES, "a marker may have")
+    except NotFound:
+        return CommitState("partial", error=NotFound(
+            f"{ckpt.url}: no {MARKER} marker, so the checkpoint is not committed",
+            hint="it is still being written or its save failed; use an older checkpoint",
+        ))
+    except InvalidCheckpoint as e:
+        return CommitState("corrupt", error=e)
+    try:
+        return CommitState("committed", _committed(ckpt, marker_raw))
+    except InvalidCheckpoint as e:
+        return CommitState("corrupt", error=e)
+
+
+def read_committed_raw(ckpt: Storage) -> Committed:
+    """Marker, then the manifest it commits, parsed and raw. Raises NotFound (no marker: not
+    committed) or InvalidCheckpoint (garbled, mismatched, or its identity does not hold)."""
+    state = read_state(ckpt)
+    if state.error is not None:
+        raise state.error
+    assert state.committed is not None
+    return state.committed
+
+
+def read_committed(ckpt: Storage) -> tuple[Manifest, Marker]:
+    """``read_committed_raw`` without the raw bytes."""
+    committed = read_committed_raw(ckpt)
+    return committed.manifest, committed.marker
+
+
+def read_header(ckpt: Storage, name: str) -> ShardHeader:
+    """Parse one shard's safetensors header with at most two small ranged reads."""
+    with ckpt.open_reader(name) as r:
+        return read_header_with(r.read, r.size, ckpt.url_of(name))
+
+
+def total_size(ckpt: Storage) -> tuple[int, float]:
+    """Bytes and newest mtime of everything in a checkpoint directory (links not followed)."""
+    size, newest = 0, 0.0
+    for info in ckpt.list():
+        item: ObjectInfo = info
+        size += item.size if item.kind == "file" else 0
+        newest = max(newest, item.mtime)
+    return size, newest
+
+
+def dir_step(ckpt: Storage) -> int | None:
+    """The step ``ckpt``'s own directory name stands for, or None when it is not a step
+    directory (a copy under a name of the user's choosing, a staging directory)."""
+    path = ckpt.local_path()
+    name = os.path.basename(os.path.abspath(path)) if path is not None else ckpt.url.rstrip("/").rsplit("/", 1)[-1]
+    return parse_step_dir(name)
+
+
+def _read_bounded(ckpt: Storage, key: str, limit: int, limit_is: str) -> bytes:
+    # Not Storage.read: its size guard is an operational error (exit 3), and an oversized
+    # marker or manifest is a property of this checkpoint, to be skipped like any corruption.
+    with ckpt.open_reader(key) as r:
+        if r.size > limit:
+            raise InvalidCheckpoint(
+                f"{ckpt.url_of(key)}: {r.size} bytes, more than the {limit} {limit_is}",
+                hint="it was changed or replaced after commit; do not resume from this checkpoint",
+            )
+        return r.read(0, r.size)
+
+
+def _committed(ckpt: Storage, marker_raw: bytes) -> Committed:
+    # The parsers are the one validated layer (format.parse): they bound every field (the
+    # manifest size a marker records included) and raise only InvalidCheckpoint.
+    marker = Marker.from_json(marker_raw, ckpt.url_of(MARKER))
+    try:
+        raw = _read_bounded(ckpt, MANIFEST, marker.manifest_size, "bytes its marker records")
+    except NotFound:
+        raise InvalidCheckpoint(
+            f"{ckpt.url}: marker present but {MANIFEST} is missing",
+            hint="the checkpoint was damaged after commit; do not resume from it",
+        ) from None
+    marker.check(raw, ckpt.url_of(MANIFEST))
+    manifest = Manifest.from_json(raw, ckpt.url_of(MANIFEST))
+    _check_identity(ckpt, manifest, marker)
+    return Committed(manifest, marker, raw, marker_raw)
+
+
+def _check_identity(ckpt: Storage, manifest: Manifest, marker: Marker) -> None:
+    """Directory step (when it is a step directory) == manifest step == marker step, in range:
+    a checkpoint copied or renamed under another step's name must never pass for that step."""
+    named = dir_step(ckpt)
+    in_range = all(0 <= s <= MAX_STEP for s in (manifest.step, marker.step))
+    if in_range and manifest.step == marker.step and named in (None, manifest.step):
+        return
+    shown = "is not a step directory" if named is None else f"says step {named}"
+    raise InvalidCheckpoint(
+        f"{ckpt.url}: directory name {shown}, manifest says step {manifest.step}, marker says step "
+        f"{marker.step}; they must agree",
+        hint="it was renamed or copied by hand, or damaged; do not resume from it "
+        "(`ckptctl cp` puts a checkpoint in its own step's directory)",
+    )
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def check_target_name(ckpt: Storage, step: int) -> None:
+    """Refuse to write step ``step`` into a directory named for another step: the result
+    would be corrupt (its identity would not hold), or worse, taken for that other step."""
+    named = dir_step(ckpt)
+    if named is not None and named != step:
+        raise RefusedForSafety(
+            f"{ckpt.url} is the directory of step {named}; refusing to write step {step} into it",
+            hint=f"write it to a directory named {step_dir(step)}, or give the root as the "
+            "destination (the step's directory is made below it)",
+        )
+
+
+def commit(ckpt: Storage, manifest: Manifest) -> None:
+    """Commit ``ckpt`` once every shard is durable: the manifest (atomic), then the marker,
+    created only if absent. A marker already there is never replaced: raises RefusedForSafety
+    naming the URL (another writer committed this step), leaving that marker untouched."""
+    raw = manifest.to_json()
+    _commit_bytes(ckpt, manifest.step, raw, Marker.for_manifest(manifest.step, raw).to_json())
+
+
+def commit_copy(ckpt: Storage, source: Committed) -> None:
+    """``commit`` with the exact bytes of another checkpoint's manifest and marker (a copy)."""
+    _commit_bytes(ckpt, source.manifest.step, source.manifest_raw, source.marker_raw)
+
+
+def _commit_bytes(ckpt: Storage, step: int, manifest_raw: bytes, marker_raw: bytes) -> None:
+    check_target_name(ckpt, step)
+    # Looked at before the manifest is written too, so that a committed checkpoint's manifest
+    # is not replaced under its marker; write_if_absent below settles a race between the two.
+    if ckpt.stat(MARKER) is not None:
+        raise _other_writer(ckpt, step)
+    ckpt.write_atomic(MANIFEST, manifest_raw)
+    if not ckpt.write_if_absent(MARKER, marker_raw):
+        raise _other_writer(ckpt, step)
+
+
+def _other_writer(ckpt: Storage, step: int) -> RefusedForSafety:
+    return RefusedForSafety(
+        f"{ckpt.url_of(MARKER)} already exists: another writer committed step {step} here; "
+        "this one's marker was not written",
+        hint="two jobs are saving into one root (a zombie job and its restart?); stop the other "
+        "one and check this step with `ckptctl verify`",
+    )
+
+
+def uncommit(ckpt: Storage) -> None:
+    """Remove the marker only: the checkpoint reads as partial from then on."""
+    ckpt.delete(MARKER)
+
+
+def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = None) -> str | None:
+    """Delete one checkpoint: the marker first, so that a removal interrupted at any point
+    leaves something that reads as partial, never as committed; then the manifest, the rest
+    and the directory (when empty).
+
+    With ``expected`` (key -> (size, mtime), as a prune plan saw them) only those files are
+    deleted, each only while unchanged: the URL of the first that changed is returned, and it
+    and the files after it stay. Returns None when everything asked for was deleted.
+    """
+    first = {MARKER: 0, MANIFEST: 1}
+    if expected is None:
+        uncommit(ckpt)
+        for info in list(ckpt.list()):
+            ckpt.delete(info.key)
+    else:
+        for key in sorted(expected, key=lambda k: (first.get(k, 2), k)):
+            now = ckpt.stat(key)
+            if now is None:
+                continue  # already gone (an earlier, interrupted removal)
+            if (now.size, now.mtime) != expected[key]:
+                return ckpt.url_of(key)
+            ckpt.delete(key)
+    ckpt.remove_dir("")
+    return None
+
+
+# A POSIX writer streams into ``.NAME.tmp-PID-RANDOM`` and renames it into place on commit
+# (storage/local_io.py); a writer killed mid-file leaves that temporary behind.
+_TEMPORARY = re.compile(r"\.(.+)\.tmp-[0-9]+-[0-9a-f]+\Z", re.ASCII)
+
+
+def remove_leftovers(ckpt: Storage, names: Iterable[str]) -> list[str]:
+    """Remove the temporaries a killed writer left for ``names`` (or the manifest or marker)
+    in a checkpoint that has just been committed complete: nothing may still be writing them.
+    Returns the keys removed."""
+    ours = set(names) | {MANIFEST, MARKER}
+    removed = []
+    for info in ckpt.children():
+        m = _TEMPORARY.match(info.key)
+        if info.kind == "file" and m is not None and m.group(1) in ours:
+            ckpt.delete(info.key)
+            removed.append(info.key)
+    return removed
+
+
+# --- as a catalog layout -------------------------------------------------------------------
+
+_OWN_SHARD = re.compile(r"rank-[0-9]{5}-of-[0-9]{5}(-[0-9]+)?\.safetensors\Z", re.ASCII)
+
+
+def _padded(ckpt: Storage) -> bool:
+    path = ckpt.local_path()
+    name = os.path.basename(os.path.abspath(path)) if path is not None else ckpt.url.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        return name == step_dir(int(name.split("-", 1)[1]))
+    except (IndexError, ValueError):
+        return False
+
+
+
+class NativeLayout:
+    """ckptctl's own layout for the catalog: ``step-NNNNNNNNNN`` directories with a marker."""
+
+    name = NAME
+
+    def step_of(self, child: ObjectInfo) -> int | None:
+        if child.kind not in ("dir", "link"):
+            return None
+        return parse_step_dir(child.key.rsplit("/", 1)[-1])
+
+    def for_root(self, root: Storage) -> "NativeLayout":
+        return self
+
+    def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        """Ours when it holds a marker, a manifest, a shard named as we name them, or a
+        temporary of one; an empty directory only under our own padded name (a save that
+        made its directory and died). ``step-N`` is torchtitan's name too."""
+        for name in names:
+            m = _TEMPORARY.match(name)
+            base = m.group(1) if m is not None else name
+            if base in (MARKER, MANIFEST) or _OWN_SHARD.match(base):
+                return True
+        return not names and dir_step(ckpt) is not None and _padded(ckpt)
+
+    def is_marked(self, ckpt: Storage) -> bool:
+        return ckpt.stat(MARKER) is not None
+
+    def examine(self, ckpt: Storage) -> Examined:
+        state = read_state(ckpt)
+        if state.committed is not None:
+            return Examined("committed", None, state.committed.manifest)
+        # A partial checkpoint's reason is the absence of a marker, said by its status.
+        reason = None if state.status == "partial" else str(state.error)
+        return Examined(state.status, reason)

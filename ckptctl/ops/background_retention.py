@@ -1,0 +1,177 @@
+"""Library retention: after each commit, prune older checkpoints in the background.
+
+``ckptctl.Checkpointer(keep_last=...)`` builds one and hands its ``after`` to the save path as
+a callable, so the save path never imports the verbs.
+
+The policy and its safety checks are ``ckptctl prune``'s (``ops.prune``): the new checkpoint is
+fully verified before anything older is deleted. Only rank 0 prunes. A prune runs on a thread
+of its own, so a slow one never delays the next write or, across ranks, rank 0's arrival at
+the save's barrier. Retention problems are logged on the "ckptctl" logger and never fail a
+save.
+
+The full verification costs no download by rank 0: after each commit, every rank re-reads the
+shard it just wrote (``check_shard``, on its writer thread: header bound to the file checksum
+the manifest records, every chunk hashed and decoded, safetensors accepting it on POSIX), the
+ranks agree on the verdicts (one ``all_reduce`` of one integer), and rank 0 records a ``load``
+level success in the verification record (``ops.verify_cache``) with the checkpoint's
+fingerprint taken before the re-reads, so the prune's anchor check finds it there and reads no
+data. Each rank reads its own shard once more per save, in parallel: the cost per rank does not
+grow with the number of ranks. What this check does not repeat, because the save proved it
+when it planned: that the chunks tile every tensor (the coordinator's coverage round).
+A checkpoint some rank could not check is not recorded; the prune then verifies it itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ckptctl.errors import CheckpointError, CkptError
+from ckptctl.format.manifest import FileEntry
+from ckptctl.format.shard_identity import header_matches
+from ckptctl.layouts.catalog import NATIVE
+from ckptctl.layouts.native import read_committed, read_header
+from ckptctl.ops.prune import prune
+from ckptctl.ops.retention import from_options
+from ckptctl.ops.shard_scan import stream_file
+from ckptctl.ops.verify import VerifyReport
+from ckptctl.ops.verify_cache import Fingerprint, VerifyCache, fingerprint
+from ckptctl.storage.base import Storage
+
+log = logging.getLogger("ckptctl")
+
+
+class BackgroundRetention:
+    def __init__(self, root: Storage, keep_last: int | None, keep_every: int | None) -> None:
+        """Raises ``UsageError`` for bad values, at once (on every rank, not in a thread)."""
+        self.root = root
+        self.policy = from_options(keep_last, keep_every, None, ())
+        self._pool: ThreadPoolExecutor | None = None  # started by the first request
+        self._lock = threading.Lock()
+        self._next: tuple[int, "Future[str | None]"] | None = None  # the newest save to prune after
+        self._queued = False
+        self._verified: dict[str, tuple[Fingerprint, str]] = {}  # checked by its ranks, not yet recorded
+
+    # --- the check of each commit by the ranks that wrote it (``save.saver.AfterCommit``) ---
+
+    def snapshot(self, ckpt: Storage) -> Fingerprint | None:
+        """Rank 0, before the ranks re-read their shards: the checkpoint's fingerprint."""
+        return fingerprint(ckpt)
+
+    def check_shard(self, ckpt: Storage, entry: FileEntry) -> str | None:
+        """Every rank: re-read the shard this rank wrote, as ``verify --level load`` reads each
+        file; the first problem found as a line of text, or None."""
+        return check_own_shard(ckpt, entry)
+
+    def record(self, step: int, ckpt: Storage, before: Fingerprint | None) -> None:
+        """Rank 0, once every rank's shard checked out: remember the verification, vouched for
+        by a fingerprint unchanged since before the re-reads; the retention thread writes it
+        to the verification record before it prunes."""
+        if before is None or fingerprint(ckpt) != before:
+            return
+        name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
+        with self._lock:
+            self._verified[name] = (before, ckpt.url)
+
+    def _record_verified(self) -> None:
+        with self._lock:
+            pending, self._verified = self._verified, {}
+        if not pending:
+            return
+        cache = VerifyCache.load(self.root)
+        for name, (fp, url) in pending.items():
+            try:
+                manifest, _ = read_committed(self.root.sub(name))  # O(ranks + tensors), no data
+            except CheckpointError as e:
+                log.warning("retention: %s no longer reads as committed: %s", url, e)
+                continue
+            cache.record(name, fp, VerifyReport(url, "load", step=manifest.step, files=len(manifest.files),
+                                                tensors=len(manifest.tensors),
+                                                note="each rank re-read the shard it wrote, after the commit"))
+        cache.save()
+
+    def after(self, step: int, save: "Future[str | None]") -> None:
+        """Prune once ``save`` has committed. Requests coalesce: at most one prune runs and one
+        waits, and the waiting one prunes after the newest save requested so far."""
+        with self._lock:
+            self._next = (step, save)
+            if self._queued:
+                return
+            self._queued = True
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-retention")
+            pool = self._pool
+        pool.submit(self._run).add_done_callback(_log_unexpected)
+
+    def close(self) -> None:
+        """Wait for the prune in progress (and the one waiting, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _run(self) -> None:
+        with self._lock:
+            self._queued = False
+            assert self._next is not None
+            step, save = self._next
+        if save.exception() is not None or save.result() is None:
+            return  # nothing new was committed, so there is nothing new to rely on
+        try:
+            self._record_verified()
+            with self._lock:
+                if self._queued:
+                    # A newer save was requested meanwhile: it may be committed and not yet
+                    # checked by its ranks, and then the prune would verify it by reading it
+                    # all. Its own run prunes, once its check is recorded.
+                    return
+            # ckptctl's own checkpoints only: other tools' in the same root are theirs to manage.
+            plan, outcome = prune(self.root, self.policy, command=f"Checkpointer retention after step {step}",
+                                  layouts=NATIVE)
+        except CkptError as e:  # lock held by a cron prune, nothing verifies, storage trouble
+            log.warning("retention after step %d did not run: %s", step, e)
+            return
+        for item in plan.broken_left:
+            log.warning("retention: %s is broken and was left in place: %s", item.url, item.reason)
+        for note in plan.notes + (outcome.notes if outcome else []):
+            log.info("retention: %s", note)
+        if outcome is not None:
+            for o in outcome.failed + outcome.skipped:
+                log.warning("retention: %s %s: %s", o.result, o.name, o.detail)
+            if outcome.deleted:
+                log.info("retention after step %d deleted %s", step, ", ".join(o.name for o in outcome.deleted))
+
+
+def _log_unexpected(future: "Future[None]") -> None:
+    # Nobody waits on a retention task: an unexpected error (a bug) would vanish without this.
+    exc = future.exception()
+    if exc is not None:
+        log.error("retention failed unexpectedly", exc_info=exc)
+
+
+def check_own_shard(ckpt: Storage, entry: FileEntry) -> str | None:
+    """Re-read one shard as ``verify --level load`` reads each file: its size and header
+    against ``entry`` (what the manifest records for it), then every byte, each chunk hashed
+    and decoded as its dtype, and the file checksum rebuilt; a local file must also open with
+    safetensors. The first problem as a line of text, or None."""
+    info = ckpt.stat(entry.name)
+    if info is None or info.size != entry.size:
+        return f"{ckpt.url_of(entry.name)}: {'missing' if info is None else f'{info.size} bytes'}, manifest says {entry.size}"
+    try:
+        h = read_header(ckpt, entry.name)
+    except CheckpointError as e:
+        return str(e)
+    if len(h.chunks) != entry.chunks or not header_matches(h, entry):
+        return f"{ckpt.url_of(entry.name)}: shard header does not match the file checksum in the manifest"
+    problems, _ = stream_file(ckpt, entry, h, decode=True)
+    if problems:
+        return f"{ckpt.url_of(entry.name)}: {problems[0]}"
+    path = ckpt.local_path(entry.name)
+    if path is not None:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            return f"{ckpt.url_of(entry.name)}: safetensors refuses the file: {e}"
+    return None

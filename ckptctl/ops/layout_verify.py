@@ -1,0 +1,134 @@
+"""``verify`` and ``latest`` for every layout the catalog knows: ckptctl's own checkpoints go to
+``ops.verify.verify_checkpoint``; other tools' (torchtitan/DCP, Hugging Face Trainer,
+Megatron-LM, DeepSpeed) to their layout's ``check`` (``layouts.stack``), at the same three
+levels: quick (the stack's commit rule, every file present, regular, non-empty, headers and
+sizes), checksums (+ the checksums that exist: CRC-32 of every ``torch.save`` record, Megatron
+``integrity.json``), load (+ every file test-loaded without unpickling anything).
+
+``latest_checkpoint(root, level, formats=...)`` is the pre-resume check for every stack: the
+newest complete checkpoint that verifies, by the stack's own rule and pointer, with what that
+stack's resume option takes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ckptctl.errors import NoValidCheckpoint, UsageError
+from ckptctl.layouts.base import Checkpoint, Layout
+from ckptctl.layouts.catalog import FORMATS, layouts_named, newest_marked
+from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.stack import Resume, StackLayout
+from ckptctl.ops.problem import Problem
+from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
+from ckptctl.progress import Progress
+from ckptctl.storage.base import Storage
+
+
+def verify_stack(ckpt: Storage, layout: StackLayout, level: Level = "checksums") -> VerifyReport:
+    """Check one checkpoint of another tool's layout (``layout`` bound to its root); problems go
+    in the report, nothing raises for them. The note says what could not be checked and which
+    files were not test-loaded (and why)."""
+    t0 = time.perf_counter()
+    checked = layout.check(ckpt, level)
+    report = VerifyReport(ckpt.url, level, step=checked.step, files=checked.files, bytes_read=checked.bytes_read)
+    report.problems = [Problem(f.message, file=f.file, hint=f.hint) for f in checked.problems]
+    notes = [f"{layout.name} checkpoint"] + checked.notes
+    if checked.not_loaded:
+        notes.append(f"{len(checked.not_loaded)} file(s) not test-loaded: " + "; ".join(checked.not_loaded))
+    report.note = "; ".join(notes)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",
+                 progress: Progress | None = None) -> VerifyReport:
+    """Verify one catalog entry of ``root`` by its own layout's rules."""
+    assert entry.storage is not None, "a symlink is never verified"
+    if entry.layout == NATIVE_NAME:
+        return verify_checkpoint(entry.storage, level, progress)
+    layout = _bound(entry.layout, root)
+    return verify_stack(entry.storage, layout, level)
+
+
+def _bound(name: str, root: Storage) -> StackLayout:
+    for layout in layouts_named([name]):
+        bound = layout.for_root(root)
+        assert isinstance(bound, StackLayout)
+        return bound
+    raise KeyError(name)
+
+
+@dataclass
+class Latest:
+    """The newest checkpoint that verifies, what its stack's resume option takes, and the
+    reports of newer ones that did not verify."""
+
+    report: VerifyReport
+    layout: str
+    step: int
+    resume: Resume
+    skipped: list[VerifyReport] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.report.url, "step": self.step, "format": self.layout, "level": self.report.level,
+                "resume": self.resume.to_dict(), "note": self.report.note,
+                "skipped": [r.to_dict() for r in self.skipped]}
+
+
+def latest_checkpoint(root: Storage, level: Level = "checksums", *, formats: Sequence[str] | None = None,
+                      progress: Progress | None = None) -> Latest:
+    """The newest complete checkpoint under ``root`` that verifies at ``level``, of any known
+    layout or only of ``formats``. Raises NoValidCheckpoint when none verifies and UsageError
+    for an unknown format."""
+    try:
+        layouts: Sequence[Layout] = layouts_named(formats)
+    except ValueError as e:
+        raise UsageError(f"--format: {e}", hint=f"use one of {', '.join(FORMATS)}") from None
+    skipped: list[VerifyReport] = []
+    for entry in newest_marked(root, layouts=layouts):
+        assert entry.storage is not None
+        report = verify_entry(entry, root, level, progress)
+        if not report.ok:
+            skipped.append(report)
+            continue
+        if entry.layout == NATIVE_NAME:
+            resume = Resume(entry.url, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)")
+        else:
+            resume = _bound(entry.layout, root).resume(entry.url, entry.step)
+        return Latest(report, entry.layout, entry.step, resume, skipped)
+    what = "committed checkpoint" if formats is None else f"complete {'/'.join(formats)} checkpoint"
+    if skipped:
+        raise NoValidCheckpoint(f"{root.url}: none of {len(skipped)} {what}s verifies",
+                                hint="run `ckptctl verify ROOT --all` to see what is wrong with each")
+    raise NoValidCheckpoint(f"{root.url}: no {what}", hint="nothing has been saved here yet, or every save failed")
+
+
+def stack_checkpoint_at(path: str) -> tuple[StackLayout, Storage] | None:
+    """When the local directory ``path`` is one checkpoint of another stack's layout (by its
+    name under its parent and its files: ``checkpoint-N`` of the Trainer, ``iter_N``,
+    ``global_stepN``, torchtitan's ``step-N``; or a Lightning ``*step=N*.ckpt`` file), that
+    layout bound to the parent and the
+    checkpoint's storage; None otherwise (ckptctl's own claims first)."""
+    import os
+
+    from ckptctl.layouts.catalog import LAYOUTS
+    from ckptctl.storage import open_storage
+    from ckptctl.storage.base import ObjectInfo
+
+    if "://" in path or os.path.islink(path) or not os.path.exists(path):
+        return None
+    full = os.path.abspath(path)
+    parent, name = os.path.dirname(full), os.path.basename(full)
+    root = open_storage(parent)
+    ckpt = root.sub(name)
+    is_dir = os.path.isdir(full)
+    names = frozenset(os.listdir(full)) if is_dir else frozenset()
+    child = ObjectInfo(name, 0, 0.0, "dir" if is_dir else "file")
+    for layout in LAYOUTS:
+        bound = layout.for_root(root)
+        if bound.step_of(child) is not None and bound.claims(ckpt, names):
+            return (bound, ckpt) if isinstance(bound, StackLayout) else None
+    return None

@@ -1,0 +1,201 @@
+"""Checking one shard file of a ckptctl checkpoint: the quick checks of its header against
+the manifest (``check_file``), and one streaming read of the file that hashes every chunk and
+rebuilds the file checksum (``stream_file``).
+
+``ops.verify`` runs these for every file of a checkpoint at its levels; ``ops.transfer`` streams
+a copy through ``stream_file``'s ``sink``, so copying and checking read the source once. Memory
+is two ``settings.VERIFY_PIECE`` pieces per read in flight, never a whole file.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from ckptctl.errors import CheckpointError
+from ckptctl.format.checksum import Hasher, digest, file_checksum
+from ckptctl.format.geometry import box, fits
+from ckptctl.format.manifest import FileEntry, Manifest
+from ckptctl.format.shard import Chunk, ShardHeader
+from ckptctl.format.shard_identity import header_matches
+from ckptctl.layouts.native import read_header
+from ckptctl.ops.problem import Problem
+from ckptctl.progress import Progress
+from ckptctl.settings import VERIFY_PIECE
+from ckptctl.storage.base import Storage
+
+
+def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[Problem]) -> ShardHeader | None:
+    """The quick checks of one listed file: present, a regular file of the right size, a header
+    that parses, whose chunks fit the manifest's tensors, and that is the header the manifest
+    committed (``format.shard_identity``). Appends what is wrong to ``problems`` and returns
+    the header when all is well. Reads the header only."""
+    info = ckpt.stat(f.name)
+    if info is None:
+        problems.append(Problem("missing", file=f.name, hint="a shard was deleted or never written; resume from an older checkpoint"))
+        return None
+    if info.kind == "link":
+        problems.append(Problem("is a symlink; ckptctl never follows links inside a checkpoint", file=f.name))
+        return None
+    if info.size != f.size:
+        problems.append(Problem(f"has {info.size} bytes, manifest says {f.size}", file=f.name, hint="the shard is truncated or was replaced"))
+        return None
+    try:
+        h = read_header(ckpt, f.name)
+    except CheckpointError as e:  # a bad header; storage trouble (exit 3) is not the checkpoint's fault
+        problems.append(Problem(str(e), file=f.name, hint=e.hint))
+        return None
+    ok = True
+    for c in h.chunks:
+        t = manifest.tensors.get(c.name)
+        if t is None:
+            problems.append(Problem("chunk of a tensor the manifest does not list", file=f.name, tensor=c.name))
+            ok = False
+        elif c.dtype != t.dtype or not fits(box(c.offsets, c.shape), t.shape):
+            problems.append(Problem(
+                f"chunk {c.dtype}{list(c.shape)} at {list(c.offsets)} does not fit the tensor's {t.dtype}{list(t.shape)}",
+                file=f.name, tensor=c.name, byte_range=(h.data_start + c.begin, h.data_start + c.end)))
+            ok = False
+    if len(h.chunks) != f.chunks:
+        problems.append(Problem(f"header has {len(h.chunks)} chunks, manifest says {f.chunks}", file=f.name))
+        ok = False
+    if ok and not header_matches(h, f):
+        problems.append(Problem("shard header does not match the file checksum in the manifest", file=f.name,
+                                byte_range=(0, h.data_start),
+                                hint="the shard belongs to another save or was modified after commit; resume from an older checkpoint"))
+        ok = False
+    return h if ok else None
+
+
+def stream_file(
+    ckpt: Storage,
+    f: FileEntry,
+    h: ShardHeader,
+    progress: Progress | None = None,
+    *,
+    decode: bool = False,
+    sink: Callable[[memoryview], None] | None = None,
+    stop: threading.Event | None = None,
+    parts: int = 1,
+) -> tuple[list[Problem], int]:
+    """Read the file once, in pieces, hashing each chunk; the file checksum is built from the
+    header bytes and the chunk digests (``format.checksum.file_checksum``).
+
+    ``sink`` receives every piece, in order, after it was hashed (the buffer is reused, so it
+    must consume the bytes before returning): ``copy_checkpoint`` writes the copy from it, so
+    copying and checking read the source once. ``stop``, once set, ends the read early with
+    no verdict (another file of the same copy already failed). Without a sink the file may be
+    split into ``parts`` byte ranges on chunk boundaries, read and hashed in parallel (chunk
+    digests are independent): one large shard is then not limited to one thread's read and
+    hash rate. ``decode`` also checks that every chunk decodes as its dtype (verify's
+    ``load`` level)."""
+    chunks = sorted(h.chunks, key=lambda c: c.begin)
+    ranges = [(0, f.size, chunks)] if sink is not None or parts <= 1 else _split(f, h, chunks, parts)
+    problems: list[Problem] = []
+    if len(ranges) == 1:
+        scans = [_scan(ckpt, f, h, *ranges[0], decode, progress, problems, sink, stop)]
+    else:
+        with ThreadPoolExecutor(len(ranges), thread_name_prefix="ckptctl-verify") as pool:
+            scans = list(pool.map(lambda r: _scan(ckpt, f, h, *r, decode, progress, problems, None, stop), ranges))
+    if any(s is None for s in scans):  # stopped early: no verdict
+        return problems, 0
+    header = scans[0][0]
+    digests = [d for _, ds in scans for d in ds]  # type: ignore[misc]
+    # The header was parsed from an earlier read: the streamed bytes must be the same ones.
+    if file_checksum(h.header_bytes, digests) != f.checksum or header != digest(h.header_bytes):
+        problems.append(Problem("file checksum does not match the manifest", file=f.name, byte_range=(0, f.size),
+                                hint="the shard was modified after it was written; resume from an older checkpoint"))
+    for c, d in zip(chunks, digests):
+        if c.checksum is not None and d != c.checksum:
+            problems.append(Problem("data does not match its checksum", file=f.name, tensor=c.name,
+                                    byte_range=(h.data_start + c.begin, h.data_start + c.end)))
+    return problems, f.size
+
+
+def _split(f: FileEntry, h: ShardHeader, chunks: list[Chunk], parts: int) -> list[tuple[int, int, list[Chunk]]]:
+    """Up to ``parts`` contiguous byte ranges of about equal size, cut between chunks. The
+    first range starts at 0 so that it also reads the header."""
+    target = max(1, f.size // parts)
+    ranges: list[tuple[int, int, list[Chunk]]] = []
+    start, group = 0, []
+    for c in chunks:
+        group.append(c)
+        end = h.data_start + c.end
+        if end - start >= target and len(ranges) < parts - 1:
+            ranges.append((start, end, group))
+            start, group = end, []
+    ranges.append((start, f.size, group))
+    return ranges
+
+
+def _scan(
+    ckpt: Storage,
+    f: FileEntry,
+    h: ShardHeader,
+    start: int,
+    end: int,
+    chunks: list[Chunk],
+    decode_chunks: bool,
+    progress: Progress | None,
+    problems: list[Problem],
+    sink: Callable[[memoryview], None] | None,
+    stop: threading.Event | None,
+) -> tuple[str, list[str]] | None:
+    """Hash bytes ``[start, end)``: the header part (if the range has one) and each of
+    ``chunks``. Returns (header digest, chunk digests), or None when ``stop`` was set."""
+    decode = None
+    if decode_chunks:
+        # Only the load level needs torch; the default levels must not import it (seconds of
+        # start-up in every cron `verify` and `latest`), so it is imported here, on demand.
+        from ckptctl.ops.decode import decode_problem as decode
+    header = Hasher()  # the bytes before the data section, as streamed
+    hashers = [Hasher() for _ in chunks]
+    size = min(VERIFY_PIECE, max(end - start, 1))
+    bufs = (bytearray(size), bytearray(size))
+    starts = range(start, end, VERIFY_PIECE)
+    ci = 0
+    # While one piece is hashed (and copied by ``sink``), the next is already being read: on
+    # S3 that keeps a GET in flight all the time instead of alternating network and CPU.
+    # The pool is left (waiting for any read still in flight) before the reader is closed.
+    with ckpt.open_reader(f.name) as r, ThreadPoolExecutor(1, thread_name_prefix="ckptctl-prefetch") as ahead:
+
+        def fetch(k: int) -> memoryview:
+            pos = starts[k]
+            view = memoryview(bufs[k % 2])[: min(VERIFY_PIECE, end - pos)]
+            r.read_into(pos, view)
+            return view
+
+        pending = ahead.submit(fetch, 0) if starts else None
+        for k, pos in enumerate(starts):
+            assert pending is not None
+            view = pending.result()
+            if stop is not None and stop.is_set():
+                return None
+            # The other buffer is free again: the piece before this one is fully consumed.
+            pending = ahead.submit(fetch, k + 1) if k + 1 < len(starts) else None
+            n = len(view)
+            if pos < h.data_start:
+                header.update(view[: h.data_start - pos])
+            # Hand each part of the piece to the chunk it belongs to (the header is no chunk's).
+            lo, hi = pos, pos + n
+            while ci < len(chunks):
+                c = chunks[ci]
+                cb, ce = h.data_start + c.begin, h.data_start + c.end
+                a, b = max(lo, cb), min(hi, ce)
+                if a < b:
+                    part = view[a - pos : b - pos]
+                    hashers[ci].update(part)
+                    if decode is not None:
+                        bad = decode(part, c.dtype, a - cb)
+                        if bad is not None:
+                            problems.append(Problem(bad, file=f.name, tensor=c.name))
+                if ce <= hi:
+                    ci += 1
+                else:
+                    break
+            if sink is not None:
+                sink(view)
+            if progress:
+                progress(n)
+    return header.hexdigest(), [hh.hexdigest() for hh in hashers]

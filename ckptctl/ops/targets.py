@@ -1,0 +1,329 @@
+"""The verbs by path or URL, as the CLI names them: open the storage, say what the path is, run.
+
+Every verb of the ``ckptctl`` command calls exactly one function here (or in ``ckptctl.ops``
+directly when it takes plain values), so the command line never opens storage itself. This
+module also gives every verb the same diagnosis of a wrong target:
+
+- a path that does not exist, or a malformed URL (``s3:/bucket``): UsageError (exit 2),
+  "no such file or directory: PATH", never an empty listing that looks like a fresh run;
+- a checkpoint root where one checkpoint is expected: UsageError "this is a root holding N
+  checkpoints; did you mean --latest?";
+- a file or directory that is no checkpoint of any format: InvalidCheckpoint (exit 1)
+  "not a checkpoint: PATH", not a storage error.
+
+Functions that need torch (reading other tools' formats, reshard, convert) import it when
+called: ``ckptctl ls`` and ``latest`` start without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
+
+from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir
+from ckptctl.interop.detect import CKPTCTL_SHARD, foreign_format
+from ckptctl.layouts.catalog import list_checkpoints
+from ckptctl.layouts.native import read_committed
+from ckptctl.progress import Progress
+from ckptctl.storage import Storage, open_storage
+
+if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
+    from ckptctl.ops.convert import ConvertReport
+    from ckptctl.ops.foreign import ForeignInspect
+    from ckptctl.ops.interval import IntervalAdvice
+    from ckptctl.ops.layout_verify import Latest
+    from ckptctl.ops.inspect import InspectResult
+    from ckptctl.ops.listing import Listed
+    from ckptctl.ops.prune import PruneOutcome, PrunePlan
+    from ckptctl.ops.reshard import ReshardReport
+    from ckptctl.ops.retention import RetentionPolicy
+    from ckptctl.ops.save_stats import SaveStats
+    from ckptctl.ops.transfer import CopyResult, RestoreResult, Skipped
+    from ckptctl.ops.verify import VerifyReport
+
+# "s3:/bucket", "file:relative": a scheme with fewer than two slashes is a typo of a URL, which
+# would otherwise be taken for a relative local path that does not exist.
+_MALFORMED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:(?!//)")
+
+
+def _no_such(path: str) -> UsageError:
+    hint = "check the path for a typo, and that its filesystem is mounted"
+    if _MALFORMED_URL.match(path):
+        scheme, rest = path.split(":", 1)
+        hint = f"a URL needs two slashes: {scheme}://{rest.lstrip('/')}"
+    return UsageError(f"no such file or directory: {path}", hint=hint)
+
+
+def _open_existing(path: str) -> Storage:
+    """``open_storage(path)``, refusing a local path that does not exist. Object-store
+    prefixes cannot be told apart from empty ones, so only local paths are checked here."""
+    if _MALFORMED_URL.match(path) and "://" not in path:
+        raise _no_such(path)
+    st = open_storage(path)
+    local = st.local_path()
+    if local is not None and not os.path.lexists(local):
+        raise _no_such(path)
+    return st
+
+
+def open_root(path: str) -> Storage:
+    """The checkpoint root ``path`` names, which must exist: UsageError (exit 2) for a missing
+    local path, a malformed URL or a regular file."""
+    st = _open_existing(path)
+    local = st.local_path()
+    if local is not None and not os.path.isdir(local):
+        raise UsageError(f"not a directory: {path}", hint="give the checkpoint root, the directory holding step-XXXXXXXXXX")
+    return st
+
+
+Kind = Literal["ckptctl", "foreign"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a path given as one checkpoint is: ``ckptctl`` (``storage`` opened) or
+    ``foreign`` (``format`` is dcp, safetensors or torch; ``path`` is then a local path)."""
+
+    path: str
+    kind: Kind
+    storage: Storage | None = None
+    format: str | None = None
+
+
+def _root_error(path: str, n: int) -> UsageError:
+    return UsageError(
+        f"this is a root holding {n} checkpoint{'' if n == 1 else 's'}; did you mean --latest?",
+        hint=f"name one checkpoint ({path.rstrip('/')}/step-XXXXXXXXXX), or pass --latest or --all where the verb has them",
+    )
+
+
+def _not_a_checkpoint(path: str, what: str) -> InvalidCheckpoint:
+    return InvalidCheckpoint(
+        f"not a checkpoint: {path} ({what})",
+        hint="give a checkpoint directory (ROOT/step-XXXXXXXXXX), a DCP directory, a .safetensors or a torch.save file",
+    )
+
+
+def resolve_checkpoint(path: str, *, foreign: bool = True) -> Target:
+    """Say what ``path`` holds when one checkpoint is expected. Raises UsageError (missing
+    path, or a root of checkpoints) or InvalidCheckpoint (nothing that is a checkpoint).
+    With ``foreign=False`` another tool's checkpoint is refused like any non-checkpoint."""
+    st = _open_existing(path)
+    local = st.local_path()
+    if local is None:  # object storage: only ckptctl checkpoints live there
+        if st.stat(MARKER) is not None or st.stat(MANIFEST) is not None:
+            return Target(path, "ckptctl", st)
+        steps = list_checkpoints(st)
+        if steps:
+            raise _root_error(path, len(steps))
+        if next(iter(st.list()), None) is None:
+            raise _no_such(path)
+        return Target(path, "ckptctl", st)  # objects but no marker: the reader says why
+    if os.path.isdir(local):
+        names = os.listdir(local)
+        if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
+            return Target(path, "ckptctl", st)
+    fmt = foreign_format(local)
+    if fmt is not None:
+        if not foreign:
+            raise _not_a_checkpoint(path, f"a {fmt} checkpoint; `ckptctl convert --to ckptctl` makes a ckptctl one")
+        return Target(local, "foreign", format=fmt)  # the readers of other formats take a local path
+    if not os.path.isdir(local):
+        raise _not_a_checkpoint(path, "a file of no checkpoint format")
+    steps = list_checkpoints(st)
+    if steps:
+        raise _root_error(path, len(steps))
+    if parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
+        return Target(path, "ckptctl", st)  # a step directory still empty: the reader says "not committed"
+    raise _not_a_checkpoint(path, "no manifest, marker, DCP .metadata or .safetensors in it")
+
+
+# --- inspect and verify ---------------------------------------------------------------------
+
+
+def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | ForeignInspect":
+    """What the checkpoint at ``path`` holds: a ckptctl checkpoint from its manifest, another
+    tool's from its metadata (the result's ``format`` field tells them apart)."""
+    target = resolve_checkpoint(path)
+    if target.kind == "foreign":
+        from ckptctl.ops.foreign import inspect_foreign  # needs torch
+
+        return inspect_foreign(target.path, tensors=tensors)
+    from ckptctl.ops.inspect import inspect_checkpoint
+
+    assert target.storage is not None
+    return inspect_checkpoint(target.storage, tensors=tensors)
+
+
+@dataclass
+class VerifyOutcome:
+    """The reports of one ``verify`` run and whether it passed as a whole: for ``latest``, the
+    last report (the one that verified, or the oldest that failed); otherwise all of them."""
+
+    ok: bool
+    level: str
+    reports: list["VerifyReport"]
+    note: str | None = None  # what the format could not check (another tool's checkpoint)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "level": self.level, "checkpoints": [r.to_dict() for r in self.reports]}
+
+
+def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "latest", "all"] = "one",
+                progress: Progress | None = None) -> VerifyOutcome:
+    """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
+    newest first until one passes (``latest``: the reports in that order), or all of them
+    (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
+    from ckptctl.ops.verify import LEVELS, verify_checkpoint, verify_root
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    if which != "one":
+        reports = verify_root(open_root(path), which=which, level=level, progress=progress)  # type: ignore[arg-type]
+        if which == "latest":
+            return VerifyOutcome(reports[-1].ok, level, reports)
+        return VerifyOutcome(all(r.ok for r in reports), level, reports[::-1])
+    from ckptctl.ops.layout_verify import stack_checkpoint_at, verify_stack
+
+    stack = stack_checkpoint_at(path)
+    if stack is not None:  # another stack's checkpoint directory: every file, by its own rules
+        report = verify_stack(stack[1], stack[0], level)  # type: ignore[arg-type]
+        return VerifyOutcome(report.ok, level, [report], report.note)
+    target = resolve_checkpoint(path)
+    if target.kind == "foreign":
+        from ckptctl.ops.foreign import verify_foreign  # needs torch
+
+        report = verify_foreign(target.path, level, progress)  # type: ignore[arg-type]
+        return VerifyOutcome(report.ok, level, [report], report.note)
+    assert target.storage is not None
+    report = verify_checkpoint(target.storage, level, progress)  # type: ignore[arg-type]
+    return VerifyOutcome(report.ok, level, [report])
+
+
+def latest_in(root: str, level: str = "checksums", progress: Progress | None = None) -> "tuple[VerifyReport, list[VerifyReport]]":
+    """``ops.verify.latest`` of the root at ``root``: the newest checkpoint that verifies and
+    the reports of newer ones that did not."""
+    from ckptctl.ops.verify import LEVELS, latest
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    return latest(open_root(root), level, progress)  # type: ignore[arg-type]
+
+
+def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
+               progress: Progress | None = None) -> "Latest":
+    """``ops.layout_verify.latest_checkpoint`` of the root at ``root``: the newest complete
+    checkpoint of any layout (or of ``formats``) that verifies, and what its stack's resume
+    option takes."""
+    from ckptctl.ops.layout_verify import latest_checkpoint
+    from ckptctl.ops.verify import LEVELS
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    return latest_checkpoint(open_root(root), level, formats=formats, progress=progress)  # type: ignore[arg-type]
+
+
+def list_root(root: str) -> "list[Listed]":
+    """Every checkpoint under the root at ``root`` (``ops.listing.list_checkpoints``)."""
+    from ckptctl.ops import listing
+
+    return listing.list_checkpoints(open_root(root))
+
+
+# --- prune, interval ------------------------------------------------------------------------
+
+
+def prune_root(root: str, policy: "RetentionPolicy", *, review: "Callable[[PrunePlan], bool] | None" = None,
+               progress: Progress | None = None, **options: object) -> "tuple[PrunePlan, PruneOutcome | None]":
+    """``ops.prune.prune`` of the root at ``root``; ``options`` are that function's keywords."""
+    from ckptctl.ops.prune import prune
+
+    return prune(open_root(root), policy, review=review, progress=progress, **options)  # type: ignore[arg-type]
+
+
+def advise_for_root(root: str, mtbf_s: float, *, cost_s: float | None = None) -> "tuple[IntervalAdvice, SaveStats]":
+    """``ops.save_stats.advise_from_root`` of the root at ``root``."""
+    from ckptctl.ops.save_stats import advise_from_root
+
+    return advise_from_root(open_root(root), mtbf_s, cost_s=cost_s)
+
+
+# --- cp, restore ----------------------------------------------------------------------------
+
+
+@dataclass
+class CopyOutcome:
+    """Where ``cp`` put the checkpoint (a filesystem path, or the URL on object storage) and
+    what the copy did."""
+
+    path: str
+    result: "CopyResult"
+
+    def to_dict(self) -> dict:
+        return {**self.result.to_dict(), "path": self.path}
+
+
+def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
+    """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
+    it under), checked on the fly (``ops.transfer.copy_checkpoint``)."""
+    from ckptctl.ops.transfer import checkpoint_dir_for, copy_checkpoint
+
+    target = resolve_checkpoint(src, foreign=False)
+    assert target.storage is not None
+    manifest, _ = read_committed(target.storage)
+    dest = checkpoint_dir_for(open_storage(dst), manifest.step)
+    result = copy_checkpoint(target.storage, dest, progress)
+    return CopyOutcome(dest.local_path() or dest.url, result)
+
+
+def restore_into(src_root: str, dst_root: str, step: int | None = None, progress: Progress | None = None, *,
+                 world_size: int | None = None, on_skip: "Callable[[Skipped], None] | None" = None) -> "RestoreResult":
+    """``ops.transfer.restore_latest`` from the root at ``src_root`` (which must exist) into
+    ``dst_root`` (created when missing)."""
+    from ckptctl.ops.transfer import restore_latest
+
+    return restore_latest(_open_existing(src_root), open_storage(dst_root), step, progress,
+                          world_size=world_size, on_skip=on_skip)
+
+
+# --- reshard, convert (torch) ---------------------------------------------------------------
+
+
+def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False,
+                 progress: Progress | None = None) -> "ReshardReport | None":
+    """Reshard the checkpoint at ``src`` into ``dst`` for ``world_size`` ranks. Under torchrun
+    the ranks share the work (``ops.torchrun.torchrun_group``); the report is returned on
+    rank 0 only (None elsewhere: rank 0 speaks for the job)."""
+    from ckptctl.interop.base import return_freed_memory
+    from ckptctl.ops.reshard import reshard
+    from ckptctl.ops.torchrun import torchrun_group
+
+    target = resolve_checkpoint(src, foreign=False)
+    assert target.storage is not None
+    return_freed_memory()  # memory stays one tensor, not a heap of freed ones
+    with torchrun_group() as rank:
+        report = reshard(target.storage, open_storage(dst), world_size, overwrite=overwrite, progress=progress)
+    return report if rank == 0 else None
+
+
+def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype: str | None = None,
+                 max_shard_size: str | None = None, overwrite: bool = False,
+                 progress: Progress | None = None) -> "ConvertReport":
+    """``ops.convert.convert`` with ``max_shard_size`` as the user wrote it (5GB, 500MiB)."""
+    from ckptctl.interop.base import return_freed_memory
+    from ckptctl.ops.convert import convert, parse_size
+
+    size = parse_size(max_shard_size) if max_shard_size is not None else None
+    _open_existing(src)
+    return_freed_memory()  # memory stays one tensor, not a heap of freed ones
+    return convert(src, dst, to, only=only, dtype=dtype, max_shard_size=size, overwrite=overwrite, progress=progress)
+
+
+__all__ = [
+    "CopyOutcome", "Target", "VerifyOutcome", "advise_for_root", "convert_path", "copy_to", "inspect_path",
+    "latest_for", "latest_in", "list_root", "open_root", "prune_root", "reshard_path", "resolve_checkpoint", "restore_into",
+    "verify_path",
+]
