@@ -118,13 +118,17 @@ EXIT_STATUS: list[tuple[int, str]] = [
      " checkpoint, nothing valid to restore, a prune that would not be safe."),
     (EXIT_USAGE, "Usage error: bad arguments or options."),
     (EXIT_OPERATIONAL, "Operational error: storage unreachable, permission denied, disk full,"
-     " a lock held by another run."),
+     " a lock held by another run; also any unexpected error (one line; --debug shows the traceback)."),
     (130, "Interrupted."),
 ]
 
 ENVIRONMENT: list[tuple[str, str]] = [
     ("CKPTCTL_DEBUG", "Set to 1 to print a Python traceback instead of the one-line message"
-     " for an expected failure."),
+     " for a failure, expected or not (as --debug does)."),
+    ("CKPTCTL_VERIFY_THREADS, CKPTCTL_IO_THREADS, CKPTCTL_COPY_THREADS, CKPTCTL_STREAM_THREADS",
+     "Threads reading for verify and prune (default 4), filling tensors on load (8), copying"
+     " files for cp and restore (4), hashing for reshard and convert (4). A value that is not a"
+     " whole number from 1 to 1024 is a usage error (exit 2) naming the variable."),
     ("AWS_ENDPOINT_URL", "Endpoint of an S3-compatible store (MinIO, Ceph, ...) for"
      " s3://bucket/prefix locations; AWS_ENDPOINT_URL_S3 overrides it for S3 only."),
     ("AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN",
@@ -332,13 +336,20 @@ def overview_page(group: Any, registered: list[tuple[str, Any]]) -> str:
     lines = header("ckptctl", 1)
     lines += [".SH NAME", f"ckptctl \\- {esc(summary(group))}"]
     lines += [".SH SYNOPSIS", bold("ckptctl"), f"[{'|'.join(map(bold, help_names()))}]",
-              ital("command"), f"[{ital('arguments')}]"]
+              *(synopsis_item(p) for p in params(group)), ital("command"), f"[{ital('arguments')}]"]
     lines += [".SH DESCRIPTION", *help_body(paragraphs[0])]
     lines += [".PP", esc(
         "Every command prints its results on standard output and diagnostics and progress on"
-        " standard error; --json prints machine-readable JSON on standard output instead."
+        " standard error; --json prints machine-readable JSON on standard output instead, with"
+        " a \"schema\" version field, and a failure under --json is a JSON document too:"
+        " {\"error\": {\"message\", \"hint\", \"type\"}, \"exit\": N, \"schema\": 1}."
         " Expected failures print one line that names what failed and what to do next,"
-        " never a traceback. A location is a local path or s3://bucket/prefix.")]
+        " never a traceback; an unexpected one prints one line and exits 3."
+        " When standard output is not a terminal, every record is one line, never truncated"
+        " or wrapped. A closed pipe (ckptctl ls ROOT | head -1) stops the command quietly"
+        " with exit 0. A path that does not exist, or a malformed URL, is a usage error."
+        " A location is a local path or s3://bucket/prefix.")]
+    lines += [".SH OPTIONS", *(line for p in params(group) for line in option_entry(p))]
     lines += [".SH COMMANDS"]
     lines += definitions([(f".BR ckptctl\\-{esc(v)} (1)", summary(cmd) + ".") for v, cmd in registered])
     lines += exit_status()

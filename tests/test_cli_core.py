@@ -63,7 +63,7 @@ def test_verify_root_latest_and_all(tmp_path):
     root = str(tmp_path)
     make_checkpoints(root, [1, 2, 3])
     doc = cli("verify", root, "--all", "--json").json()
-    assert doc["ok"] and [c["step"] for c in doc["checkpoints"]] == [3, 2, 1]
+    assert doc["ok"] and [c["step"] for c in doc["checkpoints"]] == [1, 2, 3]  # newest last, as ls
     doc = cli("verify", root, "--latest", "--json").json()
     assert [c["step"] for c in doc["checkpoints"]] == [3]
 
@@ -72,8 +72,11 @@ def test_exit_codes_usage_and_missing(tmp_path):
     assert cli("verify", str(tmp_path), "--quick", "--load").exit_code == 2
     assert cli("latest", str(tmp_path), "--level", "bogus").exit_code == 2
     r = cli("latest", str(tmp_path / "nope"))
-    assert r.exit_code in (1, 3) and "Traceback" not in r.stderr
-    r = cli("inspect", str(tmp_path))
+    assert r.exit_code == 2 and "no such file or directory" in r.stderr and "Traceback" not in r.stderr
+    r = cli("inspect", str(tmp_path))  # an empty directory: not a checkpoint
+    assert r.exit_code == 1 and "not a checkpoint" in r.stderr
+    os.makedirs(ckpt_dir(str(tmp_path), 5))  # a step directory being written: no marker yet
+    r = cli("inspect", ckpt_dir(str(tmp_path), 5))
     assert r.exit_code == 1 and "not committed" in r.stderr
 
 

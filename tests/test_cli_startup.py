@@ -104,7 +104,7 @@ def test_python_api_names_still_import():
     code = ("import sys, ckptctl\n"
             "assert 'torch' not in sys.modules\n"
             "from ckptctl import Checkpointer, SaveHandle, __version__\n"
-            "from ckptctl.save.checkpointer import Checkpointer as C\n"
+            "from ckptctl.checkpointer import Checkpointer as C\n"
             "assert Checkpointer is C and 'torch' in sys.modules\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

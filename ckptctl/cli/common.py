@@ -1,58 +1,169 @@
 """What every verb shares: options defined once, output (data to stdout, diagnostics to
-stderr), and running a command so that expected failures print one line and exit with the
-documented code instead of a traceback."""
+stderr), and running a command so that it behaves like a well-made Unix tool in scripts:
+
+- an expected failure (a CkptError) prints one line and exits with the documented code; under
+  ``--json`` it is also a JSON document on stdout: ``{"error": {...}, "exit": N, "schema": 1}``;
+- any other exception is a bug or an environment failure: one line, exit 3 (the traceback only
+  with ``--debug`` or CKPTCTL_DEBUG=1);
+- a closed stdout pipe (``ckptctl ls ROOT | head -1``) stops the command quietly with exit 0,
+  as GNU tools stop on SIGPIPE: under ``set -o pipefail`` a healthy root must not read as bad;
+- tables are one line per record when stdout is not a terminal, never truncated or wrapped,
+  whatever COLUMNS says, so ``grep`` and ``wc -l`` count records.
+"""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import sys
-from typing import Annotated, Any, Callable, TypeVar
+from typing import IO, Annotated, Any, Callable, Collection, Sequence, TypeVar
 
 import typer
 from rich.console import Console
+from typer.exceptions import TyperException
+from rich.table import Table
 
 from ckptctl.cli.errors import describe
-from ckptctl.errors import CkptError
+from ckptctl.errors import EXIT_OPERATIONAL, CkptError
 
-out = Console(soft_wrap=True)  # data
-err = Console(stderr=True, soft_wrap=True)  # diagnostics, progress
+JSON_SCHEMA = 1  # the "schema" field of every JSON document the CLI prints
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-LevelOpt = Annotated[
-    str,
-    typer.Option("--level", help="Verification level: quick, checksums or load.", case_sensitive=False),
-]
+
+
+class _Console(Console):
+    """rich's Console, except that a closed pipe is left to ``command()``: rich's own handler
+    exits 1, which under ``set -o pipefail`` makes a healthy root read as bad."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
+
+
+out = _Console(soft_wrap=True)  # data
+err = _Console(stderr=True, soft_wrap=True)  # diagnostics, progress
+
+JsonOpt = Annotated[bool, typer.Option(
+    "--json",
+    help='Print one JSON document on stdout, with "schema": 1 (bumped when a field changes meaning). '
+         'A failure prints {"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
+)]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is drawn only when stderr is a terminal).")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_debug_option = False  # set by the app's --debug for the current invocation
+_emitted_json = False  # whether the running verb already printed its JSON document
+
+
+def set_debug(on: bool) -> None:
+    """Record the global ``--debug`` option for the current invocation."""
+    global _debug_option
+    _debug_option = on
+
 
 def debug_enabled() -> bool:
-    return os.environ.get("CKPTCTL_DEBUG", "") not in ("", "0")
+    """``--debug`` was given, or CKPTCTL_DEBUG is set to anything but empty or 0."""
+    return _debug_option or os.environ.get("CKPTCTL_DEBUG", "") not in ("", "0")
+
+
+def check_environment() -> None:
+    """Exit 2 with one line when a CKPTCTL_* environment variable is malformed: the settings
+    are parsed when first imported, which happens while the app is built, before any verb's
+    own error handling could report it."""
+    try:
+        import ckptctl.settings  # noqa: F401  (imported for its checks)
+    except CkptError as e:
+        text, code = describe(e)
+        sys.stderr.write(text + "\n")
+        sys.exit(code)
 
 
 def command(fn: F) -> F:
-    """Wrap a verb: a CkptError becomes one line on stderr and its exit code."""
+    """Wrap a verb: errors, JSON errors, unexpected exceptions and closed pipes as described
+    in this module's docstring."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        global _emitted_json
+        _emitted_json = False
+        as_json = bool(kwargs.get("json"))
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, TyperException):
+            raise  # typer's own exits and usage errors carry their code already
         except CkptError as e:
             if debug_enabled():
                 raise
             text, code = describe(e)
-            err.print(text, markup=False, highlight=False)
-            raise typer.Exit(code) from None
+            _fail(text, code, e, as_json)
         except KeyboardInterrupt:
             err.print("interrupted", markup=False)
             raise typer.Exit(130) from None
+        except OSError as e:
+            if _is_closed_pipe(e):
+                _silence_stdout()
+                raise typer.Exit(0) from None
+            _unexpected(e, as_json)
+        except Exception as e:  # reported: one line and exit 3, the traceback under --debug
+            _unexpected(e, as_json)
 
     return run  # type: ignore[return-value]
 
 
+def _fail(text: str, code: int, e: BaseException, as_json: bool) -> None:
+    """Print an error line on stderr (and the JSON error document), then exit with ``code``."""
+    err.print(text, markup=False, highlight=False)
+    if as_json and not _emitted_json:
+        doc = {
+            "error": {"message": str(e), "hint": getattr(e, "hint", None), "type": type(e).__name__},
+            "exit": code,
+            "schema": JSON_SCHEMA,
+        }
+        try:
+            emit_json(doc)
+        except OSError:
+            _silence_stdout()
+    raise typer.Exit(code) from None
+
+
+def _unexpected(e: Exception, as_json: bool) -> None:
+    if debug_enabled():
+        raise e
+    first = (str(e).strip().splitlines() or [""])[0]
+    text = (f"internal error: {type(e).__name__}: {first} "
+            "(hint: rerun with --debug or CKPTCTL_DEBUG=1 for the traceback, and report it)")
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # stdout itself failed: do not fail again at exit
+        _silence_stdout()
+    _fail(text, EXIT_OPERATIONAL, e, as_json)
+
+
+def _is_closed_pipe(e: OSError) -> bool:
+    return isinstance(e, BrokenPipeError) or e.errno == errno.EPIPE
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again
+    (Python would print "Exception ignored ... BrokenPipeError" and exit 120)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (in-process test runner): nothing is flushed at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def emit_json(doc: Any) -> None:
+    """Print ``doc`` as the verb's one JSON document on stdout; an object gets the
+    ``"schema"`` field (``ls`` prints a bare list, kept for the scripts that read it)."""
+    global _emitted_json
+    _emitted_json = True
+    if isinstance(doc, dict) and "schema" not in doc:
+        doc = {**doc, "schema": JSON_SCHEMA}
     sys.stdout.write(json.dumps(doc, indent=2, default=_default) + "\n")
     sys.stdout.flush()
 
@@ -63,6 +174,34 @@ def _default(o: Any) -> Any:
     if isinstance(o, tuple):
         return list(o)
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def say(text: str, *, console: Console | None = None) -> None:
+    """One line of data (stdout) or of diagnostics (``console=err``), printed verbatim."""
+    console = console or out
+    console.print(text, markup=False, highlight=False, emoji=False)
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, right: Collection[str] = (),
+                console: Console | None = None) -> None:
+    """A table with a header. On a terminal rich fits it to the width; otherwise each record
+    is one line in columns as wide as their widest cell (never cut with "…", never wrapped)."""
+    console = console or out
+    if console.is_terminal:
+        table = Table(box=None, pad_edge=False)
+        for col in columns:
+            table.add_column(col, justify="right" if col in right else "left", overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table, markup=False, highlight=False, emoji=False)
+        return
+    widths = [max([len(col), *(len(row[i]) for row in rows)]) for i, col in enumerate(columns)]
+    stream: IO[str] = console.file
+    for row in [list(columns), *rows]:
+        cells = [cell.rjust(w) if col in right else cell.ljust(w) for cell, w, col in zip(row, widths, columns)]
+        cells[-1] = cells[-1].rstrip()  # no trailing blanks on the last column
+        stream.write("  ".join(cells) + "\n")
+    stream.flush()
 
 
 def human_bytes(n: float) -> str:

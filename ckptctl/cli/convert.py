@@ -4,8 +4,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out
 from ckptctl.cli.progress import byte_progress
+from ckptctl.ops.targets import convert_path
 
 
 @command
@@ -18,6 +19,7 @@ def convert(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="safetensors: split into shards of at most SIZE (5GB, 500MiB) plus an index.", metavar="SIZE")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
     json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Convert a checkpoint between ckptctl, PyTorch DCP, safetensors and torch.save.
 
@@ -35,15 +37,9 @@ def convert(
 
     Example: ckptctl convert /ckpt/step-0000001000 ./hf --to safetensors --only model/ --dtype bf16 --max-shard-size 5GB
     """
-    # Imported here, not at the top: they import torch, and every `ckptctl` command loads this
-    # module to build the CLI; `ls`, `latest` and the rest must start without torch.
-    from ckptctl.interop.base import return_freed_memory
-    from ckptctl.ops.convert import convert as run_convert, parse_size
-
-    return_freed_memory()  # memory stays one tensor, not a heap of freed ones
-    size = parse_size(max_shard_size) if max_shard_size is not None else None
-    with byte_progress("convert") as progress:
-        r = run_convert(src, dst, to, only=only or (), dtype=dtype, max_shard_size=size, overwrite=overwrite, progress=progress)
+    with byte_progress("convert", quiet=quiet) as progress:
+        r = convert_path(src, dst, to, only=only or (), dtype=dtype, max_shard_size=max_shard_size,
+                         overwrite=overwrite, progress=progress)
     if json:
         emit_json(r.to_dict())
         return

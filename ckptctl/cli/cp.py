@@ -1,14 +1,15 @@
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
 from ckptctl.cli.progress import byte_progress
-from ckptctl.format.checkpoint import read_committed
-from ckptctl.ops.transfer import CopyResult, checkpoint_dir_for, copy_checkpoint
-from ckptctl.storage import open_storage
+from ckptctl.ops.targets import copy_to
+
+if TYPE_CHECKING:
+    from ckptctl.ops.transfer import CopyResult
 
 
 @command
@@ -16,6 +17,7 @@ def cp(
     src: Annotated[str, typer.Argument(help="One committed checkpoint: a step directory, local or s3://.")],
     dst: Annotated[str, typer.Argument(help="A step directory to create, or a root to create it under.")],
     json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Copy one committed checkpoint, in either direction between a filesystem and S3.
 
@@ -25,19 +27,16 @@ def cp(
     that already holds the same checkpoint is left as is; a different one is refused.
     Prints the copy's path or URL.
     """
-    source = open_storage(src)
-    manifest, _ = read_committed(source)
-    target = checkpoint_dir_for(open_storage(dst), manifest.step)
-    with byte_progress("cp") as progress:
-        result = copy_checkpoint(source, target, progress)
-    report_copy("copied", target.url, result)
+    with byte_progress("cp", quiet=quiet) as progress:
+        outcome = copy_to(src, dst, progress)
+    report_copy("copied", outcome.path, outcome.result)
     if json:
-        emit_json(result.to_dict())
+        emit_json(outcome.result.to_dict())
     else:
-        out.print(target.local_path() or target.url, markup=False, highlight=False)
+        say(outcome.path)
 
 
-def report_copy(verb: str, where: str, result: CopyResult) -> None:
+def report_copy(verb: str, where: str, result: "CopyResult") -> None:
     """One line on stderr saying what a copy did (shared with ``restore``)."""
     if result.status == "already present":
         err.print(f"{where} already holds step {result.step}; left as is", markup=False, highlight=False)

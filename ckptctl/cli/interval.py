@@ -8,8 +8,8 @@ from ckptctl.cli.common import JsonOpt, command, emit_json, err, out
 from ckptctl.durations import format_duration, parse_duration
 from ckptctl.errors import UsageError
 from ckptctl.ops.interval import IntervalAdvice, advise
-from ckptctl.ops.save_stats import SaveStats, advise_from_root
-from ckptctl.storage import open_storage
+from ckptctl.ops.save_stats import SaveStats
+from ckptctl.ops.targets import advise_for_root
 
 
 @command
@@ -34,7 +34,7 @@ def interval(
     cost_s = None if cost is None else parse_duration(cost, option="--cost")
     stats: SaveStats | None = None
     if root is not None:
-        advice, stats = advise_from_root(open_storage(root), mtbf_s, cost_s=cost_s)
+        advice, stats = advise_for_root(root, mtbf_s, cost_s=cost_s)
     elif cost_s is not None:
         advice = advise(cost_s, mtbf_s)
     else:

@@ -3,32 +3,43 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, out
+from ckptctl.cli.common import command, emit_json, err, human_bytes, print_table, say
 from ckptctl.durations import format_duration
-from ckptctl.ops.listing import list_checkpoints
-from ckptctl.storage import open_storage
+from ckptctl.ops.targets import list_root
 
 
 @command
 def ls(
     root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.")],
-    json: JsonOpt = False,
+    json: Annotated[bool, typer.Option(
+        "--json",
+        help="Print a JSON list on stdout, one object per checkpoint (step, name, url, status, size, created, "
+             'age_s, reason, layout). A failure prints {"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
+    )] = False,
 ) -> None:
-    """List every checkpoint under ROOT with its step, status, size and age, sorted by step.
+    """List every checkpoint under ROOT with its step, status, size and age, sorted by step
+    (newest last), then a summary line on stderr.
 
     Status is committed (marker matches manifest), partial (no marker yet: being written or
     abandoned), corrupt (marker and manifest disagree) or link (a symlink, never followed).
+    FORMAT is the layout: ckptctl, or another tool's (dcp, hf-trainer, megatron, deepspeed, lightning),
+    whose status follows that tool's own commit rule; unknown: named like a checkpoint but no
+    layout recognises its files (never deleted).
     """
-    rows = list_checkpoints(open_storage(root))
+    rows = list_root(root)
     if json:
         emit_json([r.to_dict() for r in rows])
         return
-    table = Table(box=None, pad_edge=False)
-    for col in ("STEP", "STATUS", "SIZE", "AGE", "PATH"):
-        table.add_column(col, justify="right" if col in ("STEP", "SIZE", "AGE") else "left")
-    for r in rows:
-        status = r.status if not r.reason else f"{r.status} ({r.reason})"
-        table.add_row(str(r.step), status, human_bytes(r.size), format_duration(r.age_s), r.url)
-    out.print(table)
+    # Reasons (why a checkpoint is corrupt) can be long: their own column, last, and only when
+    # there is one, so that the other columns stay aligned and easy to cut.
+    with_reason = any(r.reason for r in rows)
+    print_table(
+        ("STEP", "FORMAT", "STATUS", "SIZE", "AGE", "PATH") + (("REASON",) if with_reason else ()),
+        [(str(r.step), r.layout, r.status, human_bytes(r.size), format_duration(r.age_s), r.url) + ((r.reason or "-",) if with_reason else ())
+         for r in rows],
+        right=("STEP", "SIZE", "AGE"),
+    )
+    counts = {status: sum(r.status == status for r in rows) for status in ("committed", "partial", "corrupt", "link", "unknown")}
+    say(f"{len(rows)} checkpoints: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n or status == "committed")
+        + f"; total {human_bytes(sum(r.size for r in rows))}", console=err)

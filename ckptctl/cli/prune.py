@@ -4,15 +4,14 @@ import sys
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
-from ckptctl.cli.common import JsonOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out, print_table
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
 from ckptctl.errors import InvalidCheckpoint, StorageError, UsageError
-from ckptctl.ops.prune import DEFAULT_PARTIAL_AFTER_S, PrunePlan, PruneOutcome, prune as run_prune
+from ckptctl.ops.prune import DEFAULT_PARTIAL_AFTER_S, PrunePlan, PruneOutcome
 from ckptctl.ops.retention import from_options
-from ckptctl.storage import open_storage
+from ckptctl.ops.targets import prune_root
 
 
 def interactive() -> bool:
@@ -33,6 +32,7 @@ def prune(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a terminal).")] = False,
     json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Delete old checkpoints, never the newest one that passes full verification.
 
@@ -46,7 +46,8 @@ def prune(
     in ROOT/.ckptctl-verified.json so an unchanged checkpoint is not re-read next time.
 
     Exit status: 0 done; 1 nothing verifies, not confirmed, or broken checkpoints were left in
-    place; 2 usage error; 3 lock held or storage error.
+    place; 2 usage error, including no terminal to confirm on without --yes or --dry-run; 3 lock
+    held or storage error.
 
     Example (cron): ckptctl prune /ckpt --keep-last 3 --keep-every 10000 --yes
     """
@@ -80,9 +81,9 @@ def prune(
         n = len(plan.deletions)
         return typer.confirm(f"Delete {n} entr{'y' if n == 1 else 'ies'}?", default=False, err=True)
 
-    with byte_progress("verify") as progress:
-        plan, outcome = run_prune(
-            open_storage(root), policy, partial_after_s=partial_after_s, delete_broken=delete_broken,
+    with byte_progress("verify", quiet=quiet) as progress:
+        plan, outcome = prune_root(
+            root, policy, partial_after_s=partial_after_s, delete_broken=delete_broken,
             reverify=reverify, dry_run=dry_run, review=review, progress=progress,
             command=f"ckptctl prune {root}",
         )
@@ -123,12 +124,9 @@ def _print_plan(plan: PrunePlan, *, to_stderr: bool = False) -> None:
         v = plan.anchor.verification or {}
         how = "recorded verification, unchanged" if v.get("cached") else f"{human_bytes(v.get('bytes_read', 0))} read"
         console.print(f"anchor: {plan.anchor.url} (step {plan.anchor.step}, full verification: {how})", markup=False, highlight=False)
-    table = Table(box=None, pad_edge=False)
-    for col in ("STEP", "ACTION", "SIZE", "NAME", "REASON"):
-        table.add_column(col, justify="right" if col in ("STEP", "SIZE") else "left", overflow="fold")
-    for i in plan.items:
-        table.add_row(str(i.step), i.action, human_bytes(i.size), i.name, i.reason)
-    console.print(table)
+    print_table(("STEP", "ACTION", "SIZE", "NAME", "REASON"),
+                [(str(i.step), i.action, human_bytes(i.size), i.name, i.reason) for i in plan.items],
+                right=("STEP", "SIZE"), console=console)
     if plan.refused:
         console.print(plan.refused, markup=False, highlight=False)
     else:

@@ -1,14 +1,12 @@
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Annotated, Iterator
+from typing import Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, out
+from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, human_bytes, say
 from ckptctl.cli.progress import byte_progress
-from ckptctl.storage import open_storage
+from ckptctl.ops.targets import reshard_path
 
 
 @command
@@ -18,6 +16,7 @@ def reshard(
     world_size: Annotated[int, typer.Option("--world-size", "-w", help="Ranks of the job that will load the result: one shard file per rank.", metavar="M")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (its marker is removed first).")] = False,
     json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Rewrite a checkpoint for a job of M ranks, one shard file per rank.
 
@@ -33,38 +32,12 @@ def reshard(
 
     Example: ckptctl reshard /ckpt/step-0000001000 /ckpt-8/step-0000001000 --world-size 8
     """
-    # Imported here, not at the top: they import torch, and every `ckptctl` command loads this
-    # module to build the CLI; `ls`, `latest` and the rest must start without torch.
-    from ckptctl.interop.base import return_freed_memory
-    from ckptctl.ops.reshard import reshard as run_reshard
-
-    return_freed_memory()  # memory stays one tensor, not a heap of freed ones
-    with _torchrun_group() as rank, byte_progress("reshard") as progress:
-        r = run_reshard(open_storage(src), open_storage(dst), world_size, overwrite=overwrite, progress=progress)
-    if rank != 0:
-        return  # rank 0 speaks for the job
+    with byte_progress("reshard", quiet=quiet) as progress:
+        r = reshard_path(src, dst, world_size, overwrite=overwrite, progress=progress)
+    if r is None:
+        return  # not rank 0 of a torchrun job: rank 0 speaks for the job
     if json:
         emit_json(r.to_dict())
         return
-    out.print(f"ok  {r.dst}  step {r.step}: {r.source_world_size} -> {r.world_size} ranks, {r.tensors} tensors "
-              f"({r.split_tensors} split), {human_bytes(r.bytes_written)} written in {r.seconds:.2f}s; verified",
-              markup=False, highlight=False)
-
-
-@contextlib.contextmanager
-def _torchrun_group() -> Iterator[int]:
-    """Under torchrun (WORLD_SIZE > 1), join a gloo group so that the ranks split the target
-    shards; yields this process's rank (0 when run plainly)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        yield 0
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield dist.get_rank()
-        return
-    dist.init_process_group("gloo")
-    try:
-        yield dist.get_rank()
-    finally:
-        dist.destroy_process_group()
+    say(f"ok  {r.dst}  step {r.step}: {r.source_world_size} -> {r.world_size} ranks, {r.tensors} tensors "
+        f"({r.split_tensors} split), {human_bytes(r.bytes_written)} written in {r.seconds:.2f}s; verified")

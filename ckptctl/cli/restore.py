@@ -1,15 +1,17 @@
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, command, emit_json, err, out
+from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, say
 from ckptctl.cli.cp import report_copy
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import UsageError
-from ckptctl.ops.transfer import Skipped, restore_latest
-from ckptctl.storage import open_storage
+from ckptctl.ops.targets import restore_into
+
+if TYPE_CHECKING:
+    from ckptctl.ops.transfer import Skipped
 
 
 @command
@@ -19,6 +21,7 @@ def restore(
     step: Annotated[Optional[int], typer.Option("--step", help="Restore this step; exit 1 if it does not verify (no fallback).")] = None,
     world_size: Annotated[Optional[int], typer.Option("--world-size", help="Re-shard the restored copy for a job of this many ranks (as `ckptctl reshard` does) when it was saved by a different number.")] = None,
     json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Copy the newest committed checkpoint that verifies from SRC into DST, and print its path.
 
@@ -37,13 +40,13 @@ def restore(
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size {world_size} must be at least 1", hint="give the number of ranks")
 
-    def skipped(s: Skipped) -> None:
-        err.print(f"skipping step {s.step}: {s.reason}", markup=False, highlight=False)
+    def skipped(s: "Skipped") -> None:
+        say(f"skipping step {s.step}: {s.reason}", console=err)
 
-    with byte_progress("restore") as progress:
-        result = restore_latest(open_storage(src), open_storage(dst), step, progress, world_size=world_size, on_skip=skipped)
+    with byte_progress("restore", quiet=quiet) as progress:
+        result = restore_into(src, dst, step, progress, world_size=world_size, on_skip=skipped)
     report_copy("restored", result.path, result.copy)
     if json:
         emit_json(result.to_dict())
     else:
-        out.print(result.path, markup=False, highlight=False)
+        say(result.path)
