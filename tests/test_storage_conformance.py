@@ -21,6 +21,7 @@ from typing import Iterator
 import pytest
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError, UsageError
+from ckptctl.settings import WRITE_BEHIND
 from ckptctl.storage import Storage, open_storage
 from ckptctl.storage.local import LocalStorage
 from ckptctl.storage.s3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Storage, part_size_for
@@ -399,6 +400,53 @@ def test_local_writer_uses_hidden_temporary_in_final_directory(local: LocalStora
     assert len(names) == 1 and names[0].startswith(".shard.tmp-")
     writer.commit()
     assert os.listdir(local.local_path("step")) == ["shard"]
+
+
+def _cached(path: str, offset: int, length: int) -> bool | None:
+    """Whether the range is in the page cache (a RWF_NOWAIT read succeeds), None if unknown."""
+    if not hasattr(os, "RWF_NOWAIT"):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [bytearray(length)], offset, os.RWF_NOWAIT) == length
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None  # RWF_NOWAIT not supported for this file
+    finally:
+        os.close(fd)
+
+
+def test_local_write_behind_keeps_bytes_and_leaves_the_cache(local: LocalStorage) -> None:
+    # Odd-sized pieces across several write-behind windows: every byte must land where it was
+    # written, and the committed file must not stay in the page cache (it is on disk).
+    size = 3 * (WRITE_BEHIND or 32 * MiB) + 12345
+    data = _pattern(size, seed=7)
+    with local.open_writer("step/big") as writer:
+        for pos in range(0, size, 7 * MiB + 3):
+            writer.write(memoryview(data)[pos : pos + 7 * MiB + 3])
+    path = local.local_path("step/big")
+    with open(path, "rb") as f:
+        assert f.read() == data
+    local.write_atomic("step/small", b"x" * 4096)
+    small = local.local_path("step/small")
+    if _cached(small, 0, 4096) is None:
+        pytest.skip("this filesystem does not answer RWF_NOWAIT reads")
+    assert _cached(small, 0, 4096)  # small files are left in the cache
+    local.delete("step/big")
+    with local.open_writer("step/big") as writer:
+        writer.write(data)
+    assert _cached(path, 0, 1 << 20) is False
+    assert _cached(path, size - (1 << 20), 1 << 20) is False
+
+
+def test_local_writer_overwrite_replaces_written_bytes_only(local: LocalStorage) -> None:
+    with local.open_writer("f") as writer:
+        writer.write(b"HEADER--" + b"data" * 4)
+        with pytest.raises(ValueError, match="outside"):
+            writer.overwrite(20, b"past the end")  # only bytes already written
+        writer.overwrite(0, b"header")
+    assert local.read("f") == b"header--" + b"data" * 4
 
 
 def test_local_reader_keeps_file_open(local: LocalStorage) -> None:
