@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from ckptctl import Checkpointer
-from ckptctl.format.checkpoint import read_committed
+from ckptctl.layouts.native import read_committed
 from ckptctl.format.checksum import Hasher
 from ckptctl.format.layout import step_dir
 from ckptctl.ops.transfer import copy_checkpoint, restore_latest
