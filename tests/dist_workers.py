@@ -460,10 +460,24 @@ def raising_state(rank: int, world_size: int, a: dict) -> dict:
     timeout_s), and the next save must commit on every rank."""
     from ckptctl import Checkpointer
 
+    from ckptctl.storage.local import LocalStorage
+
+    class FailsAtStep5(LocalStorage):
+        """A storage whose writes under step 5 raise a type no storage is expected to raise."""
+
+        def open_writer(self, key: str):
+            if "0000000005" in self.url:
+                raise KeyError(f"unexpected failure opening {key}")
+            return super().open_writer(key)
+
     model, opt = build("fsdp", world_size, seed=0)
-    ckpt = Checkpointer(a["root"], timeout_s=a.get("timeout_s", 120))
-    thing = _RaisesOnRank(rank, a["victim"])
+    fault = a.get("fault", "state_dict")
+    storage = FailsAtStep5(a["root"]) if fault == "storage" and rank == a["victim"] else None
+    ckpt = Checkpointer(a["root"], timeout_s=a.get("timeout_s", 120), storage=storage)
+    thing = _RaisesOnRank(rank, a["victim"] if fault == "state_dict" else -1)
     state = {"model": model, "optimizer": opt, "thing": thing}
+    if fault == "meta_tensor" and rank == a["victim"]:
+        state["bad"] = torch.empty(3, device="meta")
     train_step(model, opt, 1, rank, world_size, "fsdp")
     thing.step = 5
     out: dict = {}
@@ -475,6 +489,7 @@ def raising_state(rank: int, world_size: int, a: dict) -> dict:
         out["first"] = f"{type(e).__name__}: {e}"
     out["waited"] = time.monotonic() - t0
     thing.step = 6
+    state.pop("bad", None)
     out["second"] = ckpt.save(6, state).wait()
     ckpt.close()
     return out
@@ -626,6 +641,26 @@ def replicas_differ(rank: int, world_size: int, a: dict) -> dict:
         return {"failed": str(e)}
 
 
+def retention_ranks(rank: int, world_size: int, a: dict) -> dict:
+    """Library retention across ranks: every rank re-reads its own shard after each commit,
+    rank 0 records the verification and prunes. ``a["only_rank0"]``: retention asked for on
+    rank 0 alone (refused). Returns the files of other ranks' shards this rank opened."""
+    from ckptctl import Checkpointer
+    from ckptctl.errors import CkptError
+
+    state = _reads_state(world_size, fill=True)
+    keep = 1 if rank == 0 or not a.get("only_rank0") else None
+    OPENED.clear()
+    try:
+        with Checkpointer(a["root"], storage=_counting_storage(a["root"]), timeout_s=300, keep_last=keep) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(step, state).wait()
+    except CkptError as e:
+        return {"failed": f"{type(e).__name__}: {e}"}
+    mine = f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+    return {"others": sorted({u for u in OPENED if u.endswith(".safetensors") and not u.endswith(mine)})}
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "train_save": train_save,
     "load_check": load_check,
@@ -644,4 +679,5 @@ SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "reads_save": reads_save,
     "reads_load": reads_load,
     "replicas_differ": replicas_differ,
+    "retention_ranks": retention_ranks,
 }

@@ -167,14 +167,23 @@ def test_failed_write_names_the_rank_on_every_rank_and_the_next_save_commits(tmp
 
 
 @pytest.mark.slow
-def test_save_raising_on_one_rank_fails_every_rank_at_once_and_the_next_save_commits(tmp_path):
-    # A state whose state_dict() raises on rank 1 only: before, rank 1 raised in save() and
-    # the others waited out timeout_s (here 120 s) in the barrier, with counters out of step.
+@pytest.mark.parametrize("fault, raised, reported", [
+    # state_dict() raises on rank 1 only: before, rank 1 raised in save() and the others
+    # waited out timeout_s (here 120 s) in the barrier, with the round counters out of step.
+    ("state_dict", "TypeError", "state_dict() of the victim failed"),
+    # a tensor that cannot be copied (meta) on rank 1 only, refused naming its key
+    ("meta_tensor", "StateError", "'bad'"),
+    # rank 1's storage raises a type no storage should raise, on the writer thread
+    ("storage", None, "KeyError"),
+])
+def test_a_fault_on_one_rank_fails_every_rank_at_once_and_the_next_save_commits(tmp_path, fault, raised, reported):
     root = str(tmp_path / "root")
-    res = _ok(launch("raising_state", 3, {"root": root, "victim": 1, "timeout_s": 120}, str(tmp_path / "out")))
-    assert res[1]["first"].startswith("TypeError") and "victim failed" in res[1]["first"]
-    for r in (0, 2):
-        assert "rank 1 failed" in res[r]["first"] and "state_dict() of the victim failed" in res[r]["first"], res[r]
+    res = _ok(launch("raising_state", 3, {"root": root, "victim": 1, "timeout_s": 120, "fault": fault}, str(tmp_path / "out")))
+    if raised is not None:  # raised by save() itself, on the rank where it happened
+        assert res[1]["first"].startswith(raised) and reported in res[1]["first"], res[1]
+    others = (0, 2) if raised is not None else (0, 1, 2)
+    for r in others:
+        assert "rank 1 failed" in res[r]["first"] and reported in res[r]["first"], res[r]
         assert res[r]["waited"] < 30, res[r]
     assert not os.path.exists(os.path.join(root, step_dir(5), MARKER))
     assert all(r["second"].endswith(step_dir(6)) for r in res.values())
@@ -514,3 +523,21 @@ def test_replicas_that_differ_fail_the_save_naming_tensor_and_ranks(tmp_path):
     assert not os.path.exists(os.path.join(root, step_dir(1), MARKER))
     ok = _ok(launch("replicas_differ", 3, {"root": str(tmp_path / "root2"), "check": False}, str(tmp_path / "b"), timeout=300))
     assert all("path" in got for got in ok.values())
+
+
+@pytest.mark.slow
+def test_library_retention_across_ranks_reads_only_own_shards(tmp_path):
+    """Issue 14 §2: with keep_last, each rank re-reads only the shard it wrote after each
+    commit; rank 0 records the verification and prunes without reading any shard of another
+    rank. Retention asked for on some ranks only is refused at construction."""
+    import json as _json
+
+    root = str(tmp_path / "root")
+    res = _ok(launch("retention_ranks", 3, {"root": root}, str(tmp_path / "a"), timeout=420))
+    for r, got in res.items():
+        assert got["others"] == [], (r, got["others"])
+    assert sorted(os.listdir(root)) == [".ckptctl-verified.json", step_dir(3)]
+    entry = _json.load(open(os.path.join(root, ".ckptctl-verified.json")))["entries"][step_dir(3)]
+    assert entry["level"] == "load" and entry["files"] == 3
+    bad = launch("retention_ranks", 2, {"root": str(tmp_path / "r2"), "only_rank0": True}, str(tmp_path / "b"), timeout=300)
+    assert "UsageError" in bad[0].get("failed", "") and "keep_last" in bad[0]["failed"], bad
