@@ -8,6 +8,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0'
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# Other tools' checkpoints are tested as those tools write them (tests/test_frameworks.py skips,
+# naming the package, without them). torch==2.13.0 is pinned in the extra so pip never replaces it.
+.venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[frameworks]'
 # groff lints the manual pages (tests/test_manpages.py skips without it); install it where we may.
 if ! command -v groff >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq groff-base >/dev/null) ||
