@@ -62,7 +62,7 @@ def test_torch_to_ckptctl_to_torch_bitwise(tmp_path):
     pt = str(tmp_path / "in.pt")
     torch.save(obj, pt)
     ck = str(tmp_path / "ck")
-    r = convert(pt, ck, "--to", "ckptctl")
+    r = convert(pt, ck, "--to", "ckptctl", "--step", "0")  # a bare torch.save file records no step
     assert r.exit_code == 0, r.stderr
     assert "found torch" in r.stderr
     assert cli("verify", ck).exit_code == 0
@@ -126,7 +126,7 @@ def test_foreign_dcp_with_nested_state_converts_with_names_and_hyperparameters(t
         warnings.simplefilter("ignore")
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=True)
     out = str(tmp_path / "ck")
-    r = convert(d, out, "--to", "ckptctl", "--json")
+    r = convert(d, out, "--to", "ckptctl", "--step", "0", "--json")  # plain dcp.save: no step recorded
     assert r.exit_code == 0, r.stderr
     assert r.json()["dropped"] == []
     t = tensors_of(out)
@@ -150,7 +150,7 @@ def test_safetensors_written_by_safetensors_converts(tmp_path):
     wm = {k: "model-00001-of-00002.safetensors" for k in a} | {k: "model-00002-of-00002.safetensors" for k in b}
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     out = str(tmp_path / "ck")
-    r = convert(str(d), out, "--to", "ckptctl")
+    r = convert(str(d), out, "--to", "ckptctl", "--step", "0")  # written by safetensors itself: no step
     assert r.exit_code == 0, r.stderr
     got = tensors_of(out)
     for k, v in (a | b).items():
@@ -235,7 +235,7 @@ def test_convert_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_pat
     if to == "ckptctl":
         return
     back = str(tmp_path / "back")
-    peak = peak_rss_mib(["-m", "ckptctl", "convert", out, back, "--to", "ckptctl"])
+    peak = peak_rss_mib(["-m", "ckptctl", "convert", out, back, "--to", "ckptctl", "--step", "1"])  # torch files hold no step
     print(f"convert {to} -> ckptctl: peak {peak:.0f} MiB")
     assert peak < bound, f"peak RSS {peak:.0f} MiB reading {to} exceeds {bound:.0f} MiB for a {total} MiB checkpoint"
 
@@ -280,7 +280,7 @@ def test_dcp_from_fsdp2_on_4_gloo_ranks_converts_and_loads_into_one_rank(tmp_pat
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = str(tmp_path / "ck")
-    r = convert(str(tmp_path / "dcp"), out, "--to", "ckptctl", "--json")
+    r = convert(str(tmp_path / "dcp"), out, "--to", "ckptctl", "--step", "1", "--json")
     assert r.exit_code == 0, r.stderr
     assert r.json()["source_format"] == "dcp" and r.json()["dropped"] == []
     model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))

@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 
 from ckptctl.format import dtypes
+from ckptctl.interop.steps import StepClue
+from ckptctl.state import tree as statetree
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,12 @@ class Source(ABC):
         # or None when the format has nothing beyond flat names.
         self.tree: Any | None = None
         self.metadata: dict[str, str] = {}  # string metadata (safetensors __metadata__)
-        self.step: int | None = None
+        self.step: int | None = None  # the step every clue agrees on (``settle_step``), else None
+        self.step_clues: list[StepClue] = []  # each place the source records its step (``interop.steps``)
         self.dropped: list[str] = []  # non-tensor state this source could not hand over, and why
+        # Files left unread by design (a pickle of a class), and why: not carried either, but no
+        # sign of damage, so ``verify`` does not count them as problems.
+        self.skipped: list[str] = []
 
     @abstractmethod
     def read_into(self, name: str, out: torch.Tensor) -> None:
@@ -53,6 +59,12 @@ class Source(ABC):
 
     def close(self) -> None:
         pass
+
+    def settle_step(self) -> None:
+        """``step`` from the clues: their common value, or None when there is none or they
+        disagree (``interop.steps.decide_step`` then says which, for a caller that needs it)."""
+        steps = {c.step for c in self.step_clues}
+        self.step = steps.pop() if len(steps) == 1 else None
 
     def __enter__(self) -> "Source":
         return self
@@ -101,3 +113,16 @@ def return_freed_memory() -> None:
         return  # not glibc
     M_MMAP_THRESHOLD = -3
     mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def rename_refs(doc: Any, rename: Callable[[str], str]) -> Any:
+    """The encoded state ``doc`` (``state.tree``) with every tensor reference renamed."""
+    if isinstance(doc, list):
+        return [rename_refs(v, rename) for v in doc]
+    if isinstance(doc, dict):
+        if len(doc) == 1 and statetree.TENSOR in doc:
+            return {statetree.TENSOR: rename(doc[statetree.TENSOR])}
+        if len(doc) == 1 and isinstance(doc.get(statetree.ITEMS), list):  # keys stay: only values hold refs
+            return {statetree.ITEMS: [[kv[0], rename_refs(kv[1], rename)] for kv in doc[statetree.ITEMS]]}
+        return {k: rename_refs(v, rename) for k, v in doc.items()}
+    return doc

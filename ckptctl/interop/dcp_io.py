@@ -45,12 +45,14 @@ from ckptctl.format import dtypes, parse
 from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.interop.dcp_check import check_metadata
+from ckptctl.interop.steps import StepClue, as_step
 from ckptctl.state import tree as statetree
 
 METADATA = ".metadata"
 # Top-level keys of a ckptctl state never start with "_", so these cannot collide with it.
 STATE_KEY = "_ckptctl.state"
 STEP_KEY = "_ckptctl.step"
+TRAIN_STATE_STEP = ("train_state", "step")  # torchtitan's Checkpointer: states["train_state"]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -187,7 +189,8 @@ class DcpSource(Source):
                     continue
                 if fqn == STATE_KEY and isinstance(value, str):
                     saved_tree = self._saved_tree(value)
-                elif fqn == STEP_KEY and isinstance(value, int):
+                elif fqn == STEP_KEY and as_step(value) is not None:
+                    self.step_clues.append(StepClue(value, f"{STEP_KEY} entry"))
                     self.step = value
                 else:
                     values[p] = value
@@ -195,6 +198,21 @@ class DcpSource(Source):
             self.tree = saved_tree
         else:
             self.tree = _tree_from_paths(paths, values, self.dropped)
+        self._train_state_step(values)
+
+    def _train_state_step(self, values: dict[tuple, Any]) -> None:
+        """torchtitan's step: its ``train_state`` entry holds ``{"step": torch.tensor(step,
+        dtype=torch.int32), ...}`` (``torchtitan/train.py``; newer releases save a plain int)."""
+        flat = ".".join(TRAIN_STATE_STEP)  # the fqn itself, when the metadata has no planner data
+        step = as_step(values.get(TRAIN_STATE_STEP, values.get((flat,))))
+        name = statetree.join(TRAIN_STATE_STEP) if statetree.join(TRAIN_STATE_STEP) in self.tensors else flat
+        meta = self.tensors.get(name)
+        if step is None and meta is not None and meta.shape in ((), (1,)) and meta.dtype.startswith(("int", "uint")):
+            out = torch.empty(meta.shape, dtype=dtypes.torch_dtype(meta.dtype))
+            self.read_into(name, out)
+            step = as_step(out)
+        if step is not None:
+            self.step_clues.append(StepClue(step, "torchtitan train_state step"))
 
     def _saved_tree(self, text: str) -> Any:
         try:

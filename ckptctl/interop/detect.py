@@ -12,7 +12,7 @@ import os
 import re
 from typing import Literal
 
-from ckptctl.errors import UsageError
+from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.layout import MANIFEST
 from ckptctl.storage import open_storage
 
@@ -33,7 +33,8 @@ def is_torch_file(path: str) -> bool:
 
 
 def detect(path: str) -> Format:
-    """Which format ``path`` holds. Raises UsageError naming the path when none matches."""
+    """Which format ``path`` holds. Raises UsageError naming the path when none matches, and
+    InvalidCheckpoint for a DCP directory whose save did not finish (no ``.metadata``)."""
     if "://" in path and not path.startswith("file://"):
         st = open_storage(path)
         if st.stat(MANIFEST) is not None:
@@ -46,6 +47,11 @@ def detect(path: str) -> Format:
             return "ckptctl"  # committed, or a ckptctl save still in progress (shards, no manifest yet)
         if ".metadata" in names:
             return "dcp"
+        if any(n.endswith(".distcp") for n in names):
+            # DCP writes .metadata last (after every rank's files): without it the save did not finish.
+            raise InvalidCheckpoint(f"{path}: DCP files (*.distcp) but no .metadata, which DCP writes last: "
+                                    "this save did not finish",
+                                    hint="use a checkpoint whose save completed (`ckptctl latest ROOT` names the newest)")
         if SAFETENSORS_INDEX in names or any(n.endswith(".safetensors") for n in names):
             return "safetensors"
         raise UsageError(f"{path}: no manifest.json (ckptctl), .metadata (DCP) or *.safetensors here",
@@ -67,6 +73,6 @@ def foreign_format(path: str) -> Format | None:
         return None
     try:
         fmt = detect(path)
-    except UsageError:
+    except (UsageError, InvalidCheckpoint):  # nothing recognisable, or a DCP save that did not finish
         return None
     return None if fmt == "ckptctl" else fmt

@@ -3,7 +3,9 @@
 
 Reading parses each header with ckptctl's own defensive parser (bounded length, offsets checked
 against the file size, entries tiling the data section) and copies each tensor with one ranged
-read: no mmap, so resident memory stays one tensor however large the files are.
+read: no mmap, so resident memory stays one tensor however large the files are. Links are
+refused, except in a Hugging Face hub cache snapshot, whose files are links into ``blobs/``:
+those are followed while they stay inside the cache (``interop.hub_cache``).
 
 Writing computes each file's header from shapes alone (safetensors headers hold no checksums),
 then streams the tensors behind it: every byte is read once and written once. The ckptctl state
@@ -29,7 +31,9 @@ from ckptctl.state.buffers import TensorBuffer, tensor_bytes as byte_view
 from ckptctl.interop.detect import SAFETENSORS_INDEX as INDEX
 from ckptctl.settings import WRITE_PIECE
 from ckptctl.state import tree as statetree
-from ckptctl.storage import open_storage
+from ckptctl.interop.hub_cache import resolve_link
+from ckptctl.interop.steps import StepClue, as_step
+from ckptctl.storage import Storage, open_storage
 
 SINGLE = "model.safetensors"
 MAX_INDEX_BYTES = 64 << 20  # an index lists one line per tensor; far above any real model's
@@ -43,6 +47,7 @@ class SafetensorsSource(Source):
     def __init__(self, path: str) -> None:
         super().__init__()
         self.url = path
+        self._places: dict[str, tuple[Storage, str]] = {}  # file -> where its bytes are read (hub cache links)
         if path.endswith(".safetensors"):
             parent, base = posixpath.split(path.rstrip("/"))
             self.storage = open_storage(parent or ".")
@@ -58,21 +63,39 @@ class SafetensorsSource(Source):
         if state is not None:
             self.tree = self._saved_tree(state)
         step = self.metadata.pop(STEP_KEY, None)
-        if step is not None and step.isdigit():
+        if step is not None and step.isdigit() and as_step(int(step)) is not None:
+            self.step_clues.append(StepClue(int(step), f"{STEP_KEY} metadata"))
             self.step = int(step)
+
+    def _place(self, fname: str) -> tuple[Storage, str]:
+        """Where file ``fname`` of the checkpoint is read: itself, or for a link in a Hugging
+        Face hub cache snapshot, its blob (``interop.hub_cache``; any other link is refused)."""
+        place = self._places.get(fname)
+        if place is None:
+            info = self.storage.stat(fname)
+            place = (self.storage, fname)
+            local = self.storage.local_path()
+            if info is not None and info.kind == "link" and local is not None:
+                d, name = resolve_link(local, fname)
+                place = (open_storage(d), name)
+            self._places[fname] = place
+        return place
 
     def _files(self) -> list[str]:
         idx = self.storage.stat(INDEX)
         if idx is None:
-            files = sorted(i.key for i in self.storage.children() if i.key.endswith(".safetensors") and i.kind == "file")
+            files = sorted(i.key for i in self.storage.children()
+                           if i.key.endswith(".safetensors") and i.kind in ("file", "link"))
             if not files:
                 raise UsageError(f"{self.storage.url}: no *.safetensors files and no {INDEX}")
             return files
         where = self.storage.url_of(INDEX)
+        ist, ikey = self._place(INDEX)
+        idx = ist.stat(ikey) or idx
         if idx.size > MAX_INDEX_BYTES:
             raise InvalidCheckpoint(f"{where}: {idx.size} bytes, more than the {MAX_INDEX_BYTES} an index may have",
                                     hint="this is not a safetensors index; do not trust this checkpoint")
-        doc = parse.load_json(self.storage.read(INDEX, max_size=MAX_INDEX_BYTES), where, "safetensors index",
+        doc = parse.load_json(ist.read(ikey, max_size=MAX_INDEX_BYTES), where, "safetensors index",
                               max_bytes=MAX_INDEX_BYTES, max_depth=16)
         weight_map = parse.Obj(doc, where, "safetensors index").dict("weight_map")
         for tensor, f in weight_map.items():
@@ -84,6 +107,9 @@ class SafetensorsSource(Source):
         files = sorted(set(weight_map.values()))
         for f in files:
             info = self.storage.stat(f)
+            if info is not None and info.kind == "link":
+                st, key = self._place(f)
+                info = st.stat(key)
             if info is None or info.kind != "file":
                 raise InvalidCheckpoint(f"{where}: names shard {f!r}, which is "
                                         f"{'missing' if info is None else 'not a regular file'}",
@@ -114,7 +140,8 @@ class SafetensorsSource(Source):
         return None
 
     def _add_file(self, fname: str) -> None:
-        with self.storage.open_reader(fname) as r:  # the parser validates bounds and tiling
+        st, key = self._place(fname)
+        with st.open_reader(key) as r:  # the parser validates bounds and tiling
             h = read_header_with(r.read, r.size, self.storage.url_of(fname))
         for c in h.chunks:
             if any(c.offsets):
@@ -136,7 +163,8 @@ class SafetensorsSource(Source):
         fname, begin, end = self._where[name]
         r = self._readers.get(fname)
         if r is None:
-            r = self._readers[fname] = self.storage.open_reader(fname)
+            st, key = self._place(fname)
+            r = self._readers[fname] = st.open_reader(key)
         view = byte_view(out)
         assert len(view) == end - begin, name
         if len(view):

@@ -31,6 +31,7 @@ import torch
 from ckptctl.errors import InvalidCheckpoint, StateError, UsageError
 from ckptctl.format import dtypes
 from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
+from ckptctl.interop.steps import STEP_KEYS, StepClue, as_step
 from ckptctl.state.buffers import tensor_bytes as byte_view
 from ckptctl.state import tree as statetree
 
@@ -82,6 +83,11 @@ class TorchSource(Source):
             self.tree = {str(k): statetree.encode(v, (str(k),), on_tensor) for k, v in obj.items()}
         except StateError as e:  # a value weights_only allows but JSON cannot hold (a set, bytes)
             raise UsageError(f"{path}: {e}", hint=e.hint) from None
+        for key in STEP_KEYS:  # Lightning's global_step, Megatron's iteration, a plain step
+            step = as_step(obj.get(key))
+            if step is not None:
+                self.step_clues.append(StepClue(step, f"{key!r} in {os.path.basename(path)}"))
+                break
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         t = self._tensors[name]

@@ -18,8 +18,26 @@ in ckptctl and safetensors outputs, as the nesting of dicts in torch and DCP out
 names the entry ``model.fc.weight`` itself; reading DCP joins its recorded nesting with ``/``). Non-tensor state travels as the ckptctl state tree: in the manifest (ckptctl), as JSON
 in ``__metadata__`` (safetensors), as the nested dict itself (torch), as a string entry (dcp);
 every format can hold it, so nothing is dropped on output. What a source cannot hand over (a
-DCP entry that needs pickle, a ckptctl per-rank RNG state) is listed in the report's
-``dropped``.
+DCP entry that needs pickle, a ckptctl per-rank RNG state going to another format, a Trainer's
+``training_args.bin``) is listed in the report's ``dropped``.
+
+The step (``interop.steps``): a ckptctl manifest's; otherwise what the source records of itself
+(torchtitan's ``train_state`` step, a Hugging Face ``checkpoint-N`` and its
+``trainer_state.json`` ``global_step``, Megatron's ``iter_NNNNNNN``, a ``step`` /
+``global_step`` / ``iteration`` key of a ``.pt`` or Lightning ``.ckpt``, ckptctl's own step
+metadata in an exported file). Records that disagree are refused (InvalidCheckpoint). An
+explicit ``step`` (``--step``) wins over every record; the report's ``step_from`` says when the
+source disagreed. A ckptctl target needs a step: a source that records none is refused
+(UsageError) unless ``step`` is given, never written as step 0. Other targets record the step
+where they can (safetensors metadata, a DCP entry) and go without when there is none.
+
+A Hugging Face Trainer checkpoint comes with its training state (``interop.hf_trainer_io``):
+``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` under ``optimizer/``, ``scheduler/``,
+``scaler/``, and ``trainer_state.json``; what is not carried is in ``dropped`` with the reason.
+A ckptctl -> ckptctl conversion keeps every rank's per-rank state (RNG generators) in shard
+headers of their own, unless ``--only`` or ``--strip-prefix`` reshapes the state.
+
+``--strip-prefix``: ``ops.convert_tree``.
 
 Memory: one buffer of the largest tensor, plus one more of it when ``--dtype`` casts, plus the
 source format's own temporaries (a DCP read holds one serialized tensor record).
@@ -38,13 +56,15 @@ import torch
 from ckptctl.errors import UsageError
 from ckptctl.format.layout import MANIFEST, MARKER, shard_name
 from ckptctl.format.manifest import Manifest, TensorEntry
+from ckptctl.interop import steps
 from ckptctl.interop.base import Source, TensorMeta
 from ckptctl.interop.detect import FORMATS, Format, detect
+from ckptctl.interop.steps import StepClue
 from ckptctl.layouts.native import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
+from ckptctl.ops.convert_tree import filter_tree, strip_names, strip_tree, tree_of
 from ckptctl.ops.reshard import prepare_target, require_verified, same_place
 from ckptctl.ops.stream_shard import ChunkSpec, write_shard_streaming
-from ckptctl.state import tree as statetree
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage import Storage, open_storage
 from ckptctl.progress import Progress
@@ -65,7 +85,12 @@ class ConvertReport:
     skipped_by_only: int = 0
     cast: str | None = None
     bytes: int = 0  # tensor bytes written
+    step: int | None = None  # the step written (None: the target format got none)
+    step_from: str = ""  # where it came from: "trainer_state.json global_step", "--step", ...
+    strip_prefix: str | None = None
+    renamed: int = 0  # tensors that lost --strip-prefix
     files: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)  # training state carried besides the weights
     dropped: list[str] = field(default_factory=list)
     source_checksums: bool = False
     seconds: float = 0.0
@@ -75,7 +100,9 @@ class ConvertReport:
 
 
 class CkptctlSource(Source):
-    """A committed ckptctl checkpoint through the shared reader (chunk checksums checked)."""
+    """A committed ckptctl checkpoint through the shared reader (chunk checksums checked).
+    Its per-rank state (RNG generators, data loader positions, in the shard headers) is kept
+    in ``rank_states`` for a ckptctl target, the only format that holds it."""
 
     kind = "ckptctl"
     has_checksums = True
@@ -86,10 +113,11 @@ class CkptctlSource(Source):
         self.reader = CheckpointReader(storage)
         m = self.reader.manifest
         self.step = m.step
+        self.step_clues.append(StepClue(m.step, "manifest"))
+        self.world_size = m.world_size
         self.tree = m.state
         self.tensors = {n: TensorMeta(n, t.dtype, tuple(t.shape), t.group) for n, t in m.tensors.items()}
-        if any(self.reader.rank_states().values()):
-            self.dropped.append("per-rank state (RNG) in the shard headers: only a ckptctl checkpoint holds it")
+        self.rank_states = {r: s for r, s in self.reader.rank_states().items() if s}
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         self.reader.read_into(ReadJob(name, out))
@@ -99,6 +127,8 @@ class CkptctlSource(Source):
 
 
 def open_source(path: str, fmt: Format | None = None) -> Source:
+    """The checkpoint at ``path`` as a ``Source``; ``step`` is what every record of it agrees on
+    (ckptctl's manifest; another tool's own records and its directory name, ``interop.steps``)."""
     fmt = fmt or detect(path)
     if fmt == "ckptctl":
         st = open_storage(path)
@@ -108,17 +138,23 @@ def open_source(path: str, fmt: Format | None = None) -> Source:
             raise NotFound(f"{st.url}: no {MARKER} marker, so the checkpoint is not committed",
                            hint="it is still being written or its save failed; use a committed checkpoint")
         return CkptctlSource(st)
+    src: Source
     if fmt == "dcp":
         from ckptctl.interop.dcp_io import DcpSource
 
-        return DcpSource(path)
-    if fmt == "safetensors":
+        src = DcpSource(path)
+    elif fmt == "safetensors":
+        from ckptctl.interop.hf_trainer_io import HfTrainerSource, is_trainer_checkpoint
         from ckptctl.interop.safetensors_io import SafetensorsSource
 
-        return SafetensorsSource(path)
-    from ckptctl.interop.torch_io import TorchSource
+        src = HfTrainerSource(path) if is_trainer_checkpoint(path) else SafetensorsSource(path)
+    else:
+        from ckptctl.interop.torch_io import TorchSource
 
-    return TorchSource(path)
+        src = TorchSource(path)
+    src.step_clues.extend(steps.from_name(path))
+    src.settle_step()
+    return src
 
 
 def parse_size(text: str) -> int:
@@ -138,7 +174,14 @@ def parse_size(text: str) -> int:
 
 
 def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), dtype: str | None = None,
-            max_shard_size: int | None = None, overwrite: bool = False, progress: Progress | None = None) -> ConvertReport:
+            max_shard_size: int | None = None, overwrite: bool = False, progress: Progress | None = None,
+            step: int | None = None, strip_prefix: str | None = None) -> ConvertReport:
+    """Convert the checkpoint at ``src_path`` into ``to`` format at ``dst_path``.
+
+    ``step``: the step to record; it wins over what the source says (the report notes any
+    difference). Without it, the source's own records must agree on one step, and a ckptctl
+    target refuses a source that records none (UsageError: pass ``step``). ``strip_prefix``:
+    see ``ops.convert_tree``; ``only`` prefixes match the names before stripping."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise UsageError(f"--to {to!r} is not one of {', '.join(FORMATS)}")
@@ -157,32 +200,46 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
     if src_fmt == "ckptctl":
         require_verified(open_storage(src_path))  # every checksum, before anything is written
     with open_source(src_path, src_fmt) as src:
-        report = ConvertReport(src.url, dst_path, src.kind, to, cast=cast, source_checksums=src.has_checksums)
-        # Once the source's step is known: a ckptctl result must not land in another step's directory.
-        _prepare_dst(src_path, dst_path, to, overwrite, step=src.step if src.step is not None else 0)
+        report = ConvertReport(src.url, dst_path, src.kind, to, cast=cast, source_checksums=src.has_checksums,
+                               strip_prefix=strip_prefix)
+        report.step, report.step_from = steps.decide_step(src.step_clues, step, src.url)
+        if report.step is None and to == "ckptctl":
+            raise UsageError(f"{src.url}: this {src.kind} checkpoint records no training step, and a ckptctl "
+                             "checkpoint needs one (a resume continues from it)",
+                             hint="pass --step N, the step it was saved at")
+        # Once the step is known: a ckptctl result must not land in another step's directory.
+        _prepare_dst(src_path, dst_path, to, overwrite, step=report.step or 0)
         keep = [m for n, m in src.tensors.items() if not only or any(n.startswith(p) for p in only)]
         report.skipped_by_only = len(src.tensors) - len(keep)
         if not keep:
             raise UsageError(f"{src.url}: no tensor name starts with {', '.join(only)}",
-                             hint="run `ckptctl inspect --tensors` on a ckptctl checkpoint to see the names")
-        out_metas = {m.name: _cast_meta(m, cast) for m in keep}
-        tree = _filter_tree(src.tree if src.tree is not None else _tree_of(list(src.tensors)), set(out_metas), only)
-        report.dropped = list(src.dropped)
+                             hint="run `ckptctl inspect --tensors` on the checkpoint to see the names")
+        tree = filter_tree(src.tree if src.tree is not None else tree_of(list(src.tensors)), {m.name for m in keep}, only)
+        new_name = {m.name: m.name for m in keep}
+        if strip_prefix is not None:
+            new_name = strip_names([m.name for m in keep], strip_prefix)
+            tree = strip_tree(tree, strip_prefix, new_name)
+            report.renamed = sum(1 for a, b in new_name.items() if a != b)
+        orig = {new_name[m.name]: m.name for m in keep}
+        out_metas = {new_name[m.name]: _cast_meta(TensorMeta(new_name[m.name], m.dtype, m.shape, m.group), cast) for m in keep}
+        report.dropped = list(src.dropped) + list(src.skipped)
+        report.carried = list(getattr(src, "carried", []))
+        rank_states = _rank_states(src, to, only, strip_prefix, report.dropped)
         scratch = TensorBuffer()
 
         def fill(meta: TensorMeta, out: torch.Tensor) -> None:
-            orig = src.tensors[meta.name]
-            if orig.dtype == meta.dtype:
-                src.read_into(meta.name, out)
+            have = src.tensors[orig[meta.name]]
+            if have.dtype == meta.dtype:
+                src.read_into(have.name, out)
             else:
-                tmp = scratch.view(orig.dtype, orig.shape)
-                src.read_into(meta.name, tmp)
+                tmp = scratch.view(have.dtype, have.shape)
+                src.read_into(have.name, tmp)
                 out.copy_(tmp)
             if progress:
                 progress(out.numel() * out.element_size())
 
-        files = _write(to, dst_path, out_metas, fill, tree=tree, step=src.step, metadata=src.metadata,
-                       max_shard_size=max_shard_size, source=src)
+        files = _write(to, dst_path, out_metas, fill, tree=tree, step=report.step, metadata=src.metadata,
+                       max_shard_size=max_shard_size, source=src, rank_states=rank_states)
         report.files = files
         report.tensors = len(out_metas)
         report.bytes = sum(m.nbytes for m in out_metas.values())
@@ -190,8 +247,27 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
     return report
 
 
+def _rank_states(src: Source, to: str, only: Sequence[str], strip_prefix: str | None, dropped: list[str]) -> dict[int, dict]:
+    """The per-rank state (RNG) a ckptctl source hands to a ckptctl target, all ranks' as they
+    were; what cannot come along is listed in ``dropped`` with the reason."""
+    states: dict[int, dict] = getattr(src, "rank_states", {})
+    if not states:
+        return {}
+    if to != "ckptctl":
+        why = "only a ckptctl checkpoint holds it"
+    elif only:
+        why = "left out by --only"
+    elif strip_prefix is not None:
+        why = "left out by --strip-prefix (its keys name the state before renaming)"
+    else:
+        return states
+    dropped.append(f"per-rank state (RNG) of {len(states)} rank(s) in the shard headers: {why}")
+    return {}
+
+
 def _write(to: str, dst: str, metas: dict[str, TensorMeta], fill: Any, *, tree: Any, step: int | None,
-           metadata: dict[str, str], max_shard_size: int | None, source: Source) -> list[str]:
+           metadata: dict[str, str], max_shard_size: int | None, source: Source,
+           rank_states: dict[int, dict]) -> list[str]:
     if to == "safetensors":
         from ckptctl.interop.safetensors_io import STATE_KEY, STEP_KEY, write_safetensors
 
@@ -207,79 +283,47 @@ def _write(to: str, dst: str, metas: dict[str, TensorMeta], fill: Any, *, tree: 
         from ckptctl.interop.dcp_io import write_dcp
 
         return write_dcp(dst, metas, fill, tree=tree, step=step).files
-    return _write_ckptctl(open_storage(dst), metas, fill, tree=tree, step=step, metadata=metadata, source=source)
+    assert step is not None  # convert refuses a ckptctl target without one
+    return _write_ckptctl(open_storage(dst), metas, fill, tree=tree, step=step, metadata=metadata, source=source,
+                          rank_states=rank_states)
 
 
-def _write_ckptctl(dst: Storage, metas: dict[str, TensorMeta], fill: Any, *, tree: Any, step: int | None,
-                   metadata: dict[str, str], source: Source) -> list[str]:
-    """One shard (rank 0 of 1); ``ckptctl reshard`` spreads it over more ranks afterwards."""
+def _write_ckptctl(dst: Storage, metas: dict[str, TensorMeta], fill: Any, *, tree: Any, step: int,
+                   metadata: dict[str, str], source: Source, rank_states: dict[int, dict]) -> list[str]:
+    """Every tensor in rank 0's shard (``ckptctl reshard`` spreads them afterwards). A source's
+    per-rank state keeps its ranks: rank r's header goes in a shard r of its own, without
+    tensors, so a job of the source's size resumes each rank with its own RNG state."""
     specs = [ChunkSpec(m.name, m.dtype, m.shape, tuple(0 for _ in m.shape)) for m in metas.values()]
     by_name = metas
+    world = max([1, *(r + 1 for r in rank_states)])
+    world = max(world, getattr(source, "world_size", 1) if rank_states else 1)
 
     def fill_chunk(spec: ChunkSpec, out: torch.Tensor, row: int) -> None:
         fill(by_name[spec.name], out)
 
     # Whole chunks: sources read whole tensors (a DCP record is one unit).
-    written = write_shard_streaming(dst, shard_name(0, 1), specs, fill_chunk, rank=0, piece_bytes=None)
+    written = [write_shard_streaming(dst, shard_name(0, world), specs, fill_chunk, rank=0, piece_bytes=None,
+                                     rank_state=rank_states.get(0))]
+    for r in range(1, world):
+        written.append(write_shard_streaming(dst, shard_name(r, world), [], fill_chunk, rank=r, piece_bytes=None,
+                                             rank_state=rank_states.get(r)))
     manifest = Manifest.new(
-        step if step is not None else 0, 1, [written.file],
+        step, world, [w.file for w in written],
         {n: TensorEntry(m.dtype, m.shape, m.group, 1) for n, m in metas.items()},
         tree if isinstance(tree, dict) else {"state": tree},
-        {"bytes": float(written.file.size)},
+        {"bytes": float(sum(w.file.size for w in written))},
         extra={"converted_from": {"url": source.url, "format": source.kind, "checksums": source.has_checksums},
                **({"safetensors_metadata": metadata} if metadata else {})},
     )
     commit(dst, manifest)
     require_verified(dst, after_write=True)
-    return [dst.url_of(written.file.name), dst.url_of(MANIFEST), dst.url_of(MARKER)]
+    return [dst.url_of(w.file.name) for w in written] + [dst.url_of(MANIFEST), dst.url_of(MARKER)]
 
 
 def _cast_meta(m: TensorMeta, cast: str | None) -> TensorMeta:
     if cast is None or m.dtype not in FLOATING or m.dtype == cast:
         return m
     return TensorMeta(m.name, cast, m.shape, m.group)
-
-
-def _tree_of(names: list[str]) -> dict:
-    """Structure for a source that has only flat names: split on ``/`` as ckptctl joins them."""
-    root: dict = {}
-    for n in names:
-        parts = [p.replace("%2F", "/").replace("%25", "%") for p in n.split("/")]
-        node = root
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if not isinstance(nxt, dict) or statetree.TENSOR in nxt:
-                nxt = node[p] = {}
-            node = nxt
-        node[parts[-1]] = {statetree.TENSOR: n}
-    return root
-
-
-def _filter_tree(doc: Any, keep: set[str], only: Sequence[str]) -> Any:
-    """Drop references to tensors not kept. With ``--only``, non-tensor values are kept only
-    under the top-level keys the prefixes name (the model's config, not the optimizer's)."""
-    tops = {p.split("/", 1)[0] for p in only}
-
-    def walk(node: Any, depth: int, top: str | None) -> tuple[bool, Any]:
-        if isinstance(node, dict) and statetree.TENSOR in node and len(node) == 1:
-            return node[statetree.TENSOR] in keep, node
-        if isinstance(node, dict) and len(node) == 1 and (statetree.TUPLE in node or statetree.ITEMS in node):
-            return (not only or top in tops), node  # tuples and odd-keyed dicts stay whole
-        if isinstance(node, dict):
-            out = {}
-            for k, v in node.items():
-                ok, val = walk(v, depth + 1, k if depth == 0 else top)
-                if ok:
-                    out[k] = val
-            return bool(out) or not node, out
-        if isinstance(node, list):
-            kept = [walk(v, depth + 1, top) for v in node]
-            if any(statetree.tensor_refs(v) for v in node):
-                return True, [v for ok, v in kept if ok]
-            return (not only or top in tops), node
-        return (not only or top in tops), node
-
-    return walk(doc, 0, None)[1]
 
 
 def _refuse_same(src: str, dst: str) -> None:
