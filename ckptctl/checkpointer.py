@@ -53,8 +53,12 @@ class Checkpointer:
     ) -> None:
         """``keep_last``/``keep_every``: after each commit, rank 0 prunes older checkpoints in
         the background with the same policy and safety checks as ``ckptctl prune`` (the new
-        checkpoint is fully verified before anything is deleted). Retention problems are
-        logged on the "ckptctl" logger and never fail a save.
+        checkpoint is fully verified before anything is deleted). The verification is shared
+        out: every rank re-reads the shard it wrote, on its writer thread, and rank 0 records
+        the verdict in the verification record, so the prune downloads no checkpoint (see
+        ``ops.background_retention``). Pass the same options on every rank (different ones
+        raise ``UsageError``). Retention problems are logged on the "ckptctl" logger and never
+        fail a save.
 
         When torch.distributed is initialised, every rank of ``process_group`` (default: all
         ranks) must construct its Checkpointer at the same point (this creates the gloo group
@@ -76,10 +80,11 @@ class Checkpointer:
         ``check_replicas``: with several ranks, each rank hashes its copy of every tensor that
         every rank holds whole (DDP parameters and buffers; one rank writes it) when ``save``
         snapshots the state, and a save whose copies differ fails naming the tensors and the
-        ranks (BatchNorm statistics under DDP ``broadcast_buffers=False`` do). None (default):
-        CPU-resident replicas only (XXH3 on the training thread, about 0.1 s per GiB); True:
-        GPU ones too (each copied to the host to be hashed); False: none (see
-        ``ckptctl.save.replicas``)."""
+        ranks. None (default): the CPU-resident parameters and optimizer state (XXH3 on the
+        training thread, about 0.14 s per GiB); True: every replicated tensor, module buffers
+        (BatchNorm statistics under DDP ``broadcast_buffers=False`` drift apart), GPU ones too
+        (each copied to the host to be hashed) and plain tensors of other keys; False: none
+        (see ``ckptctl.save.replicas``)."""
         self.root = storage or open_storage(root)
         retention = None
         if keep_last is not None or keep_every is not None:

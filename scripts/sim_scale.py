@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--ranks", default="256,512,1024,2048,4096")
     ap.add_argument("--repeat", type=int, default=5, help="runs per row; the fastest is shown")
+    ap.add_argument("--read-repeat", type=int, default=2, help="runs per read-side row (verify/prune rows take seconds each)")
     ap.add_argument("--verify-tensors", type=int, default=100,
                     help="tensors for verify/prune, which read every chunk entry (ranks x tensors of them)")
     ap.add_argument("--read-all-headers", action="store_true",
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_time_check:
         problems += growth_problems("save: rank 0", rows, "rank0_s", slope_max=1.6, interaction_max=0.5)
 
-    load_rows, verify_rows = read_side(rank_list, args.tensors, args.verify_tensors, args.repeat, args.read_all_headers)
+    load_rows, verify_rows = read_side(rank_list, args.tensors, args.verify_tensors, min(args.repeat, args.read_repeat),
+                                       args.read_all_headers)
     print("\nread side, per rank: (a) one rank's load planning (manifest, the headers it needs, per-rank "
           "state), (b) load_latest's decision (rank 0; the others read nothing for it)")
     print(f"{'ranks':>6} {'tensors':>7} {'(a) bytes':>11} {'files':>6} {'time':>9} {'(b) bytes':>11} {'files':>6} {'time':>9}")

@@ -510,10 +510,11 @@ def test_reshard_load_opens_only_the_shards_it_needs(tmp_path, saved_by, loaded_
 @pytest.mark.slow
 def test_replicas_that_differ_fail_the_save_naming_tensor_and_ranks(tmp_path):
     """Issue 14 §3: BatchNorm statistics under DDP ``broadcast_buffers=False`` differ per
-    rank; the default check (CPU replicas) fails the save on every rank, naming the buffers
-    and the ranks, and writes no marker; ``check_replicas=False`` saves anyway."""
+    rank; ``check_replicas=True`` fails the save on every rank, naming the buffers and the
+    ranks, and writes no marker. The default checks parameters and optimizer state only
+    (buffers differ between DDP's broadcasts in every BatchNorm job), so it saves."""
     root = str(tmp_path / "root")
-    res = launch("replicas_differ", 3, {"root": root}, str(tmp_path / "a"), timeout=300)
+    res = launch("replicas_differ", 3, {"root": root, "check": True}, str(tmp_path / "a"), timeout=300)
     for r, got in res.items():
         assert "failed" in got, (r, got)
         msg = got["failed"]
@@ -521,7 +522,7 @@ def test_replicas_that_differ_fail_the_save_naming_tensor_and_ranks(tmp_path):
         assert "running_mean' (rank 0 vs rank 1 vs rank 2)" in msg, msg  # three batches: three copies
         assert "weight'" not in msg and "bias'" not in msg, msg  # DDP kept the parameters equal
     assert not os.path.exists(os.path.join(root, step_dir(1), MARKER))
-    ok = _ok(launch("replicas_differ", 3, {"root": str(tmp_path / "root2"), "check": False}, str(tmp_path / "b"), timeout=300))
+    ok = _ok(launch("replicas_differ", 3, {"root": str(tmp_path / "root2")}, str(tmp_path / "b"), timeout=300))
     assert all("path" in got for got in ok.values())
 
 

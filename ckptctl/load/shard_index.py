@@ -66,12 +66,6 @@ def region_of(job: ReadJob) -> Box:
     return Box(tuple(job.offsets) if job.offsets is not None else tuple(0 for _ in shape), shape)
 
 
-def region_of(job: ReadJob) -> Box:
-    """The region of the global tensor ``job`` fills."""
-    shape = tuple(job.target.shape)
-    return Box(tuple(job.offsets) if job.offsets is not None else tuple(0 for _ in shape), shape)
-
-
 class ShardIndex:
     """A committed checkpoint's manifest and, on demand, its shard headers (see the module
     docstring). ``headers_read`` counts the headers opened so far."""

@@ -57,7 +57,7 @@ from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, fi
 from ckptctl.save.messages import ANSWER_BYTES, REPORT_BYTES, RankReport, pack, unpack
 from ckptctl.save.replicas import NAMED, bounds, combined, differing, replica_message
 from ckptctl.save.replicas import ranks_text as _ranks
-from ckptctl.save.shard_layout import ShardLayout
+from ckptctl.save.shard_layout import ShardLayout, placement_hints
 
 DEFAULT_TIMEOUT_S = 900.0
 
@@ -198,11 +198,9 @@ class Coordinator:
         return "commit", ""
 
     def _replica_round(self, step: int, layout: ShardLayout, gathered: list | None, digests: list[int], commit: CommitFn) -> tuple[str, str]:
-        """The ranks' combined replica digests differ: find which tensors differ (a MIN and a
-        MAX reduce of the per-tensor digests: O(tensors) at rank 0), then which ranks hold
-        which copy of up to ``NAMED`` of them (a gather of that many digests per rank). A
-        tensor one rank did not hash (0) is not compared. No difference after all (ranks hashed
-        different sets): rank 0 goes on as ``_decide`` would."""
+        """Replica digests differ: which tensors (MIN and MAX reduces, O(tensors) at rank 0),
+        and which ranks hold which copy of up to ``NAMED`` of them (one gather); none after all
+        (ranks hashed different sets): go on as ``_decide`` would. See ``save.replicas``."""
         lo, hi = bounds(digests)
         self._collective(step, "reduce", lambda: dist.reduce(lo, group=self.group, group_dst=0, op=dist.ReduceOp.MIN))
         self._collective(step, "reduce", lambda: dist.reduce(hi, group=self.group, group_dst=0, op=dist.ReduceOp.MAX))
@@ -257,12 +255,7 @@ class Coordinator:
         for meta, (chunks, elements, regular, owner1) in zip(layout.table, cov.tolist()):
             if elements != numel(meta.shape):
                 bad.append(f"{meta.name!r} ({elements} of {numel(meta.shape)} elements)")
-            # Placement hints (see ``shard_layout.placement_columns``): with coverage exact, one
-            # whole chunk names its owner, and every chunk on its rank's block proves the split.
-            owner = int(owner1) - 1 if chunks == 1 and owner1 > 0 else None
-            split = None
-            if owner is None and chunks > 0 and regular == chunks and meta.shape:
-                split = (0, -(-meta.shape[0] // self.world_size))
+            owner, split = placement_hints(meta.shape, chunks, regular, owner1, self.world_size)
             tensors[meta.name] = TensorEntry(meta.dtype, meta.shape, meta.group, int(chunks), owner, split)
         if bad:
             return "fail", (

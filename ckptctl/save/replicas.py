@@ -13,14 +13,15 @@ Cost: hashing runs on the training thread (the tensors may change once ``save`` 
 the speed of XXH3 on one core: measured 0.14 s per GiB of replicated CPU tensors, plus about
 50 us per tensor, on the shared 2-core test host (``tensor_digest`` over a 256 MiB float32
 tensor, best of 5; 2,000 tensors of 4 KB). By default
-(``check_replicas=None``) only CPU-resident replicas are hashed: a GPU tensor would first be
-copied to the host, which costs a device-to-host transfer per save; ``True`` hashes those too.
+(``check_replicas=None``) only CPU-resident replicas of modules and optimizers are hashed: a
+GPU tensor would first be copied to the host, which costs a device-to-host transfer per save,
+and plain tensors elsewhere in the state are often per-rank values by design; ``True`` hashes
+those too.
 
-Under DDP's default ``broadcast_buffers=True`` the buffers are made equal at the start of each
-forward and then updated locally, so a job with BatchNorm (not SyncBatchNorm) that saves after
-a step has differing statistics too: the check then fails that save as well, rightly (the
-checkpoint would hold one rank's statistics, training goes on with rank 0's); such a job
-passes ``check_replicas=False`` or uses SyncBatchNorm.
+Module buffers are checked only with ``True``: under DDP's default ``broadcast_buffers=True``
+they are made equal at the start of each forward and then updated locally, so BatchNorm
+statistics differ at save time in every such job, harmlessly (the next forward broadcasts
+rank 0's). With ``broadcast_buffers=False`` they drift apart for good, which ``True`` catches.
 """
 
 from __future__ import annotations
@@ -54,16 +55,20 @@ def tensor_digest(t: torch.Tensor) -> int:
     return _signed(xxhash.xxh3_64_intdigest(tensor_bytes(t)))
 
 
-def replica_digests(layout: ShardLayout, tensors: dict[str, SavedTensor], mode: bool | None) -> list[int]:
+def replica_digests(layout: ShardLayout, tensors: dict[str, SavedTensor], mode: bool | None,
+                    buffers: set[str] | frozenset[str] = frozenset()) -> list[int]:
     """Per entry of ``layout.table``: the digest of this rank's copy when the tensor is
-    replicated and checked under ``mode`` (None: CPU-resident only; True: all; False: none),
-    else 0."""
+    replicated and checked under ``mode``, else 0. None: the CPU-resident parameters and
+    optimizer state (what DDP keeps equal on every rank; module ``buffers`` are left out,
+    since BatchNorm statistics legitimately differ between broadcasts); True: every replicated
+    tensor, on any device, of any key, buffers included; False: none."""
     if mode is False:
         return [0] * len(layout.table)
     out = []
     for m in layout.table:
         t = tensors.get(m.name)
-        checked = t is not None and t.writer == REPLICATED and (mode is True or t.data.device.type == "cpu")
+        checked = t is not None and t.writer == REPLICATED and (
+            mode is True or (t.data.device.type == "cpu" and t.group in ("model", "optimizer") and m.name not in buffers))
         out.append(tensor_digest(t.data) if checked else 0)  # type: ignore[union-attr]
     return out
 

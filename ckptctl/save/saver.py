@@ -147,7 +147,7 @@ class Saver:
                 captured = capture(state, per_rank=self.world_size > 1)
                 layout = self._layout_for(captured)
                 # Replicas are hashed before save returns: training may change them after.
-                replicas = replica_digests(layout, captured.tensors, self.check_replicas) if self.coordinator is not None else None
+                replicas = replica_digests(layout, captured.tensors, self.check_replicas, captured.buffers) if self.coordinator is not None else None
                 t2 = time.perf_counter()
                 deferred, optimizers = overlap_plan(state, captured.tensors) if self.overlap_copies else (frozenset(), [])
                 buf = self.staging.snapshot(layout, captured.tensors, deferred=deferred)

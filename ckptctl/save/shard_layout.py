@@ -143,6 +143,16 @@ def placement_columns(t: SavedTensor, rank: int, world_size: int) -> tuple[int, 
     return regular, owner
 
 
+def placement_hints(shape: tuple[int, ...], chunks: int, regular: int, owner1: int, world_size: int) -> tuple[int | None, tuple[int, int] | None]:
+    """The manifest's (owner, split) for one tensor from the ranks' summed placement columns,
+    once coverage is exact: one whole chunk names its owner; every chunk on its own rank's
+    block of dim 0 proves the split."""
+    owner = int(owner1) - 1 if chunks == 1 and owner1 > 0 else None
+    if owner is None and chunks > 0 and regular == chunks and shape:
+        return None, (0, -(-shape[0] // max(world_size, 1)))
+    return owner, None
+
+
 def structure_digest(table: tuple[GlobalTensor, ...]) -> str:
     h = hashlib.sha256()
     for m in table:

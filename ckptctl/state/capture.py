@@ -41,6 +41,7 @@ class Captured:
     tensors: dict[str, SavedTensor] = field(default_factory=dict)
     tree: dict[str, Any] = field(default_factory=dict)  # JSON, tensors replaced by references
     rank_state: dict[str, Any] = field(default_factory=dict)  # per-rank JSON (RNG states)
+    buffers: set[str] = field(default_factory=set)  # names of module buffers (BatchNorm stats...)
 
 
 def model_for(optimizer: torch.optim.Optimizer, state: dict[str, Any], key: str) -> nn.Module | None:
@@ -104,12 +105,14 @@ def capture(state: dict[str, Any], *, with_rng: bool = True, per_rank: bool = Fa
         raise StateError(f"state must be a dict, got {type(state).__name__}")
     out = Captured()
 
-    def add(group: str, shared_writer: str):
+    def add(group: str, shared_writer: str, buffer_ptrs: frozenset[int] = frozenset()):
         def on_tensor(name: str, t: torch.Tensor) -> None:
             if name in out.tensors:
                 raise StateError(f"tensor name {name!r} appears twice in the state")
             tree.check_savable(name, t)
             out.tensors[name] = saved_tensor(t, group, shared_writer)
+            if buffer_ptrs and t.data_ptr() in buffer_ptrs:
+                out.buffers.add(name)
         return on_tensor
 
     own: dict[str, Any] = {}
@@ -118,7 +121,9 @@ def capture(state: dict[str, Any], *, with_rng: bool = True, per_rank: bool = Fa
             raise StateError(f"state key {key!r}: top-level keys must be non-empty strings not starting with '_'")
         role = role_of(value)
         if role == "module":
-            out.tree[key] = tree.encode(module_state_dict(value), (key,), add("model", REPLICATED))
+            # Buffers are told apart by their memory: the state dict's tensors are new views of it.
+            buffer_ptrs = frozenset(b.data_ptr() for b in value.buffers() if b.numel())
+            out.tree[key] = tree.encode(module_state_dict(value), (key,), add("model", REPLICATED, buffer_ptrs))
         elif role == "optimizer":
             out.tree[key] = tree.encode(optimizer_state_dict(value, state, key), (key,), add("optimizer", REPLICATED))
         elif role == "tensor":
