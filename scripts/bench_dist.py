@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Multi-rank save/load benchmark: ckptctl beside torch.distributed.checkpoint (DCP).
 
-    .venv/bin/python scripts/bench_dist.py [--size-mib 256] [--ranks 1,2,4] [--steady 2]
+    .venv/bin/python scripts/bench_dist.py [--size-mib 256] [--ranks 1,2,4] [--steady 5]
                                            [--dir PATH] [--json] [--no-prepare] [--device cpu|cuda]
+    .venv/bin/python scripts/bench_dist.py --phases [--ranks 1,2] [--size-mib 256] [--steady 5]
 
 The parent launches one ``torchrun --standalone --nproc-per-node N`` job per N (as
 ``sys.executable -m torch.distributed.run``; gloo, CPU), each rank re-running this script with
@@ -10,32 +11,46 @@ The parent launches one ``torchrun --standalone --nproc-per-node N`` job per N (
 ``--ranks`` at most the GPUs present) and so measures the pinned staging path and copy stream
 beside DCP's. Every job builds the same FSDP2-sharded state (``fully_shard`` on a CPU device
 mesh of N ranks; an MLP of Linear(dim, dim) layers plus its AdamW state after one step;
-``--size-mib`` is the total of model + optimizer state over all ranks). Then, as a training job
-would after its first optimizer step, it calls ``Checkpointer.prepare(state)`` (plan, and
-allocate + fault in the staging buffer on a background thread; skipped with ``--no-prepare``,
-or when the Checkpointer has no ``prepare``) and runs 2 more real training steps (forward,
-backward, ``opt.step()``, ``zero_grad``) in either mode, so that the background work overlaps
-real work and both modes save the same state. Every tool saves that same state in each round.
-``--no-prepare`` reproduces the unprepared first save, which also pays for the staging buffer's
-memory; the report says which mode ran. It then measures, on that state and the same disk, in
-interleaved rounds (round 0 holds the first saves):
+``--size-mib`` is the total of model + optimizer state over all ranks), saved through each
+tool's own model/optimizer state-dict path.
+
+Three tools save that state in every round, in an order that rotates from round to round:
 
 * ckptctl: ``Checkpointer(root).save(step, {"model": model, "optimizer": opt})`` stall (until it
-  returns), save start -> ``handle.wait()`` (committed), save return -> committed, and the
-  slowest rank's own write (``write_s`` in the manifest's stats is the max over ranks of each
-  rank's shard write: hash + write + fsync, no coordination);
-* DCP: ``get_state_dict(model, opt)`` + ``dcp.async_save(..., process_group=<own gloo group>)``
-  stall, save start -> ``future.result()``;
-* load with re-sharding: each job after the first loads the previous job's checkpoints
-  (written at another world size) into its FSDP2 state, cold (evicted from the page cache):
-  ``ck.load(path, state)`` vs ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``. A final
-  load-only job at the first N loads the last job's checkpoints (e.g. 4 -> 1), so every N gets
-  a re-sharding load. The two loads are checked to give bitwise equal local shards.
+  returns), save start -> ``handle.wait()`` (committed: durable), save return -> committed,
+  and the slowest rank's own write (``write_s`` in the manifest's stats is the max over ranks
+  of each rank's shard write: hash + write + fsync, no coordination);
+* DCP*: ``get_state_dict(model, opt)`` + ``dcp.async_save(..., async_stager=<one DefaultStager
+  kept across saves>, process_group=<own gloo group>)``: its host copies are reused from save
+  to save, DCP at its best on this host and the reference of the targets;
+* DCP default: the same with async_save's default stager (fresh host copies every save).
+
+Round 0 is every tool's cold first save (a fresh Checkpointer, a fresh stager, nothing
+prepared). Then both tools get the same warm-up: ``Checkpointer.prepare(state)`` and one
+``stage()`` of DCP*'s stager, followed by 2 training steps; round 1 is the prepared first save,
+rounds 2.. the steady ones (``--no-prepare`` skips the warm-up for both). Each tool keeps only
+its newest checkpoint (``--keep-all``: every one, as a job that never prunes, so the page cache
+grows by a checkpoint per save); deletion and an ``os.sync()`` run outside the timed sections, and
+``/proc/meminfo`` Dirty/Writeback is recorded before each save. Time to durable is printed per
+round with the ratio to DCP*, and each tool's growth over the consecutive saves 1.. (median of
+the later half / median of the earlier half; when DCP* grows too, the machine slowed down). What "durable" guarantees differs: ckptctl fsyncs every
+file, renames it and fsyncs the directory, marker last; DCP fsyncs its files and renames
+``.metadata`` but fsyncs no directory. ``--phases`` instead times each phase of a rank's shard
+write (hash, write, fsync, rename + directory fsync) for a plain writer and for ckptctl's, N
+processes at once, every file kept (``benchutil.write_phases``).
+
+Load with re-sharding: each job after the first loads the previous job's checkpoints
+(written at another world size) into its FSDP2 state, cold (evicted from the page cache):
+``ck.load(path, state)`` vs ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``, both into
+the live tensors. A final load-only job at the first N loads the last job's checkpoints (e.g.
+4 -> 1), so every N gets a re-sharding load. The two loads are checked to give bitwise equal
+local shards.
 
 Each rank writes its figures to a JSON file; the parent prints, per N, the max over ranks
-(the slowest rank gates training) and the targets of issue 3: stall <= DCP's at every N,
-first stall <= 0.5 x DCP's first, time to commit within 1.10 x the slowest rank's own write,
-re-sharding load <= DCP's. On a small machine (2 cores) N=4 oversubscribes the CPUs: the
+(the slowest rank gates training) and the targets, each a median of per-round ratios with its
+min and max: steady stall <= DCP*'s, cold first stall <= 0.5 x DCP*'s cold first, prepared
+first stall <= DCP*'s prepared first, time to durable <= DCP*'s and not growing over the
+consecutive saves (median of the later half / of the earlier half <= 1.25), commit within 1.10 x the slowest rank's own write, re-sharding load <= DCP's. On a small machine (2 cores) N=4 oversubscribes the CPUs: the
 output reports the CPU pressure (Linux PSI) over each job. GB = 1e9 bytes.
 
 torch_checkpointing (Meta, BSD; issue 3 asks for it "where it runs on CPU") is NOT measured,
@@ -79,16 +94,26 @@ import tempfile
 import time
 import warnings
 
-from benchutil import cpu_pressure_us, dir_bytes, drop_cache
+from benchutil import cpu_pressure_us, dir_bytes, drop_cache, free_memory, meminfo_mib, write_phases
 
 DIM = 1024  # width of every Linear layer
 
-# (key, label, bound): ratio = ckptctl / DCP (or commit / write), lower is better.
+TOOLS = ["ck", "dcp", "dcpd"]  # ckptctl, DCP with a kept stager (the reference), DCP default
+
+# (key, label, bound): ratio = ckptctl / DCP* (DCP at its best: kept stager), lower is better.
 TARGETS = [
-    ("steady_stall", "steady stall / DCP steady stall", 1.0),
-    ("first_stall", "first stall / DCP first stall", 0.5),
-    ("commit_vs_write", "commit (save return -> committed) / slowest rank's write", 1.10),
+    ("steady_stall", "steady stall / DCP* steady stall", 1.0),
+    ("cold_first_stall", "cold first stall / DCP* cold first stall", 0.5),
+    ("prepared_first_stall", "prepared first stall / DCP* prepared first stall", 1.0),
+    ("durable", "time to durable / DCP* (saves 1..)", 1.0),
+    ("durable_growth", "time to durable, later / earlier saves (growth)", 1.25),
+    ("commit_vs_write", "commit (save return -> committed) / slowest rank write", 1.10),
     ("reshard_load", "re-sharding load / DCP re-sharding load", 1.0),
+]
+# Same-run comparisons with DCP's default configuration (shown, never PASS/MISS).
+INFO = [
+    ("steady_stall_vs_default", "steady stall / DCP default steady stall"),
+    ("durable_vs_default", "time to durable / DCP default (saves 1..)"),
 ]
 
 
@@ -142,6 +167,18 @@ def local_tensors(model, opt) -> list:
     return out
 
 
+def make_stager(device: str):
+    """DCP at its best: one DefaultStager kept across saves, so its StateDictStager reuses its
+    host copies (it caches them by storage) instead of allocating every save. Synchronous
+    staging: async_save returns after the copy, as ckptctl's save() does. Pinned memory only
+    where there is a device to copy from."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = device == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
 def child(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -170,79 +207,128 @@ def child(a: argparse.Namespace) -> int:
     model, opt, g = build(world, a.layers, a.device)
     state = {"model": model, "optimizer": opt}
     local_bytes = sum(t.numel() * t.element_size() for t in local_tensors(model, opt))
-    res: dict = {"rank": rank, "world": world, "local_bytes": local_bytes, "ck": {}, "dcp": {}}
+    res: dict = {"rank": rank, "world": world, "local_bytes": local_bytes, "order": []}
+    for tool in TOOLS:
+        res[tool] = {}
 
     def add(tool: str, key: str, v) -> None:
         res[tool].setdefault(key, []).append(v)
 
-    ck = Checkpointer(os.path.join(a.work, f"ckptctl-{world}"), timeout_s=600)
+    dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives off the default group
+    newest: dict[str, str | None] = {t: None for t in TOOLS}
+
+    def keep_newest(tool: str, path: str) -> None:
+        """Every tool keeps only its newest checkpoint (as keep_last=1 would; --keep-all: every
+        one), deleted outside the timed section; then everything is flushed, so no tool
+        inherits dirty pages."""
+        dist.barrier()
+        if rank == 0:
+            old, newest[tool] = newest[tool], path
+            if old and not a.keep_all:
+                shutil.rmtree(local_path(old), ignore_errors=True)
+            os.sync()
+        dist.barrier()
+
+    def save_ck(ck, r: int) -> None:
+        dist.barrier()
+        add("ck", "dirty_mib", meminfo_mib())
+        t0, c0 = time.perf_counter(), time.process_time()
+        h = ck.save(r + 1, state)
+        t1, c1 = time.perf_counter(), time.process_time()
+        url = h.wait()
+        t2 = time.perf_counter()
+        add("ck", "stall_s", t1 - t0)
+        add("ck", "stall_cpu_s", c1 - c0)
+        add("ck", "durable_s", t2 - t0)
+        add("ck", "bg_s", t2 - t1)
+        dist.barrier()
+        if rank == 0:
+            stats = inspect_checkpoint(open_storage(url)).stats
+            add("ck", "write_s", stats.get("write_s"))  # max over ranks
+            add("ck", "capture_s", stats.get("capture_s"))  # max over ranks
+            add("ck", "copy_s", stats.get("copy_s"))
+            res["ck"]["file_bytes"] = dir_bytes(local_path(url))
+        keep_newest("ck", url)
+
+    def save_dcp(tool: str, r: int, stager) -> None:
+        path = os.path.join(a.work, f"{tool}-{world}-{r}")
+        dist.barrier()
+        add(tool, "dirty_mib", meminfo_mib())
+        t0, c0 = time.perf_counter(), time.process_time()
+        msd, osd = get_state_dict(model, opt)
+        tg = time.perf_counter()
+        kw = {"async_stager": stager} if stager is not None else {}
+        fut = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=path, process_group=dcp_pg, **kw)
+        t1, c1 = time.perf_counter(), time.process_time()
+        fut.result()
+        t2 = time.perf_counter()
+        add(tool, "stall_s", t1 - t0)
+        add(tool, "stall_cpu_s", c1 - c0)
+        add(tool, "get_state_dict_s", tg - t0)
+        add(tool, "durable_s", t2 - t0)
+        add(tool, "bg_s", t2 - t1)
+        del msd, osd, fut
+        dist.barrier()
+        if rank == 0:
+            res[tool]["file_bytes"] = dir_bytes(path)
+        keep_newest(tool, path)
+
     if not a.no_save:
-        # As a training job would after its first optimizer step (build() made it): prepare,
-        # then keep training. The 2 steps run in both modes, for every tool alike.
+        # Round 0, cold: every tool's first save with nothing prepared (a fresh Checkpointer,
+        # a fresh kept stager), right after the first training step.
+        log("save round 0 (cold first saves)")
+        ck_cold = Checkpointer(os.path.join(a.work, f"ckptctl-cold-{world}"), timeout_s=600)
+        cold_stager = make_stager(a.device)
+        order = TOOLS[:]
+        res["order"].append(order)
+        for tool in order:
+            free_memory()  # the same heap for every cold first save: nobody reuses another's pages
+            if tool == "ck":
+                save_ck(ck_cold, 0)
+            else:
+                save_dcp(tool, 0, cold_stager if tool == "dcp" else None)
+        ck_cold.close()
+        cold_stager.close()
+        del ck_cold, cold_stager
+        # Prepared: the same warm-up for both tools, as a training job would after a step:
+        # ckptctl plans and faults in its staging buffer (prepare), DCP's kept stager makes its
+        # host copies (stage once); then 2 more training steps, so both save newer values.
+        ck = Checkpointer(os.path.join(a.work, f"ckptctl-{world}"), timeout_s=600)
+        stager = make_stager(a.device)
         if a.no_prepare:
-            res["prepare"] = "off (--no-prepare)"
-        elif not hasattr(ck, "prepare"):
-            res["prepare"] = "unavailable (Checkpointer has no prepare)"
+            res["prepare"] = "off (--no-prepare): neither tool warmed up"
         else:
             t0 = time.perf_counter()
             ok = ck.prepare(state)
             res["prepare_s"] = time.perf_counter() - t0
-            res["prepare"] = "on" if ok is not False else "on, but prepare() returned False"
+            msd, osd = get_state_dict(model, opt)
+            t0 = time.perf_counter()
+            stager.stage({"model": msd, "optimizer": osd})
+            res["dcp_stage_s"] = time.perf_counter() - t0
+            del msd, osd
+            res["prepare"] = ("ckptctl prepare() + DCP kept stager staged once" if ok is not False
+                              else "prepare() returned False; DCP stager staged once")
         t0 = time.perf_counter()
         for _ in range(2):
             train_step(model, opt, g)
         res["steps_s"] = time.perf_counter() - t0
-    dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives off the default group
-    last_ck = last_dcp = None
-    if not a.no_save:
-        for r in range(1 + a.steady):
-            log(f"save round {r}" + (" (first saves)" if r == 0 else ""))
-            # ckptctl
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            h = ck.save(r + 1, state)
-            t1, c1 = time.perf_counter(), time.process_time()
-            url = h.wait()
-            t2 = time.perf_counter()
-            add("ck", "stall_s", t1 - t0)
-            add("ck", "stall_cpu_s", c1 - c0)
-            add("ck", "commit_s", t2 - t0)
-            add("ck", "bg_s", t2 - t1)
-            dist.barrier()
-            if rank == 0:
-                stats = inspect_checkpoint(open_storage(url)).stats
-                add("ck", "write_s", stats.get("write_s"))  # max over ranks
-                add("ck", "manifest_stall_s", stats.get("stall_s"))
-                add("ck", "capture_s", stats.get("capture_s"))  # max over ranks
-                add("ck", "copy_s", stats.get("copy_s"))
-                res["ck"]["file_bytes"] = dir_bytes(local_path(url))
-            last_ck = url
-            # DCP
-            path = os.path.join(a.work, f"dcp-{world}-{r}")
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            msd, osd = get_state_dict(model, opt)
-            tg = time.perf_counter()
-            fut = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=path, process_group=dcp_pg)
-            t1, c1 = time.perf_counter(), time.process_time()
-            fut.result()
-            t2 = time.perf_counter()
-            add("dcp", "stall_s", t1 - t0)
-            add("dcp", "stall_cpu_s", c1 - c0)
-            add("dcp", "get_state_dict_s", tg - t0)
-            add("dcp", "commit_s", t2 - t0)
-            add("dcp", "bg_s", t2 - t1)
-            del msd, osd, fut
-            dist.barrier()
-            if rank == 0:
-                res["dcp"]["file_bytes"] = dir_bytes(path)
-                if last_dcp:
-                    shutil.rmtree(last_dcp, ignore_errors=True)  # keep the newest only
-                os.sync()
-            last_dcp = path
-        res["ck_path"], res["dcp_path"] = last_ck, last_dcp
+        for r in range(1, 1 + a.steady + 1):
+            log(f"save round {r}" + (" (prepared first saves)" if r == 1 else ""))
+            order = TOOLS[r % len(TOOLS):] + TOOLS[: r % len(TOOLS)]  # rotate who goes first
+            res["order"].append(order)
+            for tool in order:
+                if tool == "ck":
+                    save_ck(ck, r)
+                else:
+                    save_dcp(tool, r, stager if tool == "dcp" else None)
+        stager.close()
+        res["ck_path"], res["dcp_path"] = newest["ck"], newest["dcp"]
+    else:
+        ck = Checkpointer(os.path.join(a.work, f"ckptctl-{world}"), timeout_s=600)
 
     if a.load_ck and a.load_dcp:
+        # Both load into the live model and optimizer (existing tensors): ckptctl directly,
+        # DCP into get_state_dict's tensors and then set_state_dict, as its docs show.
         log(f"re-sharding loads from {a.load_from} ranks")
         dist.barrier()
         if rank == 0:
@@ -286,7 +372,8 @@ def launch(n: int, a: argparse.Namespace, work: str, layers: int, tag: str, extr
     os.makedirs(out, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            os.path.abspath(__file__), "--child", "--work", work, "--out", out, "--layers", str(layers),
-           "--steady", str(a.steady), "--device", a.device, *(["--no-prepare"] if a.no_prepare else []), *extra]
+           "--steady", str(a.steady), "--device", a.device, *(["--no-prepare"] if a.no_prepare else []),
+           *(["--keep-all"] if a.keep_all else []), *extra]
     p0, t0, la0 = cpu_pressure_us(), time.perf_counter(), os.getloadavg()[0]
     rc = subprocess.run(cmd, stdout=sys.stderr).returncode
     wall = time.perf_counter() - t0
@@ -298,7 +385,7 @@ def launch(n: int, a: argparse.Namespace, work: str, layers: int, tag: str, extr
             "pressure": (p1 - p0) / 1e6 / wall if p0 is not None and p1 is not None else None}
 
 
-def per_round_max(ranks: list[dict], tool: str, key: str) -> list[float]:
+def per_round_max(ranks: list[dict], tool: str, key: str) -> list:
     cols = [r[tool].get(key) or [] for r in ranks]
     return [max(c) for c in zip(*cols)] if all(cols) else []
 
@@ -312,47 +399,82 @@ def div(a, b):
     return a / b if a is not None and b else None
 
 
+def spread(xs: list) -> tuple | None:
+    """(min, median, max) of the samples that exist."""
+    xs = [x for x in xs if x is not None]
+    return (min(xs), statistics.median(xs), max(xs)) if xs else None
+
+
+def growth(xs: list) -> float | None:
+    """Median of the later half of a series over the median of its earlier half: > 1 when the
+    saves get slower one after another."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 4:
+        return None
+    h = len(xs) // 2
+    return div(statistics.median(xs[-h:]), statistics.median(xs[:h]))
+
+
 def summarize(job: dict, load_job: dict | None, load_from: int | None) -> dict:
     ranks = job["ranks"]
-    s: dict = {"n": job["n"], "bytes": sum(r["local_bytes"] for r in ranks)}
+    s: dict = {"n": job["n"], "bytes": sum(r["local_bytes"] for r in ranks), "order": ranks[0]["order"]}
     r0 = ranks[0]
-    for tool in ("ck", "dcp"):
-        for key in ("stall_s", "stall_cpu_s", "commit_s", "bg_s", "get_state_dict_s"):
+    for tool in TOOLS:
+        for key in ("stall_s", "stall_cpu_s", "durable_s", "bg_s", "get_state_dict_s"):
             s[f"{tool}_{key}"] = per_round_max(ranks, tool, key)
-        s[f"{tool}_stall_per_rank"] = [r[tool]["stall_s"] for r in ranks]
         s[f"{tool}_file_bytes"] = r0[tool].get("file_bytes")
+        s[f"{tool}_dirty_mib"] = r0[tool].get("dirty_mib") or []
     modes = sorted({r.get("prepare", "n/a") for r in ranks})
     s["prepare"] = modes[0] if len(modes) == 1 else "mixed: " + "; ".join(modes)
     s["prepare_call_s"] = max((r["prepare_s"] for r in ranks if "prepare_s" in r), default=None)
+    s["dcp_stage_s"] = max((r["dcp_stage_s"] for r in ranks if "dcp_stage_s" in r), default=None)
     s["steps_before_first_save_s"] = max((r["steps_s"] for r in ranks if "steps_s" in r), default=None)
-    s["ck_write_s"] = r0["ck"].get("write_s") or []
-    s["ck_manifest_stall_s"] = r0["ck"].get("manifest_stall_s") or []
-    s["ck_capture_s"] = r0["ck"].get("capture_s") or []
-    s["ck_copy_s"] = r0["ck"].get("copy_s") or []
+    for key in ("write_s", "capture_s", "copy_s"):
+        s[f"ck_{key}"] = r0["ck"].get(key) or []
     if load_job is not None:
         lr = load_job["ranks"]
         s["load_from"] = load_from
         s["ck_load_s"] = max(r["ck"]["load_s"][0] for r in lr)
         s["dcp_load_s"] = max(r["dcp"]["load_s"][0] for r in lr)
         s["load_ok"] = all(r.get("load_equal") and r.get("load_nonzero") for r in lr)
-    ck_first, dcp_first = s["ck_stall_s"][0], s["dcp_stall_s"][0]
-    ck_steady, dcp_steady = med(s["ck_stall_s"][1:]), med(s["dcp_stall_s"][1:])
-    commit_ratios = [div(b, w) for b, w in zip(s["ck_bg_s"], s["ck_write_s"])]
-    s["ratios"] = {
-        "steady_stall": med([div(c, d) for c, d in zip(s["ck_stall_s"][1:], s["dcp_stall_s"][1:])]),
-        "first_stall": div(ck_first, dcp_first),
-        "commit_vs_write": med(commit_ratios),
-        "reshard_load": div(s.get("ck_load_s"), s.get("dcp_load_s")),
+
+    def paired(key: str, ref: str, rounds: slice) -> list:
+        return [div(c, d) for c, d in zip(s[f"ck_{key}"][rounds], s[f"{ref}_{key}"][rounds])]
+
+    # Rounds: 0 cold first saves, 1 prepared first saves, 2.. steady. Time to durable is
+    # judged over every save of the prepared Checkpointer (1..), all consecutive.
+    s["per_round"] = {
+        "steady_stall": paired("stall_s", "dcp", slice(2, None)),
+        "durable": paired("durable_s", "dcp", slice(1, None)),
+        "durable_vs_default": paired("durable_s", "dcpd", slice(1, None)),
+        "steady_stall_vs_default": paired("stall_s", "dcpd", slice(2, None)),
+        "commit_vs_write": [div(b, w) for b, w in zip(s["ck_bg_s"], s["ck_write_s"])],
     }
-    s["info"] = {
-        "commit_per_round": commit_ratios,
-        "commit_from_start_vs_write": med([div(c, w) for c, w in zip(s["ck_commit_s"], s["ck_write_s"])]),
-        "ck_steady_s": ck_steady, "dcp_steady_s": dcp_steady,
-    }
+    one = lambda v: [v] if v is not None else []  # noqa: E731
+    s["per_round"].update({
+        "cold_first_stall": one(div(s["ck_stall_s"][0], s["dcp_stall_s"][0])),
+        "prepared_first_stall": one(div(s["ck_stall_s"][1], s["dcp_stall_s"][1])),
+        # ckptctl's own times, not the paired ratio: DCP* speeds up over its first saves here
+        # (its page cache settles), which would read as growth of the ratio. DCP*'s own growth
+        # is printed beside it: when both grow, the machine slowed down.
+        "durable_growth": one(growth(s["ck_durable_s"][1:])),
+        "reshard_load": one(div(s.get("ck_load_s"), s.get("dcp_load_s"))),
+    })
+    s["dcp_growth"] = growth(s["dcp_durable_s"][1:])
+    s["spread"] = {k: spread(v) for k, v in s["per_round"].items()}
+    s["ratios"] = {k: (v[1] if v else None) for k, v in s["spread"].items()}
     s["verdicts"] = {k: (None if s["ratios"][k] is None else s["ratios"][k] <= b) for k, _, b in TARGETS}
     s["pressure"] = job["pressure"]
     s["loadavg"] = job["loadavg"]
     return s
+
+
+GUARANTEES = [
+    "ckptctl: each shard fsynced, renamed, directory fsynced; then manifest and marker the same way",
+    "  (temporary name, fsync, rename/link, directory fsync), marker last: committed = on disk, names too",
+    "DCP (FileSystemWriter, sync_files=True): each data file and .metadata fsynced, .metadata renamed,",
+    "  no directory fsync: after a power loss the files' names (and so the checkpoint) may be gone",
+]
 
 
 def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
@@ -365,21 +487,30 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
     def gbs(nb, v):
         return f"{nb / v / 1e9:6.2f} GB/s" if v else "    n/a   "
 
-    def xs(v):
-        return "[" + " ".join(f"{x:.2f}" for x in v) + "] s"
+    def xs(v, unit=" s"):
+        return "[" + " ".join("n/a" if x is None else f"{x:.2f}" for x in v) + "]" + unit
+
+    def mmm(sp):
+        return "n/a" if sp is None else f"{sp[1]:.2f} (min {sp[0]:.2f}, max {sp[2]:.2f})"
 
     import torch
 
     where = (f"model on {torch.cuda.get_device_name()} (NCCL), pinned staging" if a.device == "cuda" else "gloo on CPU")
     p(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}; {where}; one torchrun job per N")
-    p(f"state: MLP of {a.layers} x Linear({DIM}, {DIM}) + AdamW after 3 training steps, FSDP2 fully_shard; "
-      f"~{summaries[0]['bytes'] / 2**20:.0f} MiB over all ranks; 1 first + {a.steady} steady saves per tool")
-    modes = sorted({s["prepare"] for s in summaries})
-    p(f"prepare mode: {'; '.join(modes)} -- Checkpointer.prepare(state) right after build's training step "
-      "unless --no-prepare; then, in both modes, 2 more training steps before round 0 (all tools save that state)")
-    p("figures are the max over ranks (the slowest rank gates training); steady = median over steady rounds;")
-    p("DCP stall includes get_state_dict (ckptctl's save() captures the state itself); GB = 1e9 bytes")
-    p("torch_checkpointing: not measured -- its re-shardable save needs CUDA at N > 1 (see this script's docstring)")
+    p(f"state: MLP of {a.layers} x Linear({DIM}, {DIM}) + AdamW, FSDP2 fully_shard, saved through "
+      f"each tool's model/optimizer state-dict path; ~{summaries[0]['bytes'] / 2**20:.0f} MiB over all ranks")
+    p(f"tools: ckptctl = Checkpointer.save({{'model': model, 'optimizer': opt}}); DCP* = get_state_dict + "
+      "async_save with one DefaultStager kept across saves (reused host copies: DCP at its best, the reference);")
+    p("       DCP default = get_state_dict + async_save with its default stager (fresh host copies every save)")
+    p(f"rounds: 0 = cold first saves (nothing prepared); 1 = prepared first saves (ckptctl prepare(), DCP* stager "
+      f"staged once, then 2 training steps); 2..{1 + a.steady} = steady. Tool order rotates every round.")
+    p("every tool keeps all its checkpoints (--keep-all), os.sync() after each save, outside the timed sections"
+      if a.keep_all else "every tool keeps only its newest checkpoint (deleted, then os.sync(), outside the timed sections)")
+    p("figures: max over ranks per round (the slowest rank gates training); ratios: median of per-round")
+    p("paired ratios (min, max); DCP stall includes get_state_dict; GB = 1e9 bytes")
+    p("durability of 'durable' (save start -> committed / future.result()):")
+    for line in GUARANTEES:
+        p("  " + line)
     for s in summaries:
         n, nb = s["n"], s["bytes"]
         p()
@@ -388,64 +519,97 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
         p(f"=== N = {n} ranks ({nb / n / 2**20:.0f} MiB per rank)   CPU pressure over the job: "
           + (f"{pr:.0%}" if pr is not None else "n/a") + f", load avg {s['loadavg'][0]:.1f} -> {s['loadavg'][1]:.1f}"
           + ("  -> NOISY: CPUs oversubscribed" if noisy else ""))
-        pc, st = s["prepare_call_s"], s["steps_before_first_save_s"]
-        p(f"  first save prepared: {s['prepare']}"
-          + (f"; prepare() returned in {pc * 1e3:.1f} ms" if pc is not None else "")
-          + (f"; the 2 training steps before round 0 took {st * 1e3:.0f} ms" if st is not None else ""))
-        p(f"  {'':<40}{'ckptctl':>13}{'DCP':>13}   samples ckptctl | DCP (per round, max over ranks)")
-        p(f"  {'stall, first save':<40}{ms(s['ck_stall_s'][0])}{ms(s['dcp_stall_s'][0])}")
-        p(f"  {'stall, steady':<40}{ms(s['info']['ck_steady_s'])}{ms(s['info']['dcp_steady_s'])}   "
-          f"{xs(s['ck_stall_s'])} | {xs(s['dcp_stall_s'])}")
-        p(f"  {'  stall per rank, first save':<40}  " + " ".join(f"{r[0] * 1e3:.0f}" for r in s["ck_stall_per_rank"])
-          + " ms | " + " ".join(f"{r[0] * 1e3:.0f}" for r in s["dcp_stall_per_rank"]) + " ms")
-        p(f"  {'  CPU time of the stall, steady':<40}{ms(med(s['ck_stall_cpu_s'][1:]))}{ms(med(s['dcp_stall_cpu_s'][1:]))}")
-        p(f"  {'  of which DCP get_state_dict':<40}{'':>13}{ms(med(s['dcp_get_state_dict_s']))}")
+        pc, st, ds = s["prepare_call_s"], s["steps_before_first_save_s"], s["dcp_stage_s"]
+        p(f"  warm-up: {s['prepare']}" + (f"; prepare() {pc * 1e3:.1f} ms" if pc is not None else "")
+          + (f"; DCP* stage {ds * 1e3:.1f} ms" if ds is not None else "")
+          + (f"; 2 training steps {st * 1e3:.0f} ms" if st is not None else ""))
+        p(f"  order per round: " + " | ".join(",".join(o) for o in s["order"]))
+        p(f"  {'':<34}{'ckptctl':>13}{'DCP*':>13}{'DCP default':>13}")
+        for label, key, rounds in (("stall, cold first save", "stall_s", 0), ("stall, prepared first save", "stall_s", 1)):
+            p(f"  {label:<34}" + "".join(ms(s[f'{t}_{key}'][rounds]) for t in TOOLS))
+        p(f"  {'stall, steady (median)':<34}" + "".join(ms(med(s[f'{t}_stall_s'][2:])) for t in TOOLS))
+        p(f"  {'  CPU time of the stall, steady':<34}" + "".join(ms(med(s[f'{t}_stall_cpu_s'][2:])) for t in TOOLS))
         if s["ck_capture_s"] and None not in s["ck_capture_s"]:
-            p(f"  {'  ckptctl capture+plan | copy, steady':<40}{ms(med(s['ck_capture_s'][1:]))} | {med(s['ck_copy_s'][1:]) * 1e3:.1f} ms"
-              " (max over ranks, from the manifest)")
-        p(f"  {'save start -> committed':<40}{ms(med(s['ck_commit_s']))}{ms(med(s['dcp_commit_s']))}   "
-          f"{xs(s['ck_commit_s'])} | {xs(s['dcp_commit_s'])}")
-        p(f"  {'save return -> committed':<40}{ms(med(s['ck_bg_s']))}{ms(med(s['dcp_bg_s']))}   "
-          f"{xs(s['ck_bg_s'])} | {xs(s['dcp_bg_s'])}")
-        p(f"  {'slowest rank own write (manifest)':<40}{ms(med(s['ck_write_s']))}{'':>13}   {xs(s['ck_write_s'])}")
-        p(f"  {'throughput (state / start->committed)':<40}{gbs(nb, med(s['ck_commit_s'])):>13}{gbs(nb, med(s['dcp_commit_s'])):>13}")
+            p(f"  {'  ckptctl capture | copy, steady':<34}{ms(med(s['ck_capture_s'][2:]))} | {med(s['ck_copy_s'][2:]) * 1e3:.1f} ms")
+        p(f"  {'durable, cold first save':<34}" + "".join(ms(s[f'{t}_durable_s'][0]) for t in TOOLS))
+        p(f"  {'durable, saves 1.. (median)':<34}" + "".join(ms(med(s[f'{t}_durable_s'][1:])) for t in TOOLS))
+        p(f"  {'  throughput (state / durable)':<34}" + "".join(f"{gbs(nb, med(s[f'{t}_durable_s'][1:])):>13}" for t in TOOLS))
+        p(f"  {'slowest rank own write (manifest)':<34}{ms(med(s['ck_write_s'][1:]))}")
+        p("  time to durable per round (s), rounds 0.. :")
+        for t, label in (("ck", "ckptctl"), ("dcp", "DCP*"), ("dcpd", "DCP default")):
+            p(f"    {label:<12}{xs(s[f'{t}_durable_s'])}   stall {xs(s[f'{t}_stall_s'])}")
+        p(f"    {'ck / DCP*':<12}{xs([None] + s['per_round']['durable'], '')}   "
+          f"growth (median of later half / earlier half of saves 1..): ckptctl {s['ratios']['durable_growth'] or float('nan'):.2f}, "
+          f"DCP* {s['dcp_growth'] or float('nan'):.2f}")
+        p("    Dirty/Writeback MiB before each ckptctl save: "
+          + " ".join(f"{d:.0f}/{w:.0f}" for d, w in s["ck_dirty_mib"]))
+        p("    Dirty/Writeback MiB before each DCP* save:    "
+          + " ".join(f"{d:.0f}/{w:.0f}" for d, w in s["dcp_dirty_mib"]))
         if "ck_load_s" in s:
             ok = "bitwise equal" if s["load_ok"] else "LOADS DIFFER"
-            what = f"re-sharding load {s['load_from']} -> {n} (cold)"
-            p(f"  {what:<40}{ms(s['ck_load_s'])}{ms(s['dcp_load_s'])}   "
-              f"{gbs(nb, s['ck_load_s'])} | {gbs(nb, s['dcp_load_s'])}; the two loads' shards: {ok}")
-        fb = [s.get("ck_file_bytes"), s.get("dcp_file_bytes")]
-        p(f"  {'on disk':<40}" + "".join(f"{x / 2**20:10.1f} MiB" if x else "      n/a    " for x in fb))
-        p(f"  TARGETS (N={n})")
+            what = f"re-sharding load {s['load_from']} -> {n} (cold, into the live state)"
+            p(f"  {what:<34}{ms(s['ck_load_s'])}{ms(s['dcp_load_s'])}   "
+              f"{gbs(nb, s['ck_load_s'])} | {gbs(nb, s['dcp_load_s'])}; shards: {ok}")
+        fb = [s.get(f"{t}_file_bytes") for t in TOOLS]
+        p(f"  {'on disk':<34}" + "".join(f"{x / 2**20:9.1f} MiB" if x else "      n/a    " for x in fb))
+        p(f"  TARGETS (N={n}): median of per-round ratios (min, max); PASS/MISS on the median")
         for k, label, bound in TARGETS:
             v = s["ratios"][k]
             verdict = "n/a" if v is None else ("PASS" if v <= bound else "MISS")
-            p(f"    {label:<58}{(f'{v:6.2f}' if v is not None else '   n/a'):>8}  <= {bound:<5} {verdict}")
-        cf = s["info"]["commit_from_start_vs_write"]
-        p(f"    {'(info) commit from save start / slowest rank write':<58}{(f'{cf:6.2f}' if cf is not None else '   n/a'):>8}")
+            p(f"    {label:<58} {mmm(s['spread'][k]):<28} <= {bound:<5} {verdict}")
+        for k, label in INFO:
+            p(f"    (info) {label:<51} {mmm(s['spread'][k])}")
     p()
-    p(f"  {'SUMMARY: ratio (verdict) per N':<58}" + "".join(f"{'N=' + str(s['n']):>15}" for s in summaries))
+    p(f"  {'SUMMARY: median ratio (verdict) per N':<62}" + "".join(f"{'N=' + str(s['n']):>15}" for s in summaries))
     for k, label, bound in TARGETS:
         cells = []
         for s in summaries:
             v = s["ratios"][k]
             cells.append(f"{'n/a':>15}" if v is None else f"{v:6.2f} ({'PASS' if v <= bound else 'MISS'})".rjust(15))
-        p(f"  {label + ' <= ' + str(bound):<58}" + "".join(cells))
+        p(f"  {label + ' <= ' + str(bound):<62}" + "".join(cells))
     p()
     p("NOTE: the machine has few cores; with N > cores the ranks and their writer threads share CPUs,")
     p("so stalls and write times at N=4 include waiting for a CPU (see CPU pressure); single samples")
     p("swing 2-3x on a shared VM. Ratios compare tools measured side by side in the same job.")
 
 
+def print_phases(ns: list[int], a: argparse.Namespace, work: str) -> None:
+    """``--phases``: per rank and round, each phase of writing a shard of this N's size."""
+    for n in ns:
+        nbytes = int(a.size_mib * 2**20 / n) >> 20 << 20
+        rounds = 1 + a.steady
+        p0, t0 = cpu_pressure_us(), time.perf_counter()
+        rows = write_phases(n, nbytes, rounds, work)
+        p1 = cpu_pressure_us()
+        pr = (p1 - p0) / 1e6 / (time.perf_counter() - t0) if p0 is not None and p1 is not None else None
+        print(f"=== N = {n}: {n} processes x {nbytes / 2**20:.0f} MiB, {rounds} saves each, every file kept; "
+              f"CPU pressure {pr:.0%}" if pr is not None else "CPU pressure n/a")
+        print("  mode    round rank  Dirty/WB MiB   phases (ms)")
+        for mode, r, rank, (dirty, wb), t in rows:
+            phases = "  ".join(f"{k} {v * 1e3:.0f}" for k, v in t.items())
+            print(f"  {mode:<8}{r:>5}{rank:>5}  {dirty:6.0f}/{wb:<6.0f} {phases}")
+        for mode in ("plain", "ckptctl"):
+            tot = [max(t["total"] for m, rr, _, _, t in rows if m == mode and rr == r) for r in range(rounds)]
+            print(f"  {mode:<8} slowest rank per round: [" + " ".join(f"{x:.2f}" for x in tot) + "] s, "
+                  f"{n * nbytes / statistics.median(tot) / 1e9:.2f} GB/s (median)")
+        print()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="multi-rank ckptctl vs DCP benchmark (torchrun, gloo, CPU)")
     ap.add_argument("--size-mib", type=float, default=256, help="total model + AdamW state in MiB (default 256)")
     ap.add_argument("--ranks", default="1,2,4", help="world sizes, comma-separated (default 1,2,4)")
-    ap.add_argument("--steady", type=int, default=2, help="steady-state saves after the first (default 2)")
+    ap.add_argument("--steady", type=int, default=5,
+                    help="steady saves after the prepared first save (default 5; growth needs >= 3)")
     ap.add_argument("--dir", default=None, help="where to write (a temporary directory is made inside)")
     ap.add_argument("--json", action="store_true", help="also dump the summaries as JSON on stdout")
     ap.add_argument("--no-prepare", action="store_true",
-                    help="do not call Checkpointer.prepare before the first save (the unprepared first save)")
+                    help="no warm-up for either tool before round 1 (no prepare(), no pre-staged DCP stager)")
+    ap.add_argument("--keep-all", action="store_true",
+                    help="every tool keeps all its checkpoints (a job that never prunes) instead of only the newest")
+    ap.add_argument("--phases", action="store_true",
+                    help="instead: where a rank's time to durable goes (hash, write, fsync, rename + directory "
+                         "fsync; Dirty/Writeback before each save), plain writer vs ckptctl's, N processes")
     # child-only
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model lives (cuda: one GPU per rank, NCCL; the pinned staging path)")
@@ -474,6 +638,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.dir:
         os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ckptctl-bench-dist-", dir=a.dir or "/tmp")
+    if a.phases:
+        try:
+            print_phases(ns, a, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     t_start = time.perf_counter()
     try:
         jobs, summaries = [], []

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: page-cache eviction, file sizes, CPU pressure."""
+"""Helpers shared by the benchmark scripts: page-cache eviction, file sizes, CPU pressure,
+page-cache state and the per-phase timing of a rank's shard write (``write_phases``)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,106 @@ def cpu_pressure_us() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def free_memory() -> None:
+    """Collect garbage and hand the heap's free memory back to the OS (glibc ``malloc_trim``),
+    so that the next allocation does not reuse pages another tool just freed."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def meminfo_mib() -> tuple[float, float]:
+    """(Dirty, Writeback) of the whole machine in MiB, from /proc/meminfo (NaN elsewhere)."""
+    got: dict[str, float] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("Dirty", "Writeback"):
+                    got[key] = int(value.split()[0]) / 1024
+    except (OSError, ValueError):
+        pass
+    return got.get("Dirty", float("nan")), got.get("Writeback", float("nan"))
+
+
+def _phase_rank(mode: str, rank: int, nbytes: int, rounds: int, work: str, barrier, queue) -> None:
+    """One process of ``write_phases``: hash, write and make durable ``nbytes`` per round,
+    timing each phase, the way a rank's writer thread does."""
+    import secrets
+    import time
+
+    import xxhash
+
+    from ckptctl.storage.local import LocalStorage
+
+    piece = 4 << 20
+    data = memoryview(bytearray(secrets.token_bytes(1 << 20)) * (nbytes >> 20)).cast("B")
+    for r in range(rounds):
+        sub = os.path.join(work, f"{mode}-{r}")
+        os.makedirs(sub, exist_ok=True)
+        barrier.wait()
+        dirty = meminfo_mib()
+        t = {"hash": 0.0, "write": 0.0}
+        t0, c0 = time.perf_counter(), time.process_time()
+        if mode == "ckptctl":
+            w = LocalStorage(sub).open_writer(f"rank{rank}")
+            for pos in range(0, len(data), piece):
+                a = time.perf_counter()
+                xxhash.xxh3_64_intdigest(data[pos : pos + piece])
+                b = time.perf_counter()
+                w.write(data[pos : pos + piece])
+                t["hash"] += b - a
+                t["write"] += time.perf_counter() - b
+            a = time.perf_counter()
+            w.commit()  # fsync, rename, directory fsync (write-behind already flushed most)
+            t["fsync+rename+dir fsync"] = time.perf_counter() - a
+        else:  # plain: every byte into the page cache, one fsync at the end, pages kept
+            dfd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(f".rank{rank}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+            for pos in range(0, len(data), piece):
+                a = time.perf_counter()
+                xxhash.xxh3_64_intdigest(data[pos : pos + piece])
+                b = time.perf_counter()
+                os.write(fd, data[pos : pos + piece])
+                t["hash"] += b - a
+                t["write"] += time.perf_counter() - b
+            a = time.perf_counter()
+            os.fsync(fd)
+            os.close(fd)
+            b = time.perf_counter()
+            os.rename(f".rank{rank}.tmp", f"rank{rank}", src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+            os.close(dfd)
+            t["fsync"], t["rename+dir fsync"] = b - a, time.perf_counter() - b
+        t["total"] = time.perf_counter() - t0
+        t["cpu"] = time.process_time() - c0
+        queue.put((mode, r, rank, dirty, t))
+        barrier.wait()
+
+
+def write_phases(ranks: int, nbytes: int, rounds: int, work: str) -> list[tuple]:
+    """Where a rank's time to durable goes: ``ranks`` processes write ``nbytes`` each, ``rounds``
+    times, first as a plain writer (write everything, fsync once, keep the pages), then through
+    ckptctl's LocalWriter (write-behind, pages dropped once on disk). Every file is kept, as a
+    job keeping its checkpoints would. Rows: (mode, round, rank, (Dirty, Writeback) MiB before,
+    {phase: seconds})."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows: list[tuple] = []
+    for mode in ("plain", "ckptctl"):
+        barrier, queue = ctx.Barrier(ranks), ctx.Queue()
+        procs = [ctx.Process(target=_phase_rank, args=(mode, r, nbytes, rounds, work, barrier, queue)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        rows += [queue.get() for _ in range(ranks * rounds)]
+        for p in procs:
+            p.join()
+    return sorted(rows, key=lambda x: (x[0] != "plain", x[1], x[2]))

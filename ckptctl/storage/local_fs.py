@@ -9,6 +9,7 @@ import ctypes.util
 import errno
 import os
 import stat
+from typing import Callable
 
 from ckptctl.storage.base import EntryKind, ObjectInfo
 from ckptctl.storage.local_errors import MISSING
@@ -28,8 +29,8 @@ SYNC_WAIT = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on disk 
 UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
-def _load_sync_file_range():  # type: ignore[no-untyped-def]
-    if not os.uname().sysname == "Linux":
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if os.uname().sysname != "Linux":
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
