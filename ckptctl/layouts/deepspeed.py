@@ -25,6 +25,7 @@ the allow-list: they are reported as not test-loaded, never unpickled.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 from typing import Iterable, Sequence
@@ -100,6 +101,21 @@ class DeepSpeedLayout(StackLayout):
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {} if self.latest is None else {self.latest: f"`{LATEST}` names it (load_checkpoint resumes from it)"}
+
+    def pointer_for(self, name: str, step: int) -> tuple[str, bytes] | None:
+        return LATEST, name.encode("utf-8")  # as save_latest writes it: the tag, no newline
+
+    def pointer_step(self, raw: bytes) -> int | None:
+        m = self.pattern.match(raw[:256].decode("utf-8", "replace").strip())
+        return int(m.group(1)) if m is not None else None
+
+    def assuming_pointer(self, name: str, step: int) -> "DeepSpeedLayout":
+        current = self.pointer_step(self.latest.encode()) if self.latest is not None else None
+        if current is not None and current >= step:
+            return self
+        bound = copy.copy(self)
+        bound.latest, bound.latest_problem = name, None
+        return bound
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         root, tag = os.path.split(ckpt_path.rstrip("/"))

@@ -25,6 +25,7 @@ place (not atomically): an empty or garbled tracker makes every iteration read a
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import os
 import re
@@ -107,6 +108,18 @@ class MegatronLayout(StackLayout):
         if self.tracker is None:
             return {}
         return {f"iter_{self.tracker:07d}": f"{TRACKER} names it (Megatron's --load resumes from it)"}
+
+    def pointer_for(self, name: str, step: int) -> tuple[str, bytes] | None:
+        return TRACKER, f"{step}".encode("ascii")  # as Megatron writes it: the iteration, no newline
+
+    def pointer_step(self, raw: bytes) -> int | None:
+        text = raw[:64].decode("ascii", "replace").strip()
+        return int(text) if text.isdigit() and text.isascii() else None
+
+    def assuming_pointer(self, name: str, step: int) -> "MegatronLayout":
+        bound = copy.copy(self)
+        bound.tracker, bound.tracker_problem = max(step, self.tracker or 0), None
+        return bound
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         root = os.path.dirname(ckpt_path.rstrip("/"))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
 from ckptctl.errors import StorageError
+from ckptctl.format.seal import SEAL
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import Checked, Examined, Finding
 from ckptctl.storage.base import ObjectInfo, Storage
@@ -178,7 +179,10 @@ class StackLayout:
             out.problems.append(Finding(seen.reason or seen.status,
                                         hint="it is not a complete checkpoint; use an older one"))
         single = self.files_are_checkpoints and os.path.isfile(path)
-        base, files = (os.path.dirname(path), [os.path.basename(path)]) if single else (path, files_below(path))
+        # The seal (``ckptctl seal``) is ckptctl's sidecar, not one of the stack's files; it is
+        # checked against by ``ops.layout_verify``.
+        base, files = ((os.path.dirname(path), [os.path.basename(path)]) if single
+                       else (path, [f for f in files_below(path) if f != SEAL]))
         out.files = len(files)
         unchecksummed: set[str] = set()
         for rel in files:
@@ -233,7 +237,27 @@ class StackLayout:
         """Keys in the order a delete takes them: the commit files first, so that a delete
         cut short never leaves something that reads as complete."""
         first = {k: i for i, k in enumerate(self.commit_files)}
+        # The seal right after the commit files: a delete cut short then leaves the stack's
+        # own files (a partial checkpoint its layout claims and prune later removes), never a
+        # directory holding only the seal, which no layout claims.
+        first.setdefault(SEAL, len(self.commit_files))
         return sorted(keys, key=lambda k: (first.get(k, len(first)), k))
+
+    # --- pointers (the root-level commit record of DeepSpeed and Megatron) -----------------
+
+    def pointer_for(self, name: str, step: int) -> tuple[str, bytes] | None:
+        """The root-level pointer file that commits the checkpoint ``name`` (key, content),
+        for stacks whose commit rule reads one; None for the others."""
+        return None
+
+    def pointer_step(self, raw: bytes) -> int | None:
+        """The step an existing pointer file's content names (None: unreadable)."""
+        return None
+
+    def assuming_pointer(self, name: str, step: int) -> "StackLayout":
+        """This layout as if the root's pointer named ``name`` (a copy about to write it
+        checks the copy first, then commits it by writing the pointer)."""
+        return self
 
 
 def _zip_central_directory(path: str) -> str | None:

@@ -12,6 +12,7 @@ stack's resume option takes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -21,26 +22,65 @@ from ckptctl.layouts.base import Checkpoint, Layout
 from ckptctl.layouts.catalog import FORMATS, layouts_named, newest_marked
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.stack import Resume, StackLayout
+from ckptctl.format.seal import SEAL
 from ckptctl.ops.problem import Problem
+from ckptctl.ops.seal_check import SealLevel, check_against_seal, seal_note, seal_problem
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 
 
-def verify_stack(ckpt: Storage, layout: StackLayout, level: Level = "checksums") -> VerifyReport:
+def verify_stack(ckpt: Storage, layout: StackLayout, level: Level = "checksums", *,
+                 trust_seal: bool = False) -> VerifyReport:
+    """``verify_stack_detail`` without the list of files not test-loaded."""
+    return verify_stack_detail(ckpt, layout, level, trust_seal=trust_seal)[0]
+
+
+def verify_stack_detail(ckpt: Storage, layout: StackLayout, level: Level = "checksums", *,
+                        trust_seal: bool = False) -> tuple[VerifyReport, list[str]]:
     """Check one checkpoint of another tool's layout (``layout`` bound to its root); problems go
     in the report, nothing raises for them. The note says what could not be checked and which
-    files were not test-loaded (and why)."""
+    files were not test-loaded (and why); so does the returned list, one entry per file.
+
+    A sealed checkpoint (``ckptctl seal``: ``.ckptctl-seal.json``) is also checked against its
+    seal: files added, removed or resized at every level, every byte at ``checksums`` and
+    ``load``. At ``checksums`` the seal replaces the stack's own weaker checks (the CRC-32 of
+    ``torch.save`` records), so each byte is read once. With ``trust_seal`` (prune's anchor) a
+    seal that matches stands for ``load`` too: the checkpoint was test-loaded when sealed and
+    not one byte differs since."""
     t0 = time.perf_counter()
-    checked = layout.check(ckpt, level)
+    seal, bad_seal = (None, None) if _single_file(ckpt) else seal_problem(ckpt)
+    stack_level: Level = level
+    if seal is not None and (level == "checksums" or (trust_seal and level == "load")):
+        stack_level = "quick"  # the seal vouches for the bytes; the stack's rule and files still checked
+    checked = layout.check(ckpt, stack_level)
     report = VerifyReport(ckpt.url, level, step=checked.step, files=checked.files, bytes_read=checked.bytes_read)
     report.problems = [Problem(f.message, file=f.file, hint=f.hint) for f in checked.problems]
     notes = [f"{layout.name} checkpoint"] + checked.notes
+    if bad_seal is not None:
+        report.problems.append(bad_seal)
+    if seal is not None:
+        seal_level: SealLevel = "quick" if level == "quick" else "checksums"
+        if seal.layout != layout.name:
+            report.problems.append(Problem(f"sealed as a {seal.layout} checkpoint, now read as {layout.name}",
+                                           file=SEAL, hint="the directory changed after sealing; do not trust it"))
+        found, n = check_against_seal(ckpt, seal, seal_level)
+        report.problems.extend(found)
+        report.bytes_read += n
+        notes.append(seal_note(seal, seal_level))
+        if stack_level == "quick" and level == "load":
+            notes.append("test-loaded when sealed; the seal's checksums stand for the load level")
     if checked.not_loaded:
         notes.append(f"{len(checked.not_loaded)} file(s) not test-loaded: " + "; ".join(checked.not_loaded))
     report.note = "; ".join(notes)
     report.seconds = time.perf_counter() - t0
-    return report
+    return report, list(checked.not_loaded)
+
+
+def _single_file(ckpt: Storage) -> bool:
+    """A checkpoint that is one file (Lightning's ``*.ckpt``): it has no directory for a seal."""
+    path = ckpt.local_path()
+    return path is not None and os.path.isfile(path)
 
 
 def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",
@@ -49,11 +89,12 @@ def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",
     assert entry.storage is not None, "a symlink is never verified"
     if entry.layout == NATIVE_NAME:
         return verify_checkpoint(entry.storage, level, progress)
-    layout = _bound(entry.layout, root)
+    layout = bound_layout(entry.layout, root)
     return verify_stack(entry.storage, layout, level)
 
 
-def _bound(name: str, root: Storage) -> StackLayout:
+def bound_layout(name: str, root: Storage) -> StackLayout:
+    """The stack layout called ``name``, bound to ``root`` (its pointer file read)."""
     for layout in layouts_named([name]):
         bound = layout.for_root(root)
         assert isinstance(bound, StackLayout)
@@ -97,7 +138,7 @@ def latest_checkpoint(root: Storage, level: Level = "checksums", *, formats: Seq
         if entry.layout == NATIVE_NAME:
             resume = Resume(entry.url, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)")
         else:
-            resume = _bound(entry.layout, root).resume(entry.url, entry.step)
+            resume = bound_layout(entry.layout, root).resume(entry.url, entry.step)
         return Latest(report, entry.layout, entry.step, resume, skipped)
     what = "committed checkpoint" if formats is None else f"complete {'/'.join(formats)} checkpoint"
     if skipped:
@@ -112,8 +153,6 @@ def stack_checkpoint_at(path: str) -> tuple[StackLayout, Storage] | None:
     ``global_stepN``, torchtitan's ``step-N``; or a Lightning ``*step=N*.ckpt`` file), that
     layout bound to the parent and the
     checkpoint's storage; None otherwise (ckptctl's own claims first)."""
-    import os
-
     from ckptctl.layouts.catalog import LAYOUTS
     from ckptctl.storage import open_storage
     from ckptctl.storage.base import ObjectInfo

@@ -1,0 +1,198 @@
+"""``seal``: give another tool's checkpoint the checksums it never had.
+
+A checkpoint of the Hugging Face Trainer, torchtitan/DCP, Megatron-LM or DeepSpeed is checked
+by its layout's commit rule and test-loaded fully once (the ``load`` level of ``verify``: every file, ``torch.load(weights_only=True)`` with the layout's
+allow-list, nothing unpickled), then every file is hashed (XXH3-64, and per 64 MiB chunk for
+larger files) and the sidecar ``.ckptctl-seal.json`` (``format.seal``) is created with
+write-if-absent semantics: an existing seal is never replaced, a concurrent sealer cannot
+clobber another's seal, and the checkpoint's own files are never modified.
+
+The files are listed before the test-load and again after hashing: a checkpoint that changed
+meanwhile (a save still writing, a rotation deleting) is refused rather than sealed with bytes
+that were never test-loaded. ckptctl's own checkpoints carry checksums in their manifest and
+need no seal (a no-op that says so); an incomplete or corrupt checkpoint is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.format.layout import MANIFEST, MARKER
+from ckptctl.format.seal import CHUNK_SIZE, SEAL, Seal, SealedFile, encode_seal
+from ckptctl.interop.detect import CKPTCTL_SHARD
+from ckptctl.layouts.catalog import list_checkpoints
+from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.stack import StackLayout
+from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack_detail
+from ckptctl.ops.seal_check import hash_object, read_seal
+from ckptctl.ops.verify import VerifyReport
+from ckptctl.progress import Progress
+from ckptctl.storage import open_storage
+from ckptctl.storage.base import Storage
+from ckptctl.version import tool_info
+
+SealStatus = Literal["sealed", "already sealed", "not needed", "skipped", "failed"]
+NATIVE_NOTE = "a ckptctl checkpoint: its manifest already records a checksum for every byte; no seal needed"
+
+
+@dataclass
+class SealResult:
+    """What ``seal`` did with one checkpoint."""
+
+    url: str
+    name: str
+    layout: str
+    step: int | None
+    status: SealStatus
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    reason: str | None = None  # why skipped or failed
+    not_loaded: list[str] = field(default_factory=list)  # files the seal covers but nobody test-loaded
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class SealOutcome:
+    """The results of one ``seal`` run (one checkpoint, or every checkpoint of a root)."""
+
+    target: str
+    results: list[SealResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(r.status == "failed" for r in self.results)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"target": self.target, "ok": self.ok, "checkpoints": [r.to_dict() for r in self.results]}
+
+
+def _snapshot(ckpt: Storage) -> tuple[tuple[str, int, float, str], ...]:
+    return tuple(sorted((i.key, i.size, i.mtime, i.kind) for i in ckpt.list() if i.key != SEAL))
+
+
+def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loaded: list[str], *,
+               progress: Progress | None = None,
+               expected: tuple[tuple[str, int, float, str], ...] | None = None,
+               chunk_size: int = CHUNK_SIZE) -> SealResult:
+    """Hash every file of ``ckpt`` and create its seal, given a passing ``load``-level
+    ``report`` of it (``seal_checkpoint``, or prune's anchor verification) and the files it could
+    not test-load (``layout_verify.verify_stack_detail``). ``expected`` is the
+    listing the report was made on: a checkpoint that differs from it now is refused
+    (InvalidCheckpoint). Returns status "already sealed" when a seal appeared meanwhile."""
+    t0 = time.perf_counter()
+    name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
+    assert report.ok and report.level == "load", "only a checkpoint that test-loaded is sealed"
+    before = _snapshot(ckpt) if expected is None else expected
+    files: list[SealedFile] = []
+    for key, _size, _mtime, kind in before:
+        if kind != "file":
+            raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a {kind}, not a regular file; not sealed",
+                                    hint="the checkpoint layout was altered; treat it as untrusted")
+        got = hash_object(ckpt, key, chunk_size, progress=progress)
+        assert got is not None
+        files.append(SealedFile(key, got.size, got.xxh3, got.chunks))
+    if _snapshot(ckpt) != before:
+        raise InvalidCheckpoint(f"{ckpt.url}: changed while it was being sealed; not sealed",
+                                hint="a save or a rotation is still at work on it; seal it once it is finished")
+    seal = Seal(layout=layout.name, name=name, step=report.step, created=time.time(), tool=tool_info(),
+                files=tuple(files), chunk_size=chunk_size, test_loaded="load", not_loaded=tuple(not_loaded))
+    result = SealResult(ckpt.url, name, layout.name, report.step, "sealed", files=len(files),
+                        bytes=seal.total_bytes, not_loaded=not_loaded)
+    if not ckpt.write_if_absent(SEAL, encode_seal(seal)):
+        result.status, result.reason = "already sealed", "another run sealed it meanwhile; its seal was kept"
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | None = None, *,
+                    chunk_size: int = CHUNK_SIZE) -> SealResult:
+    """Seal one checkpoint of another tool (``layout`` bound to its root): test-load every
+    file, then hash and write the seal. An existing seal is left as is ("already sealed").
+    Raises InvalidCheckpoint for an incomplete or corrupt checkpoint (nothing is written)."""
+    t0 = time.perf_counter()
+    name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
+    path = ckpt.local_path()
+    if path is not None and os.path.isfile(path):
+        return SealResult(ckpt.url, name, layout.name, None, "skipped",
+                          reason="a checkpoint that is one file (Lightning's *.ckpt) has no directory to hold a seal")
+    existing = read_seal(ckpt)  # a damaged seal raises: never replaced silently
+    if existing is not None:
+        return SealResult(ckpt.url, name, layout.name, existing.step, "already sealed", files=len(existing.files),
+                          bytes=existing.total_bytes, reason="a seal exists; it is never replaced (delete it to re-seal)")
+    seen = layout.examine(ckpt)
+    if seen.status != "committed":
+        raise InvalidCheckpoint(f"{ckpt.url}: not a complete {layout.name} checkpoint ({seen.reason or seen.status}); not sealed",
+                                hint="only a checkpoint its stack has finished writing is sealed; seal an older one")
+    before = _snapshot(ckpt)
+    report, not_loaded = verify_stack_detail(ckpt, layout, "load")
+    if not report.ok:
+        first = report.problems[0]
+        more = f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise InvalidCheckpoint(f"{ckpt.url}: does not test-load, not sealed: {first}{more}",
+                                hint=first.hint or "a seal would vouch for damaged bytes; use an older checkpoint")
+    result = write_seal(ckpt, layout, report, not_loaded, progress=progress, expected=before, chunk_size=chunk_size)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def seal_root(root: Storage, progress: Progress | None = None) -> list[SealResult]:
+    """Seal every complete checkpoint of another tool under ``root`` not sealed yet. Partial
+    ones are skipped (they may still be written), ckptctl's own need no seal; one that fails
+    its test-load is reported "failed" and the others are still sealed."""
+    results: list[SealResult] = []
+    for entry in list_checkpoints(root):
+        if entry.layout == NATIVE_NAME or entry.status == "link" or entry.storage is None or entry.layout == "unknown":
+            why = NATIVE_NOTE if entry.layout == NATIVE_NAME else entry.reason or entry.status
+            results.append(SealResult(entry.url, entry.name, entry.layout, entry.step,
+                                      "not needed" if entry.layout == NATIVE_NAME else "skipped", reason=why))
+            continue
+        if entry.status != "committed":
+            results.append(SealResult(entry.url, entry.name, entry.layout, entry.step, "skipped",
+                                      reason=f"{entry.status}: {entry.reason}"))
+            continue
+        layout = bound_layout(entry.layout, root)
+        try:
+            results.append(seal_checkpoint(entry.storage, layout, progress))
+        except InvalidCheckpoint as e:
+            results.append(SealResult(entry.url, entry.name, entry.layout, entry.step, "failed", reason=str(e)))
+    return results
+
+
+def seal_path(path: str, progress: Progress | None = None) -> SealOutcome:
+    """``seal`` by path, as the CLI names it: one checkpoint of another tool (sealed, or
+    InvalidCheckpoint when incomplete), one of ckptctl's own (a no-op that says so), or a root
+    (every complete checkpoint not sealed yet). Only local directories: other tools'
+    checkpoints are read on a filesystem (seal them before uploading; ``cp`` carries the seal)."""
+    if "://" in path and not path.startswith("file://"):
+        raise UsageError(f"{path}: seal reads other tools' checkpoints on a local filesystem only",
+                         hint="seal the checkpoint where it was written, then `ckptctl cp` it (the seal goes along)")
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if not os.path.exists(local):
+        raise UsageError(f"no such file or directory: {path}", hint="check the path for a typo")
+    outcome = SealOutcome(path)
+    stack = stack_checkpoint_at(local)
+    if stack is not None:
+        layout, ckpt = stack
+        outcome.results.append(seal_checkpoint(ckpt, layout, progress))
+        return outcome
+    if not os.path.isdir(local):
+        raise InvalidCheckpoint(f"not a checkpoint of another tool: {path}",
+                                hint="give a checkpoint directory (checkpoint-N, step-N, iter_N, global_stepN) or its root")
+    st = open_storage(local)
+    names = set(os.listdir(local))
+    if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
+        outcome.results.append(SealResult(st.url, os.path.basename(os.path.abspath(local)), NATIVE_NAME, None,
+                                          "not needed", reason=NATIVE_NOTE))
+        return outcome
+    outcome.results = seal_root(st, progress)
+    if not outcome.results:
+        raise InvalidCheckpoint(f"no checkpoint to seal under {path}",
+                                hint="give a checkpoint directory of another tool, or the root holding them")
+    return outcome

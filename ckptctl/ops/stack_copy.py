@@ -1,0 +1,359 @@
+"""``cp`` and ``restore`` of other tools' checkpoints (Hugging Face Trainer, torchtitan/DCP,
+Megatron-LM, DeepSpeed), between a filesystem and object storage.
+
+Every file is copied through the destination's atomic writers, in the order that keeps the
+destination unusable until it is whole:
+
+1. the stack's data files;
+2. the files its commit rule reads (``trainer_state.json``, ``.metadata``, ...: the layout's
+   ``commit_files``), so a copy cut short reads as an incomplete checkpoint to the stack;
+3. the seal, when the source has one;
+4. for stacks committed by a pointer at the root (DeepSpeed ``latest``, Megatron
+   ``latest_checkpointed_iteration.txt``), the pointer, written last and only when the
+   destination root has none or one naming an older step: a restore never moves a
+   destination's pointer backwards (an older copy is still complete by those stacks' rules,
+   which take every step at or below the pointer's).
+
+Checking: a sealed source (``ckptctl seal``) is checked on the fly, each byte against the seal
+as it is copied, so a corrupt source commits nothing; this works from and to object storage.
+Without a seal there is nothing to check bytes against, so the copy is test-loaded at the
+destination (every file, as ``verify --load`` does) before its commit files stay and its
+pointer is written; that needs a local destination, so copying an unsealed checkpoint to object
+storage is refused (seal it first: the seal travels with it). On object storage other tools'
+checkpoints are recognised by their seal (layouts read only local directories).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety, UsageError
+from ckptctl.format.layout import MARKER
+from ckptctl.format.seal import SEAL, Seal
+from ckptctl.layouts.catalog import LAYOUTS, NATIVE, list_checkpoints, newest_marked
+from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.stack import StackLayout
+from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack
+from ckptctl.ops.problem import Problem
+from ckptctl.ops.seal_check import check_against_seal, compare, hash_object, read_seal
+from ckptctl.ops.transfer import CopyResult, RestoreResult, Skipped
+from ckptctl.progress import Progress
+from ckptctl.settings import COPY_THREADS
+from ckptctl.storage import open_storage
+from ckptctl.storage.base import ObjectInfo, Storage
+
+CHECKED_SEAL = "every byte checked against the source's seal on the fly"
+CHECKED_LOAD = "no seal: copied, then every file test-loaded at the destination (no checksums to check bytes against)"
+
+
+@dataclass
+class StackSource:
+    """One checkpoint of another tool, ready to copy."""
+
+    storage: Storage
+    name: str
+    layout: StackLayout  # bound to the source root when it is local
+    step: int
+    seal: Seal | None
+    seal_raw: bytes | None = None
+
+
+def _stack_named(name: str) -> StackLayout | None:
+    for layout in LAYOUTS:
+        if layout.name == name and isinstance(layout, StackLayout):
+            return layout
+    return None
+
+
+def _from_seal(ckpt: Storage, name: str) -> StackSource | None:
+    """A checkpoint on object storage, recognised by its seal; None without one."""
+    seal = read_seal(ckpt)
+    if seal is None:
+        return None
+    layout = _stack_named(seal.layout)
+    if layout is None:
+        raise InvalidCheckpoint(f"{ckpt.url_of(SEAL)}: sealed as a {seal.layout!r} checkpoint, a layout this "
+                                "ckptctl does not know", hint="upgrade ckptctl")
+    step = layout.step_of(ObjectInfo(name, 0, 0.0, "dir"))
+    if step is None:
+        raise InvalidCheckpoint(f"{ckpt.url}: named {name!r}, not a {layout.name} checkpoint directory, but sealed as one",
+                                hint="copy the checkpoint under the name it was sealed with")
+    return StackSource(ckpt, name, layout, step, seal, ckpt.read(SEAL))
+
+
+def stack_source_at(path: str) -> StackSource | None:
+    """The other tool's checkpoint at ``path`` (a local checkpoint directory its layout claims,
+    or an object-storage prefix holding a seal), or None when it is not one."""
+    if "://" in path and not path.startswith("file://"):
+        st = open_storage(path)
+        return _from_seal(st, path.rstrip("/").rsplit("/", 1)[-1])
+    found = stack_checkpoint_at(path)
+    if found is None:
+        return None
+    layout, ckpt = found
+    if layout.files_are_checkpoints and os.path.isfile(ckpt.local_path() or ""):
+        raise UsageError(f"{path}: a checkpoint that is one file; copy it as a file (cp, rsync, aws s3 cp)",
+                         hint="cp and restore copy checkpoint directories")
+    name = os.path.basename(os.path.abspath(path))
+    step = layout.step_of(ObjectInfo(name, 0, 0.0, "dir"))
+    assert step is not None
+    seal = read_seal(ckpt)
+    return StackSource(ckpt, name, layout, step, seal, ckpt.read(SEAL) if seal is not None else None)
+
+
+def _parent(st: Storage) -> Storage:
+    url = st.url.rstrip("/")
+    return open_storage(url.rsplit("/", 1)[0] if "/" in url.split("://", 1)[-1] else url)
+
+
+def destination_for(src: StackSource, dst: str) -> tuple[Storage, Storage]:
+    """(checkpoint directory, its root) for ``cp``: DST itself when it is named like one of the
+    layout's checkpoints, else a directory of the source's name under DST."""
+    st = open_storage(dst)
+    last = dst.rstrip("/").rsplit("/", 1)[-1]
+    if src.layout.step_of(ObjectInfo(last, 0, 0.0, "dir")) is not None:
+        return st, _parent(st)
+    return st.sub(src.name), st
+
+
+def _source_problems(src: StackSource) -> list[Problem]:
+    """The cheap checks before a byte is copied: the stack's commit rule and files (local
+    sources), the files and sizes the seal names."""
+    problems: list[Problem] = []
+    if src.storage.local_path() is not None:
+        problems += verify_stack(src.storage, src.layout, "quick").problems
+    elif src.seal is not None:
+        problems += check_against_seal(src.storage, src.seal, "quick")[0]
+    return problems
+
+
+def _describe(problems: list[Problem], where: str) -> str:
+    first = min(problems, key=lambda p: p.byte_range is None)
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"{where}: {first}{more}"
+
+
+def _already_present(src: StackSource, dst: Storage) -> bool:
+    """True when ``dst`` holds this very checkpoint (same seal, every byte matching it). A
+    destination holding a commit file of anything else is refused, never overwritten."""
+    committed = [k for k in src.layout.commit_files if dst.stat(k) is not None]
+    if not committed:
+        return False  # nothing, or a copy cut short before its commit files: redone
+    if src.seal_raw is not None and dst.stat(SEAL) is not None and dst.read(SEAL) == src.seal_raw:
+        assert src.seal is not None
+        if not check_against_seal(dst, src.seal, "checksums")[0]:
+            return True
+    elif src.seal is None and _same_files(src.storage, dst):
+        return True
+    raise RefusedForSafety(f"{dst.url} already holds a {src.layout.name} checkpoint ({committed[0]} is there)",
+                           hint="choose another destination, or delete that checkpoint first")
+
+
+def _same_files(a: Storage, b: Storage) -> bool:
+    """Both hold the same files with the same bytes (an unsealed copy run again: read both)."""
+    files_a = {i.key: i.size for i in a.list() if i.key != SEAL}
+    if files_a != {i.key: i.size for i in b.list() if i.key != SEAL}:
+        return False
+    for key in files_a:
+        ha, hb = hash_object(a, key, 64 << 20), hash_object(b, key, 64 << 20)
+        if ha is None or hb is None or ha.xxh3 != hb.xxh3:
+            return False
+    return True
+
+
+def copy_stack_checkpoint(src: StackSource, dst: Storage, dst_root: Storage, progress: Progress | None = None, *,
+                          threads: int = COPY_THREADS) -> CopyResult:
+    """Copy one checkpoint of another tool to ``dst`` (its directory) under ``dst_root`` (where a
+    pointer goes), in the order and with the checks of this module's docstring.
+
+    Raises InvalidCheckpoint (the source is incomplete or does not check out: the files this
+    call wrote are removed), RefusedForSafety (``dst`` holds another checkpoint), UsageError
+    (an unsealed checkpoint to object storage) or StorageError."""
+    t0 = time.perf_counter()
+    result = CopyResult(src.storage.url, dst.url, src.step, "copied", layout=src.layout.name,
+                        note=CHECKED_SEAL if src.seal is not None else CHECKED_LOAD)
+    if src.seal is None and dst.local_path() is None:
+        raise UsageError(f"{src.storage.url} has no seal, and a copy on object storage cannot be test-loaded",
+                         hint=f"seal it first (`ckptctl seal {src.storage.url}`): then every byte is checked on the way")
+    problems = _source_problems(src)
+    if problems:
+        raise InvalidCheckpoint(_describe(problems, src.storage.url), hint=problems[0].hint or "copy an older checkpoint")
+    if _already_present(src, dst):
+        result.status = "already present"
+        _write_pointer(src, dst_root, result)
+        result.seconds = time.perf_counter() - t0
+        return result
+    keys = sorted(i.key for i in src.storage.list() if i.key != SEAL)
+    if src.seal is not None and set(keys) != set(src.seal.by_name()):
+        raise InvalidCheckpoint(f"{src.storage.url}: its files differ from its seal", hint="verify it: `ckptctl verify SRC`")
+    commit = [k for k in src.layout.commit_files if k in keys]
+    order = [k for k in keys if k not in commit] + commit
+    result.files = len(order)
+    try:
+        # Data files in parallel (on S3 each is a request of its own), then the commit files.
+        result.bytes_copied = _copy_all(src, dst, [k for k in order if k not in commit], progress, threads)
+        result.bytes_copied += _copy_all(src, dst, commit, progress, 1)
+        if src.seal is None:
+            _test_load_copy(src, dst, dst_root)
+        elif src.seal_raw is not None:
+            dst.write_atomic(SEAL, src.seal_raw)
+    except InvalidCheckpoint:
+        for key in commit + order:  # commit files first: never something that reads as complete
+            dst.delete(key)
+        dst.remove_dir("")
+        raise
+    _write_pointer(src, dst_root, result)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _copy_all(src: StackSource, dst: Storage, keys: list[str], progress: Progress | None, threads: int) -> int:
+    """Copy ``keys``, ``threads`` at a time; the first file that fails its check stops the
+    others at their next piece and is raised. Returns the bytes copied."""
+    stop = threading.Event()
+
+    def one(key: str) -> int:
+        try:
+            return _copy_one(src, dst, key, progress, stop)
+        except BaseException:
+            stop.set()
+            raise
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-copy") as pool:
+        futures: list[Future[int]] = [pool.submit(one, k) for k in keys]
+        try:
+            wait(futures)
+        except BaseException:
+            stop.set()  # Ctrl-C: the workers abort their writers at the next piece
+            for f in futures:
+                f.cancel()
+            raise
+    return sum(f.result() for f in futures)  # the first failure, in key order, is raised here
+
+
+def _copy_one(src: StackSource, dst: Storage, key: str, progress: Progress | None,
+              stop: threading.Event | None = None) -> int:
+    """Copy one file through an atomic writer, checked against the seal when there is one.
+    Returns the bytes copied (0 when ``stop`` was set meanwhile: nothing is committed)."""
+    chunk = src.seal.chunk_size if src.seal is not None else 64 << 20
+    writer = dst.open_writer(key)
+    try:
+        got = hash_object(src.storage, key, chunk, progress=progress, sink=writer.write, stop=stop)
+    except BaseException:
+        writer.abort()
+        raise
+    if got is None:
+        writer.abort()
+        return 0
+    if src.seal is not None:
+        found = compare(src.seal.by_name()[key], got, chunk)
+        if found:
+            writer.abort()
+            raise InvalidCheckpoint(_describe(found, src.storage.url),
+                                    hint="the source changed after it was sealed; copy an older checkpoint")
+    writer.commit()
+    return got.size
+
+
+def _test_load_copy(src: StackSource, dst: Storage, dst_root: Storage) -> None:
+    """An unsealed copy: every file test-loaded at the destination, as its stack will read it
+    once the pointer (if any) names it."""
+    layout = bound_layout(src.layout.name, dst_root).assuming_pointer(src.name, src.step)
+    report = verify_stack(dst, layout, "load")
+    if not report.ok:
+        raise InvalidCheckpoint(_describe(report.problems, f"{dst.url} (the copy, test-loaded)"),
+                                hint="the source does not load either, or changed while copied; copy an older checkpoint")
+
+
+def _write_pointer(src: StackSource, dst_root: Storage, result: CopyResult) -> None:
+    """The stack's pointer at the destination root, last, never moved to an older step."""
+    pointer = src.layout.pointer_for(src.name, src.step)
+    if pointer is None:
+        return
+    key, content = pointer
+    info = dst_root.stat(key)
+    if info is not None:
+        current = src.layout.pointer_step(dst_root.read(key, max_size=4096)) if info.kind == "file" else None
+        if current is None:
+            result.note = f"{result.note}; {key} at the destination is unreadable, left as is"
+            return
+        if current >= src.step:
+            if current > src.step:
+                result.note = f"{result.note}; {key} at the destination names a newer step ({current}), left as is"
+            return
+    dst_root.write_atomic(key, content)
+    result.note = f"{result.note}; {key} written last"
+
+
+# --- restore -------------------------------------------------------------------------------
+
+
+def _candidates(root: Storage, step: int | None) -> Iterator[StackSource]:
+    """Other tools' complete checkpoints under ``root``, newest first (local: by each layout's
+    commit rule; object storage: those with a seal)."""
+    if root.local_path() is not None:
+        entries = [e for e in list_checkpoints(root) if e.layout not in (NATIVE_NAME, "unknown")
+                   and e.status == "committed" and e.storage is not None and (step is None or e.step == step)]
+        for e in sorted(entries, key=lambda e: (e.step, e.name), reverse=True):
+            assert e.storage is not None
+            path = e.storage.local_path()
+            if path is None or os.path.isfile(path):
+                continue  # a one-file checkpoint (Lightning): copied as a file, not restored here
+            layout = bound_layout(e.layout, root)
+            seal = read_seal(e.storage)
+            yield StackSource(e.storage, e.name, layout, e.step, seal, e.storage.read(SEAL) if seal else None)
+        return
+    found = []
+    for child in root.children():
+        if child.kind != "dir":
+            continue
+        source = _from_seal(root.sub(child.key), child.key)
+        if source is not None and (step is None or source.step == step):
+            found.append(source)
+    yield from sorted(found, key=lambda s: (s.step, s.name), reverse=True)
+
+
+def wants_stack_restore(src_root: Storage) -> bool:
+    """Whether ``restore`` of ``src_root`` is one of other tools' checkpoints (the root holds
+    no ckptctl checkpoint, or it is one checkpoint of another tool)."""
+    if src_root.stat(MARKER) is not None or next(newest_marked(src_root, layouts=NATIVE), None) is not None:
+        return False  # a ckptctl checkpoint (or a root with one): ops.transfer restores it
+    return next(_candidates(src_root, None), None) is not None or (
+        src_root.local_path() is not None and stack_checkpoint_at(src_root.local_path() or "") is not None)
+
+
+def restore_stack(src_root: Storage, dst_root: Storage, step: int | None = None, progress: Progress | None = None, *,
+                  on_skip: Callable[[Skipped], None] | None = None) -> RestoreResult:
+    """Copy the newest complete checkpoint of another tool under ``src_root`` (or ``step``)
+    into ``dst_root`` under its own name, checked as ``copy_stack_checkpoint`` does; one that
+    does not check out is reported through ``on_skip`` and the next newest is tried (with
+    ``step`` pinned, it raises instead). ``src_root`` may name one checkpoint directly."""
+    local = src_root.local_path()
+    one = stack_source_at(local) if local is not None else None
+    cands = iter([one]) if one is not None else _candidates(src_root, step)
+    skipped: list[Skipped] = []
+    for src in cands:
+        dst = dst_root.sub(src.name)
+        try:
+            copied = copy_stack_checkpoint(src, dst, dst_root, progress)
+        except (InvalidCheckpoint, NotFound) as e:
+            if step is not None or one is not None:
+                raise
+            skip = Skipped(src.storage.url, src.step, str(e))
+            skipped.append(skip)
+            if on_skip is not None:
+                on_skip(skip)
+            continue
+        where = dst.local_path() or dst.url
+        # What the stack's resume option takes: the checkpoint, or the root for Megatron's --load.
+        return RestoreResult(src.layout.resume(where, src.step).path, src.step, copied, skipped)
+    what = f"complete checkpoint at step {step}" if step is not None else "complete checkpoint of another tool"
+    if skipped:
+        raise NoValidCheckpoint(f"{src_root.url}: none of {len(skipped)} {what}s checks out",
+                                hint="run `ckptctl verify SRC --all` to see what is wrong with each")
+    raise NoValidCheckpoint(f"{src_root.url}: no {what}", hint=f"list what is there with `ckptctl ls {src_root.url}`")
