@@ -42,7 +42,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
          "ckptctl ls /mnt/ckpt/llama-7b"),
         ("The steps that are committed, from object storage, for a script:",
          "ckptctl ls s3://training/llama-7b --json |\n"
-         "  jq -r '.[] | select(.status == \"committed\") | .step'"),
+         "  jq -r '.checkpoints[] | select(.status == \"committed\") | .step'"),
     ],
     "inspect": [
         ("What step 12000 holds, and how long its save stalled training:",
@@ -72,6 +72,26 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
          "ckptctl prune /mnt/ckpt/llama-7b --keep-last 3 --keep-every 10000 --dry-run"),
         ("Hourly cron job: keep the last 3 checkpoints and everything from the last day:",
          "0 * * * *  ckptctl prune /mnt/ckpt/llama-7b --keep-last 3 --keep-within 1d --yes"),
+        ("Calendar retention on object storage, as restic's forget: the newest of each of the last"
+         " 7 days and 12 months, and the last 2:",
+         "ckptctl prune s3://training/llama-7b --keep-last 2 --keep-daily 7 --keep-monthly 12 --yes"),
+    ],
+    "rm": [
+        ("See what deleting two checkpoints would free, then delete them:",
+         "ckptctl rm /mnt/ckpt/llama-7b/step-0000011000 /mnt/ckpt/llama-7b/step-0000012000 --dry-run\n"
+         "ckptctl rm /mnt/ckpt/llama-7b/step-0000011000 /mnt/ckpt/llama-7b/step-0000012000 --yes"),
+    ],
+    "du": [
+        ("How much each checkpoint takes, and what keeping the last 3 would free:",
+         "ckptctl du /mnt/ckpt/llama-7b --keep-last 3"),
+    ],
+    "sync": [
+        ("Save to fast local NVMe, mirror to S3 in the background (crontab, every 15 minutes):",
+         "*/15 * * * *  ckptctl prune /nvme/ckpt --keep-last 3 --yes &&\n"
+         "  ckptctl sync /nvme/ckpt s3://training/run7 &&\n"
+         "  ckptctl verify s3://training/run7 --latest"),
+        ("Make a bucket an exact mirror of a local root, as JSON for a script:",
+         "ckptctl sync /nvme/ckpt s3://training/run7 --delete --json"),
     ],
     "interval": [
         ("How often to checkpoint when a save stalls training for 45 seconds and the job fails"
@@ -94,6 +114,12 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("Bring step 12000, re-sharded for 16 ranks:",
          "ckptctl restore s3://training/llama-7b /local/nvme/ckpt --step 12000 --world-size 16"),
     ],
+    "seal": [
+        ("Seal every finished Hugging Face Trainer checkpoint of a run, then check it for bit rot:",
+         "ckptctl seal /runs/gpt/out && ckptctl verify /runs/gpt/out --all"),
+        ("Seal one checkpoint and upload it; every byte is checked against the seal on the way:",
+         "ckptctl seal /runs/gpt/out/checkpoint-1500 && ckptctl cp /runs/gpt/out/checkpoint-1500 s3://archive/gpt"),
+    ],
     "cp": [
         ("Copy a committed checkpoint to object storage; the copy is committed only once complete:",
          "ckptctl cp /mnt/ckpt/llama-7b/step-0000012000 s3://archive/llama-7b/step-0000012000"),
@@ -105,11 +131,15 @@ SEE_ALSO: dict[str, list[str]] = {
     "inspect": ["ls", "verify"],
     "verify": ["latest", "prune"],
     "latest": ["verify", "restore"],
-    "prune": ["verify", "ls"],
+    "prune": ["verify", "ls", "du", "rm"],
+    "rm": ["prune", "ls"],
+    "du": ["prune", "ls"],
+    "sync": ["cp", "restore", "prune"],
     "reshard": ["restore", "convert"],
     "convert": ["reshard", "inspect"],
     "restore": ["latest", "reshard"],
     "cp": ["restore", "verify"],
+    "seal": ["verify", "prune", "cp"],
 }
 
 EXIT_STATUS: list[tuple[int, str]] = [
@@ -129,6 +159,10 @@ ENVIRONMENT: list[tuple[str, str]] = [
      "Threads reading for verify and prune (default 4), filling tensors on load (8), copying"
      " files for cp and restore (4), hashing for reshard and convert (4). A value that is not a"
      " whole number from 1 to 1024 is a usage error (exit 2) naming the variable."),
+    ("CKPTCTL_WRITE_BEHIND_MIB", "Write-behind window of files written on POSIX filesystems, in MiB"
+     " (default 32; 0 turns it off): each window is handed to the disk as soon as it is written and"
+     " dropped from the page cache once on disk, so a save's pages do not pile up in memory."
+     " Durability is unchanged (fsync, rename, directory fsync)."),
     ("AWS_ENDPOINT_URL", "Endpoint of an S3-compatible store (MinIO, Ceph, ...) for"
      " s3://bucket/prefix locations; AWS_ENDPOINT_URL_S3 overrides it for S3 only."),
     ("AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN",
@@ -318,7 +352,8 @@ def verb_page(path: tuple[str, ...], cmd: Any, registered: list[str]) -> str:
     for what, command in EXAMPLES.get(verb) or [generic_example(path, items)]:
         lines += [".PP", esc(what), *code_block(command)]
     related = [v for v in SEE_ALSO.get(verb, []) if v in registered]
-    lines += see_also([("ckptctl", 1), *((f"ckptctl-{v}", 1) for v in related), ("ckptctl-format", 5)])
+    lines += see_also([("ckptctl", 1), *((f"ckptctl-{v}", 1) for v in related), ("ckptctl-format", 5),
+                       ("ckptctl-json", 7)])
     return finish(lines)
 
 
@@ -365,7 +400,7 @@ def overview_page(group: Any, registered: list[tuple[str, Any]]) -> str:
          + bold("-of-") + ital("WWWWW") + bold(".safetensors"),
          "One shard per writing rank. See ckptctl-format(5)."),
     ])]
-    lines += see_also([*((f"ckptctl-{v}", 1) for v, _ in registered), ("ckptctl-format", 5)])
+    lines += see_also([*((f"ckptctl-{v}", 1) for v, _ in registered), ("ckptctl-format", 5), ("ckptctl-json", 7)])
     return finish(lines)
 
 

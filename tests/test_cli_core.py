@@ -16,7 +16,7 @@ def test_ls_sorts_numerically_and_shows_status(tmp_path):
     make_checkpoints(root, [9, 10, 100])
     os.makedirs(os.path.join(root, "step-0000000200"))  # being written: no marker
     os.rename(ckpt_dir(root, 9), os.path.join(root, "step-9"))  # hand-named, unpadded
-    rows = cli("ls", root, "--json").json()
+    rows = cli("ls", root, "--json").json()["checkpoints"]
     assert [(r["step"], r["status"]) for r in rows] == [(9, "committed"), (10, "committed"), (100, "committed"), (200, "partial")]
     human = cli("ls", root)
     assert human.exit_code == 0 and "partial" in human.stdout

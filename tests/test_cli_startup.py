@@ -80,10 +80,10 @@ def test_shell_and_cron_commands_do_not_import_torch(root, tmp_path):
 def test_prune_with_a_recorded_verification_does_not_import_torch(tmp_path):
     root = str(tmp_path)
     make_checkpoints(root, [100, 200, 300])
-    # The first prune decodes every tensor of its anchor (the load level, which uses torch)
-    # and records the verification; the cron runs after it, with nothing new saved, read only
-    # manifests and the record.
-    code, _, _ = run_fresh("prune", root, "--keep-last", "2", "--dry-run")
+    # The first (real) prune decodes every tensor of its anchor (the load level, which uses
+    # torch) and records the verification (a --dry-run records nothing); the cron runs after
+    # it, with nothing new saved, read only manifests and the record.
+    code, _, _ = run_fresh("prune", root, "--keep-last", "3", "--yes")
     assert code == 0
     code, torch_imported, out = run_fresh("prune", root, "--keep-last", "2", "--dry-run")
     assert code == 0 and "step-0000000100" in out

@@ -110,7 +110,7 @@ def test_kill_during_background_write_never_leaves_a_marker(tmp_path):
             with Checkpointer(root) as ck:
                 assert ck.load_latest(target) == expected
             assert torch.equal(target["w"]["t3"], torch.full((1 << 20,), 3.0 + (expected - 1)))
-            ls = {c["step"]: c["status"] for c in cli("ls", root, "--json").json()}
+            ls = {c["step"]: c["status"] for c in cli("ls", root, "--json").json()["checkpoints"]}
             assert ls[1] == "committed" and ls.get(2, "partial") in ("partial", "committed")
     finally:
         server.close()

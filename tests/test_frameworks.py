@@ -86,7 +86,7 @@ def test_hf_trainer_killed_in_a_save_latest_resume_and_prune_keeps_best(tmp_path
     assert got["format"] == "hf-trainer" and got["url"] == os.path.join(out, "checkpoint-6"), got
     assert "--resume_from_checkpoint" in got["resume"]["option"]
     r = cli("ls", out, "--json")
-    assert {x["name"]: x["status"] for x in r.json()}["checkpoint-8"] == "partial"
+    assert {x["name"]: x["status"] for x in r.json()["checkpoints"]}["checkpoint-8"] == "partial"
 
     r = cli("prune", out, "--keep-last", "2", "--yes", "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
@@ -148,7 +148,7 @@ def test_lightning_model_checkpoint_latest_and_prune(tmp_path):
     with open(newest, "r+b") as f:  # cut short, as a kill mid-write leaves it
         f.truncate(os.path.getsize(newest) // 2)
     r = cli("ls", out, "--json")
-    assert {x["name"]: (x["layout"], x["status"]) for x in r.json()} == {
+    assert {x["name"]: (x["layout"], x["status"]) for x in r.json()["checkpoints"]} == {
         "epoch=0-step=2.ckpt": ("lightning", "committed"), "epoch=0-step=4.ckpt": ("lightning", "committed"),
         "epoch=0-step=6.ckpt": ("lightning", "partial")}
     r = cli("latest", out, "--level", "load", "--json")

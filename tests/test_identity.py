@@ -61,7 +61,7 @@ def test_non_ascii_and_newline_names_are_not_listed(tmp_path):
     make_checkpoints(root, [10])
     for name in ("step-٤٠", "step-0000000040\n"):
         shutil.copytree(ckpt_dir(root, 10), os.path.join(root, name))
-    rows = cli("ls", root, "--json").json()
+    rows = cli("ls", root, "--json").json()["checkpoints"]
     assert [(r["step"], r["name"]) for r in rows] == [(10, step_dir(10))]
     r = cli("latest", root)
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(root, 10)
@@ -89,7 +89,7 @@ def test_a_copy_under_another_steps_name_is_corrupt_everywhere(tmp_path):
 
     r = cli("verify", ckpt_dir(root, 99))
     assert r.exit_code == 1 and "manifest says step 10" in r.stdout + r.stderr
-    rows = {row["step"]: row for row in cli("ls", root, "--json").json()}
+    rows = {row["step"]: row for row in cli("ls", root, "--json").json()["checkpoints"]}
     assert rows[99]["status"] == "corrupt" and "must agree" in rows[99]["reason"]
     assert [rows[s]["status"] for s in (10, 20, 30)] == ["committed"] * 3
     r = cli("latest", root)
@@ -199,7 +199,7 @@ def test_a_manifest_grown_after_commit_is_corrupt_and_skipped(tmp_path):
     make_checkpoints(root, [1, 2])
     with open(os.path.join(ckpt_dir(root, 2), MANIFEST), "ab") as f:
         f.write(b"\n" * 4096)  # reformatted: still valid JSON, larger than its marker allows
-    rows = {r["step"]: r for r in cli("ls", root, "--json").json()}
+    rows = {r["step"]: r for r in cli("ls", root, "--json").json()["checkpoints"]}
     assert rows[2]["status"] == "corrupt" and rows[1]["status"] == "committed"
     r = cli("latest", root)
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(root, 1), r.stderr
@@ -226,7 +226,7 @@ def test_a_garbled_marker_is_corrupt_never_exit_3(tmp_path, marker):
     with open(os.path.join(ckpt_dir(root, 2), MARKER), "wb") as f:
         f.write(marker)
     assert native.read_state(open_storage(ckpt_dir(root, 2))).status == "corrupt"
-    rows = {r["step"]: r["status"] for r in cli("ls", root, "--json").json()}
+    rows = {r["step"]: r["status"] for r in cli("ls", root, "--json").json()["checkpoints"]}
     assert rows == {1: "committed", 2: "corrupt"}
     r = cli("latest", root)
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(root, 1)

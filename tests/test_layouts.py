@@ -123,7 +123,7 @@ def test_dcp_root_ls_latest_verify(tmp_path):
         "step-10": ("dcp", "committed"), "step-20": ("dcp", "committed"), "step-30": ("dcp", "partial")}
     assert ".metadata" in rows["step-30"].reason
     r = cli("ls", root, "--json")
-    assert r.exit_code == 0 and {x["name"]: x["layout"] for x in r.json()} == {
+    assert r.exit_code == 0 and {x["name"]: x["layout"] for x in r.json()["checkpoints"]} == {
         "step-10": "dcp", "step-20": "dcp", "step-30": "dcp"}
     best = latest_checkpoint(open_storage(root), "load")
     assert best.step == 20 and best.report.url.endswith("step-20") and "load_step 20" in best.resume.option

@@ -261,7 +261,7 @@ def test_marker_removed_first_means_an_interrupted_delete_looks_partial(tmp_path
     root = str(tmp_path)
     make_checkpoints(root, [1, 2])
     os.unlink(os.path.join(ckpt_dir(root, 2), MARKER))
-    rows = {r["step"]: r["status"] for r in cli("ls", root, "--json").json()}
+    rows = {r["step"]: r["status"] for r in cli("ls", root, "--json").json()["checkpoints"]}
     assert rows == {1: "committed", 2: "partial"}
     r = cli("latest", root)
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(root, 1)
@@ -335,7 +335,7 @@ def test_real_prune_killed_at_random_points_never_leaves_a_committed_broken_chec
         assert r.exit_code == 0, r.stderr
         if proc.returncode == -signal.SIGKILL:
             assert "broke a stale lock" in r.stderr
-        rows = cli("ls", root, "--json").json()
+        rows = cli("ls", root, "--json").json()["checkpoints"]
         assert [x["step"] for x in rows if x["status"] == "committed"] == [40]
         assert all(x["status"] in ("committed", "partial") for x in rows)
         assert _committed_but_broken(root) == []
@@ -579,7 +579,7 @@ def test_prune_on_s3(s3_url):
     r = cli("prune", s3_url, "--keep-last", "2", "--yes", "--json")
     assert r.exit_code == 0, r.stderr
     assert r.json()["outcome"]["deleted"] == S(1, 2)
-    rows = cli("ls", s3_url, "--json").json()
+    rows = cli("ls", s3_url, "--json").json()["checkpoints"]
     assert [x["step"] for x in rows] == [3, 4]
     again = cli("prune", s3_url, "--keep-last", "2", "--dry-run", "--json").json()
     assert again["plan"]["items"][-1]["verification"]["cached"] is True

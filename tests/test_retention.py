@@ -20,7 +20,8 @@ from ckptctl.ops.retention import (
     from_options,
 )
 
-NO_POLICY = "no retention policy given; pass --keep-last, --keep-every, --keep-within or --keep"
+NO_POLICY = ("no retention policy given; pass --keep-last, --keep-every, --keep-within, "
+             "--keep-hourly/-daily/-weekly/-monthly or --keep")
 
 
 # --- strategies ----------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_verbs_work_on_a_bucket_as_on_a_path(s3_url, tmp_path):
     with Checkpointer(s3_url) as ck:
         for s in (10, 20):
             ck.save(s, _state(s)).wait()
-    rows = cli("ls", s3_url, "--json").json()
+    rows = cli("ls", s3_url, "--json").json()["checkpoints"]
     assert [(r["step"], r["status"]) for r in rows] == [(10, "committed"), (20, "committed")]
     doc = cli("inspect", f"{s3_url}/{step_dir(20)}", "--json").json()
     assert doc["step"] == 20 and doc["world_size"] == 1
@@ -125,7 +125,7 @@ def test_prune_on_a_bucket(s3_url):
             ck.save(s, _state(s, 100)).wait()
     r = cli("prune", s3_url, "--keep-last", "2", "--yes")
     assert r.exit_code == 0, r.stderr
-    assert [row["step"] for row in cli("ls", s3_url, "--json").json()] == [3, 4]
+    assert [row["step"] for row in cli("ls", s3_url, "--json").json()["checkpoints"]] == [3, 4]
 
 
 def test_shard_larger_than_the_multipart_threshold(s3_url, s3_server, tmp_path):

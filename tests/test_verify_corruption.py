@@ -109,7 +109,7 @@ def test_manifest_damage(ckpt, damage):
 def test_marker_without_manifest_is_not_a_checkpoint(ckpt):
     os.unlink(os.path.join(ckpt, MANIFEST))
     r = cli("ls", os.path.dirname(ckpt), "--json")
-    assert r.json()[0]["status"] == "corrupt"
+    assert r.json()["checkpoints"][0]["status"] == "corrupt"
 
 
 def test_no_marker_is_not_committed(ckpt):

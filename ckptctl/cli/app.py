@@ -10,6 +10,7 @@ from inspect import cleandoc
 from typing import Annotated
 
 import typer
+import typer.core
 
 from ckptctl.cli.common import check_environment, set_debug
 
@@ -19,6 +20,8 @@ from ckptctl.cli import inspect, interval, latest, ls, prune, verify  # noqa: E4
 from ckptctl.cli import cp, restore  # noqa: E402
 from ckptctl.cli import reshard  # noqa: E402
 from ckptctl.cli import convert  # noqa: E402
+from ckptctl.cli import du, rm, sync  # noqa: E402
+from ckptctl.cli import seal  # noqa: E402
 from ckptctl.version import __version__  # noqa: E402
 
 app = typer.Typer(
@@ -47,6 +50,37 @@ def _global_options(
 ) -> None:
     set_debug(debug)  # every invocation sets it, so one --debug run does not leak into the next
 
+class _Command(typer.core.TyperCommand):
+    """A verb whose help names its arguments and values as the man pages do (``ROOT``,
+    ``CKPT...``, ``N``), not as typer shows Python types (``{root}``, ``<str>``, ``<bool>``)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        for param in self.params:
+            _plain(param)
+
+    def get_help_option(self, ctx: typer.Context) -> object:  # type: ignore[override]
+        option = super().get_help_option(ctx)  # type: ignore[arg-type]
+        if option is not None:
+            _plain(option)
+        return option
+
+
+def _plain(param: object) -> None:
+    # typer's own parameter classes: it bundles its own copy of click.
+    if isinstance(param, typer.core.TyperArgument):
+        name = param.metavar or (param.name or "").upper() + ("..." if param.nargs != 1 else "")
+        shown = name if param.required else f"[{name}]"
+        param.get_usage_pieces = lambda ctx: [shown]  # type: ignore[method-assign]
+        param.display_type_rich = lambda ctx: None  # type: ignore[attr-defined]
+        param.metavar = name
+    elif isinstance(param, typer.core.TyperOption) and param.is_flag:
+        param.display_type_rich = lambda ctx: None  # type: ignore[attr-defined]
+    elif isinstance(param, typer.core.TyperOption) and param.metavar is None:
+        metavar = (param.name or "value").upper()
+        param.display_type_rich = lambda ctx: metavar  # type: ignore[attr-defined]
+
+
 def _reflowed(doc: str | None) -> str:
     """The docstring with each paragraph on one line. Typer keeps a help text's line breaks,
     so prose wrapped at 96 columns in the source broke raggedly in an 80-column terminal;
@@ -63,11 +97,15 @@ for name, fn in [
     ("restore", restore.restore),
     ("cp", cp.cp),
     ("prune", prune.prune),
+    ("rm", rm.rm),
+    ("du", du.du),
+    ("sync", sync.sync),
+    ("seal", seal.seal),
     ("interval", interval.interval),
     ("reshard", reshard.reshard),
     ("convert", convert.convert),
 ]:
-    app.command(name, help=_reflowed(fn.__doc__))(fn)
+    app.command(name, help=_reflowed(fn.__doc__), cls=_Command)(fn)
 
 
 def main() -> None:

@@ -46,8 +46,8 @@ err = _Console(stderr=True, soft_wrap=True)  # diagnostics, progress
 
 JsonOpt = Annotated[bool, typer.Option(
     "--json",
-    help='Print one JSON document on stdout, with "schema": 1 (bumped when a field changes meaning). '
-         'A failure prints {"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
+    help='Print one JSON document on stdout, with "schema": 1 (bumped when a field changes meaning; the fields '
+         'are in ckptctl-json(7)). A failure prints {"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
 )]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is drawn only when stderr is a terminal).")]
 
@@ -159,7 +159,7 @@ def _silence_stdout() -> None:
 
 def emit_json(doc: Any) -> None:
     """Print ``doc`` as the verb's one JSON document on stdout; an object gets the
-    ``"schema"`` field (``ls`` prints a bare list, kept for the scripts that read it)."""
+    ``"schema"`` field (every verb prints an object; the fields are in man/ckptctl-json.7)."""
     global _emitted_json
     _emitted_json = True
     if isinstance(doc, dict) and "schema" not in doc:

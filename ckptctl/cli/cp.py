@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 @command
 def cp(
-    src: Annotated[str, typer.Argument(help="One committed checkpoint: a step directory, local or s3://.")],
+    src: Annotated[str, typer.Argument(help="One committed checkpoint: a step directory, local or s3://, or another tool's checkpoint directory (checkpoint-N, step-N, iter_N, global_stepN).")],
     dst: Annotated[str, typer.Argument(help="A step directory to create, or a root to create it under.")],
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -26,12 +26,20 @@ def cp(
     not a step directory (step-XXXXXXXXXX), DST is a root and the copy goes below it. A DST
     that already holds the same checkpoint is left as is; a different one is refused.
     Prints the copy's path or URL.
+
+    Another tool's checkpoint (checkpoint-N, step-N, iter_N, global_stepN) is copied file by
+    file: checked on the fly against its seal when it has one (`ckptctl seal`; the seal goes
+    along), otherwise test-loaded at the destination (a local one only: seal it before copying
+    to object storage). The file its stack's commit rule reads is written last, and a DeepSpeed
+    `latest` or Megatron tracker at the destination root after it, only when none is there or it
+    names an older step.
     """
     with byte_progress("cp", quiet=quiet) as progress:
         outcome = copy_to(src, dst, progress)
     report_copy("copied", outcome.path, outcome.result)
     if json:
-        emit_json(outcome.result.to_dict())
+        # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); dst, bytes_copied kept
+        emit_json({**outcome.result.to_dict(), "url": outcome.path, "bytes": outcome.result.bytes_copied})
     else:
         say(outcome.path)
 
@@ -44,3 +52,5 @@ def report_copy(verb: str, where: str, result: "CopyResult") -> None:
     rate = f", {human_bytes(result.bytes_copied / result.seconds)}/s" if result.seconds and result.bytes_copied else ""
     err.print(f"{verb} step {result.step}: {result.files} files, {human_bytes(result.bytes_copied)} copied and verified "
               f"in {result.seconds:.2f}s{rate}", markup=False, highlight=False)
+    if result.note:  # another tool's checkpoint: how it was checked, and its pointer
+        err.print(f"note: {result.note}", markup=False, highlight=False)

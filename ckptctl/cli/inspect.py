@@ -23,7 +23,10 @@ def inspect(
     optimizer, other), non-tensor state keys and save statistics. Reads only the manifest."""
     r = inspect_path(ckpt, tensors=tensors)
     if json:
-        emit_json(r.to_dict())
+        doc = r.to_dict()
+        if "total_bytes" in doc:  # "bytes" as in every verb's JSON (ckptctl-json(7))
+            doc.setdefault("bytes", doc["total_bytes"])
+        emit_json(doc)
     elif hasattr(r, "format"):  # another tool's checkpoint (DCP, safetensors, torch.save)
         _print_foreign(r, tensors)  # type: ignore[arg-type]
     else:

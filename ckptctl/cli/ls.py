@@ -11,11 +11,12 @@ from ckptctl.ops.targets import list_root
 
 @command
 def ls(
-    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.")],
+    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
     json: Annotated[bool, typer.Option(
         "--json",
-        help="Print a JSON list on stdout, one object per checkpoint (step, name, url, status, size, created, "
-             'age_s, reason, layout). A failure prints {"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
+        help='Print one JSON object on stdout: {"url", "checkpoints": [{step, name, url, status, bytes, created, '
+             'age_s, reason, layout}, ...], "counts", "bytes", "schema": 1} (ckptctl-json(7)). A failure prints '
+             '{"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
     )] = False,
 ) -> None:
     """List every checkpoint under ROOT with its step, status, size and age, sorted by step
@@ -28,8 +29,10 @@ def ls(
     layout recognises its files (never deleted).
     """
     rows = list_root(root)
+    counts = {status: sum(r.status == status for r in rows) for status in ("committed", "partial", "corrupt", "link", "unknown")}
     if json:
-        emit_json([r.to_dict() for r in rows])
+        emit_json({"url": _root_url(rows, root), "checkpoints": [_entry(r.to_dict()) for r in rows], "counts": counts,
+                   "bytes": sum(r.size for r in rows)})
         return
     # Reasons (why a checkpoint is corrupt) can be long: their own column, last, and only when
     # there is one, so that the other columns stay aligned and easy to cut.
@@ -40,6 +43,18 @@ def ls(
          for r in rows],
         right=("STEP", "SIZE", "AGE"),
     )
-    counts = {status: sum(r.status == status for r in rows) for status in ("committed", "partial", "corrupt", "link", "unknown")}
     say(f"{len(rows)} checkpoints: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n or status == "committed")
         + f"; total {human_bytes(sum(r.size for r in rows))}", console=err)
+
+
+def _entry(d: dict) -> dict:
+    """One checkpoint as JSON: sizes are ``bytes`` in every verb's output (ckptctl-json(7))."""
+    size = d.pop("size")
+    return {**d, "bytes": size}
+
+
+def _root_url(rows: list, given: str) -> str:
+    """The root's URL: the parent of the first checkpoint's, else the path as given."""
+    if rows:
+        return rows[0].url.rstrip("/").rsplit("/", 1)[0]
+    return given

@@ -1,16 +1,19 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out, print_table
+from ckptctl.cli.policy import (
+    KeepDailyOpt, KeepEveryOpt, KeepHourlyOpt, KeepLastOpt, KeepMonthlyOpt, KeepOpt, KeepWeeklyOpt, KeepWithinOpt,
+    policy_from,
+)
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
 from ckptctl.errors import InvalidCheckpoint, StorageError, UsageError
 from ckptctl.ops.prune import DEFAULT_PARTIAL_AFTER_S, PrunePlan, PruneOutcome
-from ckptctl.ops.retention import from_options
 from ckptctl.ops.targets import prune_root
 
 
@@ -21,13 +24,18 @@ def interactive() -> bool:
 
 @command
 def prune(
-    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.")],
-    keep_last: Annotated[Optional[int], typer.Option("--keep-last", help="Keep the N newest committed checkpoints.", metavar="N")] = None,
-    keep_every: Annotated[Optional[int], typer.Option("--keep-every", help="Keep steps that are multiples of STEPS.", metavar="STEPS")] = None,
-    keep_within: Annotated[Optional[str], typer.Option("--keep-within", help="Keep checkpoints created within DURATION of the newest one (90s, 15m, 6h, 7d).", metavar="DURATION")] = None,
-    keep: Annotated[Optional[list[int]], typer.Option("--keep", help="Keep this step (repeatable).", metavar="STEP")] = None,
+    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
+    keep_last: KeepLastOpt = None,
+    keep_every: KeepEveryOpt = None,
+    keep_within: KeepWithinOpt = None,
+    keep_hourly: KeepHourlyOpt = None,
+    keep_daily: KeepDailyOpt = None,
+    keep_weekly: KeepWeeklyOpt = None,
+    keep_monthly: KeepMonthlyOpt = None,
+    keep: KeepOpt = None,
     partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker once nothing in them changed for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="Also delete committed checkpoints that fail verification.")] = False,
+    seal: Annotated[bool, typer.Option("--seal", help="Seal other tools' anchors this run test-loaded (as `ckptctl seal` does), so later runs check their bytes instead of test-loading them.")] = False,
     reverify: Annotated[bool, typer.Option("--reverify", help="Re-read checkpoints even if a recorded verification says they are unchanged.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and stop.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a terminal).")] = False,
@@ -36,14 +44,25 @@ def prune(
 ) -> None:
     """Delete old checkpoints, never the newest one that passes full verification.
 
-    A checkpoint is kept if any policy keeps it. The newest committed checkpoint that passes
+    A checkpoint is kept if any policy keeps it, and each kept one is printed with every reason.
+    The calendar rules keep the newest checkpoint of each of the last N UTC hours, days, ISO
+    weeks or months that have one (as restic's forget does). Time-based rules (--keep-within
+    and the calendar) trust a commit time only if it is not in the future and not before the
+    first checkpoint's: a checkpoint saved on a host with a wrong clock is kept and flagged, and
+    windows are measured from the newest trustworthy commit time.
+
+    The newest committed checkpoint that passes
     full verification (every checksum, every tensor decoded) is always kept, and nothing is
     deleted if none does. Checkpoints newer than it that fail are reported, not deleted
     (unless --delete-broken). Directories without a marker are left alone until idle for
     --partial-after. Symlinked step directories are removed (the link only; its target is
-    never followed or touched). Deleting removes the marker first. A lock under ROOT stops
-    two prunes from running at once (--dry-run takes none). A full verification is recorded
-    in ROOT/.ckptctl-verified.json so an unchanged checkpoint is not re-read next time.
+    never followed or touched). Deleting removes the marker first.
+
+    A lock under ROOT stops
+    two prunes from running at once (--dry-run takes none); it is taken without needing a free
+    block, so prune works on a full disk. A full verification is recorded in
+    ROOT/.ckptctl-verified.json so an unchanged checkpoint is not re-read next time; --dry-run
+    writes nothing anywhere.
 
     Exit status: 0 done; 1 nothing verifies, not confirmed, or broken checkpoints were left in
     place; 2 usage error, including no terminal to confirm on without --yes or --dry-run; 3 lock
@@ -51,12 +70,7 @@ def prune(
 
     Example (cron): ckptctl prune /ckpt --keep-last 3 --keep-every 10000 --yes
     """
-    policy = from_options(
-        keep_last,
-        keep_every,
-        None if keep_within is None else parse_duration(keep_within, option="--keep-within"),
-        keep or (),
-    )
+    policy = policy_from(keep_last, keep_every, keep_within, keep, keep_hourly, keep_daily, keep_weekly, keep_monthly)
     partial_after_s = parse_duration(partial_after, option="--partial-after")
     if not (dry_run or yes or interactive()):
         raise UsageError(
@@ -69,7 +83,7 @@ def prune(
         if not json:
             _print_plan(plan)
         elif final:
-            emit_json({"dry_run": dry_run, "plan": plan.to_dict(), "outcome": None})
+            emit_json({"dry_run": dry_run, "plan": _plan_doc(plan), "outcome": None})
         elif not yes:
             _print_plan(plan, to_stderr=True)  # stdout is for the JSON; the person reads stderr
         for note in plan.notes:
@@ -83,7 +97,7 @@ def prune(
 
     with byte_progress("verify", quiet=quiet) as progress:
         plan, outcome = prune_root(
-            root, policy, partial_after_s=partial_after_s, delete_broken=delete_broken,
+            root, policy, partial_after_s=partial_after_s, delete_broken=delete_broken, seal=seal,
             reverify=reverify, dry_run=dry_run, review=review, progress=progress,
             command=f"ckptctl prune {root}",
         )
@@ -92,11 +106,11 @@ def prune(
         return
     if outcome is None:
         if json:
-            emit_json({"dry_run": False, "plan": plan.to_dict(), "outcome": None})
+            emit_json({"dry_run": False, "plan": _plan_doc(plan), "outcome": None})
         err.print("not confirmed; nothing was deleted", markup=False)
         raise typer.Exit(1)
     if json:
-        emit_json({"dry_run": False, "plan": plan.to_dict(), "outcome": outcome.to_dict()})
+        emit_json({"dry_run": False, "plan": _plan_doc(plan), "outcome": outcome.to_dict()})
     else:
         _print_outcome(outcome)
     for note in outcome.notes:
@@ -106,6 +120,13 @@ def prune(
         raise StorageError(f"{len(outcome.failed)} deletion(s) failed, first {first.name}: {first.detail}",
                            hint="fix the cause (permissions?) and run prune again")
     _exit_for_broken(plan)
+
+
+def _plan_doc(plan: PrunePlan) -> dict:
+    """The plan as JSON, each item's size also as "bytes" (the name every verb uses)."""
+    doc = plan.to_dict()
+    doc["items"] = [{**item, "bytes": item.get("size", 0)} for item in doc["items"]]
+    return doc
 
 
 def _exit_for_broken(plan: PrunePlan) -> None:

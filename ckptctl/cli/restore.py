@@ -33,6 +33,11 @@ def restore(
     the copy is staged in a hidden directory under DST, re-sharded into the step directory and
     verified there, then the staging copy is removed (DST needs room for both meanwhile).
 
+    A root of other tools' checkpoints (and no ckptctl one) gets the newest checkpoint that is
+    complete by its stack's own rule, copied as `ckptctl cp` copies it: checked against its seal,
+    or test-loaded at DST without one; it lands in DST under its own name, and the path printed
+    is what that stack resumes from (the checkpoint; for Megatron-LM, DST with its tracker).
+
     Example: CKPT=$(ckptctl restore s3://bucket/run7 /nvme/ckpt) && torchrun train.py --resume "$CKPT"
     """
     if step is not None and step < 0:
@@ -47,6 +52,7 @@ def restore(
         result = restore_into(src, dst, step, progress, world_size=world_size, on_skip=skipped)
     report_copy("restored", result.path, result.copy)
     if json:
-        emit_json(result.to_dict())
+        # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); path kept
+        emit_json({**result.to_dict(), "url": result.path, "bytes": result.copy.bytes_copied})
     else:
         say(result.path)

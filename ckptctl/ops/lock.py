@@ -20,6 +20,11 @@ runs that both saw the same stale lock could each delete it, the second deleting
 first had just taken, and both would go on to delete checkpoints. Normal acquisition never
 deletes anything.
 
+On a filesystem the lock is ``flock``ed while held, and takeable on a full disk (the usual
+reason to prune): with no block for its JSON it is created empty (``O_CREAT|O_EXCL``, an inode
+only). Others read an empty lock as "ask flock": unlocked and older than a few seconds means
+its holder is gone. A refresh then only touches the mtime.
+
 Limits: hosts are told apart by hostname and processes by pid, so two containers sharing a
 hostname but not a pid namespace must rely on the timeout. A lock holder whose lock was broken
 (it looked stale) notices at its next ``refresh`` and stops.
@@ -27,6 +32,8 @@ hostname but not a pid namespace must rely on the timeout. A lock holder whose l
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -38,7 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ckptctl.durations import format_duration
-from ckptctl.errors import InvalidCheckpoint, LockHeld, NotFound
+from ckptctl.errors import InvalidCheckpoint, LockHeld, NotFound, StorageError
 from ckptctl.format import parse
 from ckptctl.storage.base import Storage
 
@@ -50,6 +57,9 @@ GUARD_STALE_AFTER_S = 300.0
 # Refreshing rewrites the lock file; once a minute is plenty against a 6-hour timeout.
 REFRESH_EVERY_S = 60.0
 _MAX_LOCK_BYTES = 64 << 10
+# An empty lock file younger than this may be one whose creator has not reached flock() yet.
+EMPTY_LOCK_GRACE_S = 10.0
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _MAX_PID = (1 << 31) - 1
 
 log = logging.getLogger("ckptctl")
@@ -162,6 +172,9 @@ class RootLock:
         self._clock = clock
         self._info: LockInfo | None = None
         self._last_refresh = 0.0
+        self._local = root.local_path()  # a directory on a filesystem: O_EXCL + flock
+        self._fd: int | None = None  # the held lock file, flocked, while the lock is held
+        self._made: dict[str, tuple[int, int]] = {}  # key -> (dev, inode) of files we created
 
     @property
     def held(self) -> bool:
@@ -190,11 +203,11 @@ class RootLock:
         if self._info is not None:
             raise RuntimeError("RootLock is not re-entrant")
         mine = self._new_info()
-        if self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+        if self._create(LOCK_KEY, mine):
             return self._took(mine)
         current = self._read()
         if current is None:  # released between our attempt and the read: try once more
-            if self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+            if self._create(LOCK_KEY, mine):
                 return self._took(mine)
             current = self._read()
             if current is None:
@@ -208,27 +221,30 @@ class RootLock:
     def _stale(self, holder: LockInfo | None, mtime: float) -> str | None:
         now = self._clock()
         if holder is None:
-            # Unreadable (foreign or damaged): only its age can tell.
+            # Unreadable: left empty by a holder on a full disk (flock tells whether it lives),
+            # or foreign or damaged (only its age can tell).
+            if now - mtime > EMPTY_LOCK_GRACE_S and self._flock_free(LOCK_KEY):
+                return "unreadable lock file, and no process holds it (flock)"
             idle = now - mtime
             return f"unreadable lock file untouched for {format_duration(idle)}" if idle > self.stale_after_s else None
         return stale_reason(holder, now=now, stale_after_s=self.stale_after_s, host=self.host)
 
     def _break(self, holder: LockInfo | None, mtime: float, reason: str, mine: LockInfo) -> "RootLock":
         guard = self._new_info()
-        if not self.root.write_if_absent(GUARD_KEY, guard.to_json()):
+        if not self._create(GUARD_KEY, guard):
             seen = self._read(GUARD_KEY)
             if seen is None or self._clock() - seen[1] <= GUARD_STALE_AFTER_S:
                 raise self._held(holder, mtime, breaking=seen is not None)
             # A breaker died holding the guard; nobody could ever break the lock while it exists.
             self.root.delete(GUARD_KEY)
             self._note(f"removed an abandoned {GUARD_KEY} left by a run that died while breaking a lock")
-            if not self.root.write_if_absent(GUARD_KEY, guard.to_json()):
+            if not self._create(GUARD_KEY, guard):
                 raise self._held(holder, mtime, breaking=True)
         try:
             again = self._read()
             if again is None:
                 # Released (or broken by someone) since we looked: a plain attempt decides.
-                if self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+                if self._create(LOCK_KEY, mine):
                     return self._took(mine)
                 again = self._read()
                 raise self._held(again[0] if again else None, again[1] if again else None)
@@ -237,7 +253,7 @@ class RootLock:
             self.root.delete(LOCK_KEY)
             who = holder.describe(self._clock()) if holder else "an unknown holder"
             self._note(f"broke a stale lock held by {who}: {reason}")
-            if not self.root.write_if_absent(LOCK_KEY, mine.to_json()):
+            if not self._create(LOCK_KEY, mine):
                 # A plain acquire slipped in between our delete and our write: it holds it.
                 again = self._read()
                 raise self._held(again[0] if again else None, again[1] if again else None)
@@ -278,7 +294,12 @@ class RootLock:
         if now - self._last_refresh < REFRESH_EVERY_S:
             return
         current = self._read()
-        if current is None or current[0] is None or current[0].token != self._info.token:
+        token_ok = current is not None and current[0] is not None and current[0].token == self._info.token
+        if self._fd is not None:  # the file we created and flock; empty when the disk is full
+            ours = self._is_ours(LOCK_KEY) and (token_ok or (current is not None and current[0] is None))
+        else:
+            ours = token_ok
+        if not ours:
             holder = current[0] if current else None
             self._info = None
             raise LockHeld(
@@ -288,20 +309,154 @@ class RootLock:
                 hint="this run looked stale to another one (hung for longer than the lock timeout?)",
             )
         self._info = LockInfo(**{**asdict(self._info), "refreshed": now})
-        self.root.write_atomic(LOCK_KEY, self._info.to_json())
+        if self._fd is not None:
+            self._rewrite_in_place(self._fd, self._info.to_json())
+        else:
+            self.root.write_atomic(LOCK_KEY, self._info.to_json())
         self._last_refresh = now
 
     def release(self) -> None:
         info, self._info = self._info, None
-        if info is not None and not self._delete_if_ours(LOCK_KEY, info.token):
-            log.warning("%s was no longer ours when releasing it; left it alone", self.root.url_of(LOCK_KEY))
+        try:
+            if info is not None and not self._delete_if_ours(LOCK_KEY, info.token):
+                log.warning("%s was no longer ours when releasing it; left it alone", self.root.url_of(LOCK_KEY))
+        finally:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)  # drops the flock
 
     def _delete_if_ours(self, key: str, token: str) -> bool:
         current = self._read(key)
+        if key in self._made and current is not None and current[0] is None:
+            # Created here and left empty by a full disk: the same inode is ours.
+            if not self._is_ours(key):
+                return False
+            del self._made[key]
+            self.root.delete(key)
+            return True
         if current is None or current[0] is None or current[0].token != token:
             return False
         self.root.delete(key)
         return True
+
+    # --- creating without free blocks (filesystems) -------------------------------------------
+
+    def _path(self, key: str) -> str | None:
+        return None if self._local is None else os.path.join(self._local, key)
+
+    def _create(self, key: str, info: LockInfo) -> bool:
+        """Create ``key`` holding ``info`` unless it exists (then False)."""
+        path = self._path(key)
+        if path is None:
+            return self.root.write_if_absent(key, info.to_json())
+        data = info.to_json()
+        try:
+            fd = self._link_written(path, data)  # readers never see it without its JSON
+            written = fd is not None
+            if fd is None:  # no block free: an empty file (an inode only), the JSON best-effort
+                fd = self._open_new(path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise StorageError(f"cannot create {self.root.url_of(key)}: {e.strerror}",
+                               hint="check the permissions of the checkpoint root") from None
+        try:
+            if key == LOCK_KEY:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    pass  # a breaker probing it this instant, or no flock here: the create decided
+            st = os.fstat(fd)
+            self._made[key] = (st.st_dev, st.st_ino)
+            if not written:
+                self._rewrite_in_place(fd, data)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            self._made.pop(key, None)
+            raise
+        if key == LOCK_KEY:
+            self._fd = fd
+        else:
+            os.close(fd)
+        return True
+
+    def _open_new(self, path: str) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(path, flags, 0o644)
+        except FileNotFoundError:  # a root not created yet (a first save's retention)
+            os.makedirs(self._local or ".", exist_ok=True)
+            return os.open(path, flags, 0o644)
+
+    def _link_written(self, path: str, data: bytes) -> int | None:
+        """``data`` in a temporary file hard-linked to ``path`` (FileExistsError if taken): its
+        descriptor, or None when no block is free."""
+        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = self._open_new(tmp)
+        try:
+            try:
+                full = os.write(fd, data) != len(data)
+            except OSError as e:
+                if e.errno not in _NO_SPACE:
+                    raise
+                full = True
+            if not full:
+                os.link(tmp, path)
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(tmp)
+        os.close(fd)
+        return None
+
+    def _rewrite_in_place(self, fd: int, data: bytes) -> None:
+        """The lock's JSON over the file's content; on a full disk, empty and its mtime touched."""
+        try:
+            os.ftruncate(fd, 0)
+            if os.pwrite(fd, data, 0) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as e:
+            if e.errno not in _NO_SPACE:
+                raise StorageError(f"cannot write {self.root.url_of(LOCK_KEY)}: {e.strerror}",
+                                   hint="check the permissions and health of the checkpoint root") from None
+            try:
+                os.ftruncate(fd, 0)  # an empty file reads as "ask flock", half a JSON as garbage
+                os.utime(fd)
+            except OSError:
+                pass  # nothing more can be done without space; flock still holds the lock
+            note = f"disk full: {self.root.url_of(LOCK_KEY)} was left empty; the lock is held by flock"
+            if note not in self.notes:
+                self._note(note)
+
+    def _is_ours(self, key: str) -> bool:
+        path = self._path(key)
+        if path is None or key not in self._made:
+            return False
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self._made[key]
+
+    def _flock_free(self, key: str) -> bool:
+        """Whether nobody holds a flock on the file ``key`` (False when it cannot be told)."""
+        path = self._path(key)
+        if path is None:
+            return False
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            return False  # held (EWOULDBLOCK), or no flock here: only age can tell
+        finally:
+            os.close(fd)  # releases our probe's lock
 
     def _note(self, text: str) -> None:
         self.notes.append(text)

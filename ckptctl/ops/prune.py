@@ -84,13 +84,14 @@ def prune(
     command: str = "prune",
     progress: Progress | None = None,
     layouts: Sequence[Layout] = LAYOUTS,
+    seal: bool = False,
 ) -> tuple[PrunePlan, PruneOutcome | None]:
     """Plan and execute under the root's lock. ``review(plan)`` sees the plan first (to print
     it, to ask for confirmation) and returns whether to go on. Returns the plan and the outcome
     (None for a dry run or when the review said no).
 
-    A dry run takes no lock: it only reads (and updates the verification record, which is safe
-    without one). Raises ``LockHeld`` (exit 3) when another run holds the lock, and
+    A dry run takes no lock and writes nothing anywhere, not even the verification record
+    (only a real run or ``verify`` writes that). Raises ``LockHeld`` (exit 3) when another run holds the lock, and
     ``NoValidCheckpoint`` (exit 1) after the review when nothing verifies.
     """
     path = root.local_path()
@@ -99,9 +100,9 @@ def prune(
         # should be an error, not a new empty directory.
         raise NotFound(f"{root.url}: no such directory", hint="check the checkpoint root's path")
     kwargs = dict(partial_after_s=partial_after_s, delete_broken=delete_broken, reverify=reverify, progress=progress,
-                  layouts=layouts)
+                  layouts=layouts, seal=seal)
     if dry_run:
-        p = plan(root, policy, **kwargs)  # type: ignore[arg-type]
+        p = plan(root, policy, record=False, **kwargs)  # type: ignore[arg-type]
         if review is not None:
             review(p)
         raise_if_refused(p)

@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 from ckptctl.durations import format_duration
-from ckptctl.errors import NoValidCheckpoint
+from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
 from ckptctl.format.layout import MARKER
+from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout
 from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.layout_verify import verify_stack
+from ckptctl.ops.layout_verify import verify_stack_detail
+from ckptctl.ops.seal import write_seal
 from ckptctl.ops.retention import Candidate, KeepSteps, RetentionPolicy
 from ckptctl.ops.verify import Level, VerifyReport
 from ckptctl.progress import Progress
@@ -80,6 +82,8 @@ class PrunePlan:
     anchor_fingerprint: Fingerprint | None = None
     cache: VerifyCache | None = None
     anchors: dict[str, PlanItem] = field(default_factory=dict)  # layout -> its anchor
+    seal: bool = False  # seal the other stacks' anchors it verified (``prune --seal``)
+    record: bool = True  # False for a dry run: nothing is written, no seal either
 
     @property
     def deletions(self) -> list[PlanItem]:
@@ -124,6 +128,8 @@ def plan(
     progress: Progress | None = None,
     heartbeat: Callable[[], None] | None = None,
     layouts: Sequence[Layout] = LAYOUTS,
+    record: bool = True,
+    seal: bool = False,
 ) -> PrunePlan:
     """Decide what to keep and delete under ``root``. Reads only, apart from the verification
     record (an optimisation that is always safe to write). Never raises for a checkpoint
@@ -131,10 +137,14 @@ def plan(
 
     ``heartbeat`` is called between verifications (a lock holder refreshes its lock there).
     ``layouts`` are the layouts whose checkpoints may be deleted (``Checkpointer`` retention
-    passes ckptctl's own only); other layouts' entries are listed and left alone.
+    passes ckptctl's own only); other layouts' entries are listed and left alone. With
+    ``seal`` another stack's anchor that was test-loaded here and has no seal yet is sealed
+    (``ops.seal``; not on a dry run); a sealed anchor is trusted when every byte still matches
+    its seal, without test-loading it again.
     """
-    p = PrunePlan(root, policy, partial_after_s, delete_broken, reverify, time.time() if now is None else now)
-    p.cache = VerifyCache.load(root)
+    p = PrunePlan(root, policy, partial_after_s, delete_broken, reverify, time.time() if now is None else now,
+                  seal=seal, record=record)
+    p.cache = VerifyCache.load(root, read_only=not record)  # record=False: a dry run writes nothing
     ours = {layout.name for layout in layouts}
     p.items = [_survey(root, e, p.now, partial_after_s) for e in list_checkpoints(root)]
     for item in p.items:
@@ -252,8 +262,11 @@ def _choose_anchor(p: PrunePlan, layout: str, progress: Progress | None, heartbe
             heartbeat()
         ckpt = p.root.sub(item.name)
         if isinstance(bound, StackLayout):
-            report = verify_stack(ckpt, bound, ANCHOR_LEVEL)
+            # A sealed checkpoint whose every byte matches its seal was test-loaded when sealed.
+            report, not_loaded = verify_stack_detail(ckpt, bound, ANCHOR_LEVEL, trust_seal=True)
             cached, vouched = False, report.ok and entry_snapshot(p.root, item.name) == item.snapshot
+            if vouched and p.seal:
+                _seal_anchor(p, item, ckpt, bound, report, not_loaded)
         else:
             report, cached, fp = verify_cached(ckpt, item.name, p.cache, level=ANCHOR_LEVEL,
                                                reverify=p.reverify, progress=progress)
@@ -268,6 +281,26 @@ def _choose_anchor(p: PrunePlan, layout: str, progress: Progress | None, heartbe
         item.reason = ("changed while it was being verified" if report.ok
                        else f"fails full verification: {report.problems[0]}"
                        + (f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""))
+
+
+def _seal_anchor(p: PrunePlan, item: PlanItem, ckpt: Storage, layout: StackLayout, report: VerifyReport,
+                 not_loaded: list[str]) -> None:
+    """``prune --seal``: seal the anchor just test-loaded (unless sealed already), and take the
+    seal into the anchor's snapshot so that execute still finds it as verified."""
+    if any(key == SEAL for key, *_ in item.snapshot) or report.level != "load":
+        return
+    if not p.record:
+        p.notes.append(f"{item.name}: would be sealed (--seal; not on a dry run)")
+        return
+    try:
+        done = write_seal(ckpt, layout, report, not_loaded, expected=item.snapshot)
+    except InvalidCheckpoint as e:
+        p.notes.append(f"{item.name}: not sealed: {e}")
+        return
+    after = entry_snapshot(p.root, item.name)
+    if tuple(s for s in after if s[0] != SEAL) == item.snapshot:
+        item.snapshot = after
+    p.notes.append(f"{item.name}: {done.status} ({done.files} files, test-loaded by this prune)")
 
 
 def _pick_primary_anchor(p: PrunePlan, groups: list[str]) -> None:
@@ -294,9 +327,11 @@ def _apply_policy(p: PrunePlan, layout: str) -> None:
     cands = [i for i in p.items if i.kind == "committed" and i.layout == layout and (own is None or i.step <= own.step)]
     by_step = {i.step: i for i in cands}
     anchor = own.step if own is not None else None
-    decisions = p.policy.decide([Candidate(i.step, float(i.created or 0.0)) for i in cands], anchor)
+    decisions = p.policy.decide([Candidate(i.step, float(i.created or 0.0)) for i in cands], anchor, now=p.now)
     for step, d in decisions.items():
         item = by_step[step]
+        if d.implausible:  # a wrong clock on the saving host: flagged, never a reason to delete
+            p.notes.append(f"{item.name}: implausible {d.implausible}; time-based rules ignore it")
         if d.keep:
             item.action, item.reason = "keep", "; ".join(d.reasons)
         else:

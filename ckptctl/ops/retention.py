@@ -10,9 +10,17 @@ tool that deletes things:
 * there is no "keep nothing" policy: a :class:`RetentionPolicy` needs at least one rule, and the
   anchor (the newest checkpoint that verified, chosen by the caller) is always kept.
 
-Everything here is pure: no I/O and no clock. ``KeepWithin`` measures from the newest
-candidate's creation time, like restic's ``--keep-within``, so a job that has been down for a
-week does not have every checkpoint age out of the window.
+Everything here is pure: no I/O and no clock (``now`` is passed in). ``KeepWithin`` measures
+from the newest candidate's creation time, like restic's ``--keep-within``, so a job that has
+been down for a week does not have every checkpoint age out of the window. The calendar rules
+(``--keep-hourly/-daily/-weekly/-monthly N``) keep the newest checkpoint of each of the N most
+recent UTC hours, days, ISO weeks or months that have one, as restic's ``forget`` does.
+
+Time-based rules use only *trustworthy* commit times (:func:`implausible_times`): a time in the
+future, or before the root's first checkpoint, comes from a host with a wrong clock. Such a
+checkpoint is kept (the rules cannot place it, and deleting on a wrong clock is how a prune
+loses recent work) and flagged; windows are measured from the newest trustworthy time, so one
+checkpoint dated 10 years ahead cannot make ``--keep-within 7d`` drop everything else.
 
 >>> cands = [Candidate(step=s, time=1000.0 + s) for s in (1000, 2000, 3000, 4000)]
 >>> policy = from_options(keep_last=2, keep_every=2000, keep_within=None, keep=())
@@ -28,6 +36,7 @@ import abc
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from ckptctl.durations import format_duration
 from ckptctl.errors import UsageError
@@ -39,16 +48,21 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "KeepSteps",
+    "KeepCalendar",
     "KeepWithin",
     "Policy",
     "RetentionPolicy",
     "from_options",
+    "implausible_times",
 ]
 
 ANCHOR_REASON = "anchor: newest verified checkpoint"
 NO_POLICY_MESSAGE = (
-    "no retention policy given; pass --keep-last, --keep-every, --keep-within or --keep"
+    "no retention policy given; pass --keep-last, --keep-every, --keep-within, "
+    "--keep-hourly/-daily/-weekly/-monthly or --keep"
 )
+# A commit time this far ahead of ``now`` is a wrong clock, not skew between hosts.
+FUTURE_TOLERANCE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -81,11 +95,12 @@ class Decision:
     """What retention decided for one step, and every reason it is kept (empty when deleted).
 
     >>> Decision(keep=True, reasons=("keep-last 3",))
-    Decision(keep=True, reasons=('keep-last 3',))
+    Decision(keep=True, reasons=('keep-last 3',), implausible=None)
     """
 
     keep: bool
     reasons: tuple[str, ...]
+    implausible: str | None = None  # why its commit time was not trusted (time rules skip it)
 
 
 def _sorted_unique(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -114,8 +129,11 @@ class Policy(abc.ABC):
     """One retention rule. ``reasons`` maps each step it keeps to a short reason string.
 
     Implementations must be pure and order-independent: same candidates in any order, same
-    answer. Duplicate steps raise ``ValueError``.
+    answer. Duplicate steps raise ``ValueError``. ``time_based`` rules read ``Candidate.time``;
+    :class:`RetentionPolicy` hands them only the candidates whose time is trustworthy.
     """
+
+    time_based = False
 
     @abc.abstractmethod
     def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
@@ -182,6 +200,7 @@ class KeepWithin(Policy):
     """
 
     seconds: float
+    time_based = True
 
     def __post_init__(self) -> None:
         if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
@@ -205,6 +224,93 @@ class KeepWithin(Policy):
             return {}
         newest = max(c.time for c in ordered)
         return {c.step: self.label for c in ordered if newest - c.time <= self.seconds}
+
+
+_CALENDAR_UNITS = ("hourly", "daily", "weekly", "monthly")
+
+
+def _bucket(unit: str, t: float) -> str:
+    """The UTC hour, day, ISO week or month of epoch time ``t``, as a printable label."""
+    d = datetime.fromtimestamp(t, tz=timezone.utc)
+    if unit == "hourly":
+        return d.strftime("%Y-%m-%d %H:00Z")
+    if unit == "daily":
+        return d.strftime("%Y-%m-%d")
+    if unit == "weekly":
+        year, week, _ = d.isocalendar()
+        return f"{year}-W{week:02d}"
+    return d.strftime("%Y-%m")
+
+
+@dataclass(frozen=True)
+class KeepCalendar(Policy):
+    """Keep the newest checkpoint (by commit time) of each of the ``n`` most recent UTC hours,
+    days, ISO weeks or months that have one: restic's ``forget --keep-daily`` and friends.
+
+    >>> day = 86400.0
+    >>> KeepCalendar("daily", 2).reasons([Candidate(1, 0.0), Candidate(2, 10.0), Candidate(3, day + 5)])
+    {2: 'keep-daily 2 (1970-01-01)', 3: 'keep-daily 2 (1970-01-02)'}
+    """
+
+    unit: str
+    n: int
+    time_based = True
+
+    def __post_init__(self) -> None:
+        if self.unit not in _CALENDAR_UNITS:
+            raise ValueError(f"calendar unit must be one of {', '.join(_CALENDAR_UNITS)}, got {self.unit!r}")
+        _require_int(self.n, f"--keep-{self.unit}", 1)
+
+    @property
+    def label(self) -> str:
+        return f"keep-{self.unit} {self.n}"
+
+    def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        # Newest first by time; a tie in time goes to the higher step (the later save).
+        ordered = sorted(_sorted_unique(candidates), key=lambda c: (c.time, c.step), reverse=True)
+        kept: dict[int, str] = {}
+        seen: set[str] = set()
+        for c in ordered:
+            bucket = _bucket(self.unit, c.time)
+            if bucket in seen:
+                continue
+            if len(seen) == self.n:
+                break
+            seen.add(bucket)
+            kept[c.step] = f"{self.label} ({bucket})"
+        return dict(sorted(kept.items()))
+
+
+def implausible_times(
+    candidates: Sequence[Candidate], now: float | None, *, tolerance_s: float = FUTURE_TOLERANCE_S
+) -> dict[int, str]:
+    """Steps whose commit time cannot be trusted, each with why: later than ``now`` (plus
+    ``tolerance_s`` of clock skew between hosts), or earlier than the first checkpoint's (the
+    lowest step whose time is not in the future). ``now=None`` checks only the second rule.
+
+    >>> now = 10_000.0
+    >>> implausible_times([Candidate(1, 5000.0), Candidate(2, 4000.0), Candidate(3, 9e9)], now)
+    {2: 'commit time before the first checkpoint (step 1)', 3: 'commit time in the future (2255-03-14 16:00:00Z)'}
+    """
+    out: dict[int, str] = {}
+    ordered = _sorted_unique(candidates)
+    for c in ordered:
+        if now is not None and c.time > now + tolerance_s:
+            out[c.step] = f"commit time in the future ({_stamp(c.time)})"
+    rest = [c for c in ordered if c.step not in out]
+    if rest:
+        first = rest[0]
+        for c in rest[1:]:
+            if c.time < first.time:
+                out[c.step] = f"commit time before the first checkpoint (step {first.step})"
+    return dict(sorted(out.items()))
+
+
+def _stamp(t: float) -> str:
+    try:
+        return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):  # beyond what datetime can show
+        return f"{t:.0f} s after the epoch"
 
 
 @dataclass(frozen=True)
@@ -266,7 +372,7 @@ class RetentionPolicy:
         return ", ".join(p.label for p in self.policies)
 
     def decide(
-        self, candidates: Sequence[Candidate], anchor_step: int | None
+        self, candidates: Sequence[Candidate], anchor_step: int | None, *, now: float | None = None
     ) -> dict[int, Decision]:
         """Decide every candidate, keyed by step in ascending order.
 
@@ -275,21 +381,32 @@ class RetentionPolicy:
         the decisions then follow the policies alone, for display, and a caller must refuse to
         delete anything (``man/ckptctl-prune.1``: nothing is deleted if no checkpoint passes
         full verification).
+
+        ``now`` (epoch seconds) turns on the trust check: with time-based rules, checkpoints
+        dated in the future or before the first one are kept and carry
+        ``Decision.implausible`` (see :func:`implausible_times`); ``None`` takes every time as
+        given.
         """
         ordered = _sorted_unique(candidates)
         steps = [c.step for c in ordered]
         if anchor_step is not None and anchor_step not in steps:
             raise ValueError(f"anchor step {anchor_step} is not among the retention candidates")
 
+        timed = any(p.time_based for p in self.policies)
+        # Only with ``now`` (prune's plan passes it): without it, times are taken as given.
+        untrusted = implausible_times(ordered, now) if timed and now is not None else {}
+        trusted = [c for c in ordered if c.step not in untrusted]
         collected: dict[int, list[str]] = {step: [] for step in steps}
         if anchor_step is not None:
             collected[anchor_step].append(ANCHOR_REASON)
         for policy in self.policies:
-            for step, reason in policy.reasons(ordered).items():
+            for step, reason in policy.reasons(trusted if policy.time_based else ordered).items():
                 # Two identical rules (keep-last 3 twice) should not print the reason twice.
                 if reason not in collected[step]:
                     collected[step].append(reason)
-        return {step: Decision(bool(why), tuple(why)) for step, why in collected.items()}
+        for step, why in untrusted.items():
+            collected[step].append(f"implausible {why}: kept, time-based rules cannot place it")
+        return {step: Decision(bool(why), tuple(why), untrusted.get(step)) for step, why in collected.items()}
 
 
 def from_options(
@@ -297,11 +414,18 @@ def from_options(
     keep_every: int | None,
     keep_within: float | None,
     keep: Iterable[int] = (),
+    *,
+    keep_hourly: int | None = None,
+    keep_daily: int | None = None,
+    keep_weekly: int | None = None,
+    keep_monthly: int | None = None,
 ) -> RetentionPolicy:
     """Build the policy from CLI-style options (``None`` / empty means "not given").
 
     >>> from_options(keep_last=3, keep_every=None, keep_within=6 * 3600, keep=[500]).describe()
     'keep-last 3, within 6h of newest, pinned'
+    >>> from_options(None, None, None, keep_daily=7, keep_monthly=12).describe()
+    'keep-daily 7, keep-monthly 12'
     >>> from_options(None, None, None, ())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -314,6 +438,9 @@ def from_options(
         policies.append(KeepEvery(keep_every))
     if keep_within is not None:
         policies.append(KeepWithin(keep_within))
+    for unit, n in zip(_CALENDAR_UNITS, (keep_hourly, keep_daily, keep_weekly, keep_monthly)):
+        if n is not None:
+            policies.append(KeepCalendar(unit, n))
     pinned = tuple(keep)
     if pinned:
         policies.append(KeepSteps(frozenset(pinned)))

@@ -269,8 +269,15 @@ class CopyOutcome:
 def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
     it under), checked on the fly (``ops.transfer.copy_checkpoint``)."""
+    from ckptctl.ops.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
     from ckptctl.ops.transfer import checkpoint_dir_for, copy_checkpoint
 
+    _open_existing(src)
+    stack = stack_source_at(src)
+    if stack is not None:  # another tool's checkpoint (ops.stack_copy)
+        dest, dest_root = destination_for(stack, dst)
+        done = copy_stack_checkpoint(stack, dest, dest_root, progress)
+        return CopyOutcome(dest.local_path() or dest.url, done)
     target = resolve_checkpoint(src, foreign=False)
     assert target.storage is not None
     manifest, _ = read_committed(target.storage)
@@ -283,9 +290,16 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
                  world_size: int | None = None, on_skip: "Callable[[Skipped], None] | None" = None) -> "RestoreResult":
     """``ops.transfer.restore_latest`` from the root at ``src_root`` (which must exist) into
     ``dst_root`` (created when missing)."""
+    from ckptctl.ops.stack_copy import restore_stack, wants_stack_restore
     from ckptctl.ops.transfer import restore_latest
 
-    return restore_latest(_open_existing(src_root), open_storage(dst_root), step, progress,
+    src = _open_existing(src_root)
+    if wants_stack_restore(src):  # other tools' checkpoints, and no ckptctl one (ops.stack_copy)
+        if world_size is not None:
+            raise UsageError("--world-size re-shards ckptctl checkpoints only",
+                             hint="restore without it, or `ckptctl convert --to ckptctl` first")
+        return restore_stack(src, open_storage(dst_root), step, progress, on_skip=on_skip)
+    return restore_latest(src, open_storage(dst_root), step, progress,
                           world_size=world_size, on_skip=on_skip)
 
 
@@ -311,7 +325,8 @@ def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False
 
 def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype: str | None = None,
                  max_shard_size: str | None = None, overwrite: bool = False,
-                 progress: Progress | None = None) -> "ConvertReport":
+                 progress: Progress | None = None, step: int | None = None,
+                 strip_prefix: str | None = None) -> "ConvertReport":
     """``ops.convert.convert`` with ``max_shard_size`` as the user wrote it (5GB, 500MiB)."""
     from ckptctl.interop.base import return_freed_memory
     from ckptctl.ops.convert import convert, parse_size
@@ -319,7 +334,8 @@ def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype
     size = parse_size(max_shard_size) if max_shard_size is not None else None
     _open_existing(src)
     return_freed_memory()  # memory stays one tensor, not a heap of freed ones
-    return convert(src, dst, to, only=only, dtype=dtype, max_shard_size=size, overwrite=overwrite, progress=progress)
+    return convert(src, dst, to, only=only, dtype=dtype, max_shard_size=size, overwrite=overwrite, progress=progress,
+                   step=step, strip_prefix=strip_prefix)
 
 
 __all__ = [

@@ -1,5 +1,7 @@
 """Copying committed checkpoints between storages: ``cp`` and ``restore``.
 
+(Other tools' checkpoints are copied by ``ops.stack_copy``, with the same result types.)
+
 A copy reads every source byte once and checks it on the way (file XXH3 and each tensor
 chunk's checksum, the same streaming check as ``verify``), writes the shards through the
 destination's atomic writers, then the manifest, then the marker, last and only when every
@@ -41,6 +43,7 @@ from ckptctl.layouts.native import (
     remove_leftovers,
     uncommit,
 )
+from ckptctl.ops.expect import expect_bytes
 from ckptctl.ops.problem import Problem
 from ckptctl.ops.shard_scan import check_file, stream_file
 from ckptctl.ops.verify import verify_checkpoint
@@ -62,6 +65,8 @@ class CopyResult:
     bytes_copied: int = 0
     files_reused: int = 0  # already in place with verified bytes (an interrupted copy re-run)
     seconds: float = 0.0
+    layout: str = "ckptctl"  # whose checkpoint (another tool's: ``ops.stack_copy``)
+    note: str | None = None  # how another tool's checkpoint was checked, and its pointer
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +113,7 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
     if problems:
         raise InvalidCheckpoint(_describe(problems, src.url), hint=problems[0].hint or "copy an older checkpoint")
 
+    expect_bytes(progress, sum(f.size for f in manifest.files))  # a bar's total, %, ETA
     written: list[str] = []  # committed by this call: removed again if the source is corrupt
     lock = threading.Lock()
     stop = threading.Event()  # one corrupt or failed file ends the others early

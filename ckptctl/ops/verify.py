@@ -31,6 +31,7 @@ from ckptctl.layouts.catalog import newest_marked
 from ckptctl.layouts.native import read_committed
 from ckptctl.ops.problem import Problem
 from ckptctl.ops.shard_scan import check_file, stream_file
+from ckptctl.ops.expect import expect_bytes
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_THREADS
 from ckptctl.storage.base import Storage
@@ -84,6 +85,7 @@ def verify_checkpoint(ckpt: Storage, level: Level = "checksums", progress: Progr
         report.problems.extend(coverage(manifest, headers))
     if level != "quick":
         files = [f for f in manifest.files if f.name in headers]
+        expect_bytes(progress, sum(f.size for f in files))  # a bar's total, %, ETA
         # VERIFY_THREADS readers in all: over files when there are many, within files when few.
         parts = max(1, VERIFY_THREADS // max(len(files), 1))
         with ThreadPoolExecutor(min(VERIFY_THREADS, max(len(files), 1))) as pool:

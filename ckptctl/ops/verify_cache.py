@@ -116,14 +116,24 @@ def fingerprint(ckpt: Storage) -> Fingerprint | None:
 class VerifyCache:
     """The verification record of one root. ``load``, look up and record, then ``save``."""
 
-    def __init__(self, root: Storage, entries: dict[str, dict[str, Any]] | None = None, note: str | None = None) -> None:
+    def __init__(self, root: Storage, entries: dict[str, dict[str, Any]] | None = None, note: str | None = None,
+                 *, read_only: bool = False) -> None:
         self.root = root
         self.entries = entries or {}
         self.notes: list[str] = [note] if note else []
+        self.read_only = read_only  # a dry run: looked up, updated in memory, never written
         self._dirty = False
 
     @classmethod
-    def load(cls, root: Storage) -> "VerifyCache":
+    def load(cls, root: Storage, *, read_only: bool = False) -> "VerifyCache":
+        """The record of ``root`` (empty when missing or unreadable). ``read_only``: ``save``
+        writes nothing (``prune --dry-run`` and ``du`` write nothing anywhere)."""
+        cache = cls._load(root)
+        cache.read_only = read_only
+        return cache
+
+    @classmethod
+    def _load(cls, root: Storage) -> "VerifyCache":
         try:
             raw = root.read(CACHE_KEY, max_size=_MAX_BYTES)
         except NotFound:
@@ -176,9 +186,9 @@ class VerifyCache:
             self.forget(name)
 
     def save(self) -> None:
-        """Write the record if it changed. A failure is noted, never raised: the record only
-        saves time."""
-        if not self._dirty:
+        """Write the record if it changed (never when ``read_only``). A failure is noted, never
+        raised: the record only saves time."""
+        if not self._dirty or self.read_only:
             return
         doc = {"format": _FORMAT, "version": _VERSION, "entries": self.entries}
         try:

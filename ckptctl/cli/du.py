@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, print_table, say
+from ckptctl.cli.policy import (
+    KeepDailyOpt, KeepEveryOpt, KeepHourlyOpt, KeepLastOpt, KeepMonthlyOpt, KeepOpt, KeepWeeklyOpt, KeepWithinOpt,
+    any_policy, policy_from,
+)
+from ckptctl.cli.progress import byte_progress
+from ckptctl.durations import format_duration, parse_duration
+from ckptctl.ops.du import disk_usage
+from ckptctl.ops.prune_plan import DEFAULT_PARTIAL_AFTER_S
+
+
+@command
+def du(
+    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
+    keep_last: KeepLastOpt = None,
+    keep_every: KeepEveryOpt = None,
+    keep_within: KeepWithinOpt = None,
+    keep_hourly: KeepHourlyOpt = None,
+    keep_daily: KeepDailyOpt = None,
+    keep_weekly: KeepWeeklyOpt = None,
+    keep_monthly: KeepMonthlyOpt = None,
+    keep: KeepOpt = None,
+    partial_after: Annotated[str, typer.Option("--partial-after", help="As prune: directories without a marker count as abandoned once idle for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
+    delete_broken: Annotated[bool, typer.Option("--delete-broken", help="As prune: count committed checkpoints that fail verification as freed.")] = False,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Show the size of each checkpoint under ROOT and the total; with prune's retention
+    options, what prune would free.
+
+    Sizes are listed, not read. Given any --keep* option, the plan is made exactly as
+    `prune --dry-run` makes it (the newest checkpoint is verified fully, unless the
+    verification record shows it unchanged), so "will free" is what prune with the same options
+    deletes. Writes nothing.
+
+    Exit status: 0 done; 1 with a policy, no checkpoint verifies (prune would delete nothing);
+    2 usage error; 3 storage error.
+    """
+    policy = None
+    if any_policy(keep_last, keep_every, keep_within, keep, keep_hourly, keep_daily, keep_weekly, keep_monthly):
+        policy = policy_from(keep_last, keep_every, keep_within, keep, keep_hourly, keep_daily, keep_weekly, keep_monthly)
+    with byte_progress("verify", quiet=quiet) as progress:
+        report = disk_usage(root, policy, partial_after_s=parse_duration(partial_after, option="--partial-after"),
+                            delete_broken=delete_broken, progress=progress)
+    if json:
+        emit_json(report.to_dict())
+    else:
+        with_plan = policy is not None
+        print_table(("STEP", "STATUS", "SIZE", "PATH") + (("PRUNE", "REASON") if with_plan else ()),
+                    [(str(e.step), e.status, human_bytes(e.bytes), e.url)
+                     + ((e.prune or "-", e.reason or "-") if with_plan else ()) for e in report.entries],
+                    right=("STEP", "SIZE"))
+        say(f"total {human_bytes(report.bytes)} in {len(report.entries)} checkpoints")
+        if with_plan:
+            if report.refused:
+                say(f"prune would free nothing: {report.refused}")
+            else:
+                n = len(report.freed)
+                say(f"prune ({report.policy}) will free {human_bytes(report.bytes_freed)} "
+                    f"({n} checkpoint{'' if n == 1 else 's'})")
+    for note in report.notes:
+        err.print(f"note: {note}", markup=False, highlight=False)
+    if report.refused:
+        raise typer.Exit(1)

@@ -1,0 +1,228 @@
+"""``sync``: mirror every committed checkpoint of one root into another (local <-> S3).
+
+The "save to fast local NVMe, mirror to object storage in the background" workflow, as one
+command a cron job runs. In step order, each committed ckptctl checkpoint of SRC that DST
+lacks is copied by ``ops.transfer.copy_checkpoint``: every byte checked against the source's
+checksums on the way, the marker written last. One that DST already commits is skipped only
+after checking it: the same manifest (sizes and checksums of every file) and its bytes verify
+(``checksums`` level, remembered in DST's verification record by fingerprint, so an unchanged
+copy is not downloaded again on every run; a copy this command made is recorded as it is
+written, having been checked on the way). A damaged copy is uncommitted (marker first) and
+copied again.
+
+Resumable: a sync killed at any point leaves DST's copy in progress without a marker (never
+mistaken for a checkpoint); the next run copies it again, keeping on a filesystem the files
+whose bytes already verify, and breaks the lock of the dead run (``ops.lock``).
+
+``delete``: committed checkpoints of DST whose name SRC no longer has are removed (marker
+first), except DST's newest checkpoint that verifies, which is never deleted. Partial or corrupt
+entries of DST are left alone (a save may be writing there; evidence). Everything runs under
+DST's lock, the one ``prune`` and ``rm`` take. A corrupt source checkpoint is reported and the
+others are copied; the result says which failed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, RefusedForSafety
+from ckptctl.layouts.base import Checkpoint
+from ckptctl.layouts.catalog import NATIVE, list_checkpoints
+from ckptctl.layouts.native import read_committed_raw, remove, uncommit
+from ckptctl.ops.expect import counting_only, expect_bytes
+from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.targets import open_root
+from ckptctl.ops.transfer import copy_checkpoint
+from ckptctl.ops.verify import VerifyReport
+from ckptctl.ops.verify_cache import VerifyCache, fingerprint, verify_cached
+from ckptctl.progress import Progress
+from ckptctl.storage import open_storage
+from ckptctl.storage.base import Storage
+
+__all__ = ["SyncItem", "SyncResult", "sync", "sync_roots"]
+
+SyncAction = Literal["copied", "present", "deleted", "kept", "skipped", "failed", "would copy", "would delete"]
+CHECK_LEVEL = "checksums"
+
+
+@dataclass
+class SyncItem:
+    step: int
+    name: str
+    url: str  # the checkpoint at DST
+    action: SyncAction
+    bytes: int = 0  # copied (or to copy, on a dry run), or freed
+    detail: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "name": self.name, "url": self.url, "action": self.action, "bytes": self.bytes,
+                "detail": self.detail}
+
+
+@dataclass
+class SyncResult:
+    src: str
+    dst: str
+    dry_run: bool
+    items: list[SyncItem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def _with(self, *actions: str) -> list[SyncItem]:
+        return [i for i in self.items if i.action in actions]
+
+    @property
+    def failed(self) -> list[SyncItem]:
+        return self._with("failed")
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {a.replace(" ", "_"): len(self._with(a)) for a in
+                  ("copied", "present", "deleted", "kept", "skipped", "failed", "would copy", "would delete")}
+        return {"src": self.src, "dst": self.dst, "dry_run": self.dry_run, "checkpoints": [i.to_dict() for i in self.items],
+                "counts": counts, "bytes": sum(i.bytes for i in self._with("copied", "would copy")),
+                "seconds": round(self.seconds, 3), "notes": list(self.notes)}
+
+
+def _committed(root: Storage) -> list[Checkpoint]:
+    return [e for e in list_checkpoints(root, layouts=NATIVE) if e.status == "committed" and e.storage is not None]
+
+
+def sync(
+    src: Storage,
+    dst: Storage,
+    *,
+    delete: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+    lock_stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    command: str = "sync",
+) -> SyncResult:
+    """Copy every committed checkpoint of ``src`` that ``dst`` lacks (see the module's doc).
+
+    Raises LockHeld (another prune, rm or sync holds DST's lock) and StorageError; a problem
+    with one checkpoint (corrupt source, DST holding a different checkpoint under the same
+    name) is a ``failed`` item, and the others go on. A dry run takes no lock, reads no data
+    and writes nothing.
+    """
+    t0 = time.perf_counter()
+    result = SyncResult(src.url, dst.url, dry_run)
+    lock = None if dry_run else RootLock(dst, command=command, stale_after_s=lock_stale_after_s).acquire()
+    try:
+        if lock is not None:
+            result.notes.extend(lock.notes)
+        cache = VerifyCache.load(dst, read_only=dry_run)
+        sources = _committed(src)
+        have = {e.name: e for e in list_checkpoints(dst, layouts=NATIVE)}
+        if not dry_run and callable(getattr(progress, "expect", None)):
+            expect_bytes(progress, _bytes_to_read(sources, dst, have, cache))
+        for entry in sources:
+            if lock is not None:
+                lock.refresh()
+            result.items.append(_one(entry, dst, have.get(entry.name), cache, dry_run, progress))
+        if delete:
+            _delete_extra(src, dst, sources, cache, result, lock)
+        if not dry_run:
+            cache.retain({e.name for e in list_checkpoints(dst, layouts=NATIVE) if e.status in ("committed", "corrupt")})
+            cache.save()
+            result.notes.extend(cache.notes)
+    finally:
+        if lock is not None:
+            lock.release()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _size(entry: Checkpoint) -> int:
+    return sum(f.size for f in entry.manifest.files) if entry.manifest is not None else 0
+
+
+def _bytes_to_read(sources: list[Checkpoint], dst: Storage, have: dict[str, Checkpoint], cache: VerifyCache) -> int:
+    """What the sync will read, for a progress bar's total: every checkpoint to copy, and
+    every copy at DST to verify (those the verification record vouches for cost nothing).
+    Only computed for a bar: it lists each DST checkpoint once more."""
+    total = 0
+    for entry in sources:
+        there = have.get(entry.name)
+        if there is not None and there.status == "committed":
+            fp = fingerprint(dst.sub(entry.name))
+            if fp is not None and cache.lookup(entry.name, fp, CHECK_LEVEL) is not None:
+                continue
+        total += _size(entry)
+    return total
+
+
+def _one(entry: Checkpoint, dst_root: Storage, there: Checkpoint | None, cache: VerifyCache, dry_run: bool,
+         bar: Progress | None) -> SyncItem:
+    assert entry.storage is not None
+    dst = dst_root.sub(entry.name)
+    size = _size(entry)
+    progress = counting_only(bar)  # the bytes were announced up front (_bytes_to_read)
+    item = SyncItem(entry.step, entry.name, dst.url, "failed")
+    try:
+        if there is not None and there.status == "committed":
+            if read_committed_raw(dst).manifest_raw != read_committed_raw(entry.storage).manifest_raw:
+                item.detail = (f"{dst.url} holds a different checkpoint under the same name; left as is "
+                               "(delete it, or sync into another root)")
+                return item
+            if dry_run:
+                item.action, item.detail = "present", "same manifest; its bytes are checked by a real run"
+                return item
+            report, cached, _fp = verify_cached(dst, entry.name, cache, level=CHECK_LEVEL, progress=progress)
+            if report.ok:
+                item.action = "present"
+                item.detail = "unchanged since verified" if cached else "verified in place"
+                return item
+            uncommit(dst)  # damaged copy: read as partial from now on, and copied again below
+            expect_bytes(bar, size)
+            item.detail = f"the copy at DST failed verification ({report.problems[0]}); copied again"
+        if dry_run:
+            item.action, item.bytes = "would copy", size
+            return item
+        copied = copy_checkpoint(entry.storage, dst, progress)
+        item.action, item.bytes = "copied", copied.bytes_copied
+        fp = fingerprint(dst)
+        if fp is not None:  # checked on the way: the next sync need not download it again
+            cache.record(entry.name, fp, VerifyReport(dst.url, CHECK_LEVEL, step=entry.step, files=copied.files))
+    except NotFound as e:  # pruned at SRC while we looked: nothing to mirror any more
+        item.action, item.detail = "skipped", f"gone from SRC during the sync: {e}"
+    except (InvalidCheckpoint, RefusedForSafety) as e:
+        item.detail = str(e)
+    return item
+
+
+def _delete_extra(src: Storage, dst: Storage, sources: list[Checkpoint], cache: VerifyCache, result: SyncResult,
+                  lock: RootLock | None) -> None:
+    at_src = {e.name for e in list_checkpoints(src, layouts=NATIVE)}
+    committed = sorted(_committed(dst), key=lambda e: (e.step, e.name))
+    newest_ok = None
+    for e in reversed(committed):  # DST's newest checkpoint that verifies is never deleted
+        assert e.storage is not None
+        report, _c, fp = verify_cached(e.storage, e.name, cache, level=CHECK_LEVEL)
+        if report.ok and fp is not None:
+            newest_ok = e.name
+            break
+    for e in committed:
+        if e.name in at_src:
+            continue
+        size = sum(f.size for f in e.manifest.files) if e.manifest is not None else 0
+        item = SyncItem(e.step, e.name, e.url, "would delete" if result.dry_run else "deleted", size)
+        if e.name == newest_ok:
+            item.action, item.bytes = "kept", 0
+            item.detail = "not in SRC, but DST's newest checkpoint that verifies: never deleted"
+        elif not result.dry_run:
+            if lock is not None:
+                lock.refresh()
+            try:
+                assert e.storage is not None
+                remove(e.storage)
+                cache.forget(e.name)
+            except CkptError as err:
+                item.action, item.bytes, item.detail = "failed", 0, f"could not delete: {err}"
+        result.items.append(item)
+
+
+def sync_roots(src: str, dst: str, **options: Any) -> SyncResult:
+    """``sync`` by path or URL: SRC must exist; DST is created when missing."""
+    return sync(open_root(src), open_storage(dst), command=f"ckptctl sync {src} {dst}", **options)
