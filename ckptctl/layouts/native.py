@@ -26,6 +26,7 @@ from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
 from ckptctl.layouts.base import Examined
+from ckptctl.layouts.removal import remove_unchanged
 from ckptctl.storage.base import ObjectInfo, Storage
 
 NAME = "ckptctl"
@@ -219,19 +220,12 @@ def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = 
     deleted, each only while unchanged: the URL of the first that changed is returned, and it
     and the files after it stay. Returns None when everything asked for was deleted.
     """
-    first = {MARKER: 0, MANIFEST: 1}
-    if expected is None:
-        uncommit(ckpt)
-        for info in list(ckpt.list()):
-            ckpt.delete(info.key)
-    else:
-        for key in sorted(expected, key=lambda k: (first.get(k, 2), k)):
-            now = ckpt.stat(key)
-            if now is None:
-                continue  # already gone (an earlier, interrupted removal)
-            if (now.size, now.mtime) != expected[key]:
-                return ckpt.url_of(key)
-            ckpt.delete(key)
+    if expected is not None:
+        first = {MARKER: 0, MANIFEST: 1}
+        return remove_unchanged(ckpt, sorted(expected, key=lambda k: (first.get(k, 2), k)), expected)
+    uncommit(ckpt)
+    for info in list(ckpt.list()):
+        ckpt.delete(info.key)
     ckpt.remove_dir("")
     return None
 

@@ -12,6 +12,7 @@ from ckptctl.errors import CkptError, RefusedForSafety
 from ckptctl.layouts.catalog import layout_named
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.native import remove
+from ckptctl.layouts.removal import remove_unchanged
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.lock import RootLock
 from ckptctl.ops.prune_plan import Action, PlanItem, PrunePlan, entry_snapshot, raise_if_refused
@@ -166,15 +167,7 @@ def _remove_stack(ckpt: Storage, layout: object, expected: dict[str, tuple[int, 
     ``trainer_state.json``, ...), then the rest, each only while unchanged, then the empty
     directories. Returns the URL of the first file that changed, or None."""
     order = layout.removal_order(expected) if isinstance(layout, StackLayout) else sorted(expected)
-    for key in order:
-        now = ckpt.stat(key)
-        if now is None:
-            continue  # already gone (an earlier, interrupted removal)
-        if (now.size, now.mtime) != expected[key]:
-            return ckpt.url_of(key)
-        ckpt.delete(key)
-    ckpt.remove_dir("")
-    return None
+    return remove_unchanged(ckpt, order, expected)
 
 
 def _left_over(root: Storage, item: PlanItem) -> str | None:

@@ -1,0 +1,28 @@
+"""Deleting a checkpoint's files in the order its layout's commit rule needs.
+
+Every layout removes the file its commit rule reads first (ckptctl's marker, DCP's
+``.metadata``, the Trainer's ``trainer_state.json``...), so a removal interrupted at any point
+leaves something that reads as incomplete, never as complete. Prune deletes only what its plan
+saw, each file only while it is unchanged: a checkpoint being rewritten under it is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from ckptctl.storage.base import Storage
+
+
+def remove_unchanged(ckpt: Storage, order: Iterable[str], expected: Mapping[str, tuple[int, float]]) -> str | None:
+    """Delete the files of ``order`` (keys of ``expected``: key -> (size, mtime) as planned),
+    in that order, each only while unchanged, then the directory when empty. Returns the URL
+    of the first file that changed (it and the files after it stay), or None."""
+    for key in order:
+        now = ckpt.stat(key)
+        if now is None:
+            continue  # already gone (an earlier, interrupted removal)
+        if (now.size, now.mtime) != expected[key]:
+            return ckpt.url_of(key)
+        ckpt.delete(key)
+    ckpt.remove_dir("")
+    return None
