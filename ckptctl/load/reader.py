@@ -38,6 +38,7 @@ from ckptctl.errors import InvalidCheckpoint, StateError
 from ckptctl.format import dtypes
 from ckptctl.format.checksum import Hasher, digest
 from ckptctl.format.geometry import Box, contiguous_in, fits, intersection
+from ckptctl.load.bounce import BouncePool
 from ckptctl.load.shard_index import Located, ReadJob, ShardIndex, region_of
 from ckptctl.settings import IO_THREADS, STREAM_PIECE
 from ckptctl.state.buffers import tensor_bytes
@@ -72,6 +73,7 @@ class CheckpointReader(ShardIndex):
         super().__init__(ckpt, verify_checksums=verify_checksums)
         self._readers: dict[str, Reader] = {}
         self._local = threading.local()
+        self._bounce: dict[torch.device, BouncePool] = {}  # GPU devices of the read_many in flight
 
     # --- whole chunks -----------------------------------------------------------------------
 
@@ -114,13 +116,23 @@ class CheckpointReader(ShardIndex):
         """Fill many targets, verified, in parallel (ranged reads and hashing release the GIL).
         The headers they need are opened first, in parallel, once."""
         self.prefetch(jobs)
-        if len(jobs) <= 1:
-            for j in jobs:
-                self.read_into(j)
-            return
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            for f in [pool.submit(self.read_into, j) for j in jobs]:
-                f.result()
+        # GPU targets: verified host bytes go up through a few reusable pinned buffers, their
+        # copies queued on this (the caller's) thread's current stream, so they are ordered
+        # against the caller's kernels, not the I/O threads' default streams (load.bounce).
+        devices = {j.target.device for j in jobs if j.target.device.type == "cuda"}
+        self._bounce = {d: BouncePool(d) for d in devices}
+        try:
+            if len(jobs) <= 1:
+                for j in jobs:
+                    self.read_into(j)
+                return
+            with ThreadPoolExecutor(IO_THREADS) as pool:
+                for f in [pool.submit(self.read_into, j) for j in jobs]:
+                    f.result()
+        finally:
+            bounce, self._bounce = self._bounce, {}
+            for b in bounce.values():
+                b.close()  # waits for the queued copies: the tensors are loaded on return
 
     def read_into(self, job: ReadJob) -> None:
         """Fill ``job.target`` from every chunk that overlaps its region, each chunk read whole
@@ -150,6 +162,12 @@ class CheckpointReader(ShardIndex):
                 f"target {list(target.shape)} at offsets {list(want.offsets)}",
                 hint="the model's architecture differs from the checkpoint's; pass strict=False to skip mismatched tensors",
             )
+        bounce = self._bounce.get(target.device)
+        if bounce is not None:
+            host = torch.empty(target.shape, dtype=target.dtype)
+            self._fill(ReadJob(job.name, host, want.offsets), verify=verify)
+            bounce.upload(host, target)  # after verification: a bad chunk never reaches the GPU
+            return
         if target.device.type != "cpu" or not target.is_contiguous():
             # A bounce through host memory (pinned for a GPU target, so the copy is a DMA):
             # reads and hashing need contiguous CPU memory.
