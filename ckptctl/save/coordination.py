@@ -4,39 +4,15 @@ Runs on each rank's background writer thread, after the rank's shard is durable 
 failed), over a gloo group of its own: coordination never queues behind, or in front of, the
 training's NCCL collectives, and a CPU-only exchange needs no device memory.
 
-One save's exchange, in order:
+One save is a barrier (through the c10d store, ``barrier``), a ``gather`` of one fixed-size
+report per rank to rank 0, rank 0's decision (fail naming the ranks, compare replicas, plan,
+or commit), and one ``broadcast`` of the outcome, so every rank's ``wait()`` returns the same
+URL or raises the same error. Rank 0 receives O(ranks) bytes per save and O(tensors) per
+re-plan, never ranks x tensors. A collective that fails leaves the group unusable: the
+coordinator is then *broken* and every later save fails at once. A killed rank is noticed by
+its stopped heartbeat within ``liveness_s``; a hung one by ``timeout_s``.
 
-1. A barrier: every rank has finished its write. Rank 0 waits at most ``timeout_s`` and
-   tells every other rank which ranks did not arrive (killed, hung, or far slower), so every
-   rank's error names them. This one step goes through the c10d store (see ``barrier``).
-2. A ``gather`` to rank 0 of one fixed-size JSON report per rank (1 KiB: its file entry, or
-   the error that stopped its write, the digest of its state's structure, a few timings).
-3. Rank 0 decides: fail (naming the failing ranks), or commit (manifest, then marker), or,
-   only when some rank re-planned (the state's structure changed) or the last save failed,
-   plan first: then a ``reduce`` of each rank's per-tensor (chunks, elements, regular,
-   owner) lets rank 0 count every tensor's chunks for the manifest, check that every tensor
-   is covered exactly once, record where each tensor's chunks are when a rule says so (the
-   manifest's placement hints, which let a loading rank open only the shards it needs), and
-   commit.
-4. One ``broadcast`` of the outcome; every rank's ``wait()`` returns the same URL or raises
-   the same error. In the steady state a save costs the barrier, one gather and one
-   broadcast, whatever the number of tensors.
-
-Rank 0 receives O(ranks) bytes per save and O(tensors) per re-plan (the reduce sums in the
-network), so its work and the manifest grow with ranks + tensors, never ranks x tensors.
-
-A collective that fails or times out leaves the group in an unknown state (a message may be
-half sent), so the coordinator is then *broken*: every later save fails at once with
-``CoordinationError`` instead of mismatching messages. A lost rank means the job restarts.
-A rank whose write merely failed is no such case: the exchange completes and the next save
-proceeds normally.
-
-A killed rank is noticed within about ``liveness_s``, through a heartbeat: every rank's daemon
-thread bumps a counter in the c10d store, and a rank being waited for whose counter stands
-still for ``liveness_s`` (by the waiter's own clock: hosts' clocks differ) is taken as dead.
-A rank that is alive but stuck (a hung write, a rank stuck elsewhere) still beats, so
-``timeout_s`` stays the bound for it. A frozen process (one holding the GIL for ``liveness_s``,
-stopped by a debugger or SIGSTOP) cannot beat either, and is taken as dead too.
+The whole protocol, its store keys, verdicts and every failure: ``docs/protocol.md``.
 """
 
 from __future__ import annotations
