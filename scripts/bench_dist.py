@@ -217,6 +217,13 @@ def child(a: argparse.Namespace) -> int:
     dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives off the default group
     newest: dict[str, str | None] = {t: None for t in TOOLS}
 
+    def start_line() -> None:
+        """Every rank at the start line with its GPU drained: a gloo barrier does not wait for
+        kernels still queued, which would otherwise land in whichever tool is timed next."""
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
     def keep_newest(tool: str, path: str) -> None:
         """Every tool keeps only its newest checkpoint (as keep_last=1 would; --keep-all: every
         one), deleted outside the timed section; then everything is flushed, so no tool
@@ -230,7 +237,7 @@ def child(a: argparse.Namespace) -> int:
         dist.barrier()
 
     def save_ck(ck, r: int) -> None:
-        dist.barrier()
+        start_line()
         add("ck", "dirty_mib", meminfo_mib())
         t0, c0 = time.perf_counter(), time.process_time()
         h = ck.save(r + 1, state)
@@ -252,7 +259,7 @@ def child(a: argparse.Namespace) -> int:
 
     def save_dcp(tool: str, r: int, stager) -> None:
         path = os.path.join(a.work, f"{tool}-{world}-{r}")
-        dist.barrier()
+        start_line()
         add(tool, "dirty_mib", meminfo_mib())
         t0, c0 = time.perf_counter(), time.process_time()
         msd, osd = get_state_dict(model, opt)
@@ -333,9 +340,11 @@ def child(a: argparse.Namespace) -> int:
         dist.barrier()
         if rank == 0:
             drop_cache(local_path(a.load_ck))
-        dist.barrier()
+        start_line()
         t0 = time.perf_counter()
         ck.load(a.load_ck, state)
+        if a.device == "cuda":
+            torch.cuda.synchronize()  # the copies onto the GPU are part of the load
         add("ck", "load_s", time.perf_counter() - t0)
         got = [t.clone() for t in local_tensors(model, opt)]
         with torch.no_grad():
@@ -344,12 +353,14 @@ def child(a: argparse.Namespace) -> int:
         dist.barrier()
         if rank == 0:
             drop_cache(a.load_dcp)
-        dist.barrier()
+        start_line()
         t0 = time.perf_counter()
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optimizer": osd}
         dcp.load(sd, checkpoint_id=a.load_dcp)
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        if a.device == "cuda":
+            torch.cuda.synchronize()  # the copies onto the GPU are part of the load
         add("dcp", "load_s", time.perf_counter() - t0)
         now = local_tensors(model, opt)
         res["load_equal"] = len(now) == len(got) and all(torch.equal(x, y) for x, y in zip(now, got))
