@@ -63,12 +63,10 @@ class DeepSpeedLayout(StackLayout):
         path = root.local_path()
         if path is None:
             return
-        full = os.path.join(path, LATEST)
-        if safe_load.regular_size(full) is None:
+        text = safe_load.read_pointer(os.path.join(path, LATEST), 256)
+        if text is None:
             self.latest, self.latest_problem = None, f"no `{LATEST}` file at the root: DeepSpeed's commit record is missing"
             return
-        with open(full, "rb") as f:
-            text = f.read(256).decode("utf-8", "replace").strip()
         if text and "/" not in text and text not in (".", ".."):
             self.latest, self.latest_problem = text, None
         else:

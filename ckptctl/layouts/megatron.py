@@ -64,13 +64,10 @@ class MegatronLayout(StackLayout):
         path = root.local_path()
         if path is None:
             return
-        full = os.path.join(path, TRACKER)
-        size = safe_load.regular_size(full)
-        if size is None:
+        text = safe_load.read_pointer(os.path.join(path, TRACKER), 64)
+        if text is None:
             self.tracker, self.tracker_problem = None, f"no {TRACKER} at the root (Megatron writes it after every rank saved)"
             return
-        with open(full, "rb") as f:
-            text = f.read(64).decode("ascii", "replace").strip()
         if text.isdigit() and text.isascii():
             self.tracker, self.tracker_problem = int(text), None
         else:
@@ -147,12 +144,12 @@ def _check_integrity(path: str, out: Checked) -> None:
         if not isinstance(want, str) or ".." in rel.split("/") or rel.startswith("/"):
             out.problems.append(Finding(f"entry {rel!r} is not a relative path with a SHA-256", file=INTEGRITY))
             continue
-        full = os.path.join(path, rel)
-        if safe_load.regular_size(full) is None:
+        f = safe_load.open_plain(os.path.join(path, rel))
+        if f is None:
             out.problems.append(Finding(f"listed in {INTEGRITY} but missing", file=rel))
             continue
         h = hashlib.sha256()
-        with open(full, "rb") as f:
+        with f:
             while chunk := f.read(safe_load.CHUNK):
                 h.update(chunk)
                 out.bytes_read += len(chunk)

@@ -15,12 +15,13 @@ torch is imported only when a file is actually loaded.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import stat
 import zipfile
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 Allowed = Sequence[Any]  # classes/functions, or (object, "module.name") pairs for old names
 
@@ -35,6 +36,36 @@ def regular_size(path: str) -> int | None:
     except FileNotFoundError:
         return None
     return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def open_plain(path: str) -> "BinaryIO | None":
+    """Open a regular file for reading without following a link and without ever blocking (a
+    FIFO planted under a pointer's name is never waited on); None when there is no plain file
+    there. Checking with ``regular_size`` and then calling ``open`` would leave a window in
+    which the name could be swapped for a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink: never followed
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_pointer(path: str, limit: int) -> str | None:
+    """The first ``limit`` bytes of a small pointer file at a root (DeepSpeed's ``latest``,
+    Megatron's tracker), decoded and stripped; None when there is no plain file there."""
+    f = open_plain(path)
+    if f is None:
+        return None
+    with f:
+        return f.read(limit).decode("utf-8", "replace").strip()
 
 
 def zip_crc(path: str) -> tuple[str | None, int]:
