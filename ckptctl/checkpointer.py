@@ -168,6 +168,10 @@ class Checkpointer:
     def load(self, path: "str | Storage", state: dict[str, Any], *, strict: bool = True) -> int:
         """Restore ``state`` in place from the committed checkpoint at ``path``; returns its step."""
         ckpt = open_storage(path) if isinstance(path, str) else path
+        # overlap_copies: the last save's copies may still read the tensors this load writes
+        # (on the caller's stream); wait for them first, or that checkpoint mixes old and new
+        # values under valid checksums.
+        self._saver.staging.settle()
         return load_checkpoint(ckpt, state, strict=strict, rank=self.rank)
 
     def load_latest(self, state: dict[str, Any], *, strict: bool = True, prepare: bool = True) -> int | None:
