@@ -213,7 +213,7 @@ GOOD_MANIFEST = Manifest(
 )
 GOOD_MANIFEST_DOC = json.loads(GOOD_MANIFEST.to_json())
 GOOD_MARKER_DOC = json.loads(Marker.for_manifest(7, GOOD_MANIFEST.to_json()).to_json())
-_CHUNKS = [Chunk("model/w", "float32", (4, 2), (0, 0), 0, 32, "aa"), Chunk("model/b", "bfloat16", (3,), (0,), 32, 38, "bb")]
+_CHUNKS = [Chunk("model/w", "float32", (4, 2), (0, 0), 0, 32, "aa" * 8), Chunk("model/b", "bfloat16", (3,), (0,), 32, 38, "bb" * 8)]
 _HEADER = build_header(_CHUNKS, rank=0, rank_state={"rng": [1, 2, 3]})
 GOOD_SHARD_DOC = json.loads(_HEADER[8:])
 GOOD_SHARD_META = json.loads(GOOD_SHARD_DOC["__metadata__"]["ckptctl"])

@@ -18,6 +18,14 @@ from typing import Iterable
 import xxhash
 
 ALGORITHM = "xxh3-64"
+DIGEST_CHARS = 16  # a digest is written as exactly this many lowercase hex digits
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_digest(s: object) -> bool:
+    """Whether ``s`` is a digest as ``digest`` writes it. Nothing else is accepted where a
+    digest is read (not upper case, not spaces, which ``bytes.fromhex`` would take)."""
+    return isinstance(s, str) and len(s) == DIGEST_CHARS and _HEX.issuperset(s)
 
 
 def digest(data: bytes | bytearray | memoryview) -> str:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes, parse
+from ckptctl.format.checksum import DIGEST_CHARS, is_digest
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger claim is an attack or garbage
 METADATA_KEY = "ckptctl"
@@ -59,6 +60,9 @@ class ShardHeader:
     rank: int | None
     rank_state: dict[str, Any] = field(default_factory=dict)
     header_bytes: bytes = b""
+    # Whether the header carries ckptctl's chunk index. A ckptctl shard always does; a shard
+    # without it is corrupt (``format.shard_identity``), only other tools' safetensors lack it.
+    indexed: bool = False
 
     @property
     def data_size(self) -> int:
@@ -99,7 +103,8 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
     parse.Obj(header, where, "safetensors header")  # an object, or InvalidCheckpoint
     meta_raw = header.pop("__metadata__", None) or {}
     ours: dict[str, Any] = {}
-    if isinstance(meta_raw, dict) and METADATA_KEY in meta_raw:
+    indexed = isinstance(meta_raw, dict) and METADATA_KEY in meta_raw
+    if indexed:
         text = meta_raw[METADATA_KEY]
         if not isinstance(text, str):
             raise parse.invalid(where, "ckptctl chunk index in the header is not a string")
@@ -107,13 +112,18 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
         ours = parse.load_json(text, where, "ckptctl chunk index", max_bytes=MAX_HEADER_BYTES, allow_nonfinite=True)
         meta = parse.Obj(ours, where, "ckptctl chunk index")
         parse.check_version(ours, where, "shard header", supported=SHARD_VERSION)
-        meta.dict("chunks", default=None)
+        # With the index present, every part of it is required: a chunk without offsets or a
+        # checksum would be placed at the origin or read unchecked.
+        meta.dict("chunks")
         meta.dict("rank_state", default=None)
-        meta.int("rank", hi=parse.INT64_MAX, default=None)
+        meta.int("rank", hi=parse.INT64_MAX)
+        extra = sorted(set(ours["chunks"]) - set(header))
+        if extra:
+            raise parse.invalid(where, f"ckptctl chunk index lists {parse.show(extra[0])}, which the file does not hold")
     index = ours.get("chunks") or {}
     data_start = 8 + n
     data_size = file_size - data_start
-    chunks = [_parse_entry(name, entry, index.get(name), data_size, where) for name, entry in header.items()]
+    chunks = [_parse_entry(name, entry, index.get(name), data_size, where, indexed) for name, entry in header.items()]
     chunks.sort(key=lambda c: (c.begin, c.end))
     _check_tiling(chunks, data_size, where)
     rank = ours.get("rank")
@@ -124,6 +134,7 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
         rank=rank if isinstance(rank, int) else None,
         rank_state=rank_state if isinstance(rank_state, dict) else {},
         header_bytes=bytes(prefix[:data_start]),
+        indexed=indexed,
     )
 
 
@@ -148,7 +159,7 @@ def header_length(first8: bytes, file_size: int, where: str) -> int:
     return n
 
 
-def _parse_entry(name: str, entry: Any, index: Any, data_size: int, where: str) -> Chunk:
+def _parse_entry(name: str, entry: Any, index: Any, data_size: int, where: str, indexed: bool) -> Chunk:
     if not isinstance(entry, dict):
         raise InvalidCheckpoint(f"{where}: tensor {name!r}: header entry is not an object")
     code, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -177,16 +188,26 @@ def _parse_entry(name: str, entry: Any, index: Any, data_size: int, where: str) 
         )
     offsets: tuple[int, ...] = tuple(0 for _ in shape)
     checksum = None
+    if indexed and not isinstance(index, dict):
+        raise InvalidCheckpoint(
+            f"{where}: tensor {name!r} has no entry in the ckptctl chunk index",
+            hint="the header is corrupt or was crafted; do not trust this shard",
+        )
     if isinstance(index, dict):
         o = index.get("offsets")
         if isinstance(o, list) and len(o) == len(shape) and all(
             isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= parse.INT64_MAX for x in o
         ):
             offsets = tuple(o)
-        elif o is not None:
+        else:
             raise InvalidCheckpoint(f"{where}: tensor {name!r}: bad chunk offsets {parse.show(o)}")
-        c = index.get("checksum")
-        checksum = c if isinstance(c, str) and len(c) <= 128 else None
+        checksum = index.get("checksum")
+        if not is_digest(checksum):
+            raise InvalidCheckpoint(
+                f"{where}: tensor {name!r}: chunk checksum {parse.show(checksum)} is not a "
+                f"{DIGEST_CHARS}-digit lowercase hex digest",
+                hint="the header is corrupt or was crafted; do not trust this shard",
+            )
     return Chunk(name, dtype, tuple(shape), offsets, offs[0], offs[1], checksum)
 
 

@@ -25,7 +25,7 @@ from ckptctl.errors import InvalidCheckpoint, StateError
 from ckptctl.format.geometry import Box, intersection
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.shard import Chunk, ShardHeader
-from ckptctl.format.shard_identity import header_matches
+from ckptctl.format.shard_identity import header_mismatch
 from ckptctl.layouts.native import read_committed, read_header
 from ckptctl.settings import IO_THREADS
 from ckptctl.storage.base import Storage
@@ -92,10 +92,11 @@ class ShardIndex:
                 f"{self.storage.url_of(f.name)}: file has {actual} bytes, manifest says {f.size}",
                 hint="the shard is truncated or was replaced; run `ckptctl verify` for details",
             )
-        if not header_matches(h, f):  # no data read: see ``format.shard_identity``
+        why = header_mismatch(h, f)  # no data read, no field used yet: see ``format.shard_identity``
+        if why is not None:
             raise InvalidCheckpoint(
-                f"{self.storage.url_of(f.name)}: shard header does not match the file checksum in the manifest",
-                hint="the shard belongs to another save or was modified after commit; resume from an older checkpoint",
+                f"{self.storage.url_of(f.name)}: {why}",
+                hint="the shard is corrupt, belongs to another save or was modified after commit; resume from an older checkpoint",
             )
         return h
 

@@ -18,7 +18,7 @@ from ckptctl.format.checksum import Hasher, digest, file_checksum
 from ckptctl.format.geometry import box, fits
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
-from ckptctl.format.shard_identity import header_matches
+from ckptctl.format.shard_identity import header_mismatch
 from ckptctl.layouts.native import read_header
 from ckptctl.ops.problem import Problem
 from ckptctl.progress import Progress
@@ -29,7 +29,7 @@ from ckptctl.storage.base import Storage
 def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[Problem]) -> ShardHeader | None:
     """The quick checks of one listed file: present, a regular file of the right size, a header
     that parses, whose chunks fit the manifest's tensors, and that is the header the manifest
-    committed (``format.shard_identity``). Appends what is wrong to ``problems`` and returns
+    committed (``format.shard_identity``), checked first. Appends what is wrong to ``problems`` and returns
     the header when all is well. Reads the header only."""
     info = ckpt.stat(f.name)
     if info is None:
@@ -46,6 +46,13 @@ def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[P
     except CheckpointError as e:  # a bad header; storage trouble (exit 3) is not the checkpoint's fault
         problems.append(Problem(str(e), file=f.name, hint=e.hint))
         return None
+    # The header is bound to the manifest before any field of it is believed: a header that
+    # is not the committed one says nothing trustworthy about its chunks.
+    why = header_mismatch(h, f)
+    if why is not None:
+        problems.append(Problem(why, file=f.name, byte_range=(0, h.data_start),
+                                hint="the shard is corrupt, belongs to another save or was modified after commit; resume from an older checkpoint"))
+        return None
     ok = True
     for c in h.chunks:
         t = manifest.tensors.get(c.name)
@@ -59,11 +66,6 @@ def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[P
             ok = False
     if len(h.chunks) != f.chunks:
         problems.append(Problem(f"header has {len(h.chunks)} chunks, manifest says {f.chunks}", file=f.name))
-        ok = False
-    if ok and not header_matches(h, f):
-        problems.append(Problem("shard header does not match the file checksum in the manifest", file=f.name,
-                                byte_range=(0, h.data_start),
-                                hint="the shard belongs to another save or was modified after commit; resume from an older checkpoint"))
         ok = False
     return h if ok else None
 
