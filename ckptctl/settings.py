@@ -85,3 +85,16 @@ WRITE_PIECE = 64 << 20
 # fresh page-cache memory ran 5-10x slower save after save (docs/decisions.md, "Time to
 # durable"). Files smaller than one window are left alone (manifests, markers).
 WRITE_BEHIND = env_int("CKPTCTL_WRITE_BEHIND_MIB", 32, minimum=0, maximum=4096) << 20
+
+# Where each GPU tensor starts in the host staging buffer (``CKPTCTL_STAGING_ALIGN``, bytes, a
+# power of two; 1 packs them): slots packed by element size leave device-to-host destinations
+# at any even offset, and a copy engine writing to a misaligned destination starts and ends
+# with partial transfers. 512 is the minimum CUDA's allocator gives device memory; whether a
+# page (4096) copies faster is measured by ``scripts/gpu_smoke.py`` on the first GPU host. The
+# padding exists only in host memory: shards on disk stay packed.
+STAGING_ALIGN = env_int("CKPTCTL_STAGING_ALIGN", 512, minimum=1, maximum=2 << 20)
+if STAGING_ALIGN & (STAGING_ALIGN - 1):
+    raise UsageError(
+        f"environment variable CKPTCTL_STAGING_ALIGN={STAGING_ALIGN} is not a power of two",
+        hint="set CKPTCTL_STAGING_ALIGN to 1, 512, 4096 or another power of two up to 2097152, or unset it (default 512)",
+    )

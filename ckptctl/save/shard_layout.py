@@ -5,6 +5,12 @@ Tensors are laid out by element size, largest first, then by name: every offset 
 multiple of its tensor's element size (so the staging buffer can be viewed as each dtype), and
 the layout does not depend on dict order.
 
+In the host staging buffer, a tensor copied from an accelerator starts at a multiple of
+``settings.STAGING_ALIGN`` (``Slot.host``): the copy engine's destination is then aligned. The
+shard on disk stays packed (its entries must tile the data section); the writer gathers the
+file's bytes from the buffer (``file_pieces``), without a copy wherever the buffer is
+contiguous.
+
 Across ranks, the layout also decides who writes what (``assign_replicated``): every rank's own
 DTensor shards, and for tensors that every rank holds whole, exactly one writer chosen by size
 balancing. The choice is a pure function of the names and sizes, which every rank sees alike,
@@ -18,9 +24,11 @@ import hashlib
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
+from ckptctl import settings
 from ckptctl.format import dtypes
 from ckptctl.state.placement import NONE, RANK0, REPLICATED, SavedTensor
 
@@ -33,8 +41,14 @@ class Slot:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     group: str
-    begin: int
+    begin: int  # the bytes [begin, end) of the shard's data section
     end: int
+    host: int | None = None  # where they start in the host staging buffer, when not at ``begin``
+
+    @property
+    def staged(self) -> int:
+        """Offset of this slot's bytes in the host staging buffer."""
+        return self.begin if self.host is None else self.host
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,12 @@ class ShardLayout:
     # ranks by the coordinator to count each tensor's chunks, check that it is covered
     # exactly, and derive the manifest's placement hints (``placement_columns``).
     coverage: tuple[tuple[int, int, int, int], ...] = field(default=(), repr=False)
+    staged_nbytes: int | None = None  # size of the host staging buffer, when not ``nbytes``
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """Bytes of host staging buffer this layout needs (``nbytes`` plus alignment padding)."""
+        return self.nbytes if self.staged_nbytes is None else self.staged_nbytes
 
 
 def signature_of(tensors: dict[str, SavedTensor]) -> tuple:
@@ -100,15 +120,25 @@ def writes_here(tensors: dict[str, SavedTensor], rank: int, world_size: int) -> 
 
 
 def make_layout(
-    tensors: dict[str, SavedTensor], signature: tuple | None = None, *, rank: int = 0, world_size: int = 1
+    tensors: dict[str, SavedTensor], signature: tuple | None = None, *, rank: int = 0, world_size: int = 1,
+    align: int | None = None,
 ) -> ShardLayout:
+    """``align``: where accelerator tensors start in the host buffer (default
+    ``settings.STAGING_ALIGN``, a power of two; host tensors stay packed)."""
+    align = settings.STAGING_ALIGN if align is None else align
+    if align < 1 or align & (align - 1):
+        raise ValueError(f"make_layout: alignment {align} is not a power of two")
     mine = writes_here(tensors, rank, world_size)
     order = sorted(mine.items(), key=lambda kv: (-kv[1].data.element_size(), kv[0]))
-    slots, pos = [], 0
+    slots, pos, at = [], 0, 0  # at: the host buffer's offset, >= pos once padding was added
     for name, t in order:
         n = t.data.numel() * t.data.element_size()
-        slots.append(Slot(name, dtypes.name_of(t.data.dtype), tuple(t.data.shape), t.global_shape, t.offsets, t.group, pos, pos + n))
-        pos += n
+        if t.data.device.type != "cpu":
+            # A power of two >= 1: the offset stays a multiple of every smaller element size.
+            at = -(-at // align) * align
+        host = at if at != pos else None
+        slots.append(Slot(name, dtypes.name_of(t.data.dtype), tuple(t.data.shape), t.global_shape, t.offsets, t.group, pos, pos + n, host))
+        pos, at = pos + n, at + n
     table = tuple(
         GlobalTensor(n, dtypes.name_of(t.data.dtype), tuple(t.global_shape), t.group) for n, t in sorted(tensors.items())
     )
@@ -124,6 +154,7 @@ def make_layout(
         table=table,
         structure=structure_digest(table),
         coverage=coverage,
+        staged_nbytes=at if at != pos else None,
     )
 
 
@@ -166,4 +197,40 @@ def numel(shape: tuple[int, ...]) -> int:
 
 def view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The part of the uint8 staging buffer that holds ``slot``, viewed as its dtype and shape."""
-    return buf[slot.begin : slot.end].view(dtypes.torch_dtype(slot.dtype)).view(slot.shape)
+    at = slot.staged
+    return buf[at : at + slot.end - slot.begin].view(dtypes.torch_dtype(slot.dtype)).view(slot.shape)
+
+
+def file_pieces(data: memoryview, layout: ShardLayout, piece: int) -> Iterator[tuple[int, memoryview]]:
+    """The shard's data section, in file order, as ``(offset, bytes)`` pieces of at most
+    ``piece`` bytes, read from the host staging buffer ``data``. A piece the buffer holds
+    contiguously is a view of it; one that spans alignment padding is gathered into a scratch
+    buffer, valid until the next piece is asked for. A packed layout is always views."""
+    runs: list[tuple[int, int, int]] = []  # (file begin, buffer begin, length): contiguous in both
+    for s in layout.slots:
+        n = s.end - s.begin
+        if runs and runs[-1][0] + runs[-1][2] == s.begin and runs[-1][1] + runs[-1][2] == s.staged:
+            f, b, m = runs[-1]
+            runs[-1] = (f, b, m + n)
+        elif n:
+            runs.append((s.begin, s.staged, n))
+    scratch: bytearray | None = None
+    i = 0
+    for pos in range(0, layout.nbytes, piece):
+        end = min(pos + piece, layout.nbytes)
+        while runs[i][0] + runs[i][2] <= pos:
+            i += 1
+        f, b, m = runs[i]
+        if end <= f + m:  # within one run: no copy
+            yield pos, data[b + pos - f : b + end - f]
+            continue
+        if scratch is None:
+            scratch = bytearray(piece)
+        out, j, at = memoryview(scratch)[: end - pos], i, pos
+        while at < end:
+            f, b, m = runs[j]
+            take = min(end, f + m) - at
+            out[at - pos : at - pos + take] = data[b + at - f : b + at - f + take]
+            at += take
+            j += 1
+        yield pos, out

@@ -12,6 +12,11 @@ piece (each piece still in the CPU cache when it is written, and the disk busy f
 piece on), then writes the real header over the placeholder. The file is fsynced after that,
 so what becomes visible is exactly the bytes of the hash-first path. Object stores cannot
 rewrite their first part, so there every chunk is hashed first, then header and data go out.
+
+A shard is published, never replaced (``Writer.publish``): under its canonical name when
+nothing has it, else under the save attempt's own name (``layout.attempt_name``). A name taken
+means another attempt at this step (a dead save's leftover, a zombie job) got there first;
+its file is left alone, whoever it belongs to, and the manifest records the name we used.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ckptctl.errors import RefusedForSafety
 from ckptctl.format.checksum import Hasher, digest, file_checksum
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
-from ckptctl.save.shard_layout import ShardLayout, Slot
+from ckptctl.save.shard_layout import ShardLayout, Slot, file_pieces
 from ckptctl.settings import STREAM_PIECE, WRITE_PIECE
 from ckptctl.storage.base import Storage, Writer
 
@@ -39,27 +45,52 @@ class ShardReport:
     slots: tuple[Slot, ...]  # which tensors (and which regions of them) the shard holds
 
 
-def write_shard(ckpt: Storage, name: str, layout: ShardLayout, buf: torch.Tensor, *, rank: int, rank_state: dict) -> ShardReport:
-    """Write ``layout``'s bytes from ``buf`` as shard ``name`` and make it durable (the writer's
-    commit); the report carries its size, checksum and chunk count for the manifest."""
-    data = memoryview(buf.numpy()).cast("B")[: layout.nbytes] if layout.nbytes else memoryview(b"")
+def write_shard(ckpt: Storage, name: str, layout: ShardLayout, buf: torch.Tensor, *, rank: int, rank_state: dict,
+                fallback: str | None = None) -> ShardReport:
+    """Write ``layout``'s bytes from ``buf`` and publish them durably as shard ``name``, or as
+    ``fallback`` when ``name`` is taken, never replacing a file; the report carries the name
+    used, the size, checksum and chunk count for the manifest. Raises RefusedForSafety when
+    every name is taken."""
+    # The staging buffer may hold accelerator tensors at aligned offsets (``Slot.host``): the
+    # file's bytes are gathered from it in file order (``file_pieces``).
+    data = memoryview(buf.numpy()).cast("B")[: layout.buffer_nbytes] if layout.nbytes else memoryview(b"")
+    names = [name] + ([fallback] if fallback is not None else [])
+    for first in range(len(names)):
+        # Nearly always one pass; a second only where the backend must choose the key before
+        # writing (an S3 multipart upload) and the canonical name was taken meanwhile.
+        w = ckpt.open_writer(names[first])
+        try:
+            header, chunks = _write_all(w, layout, data, rank, rank_state)
+            taken = w.publish(names[first + 1 :])
+        except BaseException:
+            w.abort()
+            raise
+        if taken is not None:
+            checksum = file_checksum(header, (c.checksum for c in chunks if c.checksum))
+            entry = FileEntry(name=names[first + taken], size=len(header) + layout.nbytes, checksum=checksum, rank=rank, chunks=len(chunks))
+            return ShardReport(entry, layout.slots)
+    raise RefusedForSafety(
+        f"{ckpt.url}: {' and '.join(names)} already exist; rank {rank}'s shard of this save was not published",
+        hint="another writer is saving this step under the same save id; stop the other job",
+    )
+
+
+def _write_all(w: Writer, layout: ShardLayout, data: memoryview, rank: int, rank_state: dict) -> tuple[bytes, list[Chunk]]:
+    """Every byte of the shard into ``w`` (not yet published); the header and the chunks with
+    their checksums."""
     chunks = [Chunk(s.name, s.dtype, s.shape, s.offsets, s.begin, s.end, None) for s in layout.slots]
-    with ckpt.open_writer(name) as w:
-        if callable(getattr(w, "overwrite", None)):
-            header, chunks = _write_hashing_as_it_goes(w, chunks, data, rank, rank_state)
-        else:
-            chunks = [replace(c, checksum=digest(data[c.begin : c.end])) for c in chunks]
-            header = build_header(chunks, rank=rank, rank_state=rank_state)
-            w.write(header)
-            for pos in range(0, layout.nbytes, WRITE_PIECE):
-                w.write(data[pos : pos + WRITE_PIECE])
-    checksum = file_checksum(header, (c.checksum for c in chunks if c.checksum))
-    entry = FileEntry(name=name, size=len(header) + layout.nbytes, checksum=checksum, rank=rank, chunks=len(chunks))
-    return ShardReport(entry, layout.slots)
+    if callable(getattr(w, "overwrite", None)):
+        return _write_hashing_as_it_goes(w, chunks, layout, data, rank, rank_state)
+    chunks = [replace(c, checksum=digest(data[s.staged : s.staged + s.end - s.begin])) for c, s in zip(chunks, layout.slots)]
+    header = build_header(chunks, rank=rank, rank_state=rank_state)
+    w.write(header)
+    for _, piece in file_pieces(data, layout, WRITE_PIECE):
+        w.write(piece)
+    return header, chunks
 
 
 def _write_hashing_as_it_goes(
-    w: Writer, chunks: list[Chunk], data: memoryview, rank: int, rank_state: dict
+    w: Writer, chunks: list[Chunk], layout: ShardLayout, data: memoryview, rank: int, rank_state: dict
 ) -> tuple[bytes, list[Chunk]]:
     """Reserve the header, write the data section while hashing it, then the real header over
     the reserved bytes. Returns the header and the chunks with their checksums."""
@@ -70,15 +101,15 @@ def _write_hashing_as_it_goes(
     order = sorted(range(len(chunks)), key=lambda k: (chunks[k].begin, chunks[k].end))
     hashers = [Hasher() for _ in chunks]
     i = 0
-    for pos in range(0, len(data), STREAM_PIECE):
-        end = min(pos + STREAM_PIECE, len(data))
+    for pos, piece in file_pieces(data, layout, STREAM_PIECE):
+        end = pos + len(piece)
         while i < len(order) and chunks[order[i]].begin < end:
             c = chunks[order[i]]
-            hashers[order[i]].update(data[max(c.begin, pos) : min(c.end, end)])
+            hashers[order[i]].update(piece[max(c.begin, pos) - pos : min(c.end, end) - pos])
             if c.end > end:
                 break  # the chunk goes on in the next piece
             i += 1
-        w.write(data[pos:end])
+        w.write(piece)
     done = [replace(c, checksum=h.hexdigest()) for c, h in zip(chunks, hashers)]
     header = build_header(done, rank=rank, rank_state=rank_state)
     if len(header) != len(reserved):  # cannot happen while checksums are fixed-width

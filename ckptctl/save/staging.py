@@ -1,7 +1,9 @@
 """Host staging: the one copy made on the training thread.
 
-One reusable uint8 buffer laid out exactly like the shard's data section, so the writer thread
-writes it to storage as it is, with no second copy. It is mapped once with exactly the
+One reusable uint8 buffer laid out like the shard's data section, so the writer thread writes
+it to storage with no second copy; only tensors copied from a GPU start at aligned offsets
+(``settings.STAGING_ALIGN``: the copy engine's destinations are aligned), and the writer skips
+that padding (``shard_layout.file_pieces``). It is mapped once with exactly the
 layout's size and reused while it is large enough. For accelerator state it is page-locked
 by us, in chunks, and unlocked on ``release`` or when it must grow (``ckptctl.state.pinned``
 says why torch's pinned allocator is not used); if locking fails the save goes on through
@@ -36,7 +38,7 @@ from typing import AbstractSet, Any, Callable, Mapping
 import torch
 
 from ckptctl.save.shard_layout import ShardLayout, Slot, view
-from ckptctl.state.pinned import CudaRegistrar, HostRegion, Registrar, split_at
+from ckptctl.state.pinned import CudaRegistrar, HostRegion, Registrar, host_wait_event, split_at
 from ckptctl.state.placement import SavedTensor
 from ckptctl.state.roles import role_of
 
@@ -53,10 +55,13 @@ class StagingBuffer:
 
     ``registrar_for`` injects how memory is page-locked (default: CUDA's ``cudaHostRegister``
     when CUDA is available); with it given, pinning is attempted whenever the layout holds
-    accelerator state, which lets the whole ownership sequence run without a GPU."""
+    accelerator state, which lets the whole ownership sequence run without a GPU.
+    ``register_chunk``: bytes per registration (default ``pinned.REGISTER_CHUNK``, read when
+    the buffer is mapped)."""
 
-    def __init__(self, *, registrar_for: RegistrarFor | None = None) -> None:
+    def __init__(self, *, registrar_for: RegistrarFor | None = None, register_chunk: int | None = None) -> None:
         self._registrar_for = registrar_for
+        self._chunk = register_chunk
         self._region: HostRegion | None = None
         self._pin_asked = False  # whether _region was made asking for pinning (a failure is not retried)
         self._streams: dict[int, "torch.cuda.Stream"] = {}
@@ -81,7 +86,7 @@ class StagingBuffer:
 
         def work() -> None:
             try:
-                ready.set_result(HostRegion(layout.nbytes, registrar=registrar, fault_in=True))
+                ready.set_result(HostRegion(layout.buffer_nbytes, registrar=registrar, fault_in=True, chunk=self._chunk))
             except BaseException as e:  # noqa: BLE001 - any failure must reach reserve(), which waits on it
                 ready.set_exception(e)
                 if not isinstance(e, Exception):
@@ -92,7 +97,7 @@ class StagingBuffer:
         return True
 
     def reserve(self, layout: ShardLayout, tensors: Mapping[str, SavedTensor] | None = None) -> torch.Tensor:
-        """A buffer of at least ``layout.nbytes``, reused while it is large enough: only the
+        """A buffer of at least ``layout.buffer_nbytes``, reused while it is large enough: only the
         first snapshot faults pages in and pins them (unless prepared); later ones copy into
         resident memory."""
         if self._coming is not None:  # wait for the prepared buffer rather than make a second
@@ -106,7 +111,7 @@ class StagingBuffer:
             self.settle()  # no copy may still be landing in the buffer about to be unmapped
             self._drop_region()  # unlock and unmap the old one before mapping its replacement
             registrar = self._registrar(tensors) if pin else None
-            self._region, self._pin_asked = HostRegion(layout.nbytes, registrar=registrar), pin
+            self._region, self._pin_asked = HostRegion(layout.buffer_nbytes, registrar=registrar, chunk=self._chunk), pin
         assert self._region is not None
         return self._region.tensor
 
@@ -135,7 +140,7 @@ class StagingBuffer:
 
     def _fits(self, layout: ShardLayout, pin: bool) -> bool:
         r = self._region
-        return r is not None and r.nbytes >= layout.nbytes and self._pin_asked == pin
+        return r is not None and r.nbytes >= layout.buffer_nbytes and self._pin_asked == pin
 
     def _registrar(self, tensors: Mapping[str, SavedTensor] | None) -> Registrar:
         device = pin_device(
@@ -188,14 +193,14 @@ class StagingBuffer:
                             _copy_device_slot(buf, slot, tensors[slot.name].data, boundaries)
                         late = [s for s in slots if s.name in deferred]
                         if late:
-                            now.append(stream.record_event())
+                            now.append(_recorded(stream))
                             for slot in late:
                                 src = tensors[slot.name].data
                                 # The training loop may free it before the copy has read it:
                                 # the allocator must not hand its memory out before then.
                                 src.record_stream(stream)
                                 _copy_device_slot(buf, slot, src, boundaries)
-                            later[index] = stream.record_event()
+                            later[index] = _recorded(stream)
             # Host-resident tensors are copied while the device copies are in flight.
             for slot in groups.get(HOST, ()):
                 view(buf, slot).copy_(tensors[slot.name].data)
@@ -238,6 +243,15 @@ class StagingBuffer:
             ready.add_done_callback(_release_prepared)
 
 
+def _recorded(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+    """An event recorded on ``stream`` that the host waits on without spinning a core: the
+    training thread for the synchronous copies, the writer thread for the deferred ones (for
+    the whole overlap window); ``stream.record_event()`` would make a spinning one."""
+    event = host_wait_event()
+    event.record(stream)
+    return event
+
+
 def _release_prepared(ready: "Future[HostRegion]") -> None:
     if ready.exception() is None:
         ready.result().release()
@@ -248,6 +262,7 @@ def _copy_device_slot(buf: torch.Tensor, slot: Slot, src: torch.Tensor, boundari
     so that no single copy crosses from one page-locked chunk into the next."""
     if slot.begin == slot.end:
         return
+    at = slot.staged  # in the buffer: aligned for the copy engine (``STAGING_ALIGN``)
     if not src.is_contiguous():
         # torch would do the same inside copy_ (a device-to-host copy needs a dense source):
         # a full-size temporary on the source GPU. Made here, explicitly, on the side stream
@@ -255,8 +270,8 @@ def _copy_device_slot(buf: torch.Tensor, slot: Slot, src: torch.Tensor, boundari
         # next non-contiguous tensor in stream order: at most one such temporary is live.
         src = src.contiguous()
     flat = src.reshape(-1).view(torch.uint8)
-    for begin, end in split_at(slot.begin, slot.end, boundaries):
-        buf[begin:end].copy_(flat[begin - slot.begin : end - slot.begin], non_blocking=True)
+    for begin, end in split_at(at, at + slot.end - slot.begin, boundaries):
+        buf[begin:end].copy_(flat[begin - at : end - at], non_blocking=True)
 
 
 def group_by_device(slots: tuple[Slot, ...], devices: Mapping[str, torch.device]) -> dict[int, list[Slot]]:
