@@ -24,13 +24,15 @@ Per-rank state, when loading as rank ``r`` of a job of any size:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
-from ckptctl.errors import StateError
+from ckptctl.errors import InvalidCheckpoint, StateError
 from ckptctl.format import dtypes
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.state import rng, tree
@@ -114,12 +116,20 @@ def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 def load_into(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = True, rank: int = 0) -> LoadResult:
     """Fill ``state`` in place as rank ``rank`` of the loading job (see the module docstring
-    for which rank's per-rank state it gets)."""
+    for which rank's per-rank state it gets).
+
+    All or nothing: first every record this rank will apply is decoded (per-rank state, RNG
+    states, module extra state) and every chunk its tensors will be read from is read and
+    checked against its checksum, changing nothing in ``state``; only then are the tensors
+    read again into place (checked again) and the rest applied, RNG last. So a corrupt
+    checkpoint raises before the first byte of ``state`` changes, and a fallback to an older
+    one leaves exactly that one's state. (Reading twice rather than staging a host copy keeps
+    memory at one piece buffer per thread: ``docs/decisions.md``, "All-or-nothing loads".)"""
     saved = reader.manifest.state
     fill = _Filler(reader, strict)
     rank_states = reader.rank_states((rank, 0))  # its own shard's and rank 0's headers only
-    own = _own_state(rank_states, rank)
-    _warn_borrowed(reader, state, rank_states, own, rank)
+    own = _own_state(rank_states, rank, reader)
+    restore_rng = _staged_rng(rank_states, rank, reader)
     finish: list = []  # load_state_dict calls and assignments, run after the reads
     for key, value in state.items():
         if key in saved:
@@ -136,17 +146,40 @@ def load_into(reader: CheckpointReader, state: dict[str, Any], *, strict: bool =
             f"checkpoint {reader.storage.url} has state keys the target lacks: {sorted(set(saved) - set(state))}",
             hint="add them to the state passed to load, or pass strict=False",
         )
+    reader.verify_many(fill.jobs)  # every chunk read and checked; nothing applied yet
+    # --- apply: from here on, the checkpoint has been proven ------------------------------
+    _warn_borrowed(reader, state, rank_states, own, rank)
     fill.run()
     for f in finish:
         f()
-    _restore_rng(rank_states, rank, reader)
+    restore_rng()
     return LoadResult(reader.manifest.step, fill.skipped)
 
 
-def _own_state(rank_states: dict[int, dict], rank: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def _decoding(where: str) -> Iterator[None]:
+    """The boundary where the checkpoint's own records are decoded: any error from a record
+    that does not decode (the typed parsers cover most; this is the net under them) is that
+    checkpoint being corrupt, so a load falls back instead of crashing. User code (state_dict,
+    load_state_dict) never runs inside it."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError, struct.error) as e:
+        # UnicodeDecodeError and binascii.Error are ValueErrors.
+        raise InvalidCheckpoint(
+            f"{where}: cannot be decoded ({type(e).__name__}: {e})",
+            hint="the checkpoint is corrupt; resume from an older checkpoint",
+        ) from None
+
+
+def _own_state(rank_states: dict[int, dict], rank: int, reader: CheckpointReader) -> dict[str, Any]:
     """This rank's own copy of its per-rank state, from its shard header; empty if none."""
     mine = rank_states.get(rank, {})
-    return per_rank_values(mine[RANK_STATE_KEY]) if RANK_STATE_KEY in mine else {}
+    if RANK_STATE_KEY not in mine:
+        return {}
+    where = f"{reader.storage.url}: rank {rank}'s per-rank state"
+    with _decoding(where):
+        return per_rank_values(mine[RANK_STATE_KEY], where)
 
 
 def _warn_borrowed(reader: CheckpointReader, state: dict[str, Any], rank_states: dict[int, dict], own: dict[str, Any], rank: int) -> None:
@@ -218,8 +251,10 @@ def _module(fill: _Filler, module: torch.nn.Module, doc: Any, key: str, finish: 
             fill.tensor(ref[tree.TENSOR], target[name])  # filled in place: no load_state_dict copy
         else:
             non_tensor[name] = ref
-    if non_tensor:  # e.g. a module's get_extra_state(): let the module take it
-        finish.append(lambda: module.load_state_dict(tree.decode(non_tensor, fill.reader.read), strict=False))
+    if non_tensor:  # e.g. a module's get_extra_state(): read (verified) now, given to the module last
+        with _decoding(f"{fill.reader.storage.url}: module {key!r}'s extra state"):
+            extra = tree.decode(non_tensor, fill.reader.read)
+        finish.append(lambda: module.load_state_dict(extra, strict=False))
 
 
 def _decode_into(fill: _Filler, doc: Any, current: Any) -> Any:
@@ -268,11 +303,20 @@ def _update_dict(target: dict, loaded: dict) -> None:
             target[k] = v
 
 
-def _restore_rng(states: dict[int, dict], rank: int, reader: CheckpointReader) -> None:
+def _staged_rng(states: dict[int, dict], rank: int, reader: CheckpointReader) -> Callable[[], None]:
+    """The RNG states this rank will restore, decoded and validated now (``InvalidCheckpoint``
+    if malformed); the returned call sets them (and warns when they are rank 0's)."""
+    src = rank
     mine = states.get(rank)
     if not (mine and RNG_KEY in mine):
-        mine = states.get(0)
-        if mine and RNG_KEY in mine and rank != 0:
+        src, mine = 0, states.get(0)
+    if not (mine and RNG_KEY in mine):
+        return lambda: None
+    decoded = rng.decode(mine[RNG_KEY], f"{reader.storage.url}: rank {src}'s RNG state")
+
+    def restore() -> None:
+        if src != rank:
             log.warning("rank %d: %s has no RNG state of rank %d; restoring rank 0's", rank, reader.storage.url, rank)
-    if mine and RNG_KEY in mine:
-        rng.set_state(mine[RNG_KEY])
+        decoded.apply()
+
+    return restore

@@ -134,6 +134,43 @@ class CheckpointReader(ShardIndex):
             for b in bounce.values():
                 b.close()  # waits for the queued copies: the tensors are loaded on return
 
+    def verify_many(self, jobs: Sequence[ReadJob]) -> int:
+        """Read and hash every chunk that ``read_many(jobs)`` would read from, changing no
+        target: the first half of an all-or-nothing load (``load.into_state``). Raises what
+        ``read_many`` would (``StateError`` for a target that does not fit, ``InvalidCheckpoint``
+        for a chunk that fails its checksum or a region the chunks do not cover) before any
+        target is written. Each chunk is hashed once however many jobs overlap it, in parallel,
+        through one piece buffer per thread. Returns the bytes hashed."""
+        self.prefetch(jobs)
+        todo: dict[tuple[str, int], Located] = {}
+        for j in jobs:
+            for loc in self._plan(j):
+                todo.setdefault((loc.file, loc.chunk.begin), loc)
+        locs = list(todo.values()) if self.verify_checksums else []
+        if len(locs) <= 1:
+            for loc in locs:
+                self._verify_chunk(loc)
+        else:
+            with ThreadPoolExecutor(min(IO_THREADS, len(locs))) as pool:
+                for f in [pool.submit(self._verify_chunk, loc) for loc in locs]:
+                    f.result()
+        return sum(loc.chunk.nbytes for loc in locs)
+
+    def _verify_chunk(self, loc: Located) -> None:
+        start, end = loc.byte_range
+        h = Hasher()
+        self._hash_range(loc.file, start, end, h)
+        self._check(loc, h.hexdigest())
+
+    def _plan(self, job: ReadJob) -> list[Located]:
+        """The chunks ``job`` reads from, after the checks ``_fill`` makes of its target."""
+        self._check_target(job)
+        want = region_of(job)
+        found = self.locate(job.name, want)
+        covered = sum(p.numel for p in (intersection(loc.box, want) for loc in found) if p is not None)
+        self._check_covered(job, covered)
+        return found
+
     def read_into(self, job: ReadJob) -> None:
         """Fill ``job.target`` from every chunk that overlaps its region, each chunk read whole
         and checked against its checksum (``InvalidCheckpoint`` naming file, tensor and byte
@@ -147,7 +184,7 @@ class CheckpointReader(ShardIndex):
         first, verified, pass computed). A loader must use ``read_into``."""
         self._fill(job, verify=False)
 
-    def _fill(self, job: ReadJob, *, verify: bool) -> None:
+    def _check_target(self, job: ReadJob) -> None:
         entry = self.tensor(job.name)
         target = job.target
         want = region_of(job)
@@ -162,6 +199,19 @@ class CheckpointReader(ShardIndex):
                 f"target {list(target.shape)} at offsets {list(want.offsets)}",
                 hint="the model's architecture differs from the checkpoint's; pass strict=False to skip mismatched tensors",
             )
+
+    def _check_covered(self, job: ReadJob, covered: int) -> None:
+        if covered != job.target.numel():
+            raise InvalidCheckpoint(
+                f"{self.storage.url}: tensor {job.name!r}: saved chunks cover {covered} of the "
+                f"{job.target.numel()} elements requested",
+                hint="shards are missing from this checkpoint; run `ckptctl verify`",
+            )
+
+    def _fill(self, job: ReadJob, *, verify: bool) -> None:
+        self._check_target(job)
+        target = job.target
+        want = region_of(job)
         bounce = self._bounce.get(target.device)
         if bounce is not None:
             host = torch.empty(target.shape, dtype=target.dtype)
@@ -182,12 +232,7 @@ class CheckpointReader(ShardIndex):
             if part is not None:
                 self._copy_part(job.name, loc, target, want, part, verify)
                 covered += part.numel
-        if covered != target.numel():
-            raise InvalidCheckpoint(
-                f"{self.storage.url}: tensor {job.name!r}: saved chunks cover {covered} of the "
-                f"{target.numel()} elements requested",
-                hint="shards are missing from this checkpoint; run `ckptctl verify`",
-            )
+        self._check_covered(job, covered)
 
     def _copy_part(self, name: str, loc: Located, target: torch.Tensor, want: Box, part: Box, verify: bool) -> None:
         """Copy region ``part`` (global coordinates) of chunk ``loc`` into ``target`` (which

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptctl.errors import StateError
+from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes
 from ckptctl.state import tree
 
@@ -59,17 +59,26 @@ def per_rank_state(values: dict[str, Any]) -> dict[str, Any]:
 _warned_shared: set[str] = set()
 
 
-def per_rank_values(doc: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of ``per_rank_state``: the values keyed by state key."""
+def per_rank_values(doc: Any, where: str = "per-rank state") -> dict[str, Any]:
+    """Inverse of ``per_rank_state``: the values keyed by state key. Anything malformed is
+    ``InvalidCheckpoint`` naming ``where`` (the file and rank it came from): these bytes are
+    the checkpoint's, so an older checkpoint may do."""
     def tensor(name: str) -> torch.Tensor:
         try:
             d = doc["tensors"][name]
-            raw = bytearray(base64.b64decode(d["b64"]))
-            return torch.frombuffer(raw, dtype=dtypes.torch_dtype(d["dtype"])).reshape(d["shape"]) if raw else torch.empty(d["shape"], dtype=dtypes.torch_dtype(d["dtype"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise StateError(f"per-rank state: tensor {name!r} is garbled ({e})") from None
+            raw = bytearray(base64.b64decode(d["b64"], validate=True))
+            dtype = dtypes.torch_dtype(d["dtype"])
+            # frombuffer shares ``raw``, which nothing else holds; reshape checks the size.
+            return torch.frombuffer(raw, dtype=dtype).reshape(d["shape"]) if raw else torch.empty(d["shape"], dtype=dtype)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # RuntimeError: torch's shape check
+            raise InvalidCheckpoint(f"{where}: tensor {name!r} is garbled ({type(e).__name__}: {e})",
+                                    hint="resume from an older checkpoint") from None
 
-    return {k: tree.decode(v, tensor) for k, v in doc.get("tree", {}).items()}
+    values = doc.get("tree", {}) if isinstance(doc, dict) else None
+    if not isinstance(values, dict) or not isinstance(doc.get("tensors", {}), dict):
+        raise InvalidCheckpoint(f"{where}: not a per-rank state document", hint="resume from an older checkpoint")
+    tree.check(values, where)
+    return {k: tree.decode(v, tensor) for k, v in values.items()}
 
 
 def _inline(t: torch.Tensor) -> dict[str, Any]:
