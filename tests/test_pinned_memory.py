@@ -168,3 +168,14 @@ def test_the_registration_chunk_is_read_when_a_region_is_made(monkeypatch):
     region.release()
     with pytest.raises(ValueError, match="multiple of"):
         HostRegion(MiB, registrar=reg, chunk=mmap.PAGESIZE + 1)  # two chunks would share a page
+
+
+def test_the_bounce_pool_registers_in_chunks_of_its_register_chunk():
+    reg = ThreadRecordingRegistrar()
+    with BouncePool("cpu", count=1, nbytes=3 * MiB, registrar=reg, register_chunk=MiB) as pool:
+        src = torch.randn(7 * MiB // 4)
+        dst = torch.empty_like(src)
+        pool.upload(src, dst)
+        assert torch.equal(dst, src)
+        buf = pool._all[0].region
+        assert buf.boundaries == (MiB, 2 * MiB) and len(reg.live) == 3

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptctl.state.pinned import CudaRegistrar, HostRegion, Registrar
+from ckptctl.state.pinned import CudaRegistrar, HostRegion, Registrar, host_wait_event, split_at
 
 # Big enough that per-copy overhead (~10 us) is noise against a chunk's transfer (~2.5 ms at
 # 50 GB/s), small enough that a few of them are a rounding error next to a host's memory.
@@ -74,7 +74,8 @@ class BouncePool:
     Make it on the thread whose current stream the copies must be ordered against (the
     training thread); ``upload`` may then be called from any thread. ``registrar`` injects
     how buffers are page-locked (default: ``cudaHostRegister`` under ``device`` for a CUDA
-    device, none for the CPU)."""
+    device, none for the CPU); ``register_chunk``: bytes per registration (default
+    ``pinned.REGISTER_CHUNK``)."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class BouncePool:
         count: int = DEFAULT_COUNT,
         nbytes: int = DEFAULT_NBYTES,
         registrar: Registrar | None = None,
+        register_chunk: int | None = None,
     ) -> None:
         if count < 1 or nbytes < 1:
             raise ValueError(f"BouncePool needs count >= 1 and nbytes >= 1, got {count} and {nbytes}")
@@ -90,6 +92,7 @@ class BouncePool:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.count, self.nbytes = count, nbytes
+        self._chunk = register_chunk
         self._cuda = self.device.type == "cuda"
         self._registrar = registrar if registrar is not None or not self._cuda else CudaRegistrar(self.device.index)
         # The caller's stream, captured on the caller's thread (current streams are per thread).
@@ -125,7 +128,10 @@ class BouncePool:
                 try:
                     staged = buf.region.tensor[: end - begin]
                     staged.copy_(src[begin:end])
-                    dst[begin:end].copy_(staged, non_blocking=self._cuda)
+                    # Split where the buffer's registrations meet (a register_chunk smaller
+                    # than the buffer): one copy never spans two pinned ranges.
+                    for a, b in split_at(0, end - begin, buf.region.boundaries):
+                        dst[begin + a : begin + b].copy_(staged[a:b], non_blocking=self._cuda)
                     if buf.event is not None:
                         buf.event.record(self.stream)
                 finally:
@@ -182,8 +188,10 @@ class BouncePool:
         return buf
 
     def _map(self) -> _Buffer:
-        region = HostRegion(self.nbytes, registrar=self._registrar)
-        buf = _Buffer(region, torch.cuda.Event() if self._cuda else None)
+        region = HostRegion(self.nbytes, registrar=self._registrar, chunk=self._chunk)
+        # Waited on by the I/O threads (``_take``, ``close``): a blocking event sleeps there
+        # instead of spinning a core for the length of a copy.
+        buf = _Buffer(region, host_wait_event() if self._cuda else None)
         with self._cond:
             if region.failure is not None:
                 self.stats.pinned_failures.append(region.failure)
