@@ -179,3 +179,19 @@ def test_the_bounce_pool_registers_in_chunks_of_its_register_chunk():
         assert torch.equal(dst, src)
         buf = pool._all[0].region
         assert buf.boundaries == (MiB, 2 * MiB) and len(reg.live) == 3
+
+
+def test_held_bytes_counts_every_region_and_drops_to_zero_after_a_load_through_the_bounce_pool():
+    from ckptctl.state.pinned import held_bytes
+
+    before = held_bytes()
+    reg = ThreadRecordingRegistrar()
+    region = HostRegion(3 * MiB, registrar=reg, chunk=MiB)
+    with BouncePool("cpu", count=2, nbytes=MiB, registrar=reg) as pool:
+        src = torch.randn(5 * MiB // 4)
+        pool.upload(src, torch.empty_like(src))
+        assert held_bytes() - before == 3 * MiB + pool.pinned_bytes
+    assert held_bytes() - before == 3 * MiB  # the pool's buffers were unlocked on close
+    del region
+    gc.collect()
+    assert held_bytes() == before

@@ -138,7 +138,7 @@ class HostRegion:
             raise ValueError(f"HostRegion: bad size {nbytes} or chunk {chunk} (a positive multiple of {mmap.PAGESIZE})")
         self.nbytes = nbytes
         self._registrar = registrar
-        self._registered: list[int] = []  # start pointer of every registered chunk, in order
+        self._registered: list[tuple[int, int]] = []  # (start, size) of every registered chunk, in order
         self._lock = threading.Lock()
         self.failure: str | None = None  # why it is not pinned, when pinning was asked for
         self.tensor = _map(nbytes)
@@ -169,11 +169,13 @@ class HostRegion:
 
         def pin_all() -> str | None:  # on a helper thread: a failure's CUDA error stays there
             for begin in starts:
-                why = registrar.register(base + begin, min(chunk, self.nbytes - begin))
+                size = min(chunk, self.nbytes - begin)
+                why = registrar.register(base + begin, size)
                 if why is not None:
                     _unregister_chunks(registrar, self._registered)
                     return why
-                self._registered.append(base + begin)
+                self._registered.append((base + begin, size))
+                _count(size)
             return None
 
         why = _off_thread(pin_all)
@@ -197,7 +199,7 @@ class HostRegion:
             self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
-def _unregister_all(registrar: Registrar | None, registered: list[int], mapping: torch.Tensor) -> None:
+def _unregister_all(registrar: Registrar | None, registered: list[tuple[int, int]], mapping: torch.Tensor) -> None:
     """The finalizer of a ``HostRegion``: unlock its chunks (off this thread) while ``mapping``
     still holds the memory mapped; the mapping may go once this returns."""
     if registrar is not None and registered:
@@ -205,12 +207,31 @@ def _unregister_all(registrar: Registrar | None, registered: list[int], mapping:
     del mapping  # held only so that the memory stays mapped until the chunks are unlocked
 
 
-def _unregister_chunks(registrar: Registrar, registered: list[int]) -> None:
+def _unregister_chunks(registrar: Registrar, registered: list[tuple[int, int]]) -> None:
     while registered:
-        ptr = registered.pop()
+        ptr, size = registered.pop()
         why = registrar.unregister(ptr)
         if why is not None:  # nothing else can be done: the pages stay locked until exit
             log.warning("could not unlock host memory at %#x: %s", ptr, why)
+        else:
+            _count(-size)
+
+
+_held = [0]  # bytes page-locked by every HostRegion of this process now
+_held_lock = threading.Lock()
+
+
+def _count(delta: int) -> None:
+    with _held_lock:
+        _held[0] += delta
+
+
+def held_bytes() -> int:
+    """Bytes that ckptctl holds page-locked in this process right now, over every region
+    (staging buffers, load bounce buffers): what a job should see drop to 0 after a load and
+    after ``close()``."""
+    with _held_lock:
+        return _held[0]
 
 
 def _off_thread(fn: Callable[[], T]) -> T:
