@@ -10,9 +10,10 @@
 3. The checkpoints on disk are listed: the half-written one has no marker, so it is no
    checkpoint.
 4. A new job process resumes from the newest *committed* checkpoint and trains to the end.
-5. Every step's loss is compared bit for bit with the reference: the steps the killed job
-   trained before the checkpoint it resumed from, and every step after it. Model, AdamW state,
-   LR schedule, data loader position and RNG states (dropout) must all have come back.
+5. Every step's loss is compared bit for bit with the reference: every step the killed job
+   trained (those after the checkpoint too, lost with the kill) and every step the resumed job
+   trained. Model, AdamW state, LR schedule, data loader position and RNG states (dropout) must
+   all have come back. The last line is the verdict; exit status 0 PASS, 1 FAIL, 2 usage.
 
 Bit-identical curves need runs that compute identically, so every run (the reference too) is a
 fresh process started the same way (``python -m ckptctl.demo --job``, one environment built
@@ -406,7 +407,7 @@ def demo(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m ckptctl.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", help="a new or empty directory for the checkpoints and logs (default: a new temporary directory)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
