@@ -89,7 +89,8 @@ class HfTrainerLayout(StackLayout):
                                         "or pytorch_model.bin)", hint="the save did not write the model"))
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
-        """The ``best_model_checkpoint`` named by the newest complete checkpoint."""
+        """The ``best_model_checkpoint`` named by the newest complete checkpoint; every
+        checkpoint that might be it when that file does not say it readably."""
         if self.root is None or self.root.local_path() is None:
             return {}
         root = self.root.local_path()
@@ -97,11 +98,16 @@ class HfTrainerLayout(StackLayout):
         done = [n for n, status in entries if status == "committed"]
         for name in sorted(done, key=lambda n: int(self.pattern.match(n).group(1)), reverse=True):  # type: ignore[union-attr]
             doc, problem = safe_load.json_file(os.path.join(root, name, STATE))
-            if problem is None and isinstance(doc, dict):
-                best = doc.get("best_model_checkpoint")
-                if isinstance(best, str) and best:
-                    return {os.path.basename(best.rstrip("/")): f"Trainer's best_model_checkpoint (in {name}/{STATE})"}
-                return {}
+            best = doc.get("best_model_checkpoint") if isinstance(doc, dict) else None
+            if problem is not None or not isinstance(doc, dict) or not isinstance(best, (str, type(None))):
+                # Unreadable (rewritten since the catalog read it) or not a path: the best is
+                # unknown, so every checkpoint that might be it stays.
+                why = (f"Trainer's best_model_checkpoint is unknown: {name}/{STATE} "
+                       f"{problem or 'does not hold it as a path'}; kept for safety")
+                return {n: why for n, status in entries if status in ("committed", "broken")}
+            if best and best.rstrip("/"):
+                return {os.path.basename(best.rstrip("/")): f"Trainer's best_model_checkpoint (in {name}/{STATE})"}
+            return {}
         return {}
 
     def resume(self, ckpt_path: str, step: int) -> Resume:

@@ -14,10 +14,17 @@ archive (its zip directory, written last, parses); a truncated one is Lightning'
 incomplete save. Each file is one checkpoint: the catalog lists files, not directories,
 for this layout only. ``last.ckpt`` has no step in its name and is never listed, so nothing
 deletes it; the ``best_model_path`` that ``ModelCheckpoint`` records inside the newest
-complete file is protected by prune as Lightning's own ``save_top_k`` keeps it.
+complete file is protected by prune as Lightning's own ``save_top_k`` keeps it: the best of
+*every* ``ModelCheckpoint`` callback (one per monitored metric). Files that record no callback
+state say nothing and the next older one is read; when the newest file that does cannot be
+read safely (a class beyond the allow-list in ``hyper_parameters``, a damaged file) or its
+``callbacks`` is not the dict of states Lightning writes, the best is unknown and every
+complete file that might be it is kept, and the plan says why (never assumed absent).
 
-Files are test-loaded with ``torch.load(weights_only=True)``; what a LightningModule puts in
-``hyper_parameters`` beyond plain values is reported as not test-loaded, never unpickled.
+Files are test-loaded with ``torch.load(weights_only=True)``, allowing ``pathlib``'s pure and
+POSIX paths (``save_hyperparameters()`` keeps a ``Path`` argument as one; building one runs no
+code of the file); anything else a LightningModule puts in ``hyper_parameters`` is reported as
+not test-loaded, never unpickled.
 Weakness: sharded strategies (FSDP, DeepSpeed) write a ``*.ckpt`` *directory* instead; those
 are not read here yet (not listed, so never deleted).
 """
@@ -25,7 +32,11 @@ are not read here yet (not listed, so never deleted).
 from __future__ import annotations
 
 import os
+import pathlib
+import pickle
 import re
+import zipfile
+from dataclasses import dataclass
 from typing import Iterable
 
 from ckptctl.layouts import safe_load
@@ -33,6 +44,9 @@ from ckptctl.layouts.base import Examined
 from ckptctl.layouts.stack import FileKind, Resume, StackLayout
 from ckptctl.storage.base import ObjectInfo, Storage
 
+# Building a pure or POSIX path runs no code of the file (``WindowsPath`` raises on POSIX,
+# so it stays out and such a file is reported as not test-loaded).
+PATHS: tuple[type, ...] = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
 NAME_RE = re.compile(r"(?:.*[^0-9A-Za-z])?step=([0-9]{1,18})(?:[^0-9].*)?\.ckpt\Z", re.ASCII)
 
 
@@ -58,8 +72,6 @@ class LightningLayout(StackLayout):
             return Examined("partial", "removed while it was being read")
         if size == 0:
             return Examined("partial", "0 bytes: Lightning's write did not finish")
-        import zipfile
-
         if not zipfile.is_zipfile(path):
             return Examined("partial", "not a whole torch.save archive (no zip directory at its end): "
                                        "the write did not finish")
@@ -68,37 +80,71 @@ class LightningLayout(StackLayout):
     def kind_of(self, rel: str) -> FileKind:
         return "torch"
 
+    @property
+    def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
+        return PATHS
+
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
-        """``best_model_path`` as the newest complete file's ``ModelCheckpoint`` state records it."""
+        """Every ``ModelCheckpoint``'s ``best_model_path`` as the newest complete file that
+        records callback states has them; when that file cannot be read safely or understood,
+        every complete or broken file (any of them may be the best)."""
         root = self.root.local_path() if self.root is not None else None
         if root is None:
             return {}
-        done = sorted((int(NAME_RE.match(n).group(1)), n) for n, s in entries  # type: ignore[union-attr]
-                      if s == "committed" and NAME_RE.match(n))
+        entries = list(entries)
+        done = sorted((int(m.group(1)), n) for n, s in entries if s == "committed" and (m := NAME_RE.match(n)))
         for _step, name in reversed(done):
-            best = _best_model_path(os.path.join(root, name))
-            if best is not None:
-                return {os.path.basename(best): f"ModelCheckpoint's best_model_path (in {name})"}
+            found = best_paths(os.path.join(root, name))
+            if isinstance(found, Unknown):
+                why = f"ModelCheckpoint's best_model_path is unknown: {name} {found.why}; kept for safety"
+                return {n: why for n, s in entries if s in ("committed", "broken")}
+            if found:
+                return {os.path.basename(b): f"ModelCheckpoint's best_model_path (in {name})" for b in found}
         return {}
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"trainer.fit(model, ckpt_path={ckpt_path!r})")
 
 
-def _best_model_path(path: str) -> str | None:
-    """Read the checkpoint's callback states (weights_only, tensors memory-mapped)."""
-    import pickle
+@dataclass(frozen=True)
+class Unknown:
+    """A file whose callback states could not be read safely or understood."""
 
+    why: str  # completes "<file> ...": what stood in the way
+
+
+def best_paths(path: str) -> list[str] | Unknown:
+    """The ``best_model_path`` of every ``ModelCheckpoint`` state the Lightning checkpoint at
+    ``path`` records (``[]`` when it records no callback state at all), or ``Unknown`` when it
+    cannot be read with ``torch.load(weights_only=True)`` or its ``callbacks`` is not the dict
+    of states Lightning writes. Read with tensors memory-mapped, never unpickled."""
     import torch
 
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError):
-        return None
-    callbacks = ckpt.get("callbacks") if isinstance(ckpt, dict) else None
-    for key, state in (callbacks or {}).items():
-        if isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, dict):
-            best = state.get("best_model_path")
-            if isinstance(best, str) and best:
-                return best
-    return None
+        with torch.serialization.safe_globals(list(PATHS)):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        text = str(e).strip().splitlines()
+        detail = next((ln.strip() for ln in text if "GLOBAL" in ln or "Unsupported" in ln), text[0] if text else "")
+        return Unknown(f"cannot be read safely (it needs pickle beyond plain values: {detail[:160]})")
+    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile, ValueError, TypeError, KeyError, IndexError,
+            AttributeError, NotImplementedError, OverflowError, RecursionError) as e:  # a damaged or hostile file
+        first = str(e).strip().splitlines()
+        return Unknown(f"does not load ({(first[0] if first else type(e).__name__)[:160]})")
+    if not isinstance(ckpt, dict):
+        return Unknown(f"holds a {type(ckpt).__name__}, not the dict Lightning saves")
+    callbacks = ckpt.get("callbacks")
+    if callbacks is None:
+        return []  # saved without callback states (Trainer.save_checkpoint of a model only)
+    if not isinstance(callbacks, dict):
+        return Unknown(f"has `callbacks` of type {type(callbacks).__name__}, not Lightning's dict of callback states")
+    found: list[str] = []
+    for key, state in callbacks.items():
+        if not (isinstance(key, str) and key.startswith("ModelCheckpoint")):
+            continue  # other callbacks' states (EarlyStopping, ...): none of prune's business
+        best = state.get("best_model_path") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or not isinstance(best, (str, *PATHS)):
+            return Unknown(f"has a {key[:60]!r} state without a readable best_model_path")
+        if str(best):
+            found.append(str(best))
+    return found

@@ -19,7 +19,8 @@ Legacy files are test-loaded with ``torch.load(weights_only=True)`` allowing
 ``argparse.Namespace`` (Megatron's ``args``) and numpy's RNG state; anything else they hold is
 reported as not test-loaded, never unpickled.
 Weakness: Megatron has no keep-last-N (Megatron-LM#1354), and the tracker is rewritten in
-place (not atomically): an empty or garbled tracker makes every iteration read as incomplete.
+place (not atomically): an empty or garbled tracker makes every iteration read as corrupt
+(never complete, never deleted as abandoned: which one it named is unknown).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class MegatronLayout(StackLayout):
         super().__init__()
         self.tracker: int | None = None
         self.tracker_problem: str | None = f"no {TRACKER} at the root"
+        self.tracker_garbled = False  # present, but not an iteration
 
     @property
     def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
@@ -72,8 +74,13 @@ class MegatronLayout(StackLayout):
             self.tracker, self.tracker_problem = int(text), None
         else:
             self.tracker, self.tracker_problem = None, f"{TRACKER} holds {text[:20]!r}, not an iteration"
+            self.tracker_garbled = True
 
     def commit_state(self, path: str, step: int | None) -> Examined:
+        if self.tracker is None and self.tracker_garbled:
+            # The tracker is there but unreadable (rewritten in place, cut short): which
+            # iterations it covers is unknown, so none is taken for an abandoned save.
+            return Examined("corrupt", f"{self.tracker_problem}; left alone, not taken for an abandoned save")
         if self.tracker is None:
             return Examined("partial", f"{self.tracker_problem}; no iteration is committed")
         if step is None or step > self.tracker:
@@ -102,6 +109,9 @@ class MegatronLayout(StackLayout):
             _check_integrity(path, out)
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+        if self.tracker is None and self.tracker_garbled:
+            why = f"{self.tracker_problem}: the iteration it names is unknown; kept for safety"
+            return {n: why for n, status in entries if status not in ("partial", "unknown")}
         if self.tracker is None:
             return {}
         return {f"iter_{self.tracker:07d}": f"{TRACKER} names it (Megatron's --load resumes from it)"}

@@ -7,7 +7,9 @@ so a refusal deletes nothing at all.
 
 Safety: the newest checkpoint of a root that passes full verification (``prune``'s anchor,
 found the same way, newest first, with the verification record) is refused unless ``force``:
-deleting it leaves the run with nothing known good to resume from. Only ckptctl's own
+deleting it leaves the run with nothing known good to resume from; so is, unless ``force``,
+what a pointer of the root protects (``layouts.protection``: a symlinked step directory
+DeepSpeed's ``latest`` names, for one). Only ckptctl's own
 checkpoints (and step-named symlinks: the link only) are removed; other tools' checkpoints are
 ``prune``'s to manage by their own rules. Deleting removes the marker first
 (``layouts.native.remove``), so an interrupted ``rm`` leaves something that reads as partial.
@@ -26,6 +28,7 @@ from ckptctl.layouts.base import Checkpoint
 from ckptctl.layouts.catalog import LAYOUTS, list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.native import remove, total_size
+from ckptctl.layouts.protection import protected
 from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.prune_plan import ANCHOR_LEVEL
 from ckptctl.ops.targets import open_root
@@ -135,6 +138,14 @@ def _mark_anchor(root: _Root, cache: VerifyCache, progress: Progress | None) -> 
             return
 
 
+def _protected_targets(root: _Root) -> list[tuple[RmItem, str]]:
+    """The targets that a pointer of their root names (``layouts.protection``: a symlinked step
+    directory DeepSpeed's ``latest`` or Megatron's tracker names, or the link's target)."""
+    entries = [(e.layout, e.name, "broken" if e.status == "corrupt" else e.status) for e in root.entries.values()]
+    guarded = protected(root.storage, entries)
+    return [(i, guarded[i.name]) for i in root.items if i.name in guarded]
+
+
 def remove_checkpoints(
     paths: Sequence[str],
     *,
@@ -149,8 +160,8 @@ def remove_checkpoints(
     (items ``planned``) and returns whether to go on; the result is returned either way.
 
     Raises UsageError (a path that is no ckptctl checkpoint), RefusedForSafety (exit 1: a
-    target is its root's newest fully verified checkpoint and ``force`` is not set; nothing is
-    deleted) or LockHeld (exit 3: a prune, rm or sync holds a root's lock).
+    target is its root's newest fully verified checkpoint, or a pointer of its root protects
+    it, and ``force`` is not set; nothing is deleted) or LockHeld (exit 3: a prune, rm or sync holds a root's lock).
     """
     if not paths:
         raise UsageError("no checkpoint given", hint="e.g. ckptctl rm ROOT/step-0000001000")
@@ -172,6 +183,14 @@ def remove_checkpoints(
             raise RefusedForSafety(
                 f"{names}: the newest checkpoint of its root that passes full verification; nothing was deleted",
                 hint="a run resumes from it; pass --force to delete it anyway",
+            )
+        guarded = [(item, why) for root in roots for item, why in _protected_targets(root)]
+        if guarded and not force:
+            item, why = guarded[0]
+            raise RefusedForSafety(
+                f"{item.url}: protected ({why}); nothing was deleted"
+                + (f" (+{len(guarded) - 1} more protected)" if len(guarded) > 1 else ""),
+                hint="removing it leaves the pointer naming nothing; move the pointer first, or pass --force",
             )
         go = review(result) if review is not None else True
         if dry_run or not go:
