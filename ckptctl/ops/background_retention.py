@@ -7,7 +7,9 @@ The policy and its safety checks are ``ckptctl prune``'s (``ops.prune``): the ne
 fully verified before anything older is deleted. Only rank 0 prunes. A prune runs on a thread
 of its own, so a slow one never delays the next write or, across ranks, rank 0's arrival at
 the save's barrier. Retention problems are logged on the "ckptctl" logger and never fail a
-save.
+save. A prune is owed from the moment a save commits until one runs: deferred to a newer save
+(see ``_run``), or not run at all (the lock held by a cron prune), it is run after the next
+save even when that save fails, so a full disk that made the save fail is freed for the next.
 
 The full verification costs no download by rank 0: after each commit, every rank re-reads the
 shard it just wrote (``check_shard``, on its writer thread: header bound to the file checksum
@@ -49,8 +51,9 @@ class BackgroundRetention:
         self.policy = from_options(keep_last, keep_every, None, ())
         self._pool: ThreadPoolExecutor | None = None  # started by the first request
         self._lock = threading.Lock()
-        self._next: tuple[int, "Future[str | None]"] | None = None  # the newest save to prune after
+        self._requests: list[tuple[int, "Future[str | None]"]] = []  # saves not yet looked at by a run
         self._queued = False
+        self._owed: int | None = None  # the newest committed save whose prune has not run yet
         self._verified: dict[str, tuple[Fingerprint, str]] = {}  # checked by its ranks, not yet recorded
 
     # --- the check of each commit by the ranks that wrote it (``save.saver.AfterCommit``) ---
@@ -95,7 +98,7 @@ class BackgroundRetention:
         """Prune once ``save`` has committed. Requests coalesce: at most one prune runs and one
         waits, and the waiting one prunes after the newest save requested so far."""
         with self._lock:
-            self._next = (step, save)
+            self._requests.append((step, save))
             if self._queued:
                 return
             self._queued = True
@@ -112,24 +115,42 @@ class BackgroundRetention:
     def _run(self) -> None:
         with self._lock:
             self._queued = False
-            assert self._next is not None
-            step, save = self._next
-        if save.exception() is not None or save.result() is None:
-            return  # nothing new was committed, so there is nothing new to rely on
+            requests, self._requests = self._requests, []
+        if not requests:
+            return
+        # Every request coalesced into this run counts, not only the newest: a committed save
+        # followed by one that failed still owes its prune.
+        for step, save in requests:  # in save order: one writer thread commits them in turn
+            if save.exception() is None and save.result() is not None:
+                with self._lock:
+                    self._owed = max(step, self._owed if self._owed is not None else step)
+        with self._lock:
+            owed = self._owed
+        if owed is None:
+            return  # nothing was committed since the last prune: nothing new to rely on
+        if owed != requests[-1][0]:
+            # A save that failed on a full disk must not end retention for good: every later
+            # save would fail too. The prune owed since the last commit runs now.
+            log.info("retention: the save of step %d did not commit; running the prune owed since step %d",
+                     requests[-1][0], owed)
         try:
             self._record_verified()
             with self._lock:
                 if self._queued:
                     # A newer save was requested meanwhile: it may be committed and not yet
                     # checked by its ranks, and then the prune would verify it by reading it
-                    # all. Its own run prunes, once its check is recorded.
+                    # all. Its own run prunes (``_owed`` keeps the request until one does).
                     return
             # ckptctl's own checkpoints only: other tools' in the same root are theirs to manage.
-            plan, outcome = prune(self.root, self.policy, command=f"Checkpointer retention after step {step}",
+            plan, outcome = prune(self.root, self.policy, command=f"Checkpointer retention after step {owed}",
                                   layouts=NATIVE)
         except CkptError as e:  # lock held by a cron prune, nothing verifies, storage trouble
-            log.warning("retention after step %d did not run: %s", step, e)
+            # Still owed: the next save's run tries again, even if that save fails.
+            log.warning("retention after step %d did not run: %s", owed, e)
             return
+        with self._lock:
+            if self._owed == owed:
+                self._owed = None
         for item in plan.broken_left:
             log.warning("retention: %s is broken and was left in place: %s", item.url, item.reason)
         for note in plan.notes + (outcome.notes if outcome else []):
@@ -138,7 +159,7 @@ class BackgroundRetention:
             for o in outcome.failed + outcome.skipped:
                 log.warning("retention: %s %s: %s", o.result, o.name, o.detail)
             if outcome.deleted:
-                log.info("retention after step %d deleted %s", step, ", ".join(o.name for o in outcome.deleted))
+                log.info("retention after step %d deleted %s", owed, ", ".join(o.name for o in outcome.deleted))
 
 
 def _log_unexpected(future: "Future[None]") -> None:
