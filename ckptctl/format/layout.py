@@ -5,6 +5,13 @@
         manifest.json                     what the checkpoint holds
         COMMITTED                         the marker, written last
 
+Every file a marker commits is published only under a name nothing else has (never replacing
+a file), so a committed step cannot change under its marker. Where a canonical name is taken
+by another attempt at the same step (a dead save's leftover, a zombie job), a save publishes
+under its attempt's name instead: the save id, 16 hex digits, before the suffix
+(``rank-00000-of-00004.<id>.safetensors``, ``manifest.<id>.json``). The manifest lists its
+shards by name, and the marker names its manifest when it is not ``manifest.json``.
+
 Steps are compared as integers, never as strings: ``step-10`` sorts after ``step-9`` even
 when a directory was named by hand without padding.
 """
@@ -12,6 +19,7 @@ when a directory was named by hand without padding.
 from __future__ import annotations
 
 import re
+import secrets
 
 STEP_PREFIX = "step-"
 STEP_DIGITS = 10
@@ -24,6 +32,9 @@ MAX_STEP = 2**63 - 1  # a step is a signed 64-bit count everywhere it is stored 
 # Plain ASCII digits only: ``\d`` alone also matches other scripts' digits (``step-٤٠`` would
 # read as 40), and ``$`` accepts a trailing newline; ``\Z`` does not.
 _STEP_RE = re.compile(r"step-([0-9]{1,19})\Z", re.ASCII)
+SAVE_ID_HEX = 16
+_SAVE_ID_RE = re.compile(r"[0-9a-f]{16}\Z", re.ASCII)
+_MANIFEST_RE = re.compile(r"manifest(\.[0-9a-f]{16})?\.json\Z", re.ASCII)
 _SHARD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors$")
 
 
@@ -52,3 +63,29 @@ def shard_name(rank: int, world_size: int, part: int = 0) -> str:
 def is_valid_shard_name(name: str) -> bool:
     """A shard name is one plain file name: no directories, no dot-dot, nothing hidden."""
     return bool(_SHARD_RE.match(name)) and ".." not in name
+
+
+def new_save_id() -> str:
+    """A fresh random save id: 16 lowercase hex digits (64 bits)."""
+    return secrets.token_hex(SAVE_ID_HEX // 2)
+
+
+def is_save_id(text: str) -> bool:
+    return bool(_SAVE_ID_RE.match(text))
+
+
+def attempt_name(name: str, save_id: str) -> str:
+    """The name one save attempt publishes ``name`` under when ``name`` itself is taken:
+    ``attempt_name("manifest.json", "0123456789abcdef") == "manifest.0123456789abcdef.json"``."""
+    if not is_save_id(save_id):
+        raise ValueError(f"not a save id: {save_id!r}")
+    stem, dot, suffix = name.rpartition(".")
+    if not dot or not stem:
+        raise ValueError(f"{name!r} has no suffix to put a save id before")
+    return f"{stem}.{save_id}.{suffix}"
+
+
+def is_manifest_name(name: str) -> bool:
+    """``manifest.json`` or an attempt's ``manifest.<save id>.json``: one plain name, never a
+    path (a marker may name its manifest, and a marker is untrusted input)."""
+    return bool(_MANIFEST_RE.match(name))

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes, parse
 from ckptctl.format.checksum import ALGORITHM
-from ckptctl.format.layout import is_valid_shard_name
+from ckptctl.format.layout import is_save_id, is_valid_shard_name, new_save_id
 from ckptctl.version import tool_info
 
 FORMAT_NAME = "ckptctl"
@@ -67,6 +67,9 @@ class Manifest:
     tool: dict[str, str] = field(default_factory=dict)
     checksum_algorithm: str = ALGORITHM
     extra: dict[str, Any] = field(default_factory=dict)  # room for per-format notes (interop)
+    # The save attempt that wrote this checkpoint (16 hex digits; see ``layout.attempt_name``).
+    # Optional: older manifests have none ("").
+    save_id: str = ""
 
     @classmethod
     def new(
@@ -79,9 +82,11 @@ class Manifest:
         stats: dict[str, float],
         *,
         extra: dict[str, Any] | None = None,
+        save_id: str | None = None,
     ) -> "Manifest":
         """The manifest of a checkpoint being written now: files by rank, tensors by name, and
-        the ``tool`` entry every writer records (``version.tool_info``)."""
+        the ``tool`` entry every writer records (``version.tool_info``). ``save_id``: the
+        attempt's id, the one its shards' attempt names carry; a fresh one when not given."""
         return cls(
             step=step,
             created=time.time(),
@@ -92,6 +97,7 @@ class Manifest:
             stats=stats,
             tool=tool_info(),
             extra=dict(extra or {}),
+            save_id=new_save_id() if save_id is None else save_id,
         )
 
     @property
@@ -113,6 +119,8 @@ class Manifest:
             "stats": self.stats,
             "extra": self.extra,
         }
+        if self.save_id:
+            doc["save_id"] = self.save_id
         return json.dumps(doc, indent=1, allow_nan=True).encode()
 
     @classmethod
@@ -150,6 +158,7 @@ class Manifest:
             tool=tool,
             checksum_algorithm=top.str("checksum_algorithm", max_len=64, default=""),
             extra=top.dict("extra", default=None) or {},
+            save_id=top.str("save_id", max_len=64, default=""),
         )
         parse.check_state_tree(m.state, where, "manifest: 'state'")
         m._validate(where)
@@ -161,6 +170,9 @@ class Manifest:
                 f"{where}: unknown checksum algorithm {self.checksum_algorithm!r}",
                 hint="upgrade ckptctl",
             )
+        if self.save_id and not is_save_id(self.save_id):
+            raise InvalidCheckpoint(f"{where}: save_id {self.save_id!r} is not 16 hex digits",
+                                    hint="the manifest was altered; treat this checkpoint as untrusted")
         names = set()
         for f in self.files:
             # A manifest is untrusted input: a file name is one plain name inside the checkpoint.

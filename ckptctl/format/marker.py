@@ -1,8 +1,13 @@
 """The commit marker. A checkpoint is committed if and only if its marker exists and records
 the checksum and size of the manifest beside it.
 
-It is written last, by one coordinator, atomically (``Storage.write_atomic``: temporary name,
-fsync, rename, directory fsync; a single PUT on S3). Deleting a checkpoint removes it first.
+It is written last, by one coordinator, and only if absent (``Storage.write_if_absent``: a
+hard link of a fsynced temporary file, or ``If-None-Match: *`` on S3), so a second writer of
+the same step can never replace it. Deleting a checkpoint removes it first.
+
+The manifest it commits is ``manifest.json`` unless the marker names another
+(``"manifest": {"name": "manifest.<save id>.json"}``, written only then): a save whose
+``manifest.json`` was taken by another attempt publishes its own under its attempt's name.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import parse
 from ckptctl.format.checksum import ALGORITHM, digest
+from ckptctl.format.layout import MANIFEST, is_manifest_name
 from ckptctl.format.manifest import MAX_MANIFEST_BYTES
 
 MARKER_FORMAT = "ckptctl-commit"
@@ -27,18 +33,22 @@ class Marker:
     manifest_size: int
     manifest_checksum: str
     committed: float
+    manifest_name: str = MANIFEST  # the file, beside the marker, that it commits
 
     @classmethod
-    def for_manifest(cls, step: int, manifest_bytes: bytes) -> "Marker":
-        return cls(step, len(manifest_bytes), digest(manifest_bytes), time.time())
+    def for_manifest(cls, step: int, manifest_bytes: bytes, manifest_name: str = MANIFEST) -> "Marker":
+        return cls(step, len(manifest_bytes), digest(manifest_bytes), time.time(), manifest_name)
 
     def to_json(self) -> bytes:
+        manifest: dict[str, object] = {"size": self.manifest_size, "checksum": self.manifest_checksum, "algorithm": ALGORITHM}
+        if self.manifest_name != MANIFEST:  # else the bytes of every marker before save ids
+            manifest["name"] = self.manifest_name
         return json.dumps(
             {
                 "format": MARKER_FORMAT,
                 "version": MARKER_VERSION,
                 "step": self.step,
-                "manifest": {"size": self.manifest_size, "checksum": self.manifest_checksum, "algorithm": ALGORITHM},
+                "manifest": manifest,
                 "committed": self.committed,
             }
         ).encode()
@@ -56,11 +66,15 @@ class Marker:
         algorithm = m.str("algorithm", max_len=64, default=ALGORITHM)
         if algorithm != ALGORITHM:
             raise m.bad("algorithm", f"is {algorithm!r}, not {ALGORITHM!r}")
+        name = m.str("name", max_len=64, default=MANIFEST)
+        if not is_manifest_name(name):
+            raise m.bad("name", f"{name!r} is not manifest.json or manifest.<16 hex digits>.json")
         return cls(
             step=top.int("step", lo=0, hi=parse.INT64_MAX),
             manifest_size=m.int("size", lo=0, hi=MAX_MANIFEST_BYTES),
             manifest_checksum=m.str("checksum", max_len=128),
             committed=top.float("committed", lo=0.0, hi=parse.MAX_TIME),
+            manifest_name=name,
         )
 
     def check(self, manifest_bytes: bytes, where: str) -> None:

@@ -5,6 +5,13 @@
         manifest.json                     what the checkpoint holds
         COMMITTED                         the marker, written last, never replaced
 
+Nothing a marker commits is ever replaced: every file of a commit is published only under a
+name nothing has yet (``Storage.write_if_absent``, ``Writer.publish``), and a name another
+attempt at the step already took makes us publish under our attempt's name instead
+(``layout.attempt_name``), recorded in the manifest (shards) or the marker (the manifest).
+Files of other attempts that the manifest does not name (a dead save's leftovers, a loser's
+file published just before it lost) are ignored by every reader and deleted with the step.
+
 A checkpoint is committed when its marker exists, records the size and checksum of the
 manifest beside it, and its identity holds: the step in its directory's name (when that is a
 step directory), the manifest's step and the marker's step are one number. Anything that
@@ -15,13 +22,14 @@ error, so that every root-wide verb skips that checkpoint and goes on with the o
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping
+from typing import Iterable, Literal, Mapping, Sequence
 
-from ckptctl.errors import CheckpointError, InvalidCheckpoint, NotFound, RefusedForSafety
-from ckptctl.format.layout import MANIFEST, MARKER, MAX_STEP, parse_step_dir, step_dir
+from ckptctl.errors import CheckpointError, InvalidCheckpoint, NotFound, RefusedForSafety, StorageError
+from ckptctl.format.layout import MANIFEST, MARKER, MAX_STEP, attempt_name, is_manifest_name, new_save_id, parse_step_dir, step_dir
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
@@ -30,6 +38,8 @@ from ckptctl.layouts.removal import remove_unchanged
 from ckptctl.storage.base import ObjectInfo, Storage
 
 NAME = "ckptctl"
+
+log = logging.getLogger("ckptctl")
 
 
 @dataclass(frozen=True)
@@ -129,15 +139,16 @@ def _committed(ckpt: Storage, marker_raw: bytes) -> Committed:
     # The parsers are the one validated layer (format.parse): they bound every field (the
     # manifest size a marker records included) and raise only InvalidCheckpoint.
     marker = Marker.from_json(marker_raw, ckpt.url_of(MARKER))
+    name = marker.manifest_name  # a plain manifest name: Marker.from_json checked it
     try:
-        raw = _read_bounded(ckpt, MANIFEST, marker.manifest_size, "bytes its marker records")
+        raw = _read_bounded(ckpt, name, marker.manifest_size, "bytes its marker records")
     except NotFound:
         raise InvalidCheckpoint(
-            f"{ckpt.url}: marker present but {MANIFEST} is missing",
+            f"{ckpt.url}: marker present but {name} is missing",
             hint="the checkpoint was damaged after commit; do not resume from it",
         ) from None
-    marker.check(raw, ckpt.url_of(MANIFEST))
-    manifest = Manifest.from_json(raw, ckpt.url_of(MANIFEST))
+    marker.check(raw, ckpt.url_of(name))
+    manifest = Manifest.from_json(raw, ckpt.url_of(name))
     _check_identity(ckpt, manifest, marker)
     return Committed(manifest, marker, raw, marker_raw)
 
@@ -173,28 +184,73 @@ def check_target_name(ckpt: Storage, step: int) -> None:
         )
 
 
-def commit(ckpt: Storage, manifest: Manifest) -> None:
-    """Commit ``ckpt`` once every shard is durable: the manifest (atomic), then the marker,
-    created only if absent. A marker already there is never replaced: raises RefusedForSafety
-    naming the URL (another writer committed this step), leaving that marker untouched."""
+def commit(ckpt: Storage, manifest: Manifest, *, published: Sequence[str] = ()) -> str:
+    """Commit ``ckpt`` once every shard is durable: the manifest, then the marker, each
+    published only where nothing has its name, so nothing of a committed step is ever
+    replaced. The manifest goes to ``manifest.json``, or to ``manifest.<save id>.json`` when
+    another attempt at this step took that name (the marker then names it). Returns the
+    manifest's name.
+
+    When the marker is there already, or another writer's lands first, raises
+    RefusedForSafety naming the URL, leaving that writer's files untouched; first this save's
+    own files are deleted by their exact names: its manifest and ``published``, the shards it
+    published (names this save took with ``Writer.publish``, so nobody else's)."""
+    step = manifest.step
+    check_target_name(ckpt, step)
+    # Looked at first so that a writer far behind (a zombie) writes no manifest into a
+    # committed step; write_if_absent on the marker settles any race after this look.
+    if ckpt.stat(MARKER) is not None:
+        _discard(ckpt, published)
+        raise _other_writer(ckpt, step)
     raw = manifest.to_json()
-    _commit_bytes(ckpt, manifest.step, raw, Marker.for_manifest(manifest.step, raw).to_json())
+    name = MANIFEST
+    if not ckpt.write_if_absent(name, raw):  # another attempt's: never replaced, never deleted
+        name = attempt_name(MANIFEST, manifest.save_id or new_save_id())
+        if not ckpt.write_if_absent(name, raw):
+            _discard(ckpt, published)
+            raise RefusedForSafety(
+                f"{ckpt.url}: {MANIFEST} and {name} both exist; this save of step {step} was not committed",
+                hint="another writer is saving this step under the same save id; stop the other job",
+            )
+    marker_raw = Marker.for_manifest(step, raw, name).to_json()
+    if not ckpt.write_if_absent(MARKER, marker_raw):
+        if _holds(ckpt, MARKER, marker_raw):
+            return name  # ours after all: a retried request that had landed the first time
+        _discard(ckpt, [*published, name])
+        raise _other_writer(ckpt, step)
+    return name
 
 
 def commit_copy(ckpt: Storage, source: Committed) -> None:
-    """``commit`` with the exact bytes of another checkpoint's manifest and marker (a copy)."""
-    _commit_bytes(ckpt, source.manifest.step, source.manifest_raw, source.marker_raw)
-
-
-def _commit_bytes(ckpt: Storage, step: int, manifest_raw: bytes, marker_raw: bytes) -> None:
-    check_target_name(ckpt, step)
-    # Looked at before the manifest is written too, so that a committed checkpoint's manifest
-    # is not replaced under its marker; write_if_absent below settles a race between the two.
+    """Commit a copy with the exact bytes of another checkpoint's manifest (under the name its
+    marker gives) and marker. The copy's files are the caller's to clean (it holds the root's
+    lock): a manifest left by a killed earlier copy is replaced, the marker never is."""
+    check_target_name(ckpt, source.manifest.step)
     if ckpt.stat(MARKER) is not None:
-        raise _other_writer(ckpt, step)
-    ckpt.write_atomic(MANIFEST, manifest_raw)
-    if not ckpt.write_if_absent(MARKER, marker_raw):
-        raise _other_writer(ckpt, step)
+        raise _other_writer(ckpt, source.manifest.step)
+    ckpt.write_atomic(source.marker.manifest_name, source.manifest_raw)
+    if not ckpt.write_if_absent(MARKER, source.marker_raw):
+        raise _other_writer(ckpt, source.manifest.step)
+
+
+def _holds(ckpt: Storage, key: str, data: bytes) -> bool:
+    """Whether ``key`` holds exactly ``data`` (read back bounded by its length)."""
+    try:
+        with ckpt.open_reader(key) as r:
+            return r.size == len(data) and r.read(0, r.size) == data
+    except (NotFound, InvalidCheckpoint):
+        return False
+
+
+def _discard(ckpt: Storage, names: Iterable[str]) -> None:
+    """Delete the files this save published, by their exact names, after it lost the step to
+    another writer. A failure is logged, not raised: the refusal is the outcome that matters,
+    and a file left behind is not named by the winner's manifest, so it is harmless."""
+    for name in names:
+        try:
+            ckpt.delete(name)
+        except (StorageError, InvalidCheckpoint) as e:
+            log.warning("could not delete %s after losing the step to another writer: %s", ckpt.url_of(name), e)
 
 
 def _other_writer(ckpt: Storage, step: int) -> RefusedForSafety:
@@ -221,8 +277,8 @@ def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = 
     and the files after it stay. Returns None when everything asked for was deleted.
     """
     if expected is not None:
-        first = {MARKER: 0, MANIFEST: 1}
-        return remove_unchanged(ckpt, sorted(expected, key=lambda k: (first.get(k, 2), k)), expected)
+        order = lambda k: (0 if k == MARKER else 1 if is_manifest_name(k) else 2, k)  # noqa: E731
+        return remove_unchanged(ckpt, sorted(expected, key=order), expected)
     uncommit(ckpt)
     for info in list(ckpt.list()):
         ckpt.delete(info.key)
@@ -243,7 +299,7 @@ def remove_leftovers(ckpt: Storage, names: Iterable[str]) -> list[str]:
     removed = []
     for info in ckpt.children():
         m = _TEMPORARY.match(info.key)
-        if info.kind == "file" and m is not None and m.group(1) in ours:
+        if info.kind == "file" and m is not None and (m.group(1) in ours or is_manifest_name(m.group(1))):
             ckpt.delete(info.key)
             removed.append(info.key)
     return removed
@@ -251,7 +307,8 @@ def remove_leftovers(ckpt: Storage, names: Iterable[str]) -> list[str]:
 
 # --- as a catalog layout -------------------------------------------------------------------
 
-_OWN_SHARD = re.compile(r"rank-[0-9]{5}-of-[0-9]{5}(-[0-9]+)?\.safetensors\Z", re.ASCII)
+# With an attempt's save id before the suffix when the canonical name was taken (see above).
+_OWN_SHARD = re.compile(r"rank-[0-9]{5}-of-[0-9]{5}(-[0-9]+)?(\.[0-9a-f]{16})?\.safetensors\Z", re.ASCII)
 
 
 def _padded(ckpt: Storage) -> bool:
@@ -284,7 +341,7 @@ class NativeLayout:
         for name in names:
             m = _TEMPORARY.match(name)
             base = m.group(1) if m is not None else name
-            if base in (MARKER, MANIFEST) or _OWN_SHARD.match(base):
+            if base == MARKER or is_manifest_name(base) or _OWN_SHARD.match(base):
                 return True
         return not names and dir_step(ckpt) is not None and _padded(ckpt)
 

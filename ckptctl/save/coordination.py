@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ckptctl.errors import CoordinationError, UsageError
+from ckptctl.errors import CoordinationError, RefusedForSafety, UsageError
 from ckptctl.format.geometry import numel
 from ckptctl.format.manifest import FileEntry, TensorEntry
 from ckptctl.save.barrier import StoreBarrier
@@ -33,6 +33,7 @@ from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, fi
 from ckptctl.save.messages import ANSWER_BYTES, REPORT_BYTES, RankReport, pack, unpack
 from ckptctl.save.replicas import NAMED, bounds, combined, differing, replica_message
 from ckptctl.save.replicas import ranks_text as _ranks
+from ckptctl.save.save_id import NONCE_BYTES, new_nonce
 from ckptctl.save.shard_layout import ShardLayout, placement_hints
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -69,6 +70,7 @@ class Coordinator:
         self._structure: str | None = None
         self._store_barrier: StoreBarrier | None = None  # None: gloo's monitored_barrier instead
         self._heartbeat: Heartbeat | None = None
+        self.nonce = new_nonce()  # rank 0's on every rank once ``create`` shared it (``save_id``)
 
     @classmethod
     def create(
@@ -91,6 +93,9 @@ class Coordinator:
             group_desc="ckptctl_coordination",
         )
         coord = cls(group, timeout_s=timeout_s, liveness_s=liveness_s)
+        nonce = torch.frombuffer(bytearray(coord.nonce), dtype=torch.uint8)
+        dist.broadcast(nonce, group=group, group_src=0)  # once per Checkpointer: see ``save_id``
+        coord.nonce = bytes(nonce.numpy().tobytes())[:NONCE_BYTES]
         store = _side_channel(group)
         clone = getattr(store, "clone", None)  # torch < 2.5 has none: timeout_s alone then
         if coord.world_size > 1 and clone is not None:
@@ -144,6 +149,10 @@ class Coordinator:
             action, message = self._replica_round(step, layout, gathered, digests, commit)
         if action == "plan":
             action, message = self._plan_round(step, layout, gathered, commit)
+        if action == "refused":  # another writer committed this step: see ``_commit``
+            self._last_layout = None
+            raise RefusedForSafety(message, hint="two jobs are saving into one root (a zombie job and its restart?); "
+                                   "stop the other one and check this step with `ckptctl verify`")
         if action != "ok":
             self._last_layout = None  # the next save re-checks the layout from scratch
             raise CoordinationError(message, hint="no marker was written; the partial directory is left for `ckptctl prune`")
@@ -253,6 +262,8 @@ class Coordinator:
         stats["ranks"] = float(len(gathered))
         try:
             return "ok", commit(files, self._tensors, stats)
+        except RefusedForSafety as e:  # lost to another writer; every rank fails the same way
+            return "refused", f"step {step}: {e}"
         except Exception as e:  # any failure must reach every rank, or they would wait on rank 0
             return "fail", f"step {step}: rank 0 could not commit: {type(e).__name__}: {e}"
 

@@ -3,7 +3,8 @@ commit on a background thread.
 
 ``save`` copies every tensor into a reusable host staging buffer and returns; the writer thread
 checksums and writes this rank's shard, then (rank 0, once every rank's shard is durable) the
-manifest, then the marker. A second ``save`` while one is still writing first waits for it
+manifest, then the marker. Every file is published without replacing any (a zombie job saving
+the same step loses cleanly: see ``layouts.native.commit`` and ``save.save_id``). A second ``save`` while one is still writing first waits for it
 (back-pressure: memory stays one snapshot). ``prepare`` makes that buffer ready ahead of the
 first save, so the first save stalls no longer than the others.
 
@@ -22,11 +23,12 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 import torch.distributed as dist
 
 from ckptctl.errors import CkptError, CoordinationError, RefusedForSafety, SaveFailed
-from ckptctl.format.layout import MARKER, shard_name, step_dir
+from ckptctl.format.layout import MARKER, attempt_name, shard_name, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.layouts.native import commit
 from ckptctl.save.coordination import AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.replicas import replica_digests
+from ckptctl.save.save_id import SaveIds
 from ckptctl.save.shard_layout import ShardLayout, make_layout, signature_of
 from ckptctl.save.shard_writer import ShardReport, write_shard
 from ckptctl.save.staging import StagingBuffer, hold_steps, overlap_plan
@@ -65,9 +67,10 @@ class SaveHandle:
     """One save in flight. ``wait()`` returns the committed checkpoint's URL or raises
     ``SaveFailed`` (the underlying error is its ``__cause__``)."""
 
-    def __init__(self, step: int, url: str, future: "Future[str]") -> None:
+    def __init__(self, step: int, url: str, future: "Future[str]", save_id: str = "") -> None:
         self.step = step
         self.url = url
+        self.save_id = save_id  # this attempt's id: in its manifest, and in any attempt-named file
         self._future = future
         self.observed = False  # whether the caller has seen this save's outcome
 
@@ -108,6 +111,7 @@ class Saver:
             self.coordinator = Coordinator.create(process_group, timeout_s, liveness_s=liveness_s)
             self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
         self._on_save = on_save if self.rank == 0 else None  # rank 0 alone prunes
+        self._save_ids = SaveIds(self.coordinator.nonce if self.coordinator is not None else None)
         self.staging = StagingBuffer()
         self._layout: ShardLayout | None = None
         self._pending: SaveHandle | None = None
@@ -142,6 +146,7 @@ class Saver:
                     f"{ckpt.url} is already committed; a checkpoint is never overwritten",
                     hint="save under a new step, or delete the old checkpoint with `ckptctl rm` or `ckptctl prune`",
                 )
+            save_id = self._save_ids.next(step)  # on every rank alike, even if this save fails here
             try:
                 t1 = time.perf_counter()
                 captured = capture(state, per_rank=self.world_size > 1)
@@ -167,15 +172,18 @@ class Saver:
                 if fence is not None:  # copies left in flight land before anything is hashed
                     fence.synchronize()
                 if self.coordinator is not None:
-                    return self._write_and_coordinate(step, ckpt, layout, buf, captured, stats, replicas, written)
+                    return self._write_and_coordinate(step, ckpt, layout, buf, captured, stats, replicas, written, save_id)
                 t = time.perf_counter()
-                report = write_shard(ckpt, shard_name(self.rank, self.world_size), layout, buf, rank=self.rank, rank_state=captured.rank_state)
+                name = shard_name(self.rank, self.world_size)
+                report = write_shard(ckpt, name, layout, buf, rank=self.rank, rank_state=captured.rank_state,
+                                     fallback=attempt_name(name, save_id))
                 written.append(report.file)
                 stats["write_s"] = time.perf_counter() - t
-                commit(ckpt, manifest_from_reports(step, self.world_size, [report], captured.tree, stats))
+                manifest = manifest_from_reports(step, self.world_size, [report], captured.tree, stats, save_id)
+                commit(ckpt, manifest, published=[report.file.name])
                 return ckpt.url
 
-            handle = self._pending = SaveHandle(step, ckpt.url, self._pool.submit(_as_save_failure(step, ckpt.url, job)))
+            handle = self._pending = SaveHandle(step, ckpt.url, self._pool.submit(_as_save_failure(step, ckpt.url, job)), save_id)
             checked = handle._future
             if self._after_commit is not None:  # queued right behind the save, on the writer thread
                 checked = self._pool.submit(self._check_committed, step, ckpt, handle._future, written)
@@ -230,7 +238,7 @@ class Saver:
         handle.observed = True
 
     def _write_and_coordinate(self, step: int, ckpt: Storage, layout: ShardLayout, buf, captured: Captured, stats: dict[str, float],
-                              replicas: list[int] | None = None, written: list[FileEntry] | None = None) -> str:
+                              replicas: list[int] | None = None, written: list[FileEntry] | None = None, save_id: str = "") -> str:
         """Multi-rank: write this rank's shard, then let the coordinator decide (writer thread).
 
         A failed write is reported to rank 0 rather than raised here, so the other ranks learn
@@ -240,7 +248,8 @@ class Saver:
         name = shard_name(self.rank, self.world_size)
         entry, error, failure = None, None, None
         try:
-            entry = write_shard(ckpt, name, layout, buf, rank=self.rank, rank_state=captured.rank_state).file
+            entry = write_shard(ckpt, name, layout, buf, rank=self.rank, rank_state=captured.rank_state,
+                                fallback=attempt_name(name, save_id)).file
             if written is not None:
                 written.append(entry)
         except Exception as e:  # any failure is reported to every rank, then raised below
@@ -249,7 +258,9 @@ class Saver:
 
         def commit_on_rank0(files: list[FileEntry], tensors: dict[str, TensorEntry], all_stats: dict[str, float]) -> str:
             all_stats["commit_s"] = time.perf_counter() - t
-            commit(ckpt, Manifest.new(step, self.world_size, files, tensors, captured.tree, all_stats))
+            manifest = Manifest.new(step, self.world_size, files, tensors, captured.tree, all_stats, save_id=save_id)
+            # Every rank's file was published by this save (``write_shard``): a lost race deletes them.
+            commit(ckpt, manifest, published=[f.name for f in files])
             return ckpt.url
 
         try:
@@ -307,7 +318,8 @@ class Saver:
                 self.coordinator.close()
 
 
-def manifest_from_reports(step: int, world_size: int, reports: Sequence[ShardReport], tree: dict[str, Any], stats: dict[str, float]) -> Manifest:
+def manifest_from_reports(step: int, world_size: int, reports: Sequence[ShardReport], tree: dict[str, Any], stats: dict[str, float],
+                          save_id: str | None = None) -> Manifest:
     """The manifest of a save whose every shard report is at hand (one process): each tensor's
     chunks counted over the shards."""
     tensors: dict[str, TensorEntry] = {}
@@ -315,7 +327,7 @@ def manifest_from_reports(step: int, world_size: int, reports: Sequence[ShardRep
         for s in r.slots:
             t = tensors.get(s.name)
             tensors[s.name] = TensorEntry(s.dtype, s.global_shape, s.group, (t.chunks if t else 0) + 1)
-    return Manifest.new(step, world_size, [r.file for r in reports], tensors, tree, stats)
+    return Manifest.new(step, world_size, [r.file for r in reports], tensors, tree, stats, save_id=save_id)
 
 
 def _never_commits(*_: object) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import posixpath
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Sequence
 
 from ckptctl.errors import StorageError
 
@@ -71,6 +71,31 @@ class Writer(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Discard what was written (removes the partial file; aborts the multipart upload)."""
+
+    def publish(self, fallbacks: Sequence[str] = ()) -> int | None:
+        """``commit``, but never replacing anything: under the key this writer was opened for
+        if nothing has that key, else under the first of ``fallbacks`` (plain names in the same
+        directory) that nothing has. Returns which name it took (0: the writer's own key, k:
+        ``fallbacks[k - 1]``), or None when every name it tried was taken: then nothing was
+        published and what was written is discarded. A backend that must fix the key before
+        the bytes go out (an S3 multipart upload) tries its own key only, and the caller
+        writes again under the next name. Atomic against concurrent publishers (a hard link
+        locally, ``If-None-Match: *`` on S3).
+
+        This default, for writers that cannot publish conditionally, is ``commit`` (which
+        replaces): the no-replace guarantee is the backend's, and ``LocalWriter`` and
+        ``S3Writer`` keep it."""
+        self.commit()
+        return 0
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
 
     def __enter__(self) -> "Writer":
         return self

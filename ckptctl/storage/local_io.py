@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+from typing import Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.storage.base import Reader, Writer, byte_view
@@ -167,26 +168,30 @@ class LocalWriter(Writer):
         self._close_dir()
 
     def commit_if_absent(self) -> bool:
-        """Publish under the final name only if nothing has that name; False if something did.
+        """Publish under the final name only if nothing has that name; False if something did."""
+        return self.publish() is not None
+
+    def publish(self, fallbacks: Sequence[str] = ()) -> int | None:
+        """See ``Writer.publish``: the final name, else the first free fallback, never replacing.
 
         ``link()`` fails with EEXIST atomically, like O_EXCL, but the name appears with its
         full, fsynced content, so a concurrent reader never sees a half-written marker or lock.
         Filesystems without hard links fall back to O_EXCL + write (content briefly partial).
+        Against ``commit`` this costs one more call (the temporary's unlink), no more fsyncs.
         """
+        names = (self._name, *fallbacks)
+        if any(not n or "/" in n or n in (".", "..") for n in names):
+            raise ValueError(f"fallbacks must be plain names beside {self._shown}: {list(fallbacks)}")
         fd = self._require_open()
         dir_fd = self._dir_fd
         assert dir_fd is not None
+        taken: int | None = None
         try:
             os.fsync(fd)
-            try:
-                os.link(self._tmp, self._name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                created = True
-            except FileExistsError:
-                created = False
-            except OSError as err:
-                if err.errno not in _NO_HARDLINKS:
-                    raise
-                created = self._copy_exclusive(fd, dir_fd)
+            for i, name in enumerate(names):
+                if self._link_if_absent(fd, dir_fd, name):
+                    taken = i
+                    break
             self._fd = None
             os.close(fd)
             os.unlink(self._tmp, dir_fd=dir_fd)
@@ -195,11 +200,22 @@ class LocalWriter(Writer):
             self._discard()
             raise os_error(err, self._shown) from err
         self._close_dir()
-        return created
+        return taken
 
-    def _copy_exclusive(self, tmp_fd: int, dir_fd: int) -> bool:
+    def _link_if_absent(self, fd: int, dir_fd: int, name: str) -> bool:
         try:
-            out = os.open(self._name, CREATE_FLAGS, 0o666, dir_fd=dir_fd)
+            os.link(self._tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as err:
+            if err.errno not in _NO_HARDLINKS:
+                raise
+            return self._copy_exclusive(fd, dir_fd, name)
+
+    def _copy_exclusive(self, tmp_fd: int, dir_fd: int, name: str) -> bool:
+        try:
+            out = os.open(name, CREATE_FLAGS, 0o666, dir_fd=dir_fd)
         except FileExistsError:
             return False
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -225,17 +225,16 @@ class S3Storage(Storage):
         """A PUT with ``If-None-Match: *``. Stores that ignore the header (some older
         S3-compatible ones) overwrite instead; AWS S3, MinIO and Ceph RGW honour it."""
         key = check_key(key)
-        shown = self.url_of(key)
+        return self._if_absent(self.url_of(key), lambda: self._client.s3.put_object(
+            Bucket=self._bucket, Key=self._obj_key(key), Body=data, IfNoneMatch="*", **self._checksum_args()))
+
+    def _if_absent(self, shown: str, request: Callable[[], object]) -> bool:
+        """Run ``request``, a PUT or a CompleteMultipartUpload carrying ``If-None-Match: *``:
+        True when it created the object, False when the key already existed (412)."""
         for attempt in range(_CONFLICT_RETRIES):
             with self._errors(shown):
                 try:
-                    self._client.s3.put_object(
-                        Bucket=self._bucket,
-                        Key=self._obj_key(key),
-                        Body=data,
-                        IfNoneMatch="*",
-                        **self._checksum_args(),
-                    )
+                    request()
                     return True
                 except ClientError as err:
                     if is_precondition_failed(err):
@@ -243,7 +242,7 @@ class S3Storage(Storage):
                     conflict = error_code(err) == "ConditionalRequestConflict" or http_status(err) == 409
                     if not conflict or attempt == _CONFLICT_RETRIES - 1:
                         raise
-            # Another conditional PUT is in flight; once it lands ours gets a clean 412.
+            # Another conditional write to the key is in flight; once it lands ours gets a 412.
             time.sleep(0.05 * (attempt + 1))
         raise AssertionError("unreachable")
 

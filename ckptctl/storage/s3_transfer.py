@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 
@@ -246,6 +246,47 @@ class S3Writer(Writer):
                         MultipartUpload={"Parts": [self._parts[n] for n in sorted(self._parts)]},
                     )
         self._finish("committed")
+
+    def publish(self, fallbacks: Sequence[str] = ()) -> int | None:
+        """``commit`` with ``If-None-Match: *`` (see ``Writer.publish``). Below the threshold,
+        one conditional PUT per name tried, the body kept until one lands; a multipart upload
+        is completed conditionally under its own key only, and aborted when that key is taken
+        (the caller writes again under the next name). A store that ignores the header (some
+        older S3-compatible ones) replaces, as ``commit`` does."""
+        self._require_open()
+        if any(not n or "/" in n or n in (".", "..") for n in fallbacks):
+            raise ValueError(f"fallbacks must be plain names beside {self._shown}: {list(fallbacks)}")
+        s3, bucket, checksum = self._storage._client.s3, self._storage._bucket, self._storage._checksum_args()
+        taken: int | None = None
+        with self._aborting_on_failure():
+            if self._upload_id is None:
+                parts = [buf for _, buf in self._ready] + [self._cur]
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                head, _, own = self._obj.rpartition("/")
+                for i, name in enumerate((own, *fallbacks)):
+                    obj, shown = f"{head}/{name}" if head else name, self._shown.rpartition("/")[0] + "/" + name
+
+                    def put(obj: str = obj) -> object:
+                        return s3.put_object(Bucket=bucket, Key=obj, Body=body, IfNoneMatch="*", **checksum)
+
+                    if self._storage._if_absent(shown, put):
+                        taken = i
+                        break
+            else:
+                if self._cur:
+                    self._seal_part()
+                self._submit_ready()
+                wait(self._futures)
+                self._raise_failed()
+                parts_done = {"Parts": [self._parts[n] for n in sorted(self._parts)]}
+                if self._storage._if_absent(self._shown, lambda: s3.complete_multipart_upload(
+                        Bucket=bucket, Key=self._obj, UploadId=self._upload_id, MultipartUpload=parts_done, IfNoneMatch="*")):
+                    taken = 0
+        if taken is None:
+            self._abort_quietly()  # nothing published: drop the body, or the upload's parts
+        else:
+            self._finish("committed")
+        return taken
 
     def abort(self) -> None:
         """Discard everything; aborts the multipart upload so no parts are left billed."""
