@@ -97,15 +97,6 @@ class Writer(ABC):
         else:
             self.abort()
 
-    def __enter__(self) -> "Writer":
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
 
 class Storage(ABC):
     """A small interface with two backends: ``LocalStorage`` (POSIX) and ``S3Storage``."""
