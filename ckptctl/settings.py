@@ -86,6 +86,14 @@ WRITE_PIECE = 64 << 20
 # durable"). Files smaller than one window are left alone (manifests, markers).
 WRITE_BEHIND = env_int("CKPTCTL_WRITE_BEHIND_MIB", 32, minimum=0, maximum=4096) << 20
 
+# --- limits (not user settings: bounds that keep a typo from running away) ------------------
+
+# The most ranks reshard and restore --world-size write shards for: ten times the largest jobs
+# run today (about 10^5 GPUs). Beyond it a typo (-w 99999999999999999999) allocated per-rank
+# plans until memory ran out, and -w 100000000 would write a hundred million shard files.
+# Checkpoints saved by more ranks are still read (the format allows up to 2^24).
+MAX_WORLD_SIZE = 1 << 20
+
 # Where each GPU tensor starts in the host staging buffer (``CKPTCTL_STAGING_ALIGN``, bytes, a
 # power of two; 1 packs them): slots packed by element size leave device-to-host destinations
 # at any even offset, and a copy engine writing to a misaligned destination starts and ends

@@ -169,7 +169,11 @@ ENVIRONMENT: list[tuple[str, str]] = [
      "Credentials, read by boto3's standard credential chain."),
     ("AWS_REGION, AWS_DEFAULT_REGION", "Region of the bucket."),
     ("AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, AWS_RETRY_MODE, AWS_MAX_ATTEMPTS",
-     "Other standard boto3 settings; ckptctl adds no configuration of its own."),
+     "Other standard boto3 settings; ckptctl adds no configuration of its own. A malformed"
+     " setting (AWS_MAX_ATTEMPTS not a whole number from 1 to 100, AWS_RETRY_MODE not legacy,"
+     " standard or adaptive, an endpoint that is not an http(s) URL, a profile that does not"
+     " exist, a config file that does not parse) is a usage error (exit 2) naming it, reported"
+     " when an s3:// location is first used."),
 ]
 
 Page = dict[str, str]  # file name -> contents

@@ -10,6 +10,7 @@ from inspect import cleandoc
 from typing import Annotated
 
 import typer
+import typer.completion
 import typer.core
 
 from ckptctl.cli.common import check_environment, set_debug
@@ -24,8 +25,27 @@ from ckptctl.cli import du, rm, sync  # noqa: E402
 from ckptctl.cli import seal  # noqa: E402
 from ckptctl.version import __version__  # noqa: E402
 
+class _Group(typer.core.TyperGroup):
+    """The app: ``--show-completion SHELL`` and ``--install-completion SHELL`` use the shell
+    named. typer's options are flags that ask shellingham for the parent process's shell and
+    left the name as a stray argument, so ``ckptctl --show-completion bash`` failed with
+    "Shell sh not supported" under /bin/sh (a Dockerfile RUN, cron, CI steps) and printed
+    bash's script for ``--show-completion zsh`` under bash. Without a name they still detect."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]
+        if len(args) >= 2 and args[0] in _COMPLETION_OPTIONS and args[1] in _SHELLS:
+            option = next(p for p in self.params if args[0] in getattr(p, "opts", ()))
+            assert option.callback is not None
+            option.callback(ctx, option, args[1])  # prints or installs, then exits
+        return super().parse_args(ctx, args)  # type: ignore[arg-type]
+
+
+_COMPLETION_OPTIONS = ("--show-completion", "--install-completion")
+_SHELLS = tuple(shell.value for shell in typer.completion.Shells)
+
 app = typer.Typer(
     name="ckptctl",
+    cls=_Group,
     help="Inspect, verify, prune and move training checkpoints safely.\n\n"
     "Exit status: 0 success; 1 a checkpoint problem was found or the tool refused for safety; "
     "2 usage error; 3 operational error (storage, permissions, lock held) or an unexpected error. "

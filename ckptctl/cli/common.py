@@ -17,7 +17,9 @@ import errno
 import functools
 import json
 import os
+import re
 import sys
+from decimal import Decimal
 from typing import IO, Annotated, Any, Callable, Collection, Sequence, TypeVar
 
 import typer
@@ -26,7 +28,7 @@ from typer.exceptions import TyperException
 from rich.table import Table
 
 from ckptctl.cli.errors import describe
-from ckptctl.errors import EXIT_OPERATIONAL, CkptError
+from ckptctl.errors import EXIT_OPERATIONAL, CkptError, UsageError
 
 JSON_SCHEMA = 1  # the "schema" field of every JSON document the CLI prints
 
@@ -210,3 +212,57 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+# --- numbers given on the command line -------------------------------------------------------
+
+MAX_STEP = 2**63 - 1  # a step is a signed 64-bit count wherever it is stored (ckptctl-format(5))
+
+
+def bounded_int(value: int | None, option: str, *, minimum: int, maximum: int, what: str) -> int | None:
+    """``value`` of the whole-number option ``option`` (typer has refused what is not one)
+    when it lies in ``minimum..maximum``; UsageError naming the option otherwise. Checked
+    before any work, so a typo never reaches a loop or an allocation sized by it."""
+    if value is None or minimum <= value <= maximum:
+        return value
+    bound = f"less than {minimum}" if value < minimum else f"more than {maximum}"
+    raise UsageError(f"{option} {shown_int(value)} is {bound}", hint=f"give {what} from {minimum} to {maximum}")
+
+
+def shown_int(value: int) -> str:
+    """``value`` for an error line: whole when short, else its first digits and length (and
+    str() of an int beyond 4300 digits raises)."""
+    if value.bit_length() > 4000:
+        return f"of {value.bit_length()} bits"
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+
+
+# Bytes per unit: decimal (5GB, as Hugging Face writes shard sizes) and binary (500MiB, 2G).
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+# Digits, an optional fraction and exponent, then a unit: no sign, nan or inf, so that only
+# finite positive numbers get as far as arithmetic (1e309 used to overflow int(float(...))).
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d{1,4}))?\s*([a-z]*)")
+MAX_SIZE = 2**53  # 8 PiB, far above any file; every size up to it is exact as a float too
+
+
+def parse_size(text: str, option: str) -> int:
+    """``"5GB"`` -> 5 * 10**9, ``"500MiB"`` -> 500 * 2**20, ``"1000"`` -> 1000: a whole number
+    of bytes from 1 to ``MAX_SIZE`` (fractions of a byte are dropped); UsageError naming
+    ``option`` for anything else (a sign, nan, inf, 1e309, an unknown unit, under one byte)."""
+    m = _SIZE.fullmatch(text.strip().lower())
+    if m is None or m.group(3) not in _SIZE_UNITS:
+        raise UsageError(f"{option} {_quoted(text)} is not a size", hint="use e.g. 5GB, 500MiB or a number of bytes")
+    number, exponent, unit = m.groups()
+    value = Decimal(number).scaleb(int(exponent or 0)) * _SIZE_UNITS[unit]  # exact: no float rounding
+    if not 1 <= value <= MAX_SIZE:
+        raise UsageError(f"{option} {_quoted(text)} is {'less than one byte' if value < 1 else 'more than 8 PiB'}",
+                         hint="use e.g. 5GB, 500MiB or a number of bytes")
+    return int(value)
+
+
+def _quoted(text: str, limit: int = 40) -> str:
+    """``text`` quoted for an error line, cut short: the line names the value, never repeats
+    a pasted megabyte."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"

@@ -4,7 +4,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out
+from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out, parse_size
 from ckptctl.cli.progress import byte_progress
 from ckptctl.ops.targets import convert_path
 
@@ -51,6 +51,8 @@ def convert(
 
     Example: ckptctl convert /ckpt/step-0000001000 ./hf --to safetensors --only model/ --dtype bf16 --max-shard-size 5GB
     """
+    if max_shard_size is not None:  # checked here, strictly (a finite whole number of bytes), before any work
+        max_shard_size = str(parse_size(max_shard_size, "--max-shard-size"))
     with byte_progress("convert", quiet=quiet) as progress:
         r = convert_path(src, dst, to, only=only or (), dtype=dtype, max_shard_size=max_shard_size,
                          overwrite=overwrite, progress=progress, step=step, strip_prefix=strip_prefix)

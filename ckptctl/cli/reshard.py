@@ -4,16 +4,17 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, human_bytes, say
+from ckptctl.cli.common import JsonOpt, QuietOpt, bounded_int, command, emit_json, human_bytes, say
 from ckptctl.cli.progress import byte_progress
 from ckptctl.ops.targets import reshard_path
+from ckptctl.settings import MAX_WORLD_SIZE
 
 
 @command
 def reshard(
     src: Annotated[str, typer.Argument(help="A committed checkpoint, e.g. ROOT/step-0000001000.")],
     dst: Annotated[str, typer.Argument(help="A new checkpoint directory for the result.")],
-    world_size: Annotated[int, typer.Option("--world-size", "-w", help="Ranks of the job that will load the result: one shard file per rank.", metavar="M")],
+    world_size: Annotated[int, typer.Option("--world-size", "-w", help=f"Ranks of the job that will load the result: one shard file per rank (1 to {MAX_WORLD_SIZE}, 2^20).", metavar="M")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (its marker is removed first).")] = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -28,10 +29,11 @@ def reshard(
     fixed buffer. Under torchrun each rank writes its share of the target shards.
 
     Exit 0 success; 1 SRC is not a valid committed checkpoint, or DST exists without
-    --overwrite; 2 bad arguments (DST is SRC); 3 storage error.
+    --overwrite; 2 bad arguments (DST is SRC, M outside 1..1048576); 3 storage error.
 
     Example: ckptctl reshard /ckpt/step-0000001000 /ckpt-8/step-0000001000 --world-size 8
     """
+    bounded_int(world_size, "--world-size", minimum=1, maximum=MAX_WORLD_SIZE, what="the number of ranks of the job that will load it")
     with byte_progress("reshard", quiet=quiet) as progress:
         r = reshard_path(src, dst, world_size, overwrite=overwrite, progress=progress)
     if r is None:

@@ -4,11 +4,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, say
+from ckptctl.cli.common import MAX_STEP, JsonOpt, QuietOpt, bounded_int, command, emit_json, err, say
 from ckptctl.cli.cp import report_copy
 from ckptctl.cli.progress import byte_progress
-from ckptctl.errors import UsageError
 from ckptctl.ops.targets import restore_into
+from ckptctl.settings import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     from ckptctl.ops.transfer import Skipped
@@ -19,7 +19,7 @@ def restore(
     src: Annotated[str, typer.Argument(help="Checkpoint root to restore from: s3://bucket/prefix or a directory.")],
     dst: Annotated[str, typer.Argument(help="Root to restore into, usually fast local disk; the checkpoint lands in DST/step-XXXXXXXXXX.")],
     step: Annotated[Optional[int], typer.Option("--step", help="Restore this step; exit 1 if it does not verify (no fallback).")] = None,
-    world_size: Annotated[Optional[int], typer.Option("--world-size", help="Re-shard the restored copy for a job of this many ranks (as `ckptctl reshard` does) when it was saved by a different number.")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", help=f"Re-shard the restored copy for a job of this many ranks (as `ckptctl reshard` does) when it was saved by a different number (1 to {MAX_WORLD_SIZE}, 2^20).")] = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -40,10 +40,8 @@ def restore(
 
     Example: CKPT=$(ckptctl restore s3://bucket/run7 /nvme/ckpt) && torchrun train.py --resume "$CKPT"
     """
-    if step is not None and step < 0:
-        raise UsageError(f"--step {step} is negative", hint="give a step number >= 0")
-    if world_size is not None and world_size < 1:
-        raise UsageError(f"--world-size {world_size} must be at least 1", hint="give the number of ranks")
+    bounded_int(step, "--step", minimum=0, maximum=MAX_STEP, what="a step number")
+    bounded_int(world_size, "--world-size", minimum=1, maximum=MAX_WORLD_SIZE, what="the number of ranks of the job that will load it")
 
     def skipped(s: "Skipped") -> None:
         say(f"skipping step {s.step}: {s.reason}", console=err)

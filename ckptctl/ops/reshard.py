@@ -57,7 +57,7 @@ from ckptctl.ops.reshard_source import checked_source_checksums
 from ckptctl.ops.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
 from ckptctl.progress import Progress
-from ckptctl.settings import STREAM_PIECE
+from ckptctl.settings import MAX_WORLD_SIZE, STREAM_PIECE
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage.base import Storage
 
@@ -90,13 +90,25 @@ class ReshardReport:
         return asdict(self)
 
 
+def check_world_size(world_size: object) -> int:
+    """``world_size`` when it is a whole number of ranks from 1 to ``settings.MAX_WORLD_SIZE``;
+    UsageError otherwise, before anything is read or allocated per rank."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise UsageError(f"--world-size {world_size!r} is not a whole number of ranks",
+                         hint=f"pass the number of ranks of the job that will load it, 1 to {MAX_WORLD_SIZE}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        shown = "less than 1" if world_size < 1 else f"more than {MAX_WORLD_SIZE} (2^20)"
+        raise UsageError(f"--world-size is {shown} ranks",
+                         hint=f"pass the number of ranks of the job that will load it, 1 to {MAX_WORLD_SIZE}")
+    return world_size
+
+
 def plan_layout(manifest: Manifest, world_size: int, known: dict[tuple[str, tuple[int, ...], tuple[int, ...]], str] | None = None,
                 split_bytes: int = SPLIT_BYTES, dims: dict[str, int] | None = None) -> list[list[ChunkSpec]]:
     """The chunks each target rank holds (see the module docstring for the rule). ``known``
     maps (name, offsets, shape) of verified source chunks to their checksums; ``dims`` gives
     the dimension a tensor is sharded along in the source (default 0)."""
-    if world_size < 1:
-        raise UsageError(f"--world-size must be at least 1, got {world_size}")
+    check_world_size(world_size)
     known = known or {}
     dims = dims or {}
     ranks: list[list[ChunkSpec]] = [[] for _ in range(world_size)]
@@ -131,8 +143,7 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    if world_size < 1:
-        raise UsageError(f"--world-size must be at least 1, got {world_size}", hint="pass the number of ranks of the job that will load it")
+    check_world_size(world_size)
     dist_on = dist.is_available() and dist.is_initialized()
     me, n = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
     if me == 0:

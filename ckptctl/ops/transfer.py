@@ -46,6 +46,7 @@ from ckptctl.layouts.native import (
 from ckptctl.ops.expect import expect_bytes
 from ckptctl.ops.problem import Problem
 from ckptctl.ops.shard_scan import check_file, stream_file
+from ckptctl.ops.uploads import before_copy
 from ckptctl.ops.verify import verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
@@ -97,6 +98,8 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
         result.status = "already present"
         result.seconds = time.perf_counter() - t0
         return result
+    with _at_destination(dst):
+        before_copy(dst, [f.name for f in manifest.files])  # a killed earlier run's uploads (ops.uploads)
 
     def quick_check(f: FileEntry) -> tuple[ShardHeader | None, list[Problem]]:
         found: list[Problem] = []
@@ -277,6 +280,10 @@ def restore_latest(
     by ``ops.reshard`` (which verifies its result), and the staging copy is removed. So the
     source is read once, over the network, and the fallback past corruption works the same.
     """
+    if world_size is not None:  # before a byte is copied: a bad one would fail only after the copy
+        from ckptctl.ops.reshard import check_world_size
+
+        check_world_size(world_size)
     skipped: list[Skipped] = []
     for cand_step, src in _candidates(src_root, step):
         dst = dst_root.sub(step_dir(cand_step))

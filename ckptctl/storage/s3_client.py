@@ -4,6 +4,8 @@ Configuration is boto3's own and nothing else: the credential chain, ``AWS_PROFI
 ``AWS_ENDPOINT_URL`` (or the ``endpoint_url=`` argument), ``AWS_RETRY_MODE`` /
 ``AWS_MAX_ATTEMPTS`` and ``AWS_REQUEST_CHECKSUM_CALCULATION``, from the environment or
 ``~/.aws/config``. Unset, retries default to botocore's "standard" mode with 10 attempts.
+A malformed setting is a UsageError naming it, raised when the client is first needed
+(``s3_settings``), so a bad AWS_* variable never breaks a command on local paths.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import boto3
 import botocore.session
 from botocore.config import Config
+
+from ckptctl.storage.s3_settings import CONFIG_ERRORS, check_environment, config_error
 
 # Environment that changes what a client is (endpoint, identity, region, retries): clients are
 # cached per distinct value so a test or a job that changes it gets a fresh one.
@@ -56,6 +60,14 @@ def shared_client(endpoint_url: str | None) -> Client:
 
 
 def _make_client(endpoint_url: str | None) -> Client:
+    check_environment(endpoint_url)
+    try:
+        return _build(endpoint_url)
+    except CONFIG_ERRORS as err:  # a setting from the config file: building touches no network
+        raise config_error(err) from err
+
+
+def _build(endpoint_url: str | None) -> Client:
     core = botocore.session.get_session()
     # An explicit Config outranks the user's settings, so pass theirs through where set.
     retries = {
