@@ -56,7 +56,9 @@ def prune(
     deleted if none does. Checkpoints newer than it that fail are reported, not deleted
     (unless --delete-broken). Directories without a marker are left alone until idle for
     --partial-after. Symlinked step directories are removed (the link only; its target is
-    never followed or touched). Deleting removes the marker first.
+    never followed or touched), except one another stack's pointer names (DeepSpeed's latest,
+    Megatron's tracker, a best checkpoint): that is kept, as is every pointer target.
+    Deleting removes the marker first.
 
     A lock under ROOT stops
     two prunes from running at once (--dry-run takes none); it is taken without needing a free

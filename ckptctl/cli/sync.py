@@ -15,6 +15,7 @@ def sync(
     src: Annotated[str, typer.Argument(help="Root to mirror: a directory or s3://bucket/prefix.", metavar="SRC_ROOT")],
     dst: Annotated[str, typer.Argument(help="Root to mirror into (created when missing).", metavar="DST_ROOT")],
     delete: Annotated[bool, typer.Option("--delete", help="Delete from DST_ROOT the committed checkpoints SRC_ROOT no longer has (never DST_ROOT's newest one that verifies).")] = False,
+    allow_empty_source: Annotated[bool, typer.Option("--allow-empty-source", help="With --delete, go on even when SRC_ROOT holds no committed checkpoint (refused otherwise: an unmounted volume looks empty).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be copied and deleted, and stop (reads no data, writes nothing).")] = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -28,16 +29,19 @@ def sync(
     again (ROOT/.ckptctl-verified.json), a damaged one is copied again. A sync killed at any
     point is resumed by running it again. Partial (uncommitted) checkpoints of SRC_ROOT are not
     copied. Takes DST_ROOT's lock (the one prune and rm take). --delete removes, marker first,
-    what SRC_ROOT no longer has, but never DST_ROOT's newest checkpoint that verifies.
+    what SRC_ROOT no longer has, but never DST_ROOT's newest checkpoint that verifies, and
+    refuses (exit 1, nothing copied or deleted) when SRC_ROOT holds no committed checkpoint at
+    all, as an unmounted volume does, unless --allow-empty-source.
 
     Exit status: 0 in sync; 1 a checkpoint could not be mirrored (corrupt source, DST_ROOT holds
-    a different checkpoint under that name); 2 usage error; 3 lock held or storage error.
+    a different checkpoint under that name) or --delete refused an empty SRC_ROOT; 2 usage error; 3 lock held or storage error.
 
     Example (cron, every 15 minutes): ckptctl prune /nvme/ckpt --keep-last 3 --yes && ckptctl
     sync /nvme/ckpt s3://training/run7 && ckptctl verify s3://training/run7 --latest
     """
     with byte_progress("sync", quiet=quiet) as progress:
-        result = sync_roots(src, dst, delete=delete, dry_run=dry_run, progress=progress)
+        result = sync_roots(src, dst, delete=delete, allow_empty_source=allow_empty_source, dry_run=dry_run,
+                            progress=progress)
     for note in result.notes:
         err.print(f"note: {note}", markup=False, highlight=False)
     if json:

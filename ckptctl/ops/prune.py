@@ -16,7 +16,10 @@ Safety, in this order (the user-facing statement is ``man/ckptctl-prune.1``):
    (default 6 h), then deleted as abandoned.
 4. **Symlinked step entries** are removed: the link only, never followed, the target untouched.
    Every reader ignores them (ckptctl never follows a link under a root), so a link is never a
-   checkpoint anyone resumes from, and leaving it would make it look like one to people.
+   checkpoint anyone resumes from, and leaving it would make it look like one to people. The
+   exception is a link another stack's pointer names (DeepSpeed's ``latest``, Megatron's
+   tracker, a best checkpoint): that stack resumes through it, so it is kept with its target
+   (``layouts.protection``), like every pointer target, readable or not.
 5. Committed checkpoints older than the anchor are deleted unless a policy keeps them. Older
    ones are not verified (that would read everything on every run); policies count them.
 

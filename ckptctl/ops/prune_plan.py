@@ -25,6 +25,7 @@ from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout
 from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.protection import protected
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.layout_verify import verify_stack_detail
 from ckptctl.ops.seal import write_seal
@@ -148,7 +149,9 @@ def plan(
     ours = {layout.name for layout in layouts}
     p.items = [_survey(root, e, p.now, partial_after_s) for e in list_checkpoints(root)]
     for item in p.items:
-        if item.layout not in ours and item.kind not in ("unknown", "link"):
+        # A symlink under another stack's name is that stack's too (DeepSpeed's `latest` may
+        # name it): library retention leaves it alone like the stack's directories.
+        if item.layout not in ours and item.kind != "unknown":
             item.kind, item.action = "unknown", "skip"
             item.reason = f"a {item.layout} checkpoint; this prune manages {', '.join(sorted(ours))} only"
     _mark_duplicates(p.items)
@@ -169,7 +172,7 @@ def plan(
     for item in p.deletions:
         if item.kind != "link" and item.layout not in p.anchors:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no {item.layout} checkpoint verifies"
-    _protect(p, root)
+    _protect(p, root, ours)
     if p.refused is not None:
         for item in p.deletions:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no checkpoint verifies"
@@ -351,21 +354,17 @@ def _decide_broken(p: PrunePlan, item: PlanItem) -> None:
         item.reason = f"broken ({where}), reported, not deleted (--delete-broken removes it): {item.reason}"
 
 
-def _protect(p: PrunePlan, root: Storage) -> None:
-    """What other stacks' pointers name (DeepSpeed ``latest``, Megatron's tracker) and
-    Trainer's ``best_model_checkpoint`` are kept whatever the policies say, as those stacks do."""
-    for name in sorted({i.layout for i in p.items} - {NATIVE_NAME, "unknown"}):
-        try:
-            layout = layout_named(name, root)
-        except KeyError:
-            continue
-        if not isinstance(layout, StackLayout):
-            continue
-        entries = [(i.name, "committed" if i.kind == "committed" else i.kind) for i in p.items if i.layout == name]
-        for target, why in layout.protected(entries).items():
-            for item in p.items:
-                if item.layout == name and item.name == target and item.kind != "link":
-                    if item.action == "delete":
-                        item.action, item.reason = "keep", f"protected: {why}"
-                    elif item.action == "keep":
-                        item.reason = f"{item.reason}; protected: {why}"
+def _protect(p: PrunePlan, root: Storage, ours: set[str]) -> None:
+    """What other stacks' pointers name (DeepSpeed ``latest``, Megatron's tracker), Trainer's
+    ``best_model_checkpoint`` and every Lightning ``ModelCheckpoint``'s best are kept whatever
+    the policies say, as those stacks do; a pointer that cannot be read keeps all it might name,
+    and a symlink it names is kept (``layouts.protection``). Only the layouts this prune
+    manages are asked: the others' entries are left alone anyway."""
+    entries = [(i.layout, i.name, i.kind) for i in p.items if i.layout in ours]
+    for target, why in protected(root, entries).items():
+        for item in p.items:
+            if item.name == target and item.layout in ours:
+                if item.action == "delete":
+                    item.action, item.reason = "keep", f"protected: {why}"
+                elif item.action == "keep":
+                    item.reason = f"{item.reason}; protected: {why}"

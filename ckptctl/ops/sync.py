@@ -15,10 +15,12 @@ mistaken for a checkpoint); the next run copies it again, keeping on a filesyste
 whose bytes already verify, and breaks the lock of the dead run (``ops.lock``).
 
 ``delete``: committed checkpoints of DST whose name SRC no longer has are removed (marker
-first), except DST's newest checkpoint that verifies, which is never deleted. Partial or corrupt
-entries of DST are left alone (a save may be writing there; evidence). Everything runs under
-DST's lock, the one ``prune`` and ``rm`` take. A corrupt source checkpoint is reported and the
-others are copied; the result says which failed.
+first), except DST's newest checkpoint that verifies, which is never deleted. A source that
+holds no committed checkpoint at all is refused (``RefusedForSafety``, before anything is
+copied or deleted) unless ``allow_empty_source``: that is what an unmounted volume looks like.
+Partial or corrupt entries of DST are left alone (a save may be writing there; evidence).
+Everything runs under DST's lock, the one ``prune`` and ``rm`` take. A corrupt source
+checkpoint is reported and the others are copied; the result says which failed.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def sync(
     dst: Storage,
     *,
     delete: bool = False,
+    allow_empty_source: bool = False,
     dry_run: bool = False,
     progress: Progress | None = None,
     lock_stale_after_s: float = DEFAULT_STALE_AFTER_S,
@@ -101,13 +104,23 @@ def sync(
 ) -> SyncResult:
     """Copy every committed checkpoint of ``src`` that ``dst`` lacks (see the module's doc).
 
-    Raises LockHeld (another prune, rm or sync holds DST's lock) and StorageError; a problem
+    Raises LockHeld (another prune, rm or sync holds DST's lock), StorageError, and
+    RefusedForSafety (``delete`` with a source that holds no committed checkpoint); a problem
     with one checkpoint (corrupt source, DST holding a different checkpoint under the same
     name) is a ``failed`` item, and the others go on. A dry run takes no lock, reads no data
     and writes nothing.
     """
     t0 = time.perf_counter()
     result = SyncResult(src.url, dst.url, dry_run)
+    if delete and not allow_empty_source and not _committed(src):
+        # An unmounted volume or a mistyped path reads as an empty root: mirroring it would
+        # delete every checkpoint of DST but its newest.
+        raise RefusedForSafety(
+            f"{src.url} holds no committed checkpoint; `sync --delete` would delete every checkpoint of {dst.url} "
+            "but its newest, so nothing was copied or deleted",
+            hint="check that SRC_ROOT is the right path and its volume is mounted; pass --allow-empty-source to "
+                 "mirror an empty root anyway",
+        )
     lock = None if dry_run else RootLock(dst, command=command, stale_after_s=lock_stale_after_s).acquire()
     try:
         if lock is not None:
