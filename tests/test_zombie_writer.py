@@ -307,3 +307,20 @@ def test_a_manifest_whose_save_id_is_not_hex_is_refused(tmp_path):
         Manifest.from_json(json.dumps(doc).encode(), "m")
     del doc["save_id"]  # older manifests have none
     assert Manifest.from_json(json.dumps(doc).encode(), "m").save_id == ""
+
+
+def test_a_checkpoint_with_only_attempt_names_is_still_ckptctls(tmp_path):
+    """The dead attempt's leftovers cleaned away by hand: marker, manifest.<id>.json and
+    rank-...<id>.safetensors are still read as ckptctl's checkpoint, never as loose files."""
+    from ckptctl.interop.detect import detect
+
+    root = str(tmp_path)
+    path = os.path.join(root, step_dir(7))
+    planted = _plant_leftovers(path)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(7, state_of(3.0, "restart")).wait()
+    for name in planted:
+        os.remove(os.path.join(path, name))
+    assert detect(path) == "ckptctl"
+    assert cli("inspect", path, "--json").exit_code == 0
+    _loads_as(root, 7, "restart", 3.0)

@@ -13,13 +13,14 @@ import re
 from typing import Literal
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
-from ckptctl.format.layout import MANIFEST
+from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.storage import open_storage
 
 Format = Literal["ckptctl", "dcp", "safetensors", "torch"]
 FORMATS: tuple[Format, ...] = ("ckptctl", "dcp", "safetensors", "torch")
 
-CKPTCTL_SHARD = re.compile(r"^rank-\d{5}-of-\d{5}(-\d+)?\.safetensors$")
+# With a save id before the suffix where the canonical name was taken (``layout.attempt_name``).
+CKPTCTL_SHARD = re.compile(r"^rank-\d{5}-of-\d{5}(-\d+)?(\.[0-9a-f]{16})?\.safetensors$")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
@@ -37,13 +38,13 @@ def detect(path: str) -> Format:
     InvalidCheckpoint for a DCP directory whose save did not finish (no ``.metadata``)."""
     if "://" in path and not path.startswith("file://"):
         st = open_storage(path)
-        if st.stat(MANIFEST) is not None:
+        if st.stat(MARKER) is not None or st.stat(MANIFEST) is not None:
             return "ckptctl"
         raise UsageError(f"{path}: only ckptctl checkpoints are read from object storage",
                          hint="copy foreign checkpoints to a local directory first")
     if os.path.isdir(path):
         names = set(os.listdir(path))
-        if MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
+        if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
             return "ckptctl"  # committed, or a ckptctl save still in progress (shards, no manifest yet)
         if ".metadata" in names:
             return "dcp"
