@@ -1,24 +1,38 @@
 #!/usr/bin/env python
 """One prepared script for the first GPU host: is ckptctl's CUDA path right, and how fast?
 
-    python scripts/gpu_smoke.py [--device cuda|cpu] [--json out.json] [--quick] [--gib 4] [--dir DIR]
+    python scripts/gpu_smoke.py [--device cuda|cpu] [--json out.json] [--quick] [--gib 2] [--dir DIR]
+    python scripts/gpu_smoke.py --list          # every check, and what it answers
 
-Under 5 minutes on one H200. Prints one JSON document (also written to ``--json``); exits 0
-all good, 1 wrong data, 2 a resource or performance target missed (or the time budget ran
-out), 3 cannot start (no CUDA, an import failed). Checks, in order:
+Under 3 minutes on one H200 (a time budget skips, and fails, what is left after
+``BUDGET_S``). Prints one JSON document (also written to ``--json``) that starts with the
+torch, CUDA, driver-visible GPU and kernel versions; exits 0 all good, 1 wrong data, 2 a
+resource or performance target missed (or the time budget ran out, or DCP could not be
+measured to compare with), 3 cannot start (no CUDA, an import failed). Checks, in order:
 
 - ordering: a producer queued behind a ~200 ms ``torch.cuda._sleep`` spin is in the snapshot,
   writes made right after ``save()`` returned are not, over two saves of one buffer;
-- dtypes: a bitwise round trip of every dtype the format holds (random bytes, via the GPU);
+- dtypes: a bitwise round trip of every dtype the format holds (random bytes, via the GPU),
+  loaded onto GPU targets;
+- the second reading's items (``scripts/gpu_items.py``): a real failed ``cudaHostRegister``
+  then a launch and a transposed save; a roll-back right after an overlapped save; a dropped
+  region unregistered; no pinned pages in a forked child; odd tensors straddling 1 MiB
+  registrations loaded onto the GPU; a save under a side stream;
 - reshard: two gloo ranks sharing the GPU load a 1-rank checkpoint as ``Shard(0)`` DTensors
   (1->2), save, load as ``Shard(1)`` (2->2); one process loads it whole (2->1); a copy with
   one flipped data byte must not load (corrupt_byte_refused);
-- d2h_bandwidth: device-to-host copy into memory we page-locked ourselves;
+- d2h_bandwidth: device-to-host copy into memory we page-locked ourselves; d2h_alignment:
+  the same into destinations aligned to 4096, 512 and 2 bytes (chooses STAGING_ALIGN);
+- fence_wait_cpu: CPU time of a host wait on copies, default vs blocking event;
 - stall: ckptctl's first (after ``prepare``) and steady stall for ``--gib`` of state, also with
-  ``overlap_copies=True``, beside DCP ``async_save`` with one reused pinned ``DefaultStager``
-  (synchronous and asynchronous staging); ``torch.cuda.synchronize()`` before every timer;
-  hiccup: the slowest training step while ``prepare()`` maps and pins in the background;
-- pinned_after_close: pinned bytes held after a load and after ``close()``.
+  ``overlap_copies=True``, and the process CPU seconds per save (save() to commit), beside
+  DCP ``async_save`` with one reused pinned ``DefaultStager`` (synchronous and asynchronous
+  staging; a torch that closes a caller's stager after each stage, pytorch#183413, is named
+  and measured with a fresh stager per save); ``torch.cuda.synchronize()`` before every
+  timer; DCP failing counts as a failure. hiccup: the slowest training step while
+  ``prepare()`` maps and pins in the background;
+- pinned_after_close: bytes ckptctl holds page-locked (``pinned.held_bytes``: staging and the
+  load's bounce pool) after a load onto the GPU and after ``close()``.
 
 ``--device cpu`` runs the same logic without a GPU, at ``--quick`` sizes (the test suite does);
 CUDA-only parts report ``"skipped"``. The host's torch may be older than ours: newer APIs
@@ -31,17 +45,38 @@ import argparse
 import inspect
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 # Run from a checkout on a host where ckptctl is not installed: import it from here.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_items, beside this file
 
-BUDGET_S = 270.0
+from gpu_items import ITEMS, ItemChecks  # noqa: E402 - after the path is set
+
+BUDGET_S = 170.0
 MiB, GiB = 1 << 20, 1 << 30
+
+# Every entry the script reports, with what it answers (``--list``); the second reading's
+# items come from gpu_items.ITEMS.
+CHECKS: dict[str, str] = {
+    "ordering": "a producer queued behind a spin is in the snapshot; writes after save() returned are not",
+    "dtypes": "every dtype of the format, bitwise, saved from and loaded onto the GPU",
+    **ITEMS,
+    "reshard_1to2": "tests: 1 -> 2 ranks, Shard(0) DTensor targets on the GPU",
+    "reshard_2to2_shard0_to_shard1": "tests: 2 -> 2 ranks, Shard(0) saved, Shard(1) DTensor targets on the GPU",
+    "reshard_2to1": "2 -> 1: the whole tensor onto the GPU",
+    "corrupt_byte_refused": "one flipped data byte: the load is refused",
+    "d2h_bandwidth": "device-to-host GB/s into memory we page-locked",
+    "hiccup": "slowest training step while prepare() pins in the background",
+    "stall": "first/steady stall vs DCP (a DCP failure fails it; a non-reusable DefaultStager is named); item 5: CPU s per save",
+    "pinned_after_close": "tests: pinned bytes (staging and bounce pool) after a GPU load and after close()",
+}
 
 
 def main() -> int:
@@ -49,27 +84,39 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--json", default=None, help="also write the JSON results here")
     ap.add_argument("--quick", action="store_true", help="small sizes (the test suite's CPU run)")
-    ap.add_argument("--gib", type=float, default=4.0, help="state size of the stall measurement")
+    ap.add_argument("--gib", type=float, default=2.0, help="state size of the stall measurement")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--list", action="store_true", help="print every check and what it answers, run nothing")
     a = ap.parse_args()
-    report: dict = {"device": a.device, "checks": [], "exit": 3}
+    if a.list:
+        for name, what in CHECKS.items():
+            print(f"{name:34} {what}")
+        return 0
+    report: dict = {"device": a.device, "kernel": platform.release(), "python": platform.python_version(), "checks": [], "exit": 3}
     try:
         import torch
 
         import ckptctl  # noqa: F401 - fail here, as "cannot start", if it does not import
         report["torch"] = torch.__version__
+        report["cuda"] = torch.version.cuda
         if a.device == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
             report["gpu"] = torch.cuda.get_device_name(0)
+        print(f"torch {report['torch']}, CUDA {report['cuda']}, kernel {report['kernel']}, {report.get('gpu', 'no GPU')}",
+              file=sys.stderr)
     except Exception as e:  # reported as exit 3, whatever it was
         report["error"] = f"cannot start: {type(e).__name__}: {e}"
         return _finish(report, a.json)
     root = a.dir or _scratch(a.gib)
     smoke = Smoke(a.device, a.quick or a.device == "cpu", a.gib, root)  # on the CPU: its logic, small
     try:
-        for fn, kind in ((smoke.ordering, "data"), (smoke.dtypes, "data"), (smoke.reshard, "data"), (smoke.d2h_bandwidth, "perf"),
-                         (smoke.stall_and_hiccup, "perf"), (smoke.pinned_after_close, "resource")):
+        for fn, kind in ((smoke.ordering, "data"), (smoke.dtypes, "data"), (smoke.pin_failure_then_launch, "data"),
+                         (smoke.rollback_after_overlapped_save, "data"), (smoke.dropped_region_unregistered, "resource"),
+                         (smoke.fork_child_has_no_pinned_pages, "data"), (smoke.straddling_gpu_targets, "data"),
+                         (smoke.save_under_side_stream, "data"), (smoke.reshard, "data"), (smoke.d2h_bandwidth, "perf"),
+                         (smoke.d2h_alignment, "perf"), (smoke.fence_wait_cpu, "perf"), (smoke.stall_and_hiccup, "perf"),
+                         (smoke.pinned_after_close, "resource")):
             smoke.run(fn, kind)
     finally:
         if a.dir is None:
@@ -91,7 +138,7 @@ def _finish(report: dict, path: str | None) -> int:
     return int(report["exit"])
 
 
-class Smoke:
+class Smoke(ItemChecks):
     def __init__(self, device: str, quick: bool, gib: float, root: str) -> None:
         import torch
 
@@ -178,10 +225,11 @@ class Smoke:
         want = {n: t.cpu().clone() for n, t in state.items()}
         with Checkpointer(os.path.join(self.root, "dtypes")) as ck:
             path = ck.save(1, {"extra": state}).wait()
-            back = {n: torch.zeros_like(t) for n, t in want.items()}
+            back = {n: torch.empty_like(t, device=self.device) for n, t in want.items()}  # GPU targets
             ck.load(path, {"extra": back})
-        wrong = [n for n in names if not torch.equal(_bits(back[n]), _bits(want[n]))]
-        return [{"name": "dtypes", "kind": "data", "ok": not wrong, "count": len(names), "wrong": wrong}]
+        wrong = [n for n in names if not torch.equal(_bits(back[n].cpu()), _bits(want[n]))]
+        return [{"name": "dtypes", "kind": "data", "ok": not wrong, "count": len(names), "wrong": wrong,
+                 "target_device": self.device}]
 
     def reshard(self) -> list[dict]:
         import torch.multiprocessing as mp
@@ -282,25 +330,22 @@ class Smoke:
                     hiccup = max(steps) - base
                     out.append({"name": "hiccup", "kind": "perf", "ok": hiccup < 0.25 if self.cuda else None, "step_s": round(base, 4),
                                 "worst_step_during_prepare_s": round(max(steps), 4), "target": "hiccup < 0.25 s"})
-                stalls = []
+                stalls, cpu = [], []
                 for step in range(1, 4):
                     self.sync()
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     h = ck.save(step, state)
                     stalls.append(time.perf_counter() - t)
                     opt.step()
-                    shutil.rmtree(_local(h.wait()))  # keep the scratch disk small
-                results[overlap] = {"first_s": round(stalls[0], 4), "steady_s": round(min(stalls[1:]), 4)}
+                    path = h.wait()
+                    cpu.append(time.process_time() - c)  # every thread's CPU, save() to commit
+                    shutil.rmtree(_local(path))  # keep the scratch disk small
+                results[overlap] = {"first_s": round(stalls[0], 4), "steady_s": round(min(stalls[1:]), 4),
+                                    "cpu_s_per_save": round(sum(cpu[1:]) / len(cpu[1:]), 4)}
         sd = {f"w{i}": p.detach() for i, p in enumerate(model.w)}
         dcp = self.dcp_stalls({**sd, "m0": opt.state[model.w[0]]["momentum_buffer"]})  # the same bytes
         entry = {"name": "stall", "kind": "perf", "bytes": n, "ckptctl": results[False], "ckptctl_overlap": results[True], "dcp": dcp}
-        ref = [d["steady_s"] for d in dcp.values() if isinstance(d, dict) and "steady_s" in d]
-        if ref:
-            entry["ok"] = results[False]["steady_s"] <= min(ref)
-            entry["overlap_vs_dcp"] = round(results[True]["steady_s"] / min(ref), 3)
-            entry["target"] = "ckptctl steady <= DCP's; overlap <= 0.1 x DCP's (goal, not gated)"
-        else:
-            entry["ok"] = None  # nothing to compare with (cpu, or DCP failed: see "dcp")
+        entry.update(stall_verdict(self.cuda, results[False]["steady_s"], results[True]["steady_s"], dcp))
         out.append(entry)
         return out
 
@@ -323,32 +368,63 @@ class Smoke:
         try:
             modes = [("sync_staging", False), ("async_staging", True)] if DefaultStager and "async_stager" in params else [("default", None)]
             for label, use_async in modes:
-                kw: dict = {"no_dist": True} if "no_dist" in params else {}
-                stager = DefaultStager(StagingOptions(use_async_staging=use_async)) if use_async is not None else None
-                if stager is not None:
-                    kw["async_stager"] = stager
-                stalls = []
-                try:
-                    for step in range(3):
-                        self.sync()
-                        t = time.perf_counter()
-                        r = dcp.async_save({"model": sd}, checkpoint_id=os.path.join(self.root, f"dcp-{label}-{step}"), **kw)
-                        staged = getattr(r, "staging_completion", None)
-                        if staged is not None:
-                            staged.result()  # the training loop may not touch its tensors before this
-                        stalls.append(time.perf_counter() - t)
-                        (getattr(r, "upload_completion", None) or r).result()
-                        shutil.rmtree(os.path.join(self.root, f"dcp-{label}-{step}"), ignore_errors=True)
-                finally:
-                    if stager is not None:
-                        stager.close()
-                out[label] = {"first_s": round(stalls[0], 4), "steady_s": round(min(stalls[1:]), 4)}
-        except Exception as e:  # reported beside ckptctl's figures: a DCP failure is not ours
-            out["error"] = f"{type(e).__name__}: {e}"
+                try:  # one mode failing leaves the other's figures
+                    out[label] = self._dcp_mode(dcp, params, sd, label, DefaultStager, StagingOptions, use_async)
+                except Exception as e:  # reported beside ckptctl's figures; stall_verdict fails it
+                    out[label] = {"error": f"{type(e).__name__}: {e}"}
         finally:
             if started:
                 dist.destroy_process_group()
         return out
+
+    def _dcp_mode(self, dcp, params, sd: dict, label: str, DefaultStager, StagingOptions, use_async) -> dict:
+        """Three ``async_save`` calls reusing one ``DefaultStager`` (its pinned buffers are the
+        point of reusing it). torch 2.11 closes a caller's stager after each stage
+        (pytorch#183413, fixed by pytorch#183424): reusing it then crashes or re-pins every
+        save. That is detected (its ``close`` is called by someone else than us), said, and
+        the remaining saves use a fresh stager, so the column still measures DCP."""
+        kw: dict = {"no_dist": True} if "no_dist" in params else {}
+        closed_by_torch = [0]
+
+        def new_stager():
+            if use_async is None:
+                return None
+            stager = DefaultStager(StagingOptions(use_async_staging=use_async))
+            close = stager.close
+
+            def counted() -> None:
+                closed_by_torch[0] += 1
+                close()
+
+            stager.close = counted  # instrumentation: who closes it, and when
+            return stager
+
+        stager, stalls, note = new_stager(), [], None
+        try:
+            for step in range(3):
+                if stager is not None:
+                    kw["async_stager"] = stager
+                self.sync()
+                t = time.perf_counter()
+                r = dcp.async_save({"model": sd}, checkpoint_id=os.path.join(self.root, f"dcp-{label}-{step}"), **kw)
+                staged = getattr(r, "staging_completion", None)
+                if staged is not None:
+                    staged.result()  # the training loop may not touch its tensors before this
+                stalls.append(time.perf_counter() - t)
+                (getattr(r, "upload_completion", None) or r).result()
+                shutil.rmtree(os.path.join(self.root, f"dcp-{label}-{step}"), ignore_errors=True)
+                if closed_by_torch[0]:
+                    note = ("this torch closes a caller's DefaultStager after each stage (pytorch#183413, fixed by "
+                            "pytorch#183424): measured with a fresh stager per save, which pins again every time")
+                    closed_by_torch[0] = 0
+                    stager = new_stager()
+        finally:
+            if stager is not None:
+                stager.close()
+        res = {"first_s": round(stalls[0], 4), "steady_s": round(min(stalls[1:]), 4)}
+        if note:
+            res["stager_reuse"] = note
+        return res
 
     def pinned_after_close(self) -> list[dict]:
         from ckptctl import Checkpointer
@@ -356,22 +432,50 @@ class Smoke:
         torch = self.torch
         stats = getattr(torch.cuda, "host_memory_stats", None) if self.cuda else None
         cache = (lambda: stats().get("allocated_bytes.current", 0)) if stats else (lambda: 0)
+        from ckptctl.state.pinned import held_bytes
+
         model = self.params(32 * MiB, 2)
         root = os.path.join(self.root, "pinned")
-        before = cache()
+        before, base = cache(), held_bytes()  # held_bytes: staging buffers and bounce pools alike
         with Checkpointer(root) as ck:
             ck.save(1, {"model": model}).wait()
             held_saving = ck.staging_pinned_bytes
-        after_close = ck.staging_pinned_bytes
+        after_close = held_bytes() - base
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:  # the bounce pool exists only during the load: catch it there
+            while not done.is_set():
+                peak[0] = max(peak[0], held_bytes() - base)
+                done.wait(0.0005)
+
+        sampler = threading.Thread(target=sample, daemon=True)
         with Checkpointer(root) as ck:
-            ck.load_latest({"model": model}, prepare=False)
-            after_load = ck.staging_pinned_bytes
+            sampler.start()
+            try:
+                ck.load_latest({"model": model}, prepare=False)  # GPU targets: through the bounce pool
+            finally:
+                done.set()
+                sampler.join()
+            after_load = held_bytes() - base
             cache_after_load = cache()
         want = 32 * MiB if self.cuda else 0
         return [{"name": "pinned_after_close", "kind": "resource",
                  "ok": held_saving == want and after_close == 0 and after_load == 0 and cache_after_load - before <= 512 * MiB,
                  "held_while_saving": held_saving, "after_close": after_close, "after_load": after_load,
-                 "torch_host_cache_growth_after_load": cache_after_load - before}]
+                 "peak_during_load": peak[0], "torch_host_cache_growth_after_load": cache_after_load - before}]
+
+
+def stall_verdict(cuda: bool, steady_s: float, overlap_steady_s: float, dcp: dict) -> dict:
+    """The stall entry's verdict. On a GPU, DCP must have been measured: a run that never
+    compared with it fails (it used to pass with ``ok: None``)."""
+    ref = [d["steady_s"] for d in dcp.values() if isinstance(d, dict) and "steady_s" in d]
+    if ref:
+        return {"ok": steady_s <= min(ref), "overlap_vs_dcp": round(overlap_steady_s / min(ref), 3),
+                "target": "ckptctl steady <= DCP's; overlap <= 0.1 x DCP's (goal, not gated)"}
+    if not cuda:
+        return {"ok": None}  # nothing to compare with on the CPU
+    return {"ok": False, "why": "DCP could not be measured, so nothing was compared (see 'dcp')"}
 
 
 def _reshard_rank(rank: int, world: int, init: str, root: str, device: str, shape: tuple) -> None:

@@ -385,6 +385,9 @@ def test_gpu_smoke_script_runs_its_logic_on_the_cpu(tmp_path):
     for name in ("ordering", "dtypes", "corrupt_byte_refused", "pinned_after_close"):
         assert checks[name]["ok"], checks[name]
     assert checks["dtypes"]["count"] >= 10
+    # --list names exactly what runs, and the report says which torch, CUDA and kernel ran it
+    assert set(checks) == set(_listed_checks(tmp_path))
+    assert report["torch"] and "kernel" in report and "cuda" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA answer")
@@ -397,3 +400,34 @@ def test_gpu_smoke_script_cannot_start_without_cuda(tmp_path):
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["exit"] == 3 and "cuda" in report["error"].lower() and report["checks"] == []
+
+
+def _smoke_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "scripts" / "gpu_smoke.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _listed_checks(cwd: Path) -> dict[str, str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_smoke.py"), "--list"],
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+
+
+def test_gpu_smoke_lists_every_check_with_the_item_it_answers(tmp_path):
+    listed = _listed_checks(tmp_path)
+    for item in range(1, 7):  # every item of the second reading has a check on the GPU
+        assert any(f"item {item}:" in line for line in listed.values()), item
+
+
+def test_gpu_smoke_fails_a_gpu_run_that_never_compared_with_dcp():
+    verdict = _smoke_module().stall_verdict
+    assert verdict(True, 0.5, 0.05, {"sync_staging": {"error": "RuntimeError: closed"}})["ok"] is False
+    assert verdict(True, 0.5, 0.05, {})["ok"] is False
+    assert verdict(False, 0.5, 0.05, {"skipped": "cpu"})["ok"] is None
+    ok = verdict(True, 0.5, 0.05, {"sync_staging": {"error": "x"}, "async_staging": {"first_s": 2.0, "steady_s": 1.0}})
+    assert ok["ok"] is True and ok["overlap_vs_dcp"] == 0.05
