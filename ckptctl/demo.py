@@ -171,8 +171,10 @@ def pausing_storage(root: str, pause_at: int | None, announce: Callable[[str], N
                 return writer
 
             def pause(*args: object, **kwargs: object) -> None:
-                tmp = os.path.join(os.path.dirname(path), writer._tmp)
-                announce(f"{_PAUSED}{pause_at} {os.path.getsize(tmp)} {tmp}")
+                # What is in the step's directory now: the shard's hidden temporary file.
+                with os.scandir(os.path.dirname(path)) as entries:
+                    size = sum(e.stat().st_size for e in entries if e.is_file(follow_symlinks=False))
+                announce(f"{_PAUSED}{pause_at} {size}")
                 threading.Event().wait()  # never set: only the SIGKILL ends this thread
 
             # Whichever of them the save path calls to make the shard durable; if it called
@@ -317,11 +319,11 @@ def _run_and_kill(argv: list[str], env: dict[str, str], log: str) -> tuple[int, 
     paused = None
     for line in proc.stdout:
         if line.startswith(_PAUSED) and paused is None:
-            step, size, tmp = line[len(_PAUSED):].rstrip("\n").split(" ", 2)
+            step, size = line[len(_PAUSED):].split()
             reached = max(read_curve(log), default=0)
             os.kill(proc.pid, signal.SIGKILL)
-            paused = f"{int(size):,} bytes in {os.path.basename(tmp)}"
-            _echo([f"[killed job] step {step}: the background writer has the whole shard in a temporary file ({int(size):,} bytes),",
+            paused = f"{int(size):,} bytes"
+            _echo([f"[killed job] step {step}: the background writer has the whole shard in a hidden temporary file ({int(size):,} bytes),",
                    "             not yet fsynced or renamed into place; no manifest, no marker",
                    f">>> SIGKILL sent to pid {proc.pid} (it had trained {reached} steps)"])
         else:
@@ -390,20 +392,26 @@ def demo(a: argparse.Namespace) -> int:
         print(f"verdict: FAIL: the resumed job failed ({_exit_reason(rc)})")
         return 1
 
+    lines = judge(log_of, a.steps, a.kill_at)
+    print("\n".join(lines))
+    return 0 if lines[-1].startswith("verdict: PASS") else 1
+
+
+def judge(log_of: Mapping[str, str], steps: int, kill_at: int) -> list[str]:
+    """Step 5 from the three jobs' logs: what was compared, then the one-line verdict (last)."""
     reference = read_curve(log_of[REFERENCE])
     start, runs = stitch(read_curve(log_of[KILLED]), read_curve(log_of[RESUMED]))
-    killed_steps = sorted(runs[0][1])
-    print(f"5. compare, bit for bit (float64 bits), with the reference: the killed job's steps 1-{killed_steps[-1] if killed_steps else 0}"
-          f" (it resumed from {start}), the resumed job's steps {start + 1}-{a.steps}")
-    mismatch = compare_curves(reference, runs, a.steps)
+    last_killed = max(runs[0][1], default=0)
+    lines = [f"5. compare every loss with the reference's, bit for bit (float64): the killed job's steps 1-{last_killed}"
+             f" (it resumed from {start}), the resumed job's steps {start + 1}-{steps}"]
+    mismatch = compare_curves(reference, runs, steps)
     if mismatch is not None:
-        print(f"   first difference: {mismatch}")
-        print(f"verdict: FAIL: the resumed run differs from the uninterrupted run at step {mismatch.step} (logs in {logs})")
-        return 1
-    final = reference[a.steps]
-    print(f"verdict: PASS: killed mid-save at step {a.kill_at}, resumed from step {start}; all {a.steps} losses equal the "
-          f"uninterrupted run's bit for bit (final loss {final!r})")
-    return 0
+        lines.append(f"   logs: {os.path.dirname(log_of[REFERENCE])}")
+        lines.append(f"verdict: FAIL: the interrupted run is not the uninterrupted one; first difference at {mismatch}")
+    else:
+        lines.append(f"verdict: PASS: killed mid-save at step {kill_at}, resumed from step {start}; all {steps} losses equal "
+                     f"the uninterrupted run's bit for bit (final loss {reference[steps]!r})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

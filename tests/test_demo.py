@@ -26,6 +26,7 @@ from ckptctl.demo import (
     ToyJob,
     bits,
     compare_curves,
+    judge,
     job_environment,
     read_curve,
     stitch,
@@ -107,6 +108,34 @@ def test_logged_losses_come_back_bit_for_bit_and_a_torn_last_line_is_no_loss(tmp
     assert sorted(curve) == [1, 2, 3, 4, 5]
     assert [bits(curve[s]) for s in range(1, 6)] == [bits(v) for v in values]
     assert json.loads(path.read_text().splitlines()[0])["loss"] == values[0]  # readable too
+
+
+def _logs(tmp_path, curves: dict[str, dict[int, float]]) -> dict[str, str]:
+    paths = {}
+    for name, curve in curves.items():
+        paths[name] = str(tmp_path / f"{name.replace(' ', '-')}.jsonl")
+        with open(paths[name], "w") as f:
+            for step, loss in curve.items():
+                write_loss(f, step, loss)
+    return paths
+
+
+def test_the_verdict_is_one_line_naming_the_first_difference_in_full_precision(tmp_path):
+    reference = _curve()
+    resumed = {s: reference[s] for s in range(31, 61)}
+    resumed[33] = math.nextafter(reference[33], 0.0)
+    logs = _logs(tmp_path, {REFERENCE: reference, KILLED: {s: reference[s] for s in range(1, 42)}, RESUMED: resumed})
+    lines = judge(logs, 60, 40)
+    assert "steps 1-41 (it resumed from 30), the resumed job's steps 31-60" in lines[0]
+    verdict = lines[-1]
+    assert verdict.startswith("verdict: FAIL: ") and "first difference at step 33: resumed job " in verdict
+    assert repr(resumed[33]) in verdict and repr(reference[33]) in verdict
+    assert resumed[33].hex() in verdict and reference[33].hex() in verdict
+
+    resumed[33] = reference[33]
+    logs = _logs(tmp_path, {REFERENCE: reference, KILLED: {s: reference[s] for s in range(1, 42)}, RESUMED: resumed})
+    assert judge(logs, 60, 40)[-1] == (f"verdict: PASS: killed mid-save at step 40, resumed from step 30; all 60 losses "
+                                       f"equal the uninterrupted run's bit for bit (final loss {reference[60]!r})")
 
 
 def test_the_resume_point_is_where_the_resumed_log_starts():
