@@ -36,6 +36,7 @@ import collections
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -116,31 +117,52 @@ class BouncePool:
         if self._closed:
             raise RuntimeError("BouncePool is closed")
         src = host.contiguous().reshape(-1).view(torch.uint8)
-        total = src.numel()
+
+        def fill(out: torch.Tensor, offset: int) -> None:
+            out.copy_(src[offset : offset + out.numel()])
+
         with self._on_stream():
             # A non-contiguous target gets a dense temporary on the caller's stream (as torch's
             # own copy_ would), filled chunk by chunk, then scattered with one copy.
             dense = target if target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype, device=self.device)
-            dst = dense.reshape(-1).view(torch.uint8) if total else dense
-            for begin in range(0, total, self.nbytes):
-                end = min(begin + self.nbytes, total)
-                buf = self._take()
-                try:
-                    staged = buf.region.tensor[: end - begin]
-                    staged.copy_(src[begin:end])
-                    # Split where the buffer's registrations meet (a register_chunk smaller
-                    # than the buffer): one copy never spans two pinned ranges.
-                    for a, b in split_at(0, end - begin, buf.region.boundaries):
-                        dst[begin + a : begin + b].copy_(staged[a:b], non_blocking=self._cuda)
-                    if buf.event is not None:
-                        buf.event.record(self.stream)
-                finally:
-                    self._give(buf)
-                with self._lock:
-                    self.stats.chunks += 1
-                    self.stats.bytes += end - begin
+            self._through(fill, src.numel(), dense)
             if dense is not target:
                 target.copy_(dense)
+
+    def upload_from(self, fill: "Callable[[torch.Tensor, int], None]", target: torch.Tensor) -> None:
+        """Fill the contiguous ``target`` on the pool's device with bytes that ``fill(out,
+        offset)`` writes straight into a page-locked buffer (``out``, a flat uint8 tensor: the
+        bytes ``[offset, offset + out.numel())`` of the target), in order, one buffer at a
+        time; each buffer's copy is queued on the caller's stream. A file read lands in pinned
+        memory directly: no pageable temporary of the tensor and no second memcpy."""
+        if target.device != self.device or not target.is_contiguous():
+            raise ValueError(f"BouncePool.upload_from: target must be contiguous on {self.device}, got {target.device}")
+        if self._closed:
+            raise RuntimeError("BouncePool is closed")
+        with self._on_stream():
+            self._through(fill, target.numel() * target.element_size(), target)
+
+    def _through(self, fill: "Callable[[torch.Tensor, int], None]", total: int, dense: torch.Tensor) -> None:
+        """``total`` bytes from ``fill`` into the contiguous ``dense``, buffer by buffer (under
+        ``_on_stream``)."""
+        dst = dense.reshape(-1).view(torch.uint8) if total else dense
+        for begin in range(0, total, self.nbytes):
+            end = min(begin + self.nbytes, total)
+            buf = self._take()
+            try:
+                staged = buf.region.tensor[: end - begin]
+                fill(staged, begin)
+                # Split where the buffer's registrations meet (a register_chunk smaller than
+                # the buffer): one copy never spans two pinned ranges.
+                for a, b in split_at(0, end - begin, buf.region.boundaries):
+                    dst[begin + a : begin + b].copy_(staged[a:b], non_blocking=self._cuda)
+                if buf.event is not None:
+                    buf.event.record(self.stream)
+            finally:
+                self._give(buf)
+            with self._lock:
+                self.stats.chunks += 1
+                self.stats.bytes += end - begin
         with self._lock:
             self.stats.uploads += 1
 

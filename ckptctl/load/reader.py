@@ -214,9 +214,7 @@ class CheckpointReader(ShardIndex):
         want = region_of(job)
         bounce = self._bounce.get(target.device)
         if bounce is not None:
-            host = torch.empty(target.shape, dtype=target.dtype)
-            self._fill(ReadJob(job.name, host, want.offsets), verify=verify)
-            bounce.upload(host, target)  # after verification: a bad chunk never reaches the GPU
+            self._fill_through(bounce, job, want, verify)
             return
         if target.device.type != "cpu" or not target.is_contiguous():
             # A bounce through host memory (pinned for a GPU target, so the copy is a DMA):
@@ -232,6 +230,51 @@ class CheckpointReader(ShardIndex):
             if part is not None:
                 self._copy_part(job.name, loc, target, want, part, verify)
                 covered += part.numel
+        self._check_covered(job, covered)
+
+    def _fill_through(self, bounce: BouncePool, job: ReadJob, want: Box, verify: bool) -> None:
+        """A GPU target, through the pool's page-locked buffers: the rows of a chunk that are
+        one run of the target are read from the file straight into those buffers, hashed
+        there, and copied up (no pageable temporary of the tensor, no second memcpy); the
+        rest of the chunk is read only to be hashed. Other parts (column splits, a
+        non-contiguous target) go through a host temporary of that part only. A mismatch
+        raises ``InvalidCheckpoint`` as on the CPU path, after some bytes may have gone up:
+        the caller falls back and overwrites them (``load.into_state`` checked every chunk
+        before this pass already)."""
+        target = job.target
+        covered = 0
+        for loc in self.locate(job.name, want):
+            part = intersection(loc.box, want)
+            if part is None:
+                continue
+            covered += part.numel
+            c, cbox, at = loc.chunk, loc.box, part.relative_to(want)
+            dst = target[at.slices()]
+            in_chunk = part.relative_to(cbox)
+            whole_rows = cbox.ndim == 0 or in_chunk.shape[1:] == cbox.shape[1:]
+            if not (whole_rows and contiguous_in(at, Box((0,) * want.ndim, want.shape)) and dst.is_contiguous()):
+                host = torch.empty(tuple(part.shape), dtype=target.dtype)
+                self._copy_part(job.name, loc, host, part, part, verify)
+                bounce.upload(host, dst)
+                continue
+            row_bytes = (c.end - c.begin) // max(cbox.shape[0] if cbox.ndim else 1, 1)
+            r0, r1 = (in_chunk.offsets[0], in_chunk.end[0]) if cbox.ndim else (0, 1)
+            start, end = loc.byte_range
+            lo, hi = start + r0 * row_bytes, start + r1 * row_bytes
+            h = Hasher() if verify and c.checksum is not None else None
+            if h is not None:
+                self._hash_range(loc.file, start, lo, h)
+
+            def fill(out: torch.Tensor, offset: int, lo: int = lo, file: str = loc.file, h: Hasher | None = h) -> None:
+                view = tensor_bytes(out)
+                self._pread(file, lo + offset, view)
+                if h is not None:  # in file order: the pool fills its buffers in order
+                    h.update(view)
+
+            bounce.upload_from(fill, dst)
+            if h is not None:
+                self._hash_range(loc.file, hi, end, h)
+                self._check(loc, h.hexdigest(), job.name)
         self._check_covered(job, covered)
 
     def _copy_part(self, name: str, loc: Located, target: torch.Tensor, want: Box, part: Box, verify: bool) -> None:
