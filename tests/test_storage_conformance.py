@@ -286,6 +286,22 @@ def test_remove_dir(store: Storage) -> None:
     assert store.read("keep/c") == b"3"
 
 
+def test_abort_stale_uploads_removes_nothing_else(store: Storage) -> None:
+    """Whatever the backend, only unfinished multipart uploads are aborted: committed objects
+    and a writer still in progress (locally, its temporary file) are untouched."""
+    store.write_atomic("step/kept", b"committed")
+    pending = store.open_writer("step/pending")
+    pending.write(b"in progress")
+    before = sorted(i.key for i in store.list())
+    assert store.abort_stale_uploads(idle_for_s=0, keys=["step/kept", "step/pending"]) == []
+    assert store.abort_stale_uploads("step", idle_for_s=0, where=lambda key: True, dry_run=True) == []
+    assert sorted(i.key for i in store.list()) == before
+    pending.commit()
+    assert store.read("step/pending") == b"in progress" and store.read("step/kept") == b"committed"
+    with pytest.raises(InvalidCheckpoint):
+        store.abort_stale_uploads("../x", idle_for_s=0)
+
+
 # --- local only ----------------------------------------------------------------------------
 
 
@@ -537,6 +553,56 @@ def test_part_size_grows_to_cover_s3_object_limit() -> None:
     assert max(part_size_for(1 << 30, n) for n in range(1, MAX_PARTS + 1)) == MAX_PART_SIZE
     with pytest.raises(UsageError):
         S3Storage("s3://bucket/x", part_size=1 * MiB)
+
+
+def _open_upload(raw, bucket: str, key: str, *, part: bool) -> str:
+    """An upload left open, as a killed writer leaves it: with a part uploaded now (moto dates
+    it now), or none (moto reports every upload as initiated in 2010: idle for years)."""
+    upload_id = raw.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    if part:
+        raw.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"x" * 1024)
+    return upload_id
+
+
+def _open_keys(raw, bucket: str) -> list[str]:
+    return sorted(u["Key"] for u in raw.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def test_s3_abort_stale_uploads_idle_named_and_filtered(s3_url: str, s3_server: str) -> None:
+    store = open_storage(s3_url)
+    raw = _raw_client(s3_server)
+    bucket, prefix = _bucket_and_prefix(s3_url)
+    for key, part in [("a/dead", False), ("a/live", True), ("b/named", True), ("b/other", False), ("c/dead", False)]:
+        _open_upload(raw, bucket, f"{prefix}/{key}", part=part)
+    _open_upload(raw, bucket, "outside/dead", part=False)  # not below the storage: never seen
+    everything = _open_keys(raw, bucket)
+
+    # Idle for an hour: only the upload without a fresh part, and only below the prefix asked.
+    assert store.abort_stale_uploads("a", idle_for_s=3600, dry_run=True) == ["a/dead"]
+    assert _open_keys(raw, bucket) == everything  # a dry run aborts nothing
+    # A key about to be written is aborted whatever its age; `where` filters the idle ones.
+    got = store.abort_stale_uploads(idle_for_s=3600, keys=["b/named"], where=lambda key: not key.startswith("c/"))
+    assert got == ["a/dead", "b/named", "b/other"]
+    assert _open_keys(raw, bucket) == sorted([f"{prefix}/a/live", f"{prefix}/c/dead", "outside/dead"])
+    assert store.sub("c").abort_stale_uploads(idle_for_s=3600) == ["dead"]  # keys relative to the storage
+    assert store.abort_stale_uploads(idle_for_s=3600) == []  # the live one stays
+
+
+def test_s3_writer_aborts_an_open_upload_of_its_key(s3_small_parts: S3Storage, s3_url: str, s3_server: str) -> None:
+    """A killed writer's upload of the same key, however fresh, is aborted by the next writer
+    of the key; an upload of another key is not. The object records who wrote it."""
+    raw = _raw_client(s3_server)
+    bucket, prefix = _bucket_and_prefix(s3_url)
+    _open_upload(raw, bucket, f"{prefix}/step/shard", part=True)
+    _open_upload(raw, bucket, f"{prefix}/step/shard2", part=True)  # a live writer of another key
+    _open_upload(raw, bucket, f"{prefix}/step/shard.bak", part=True)  # same prefix, another key
+    data = _pattern(12 * MiB, seed=5)
+    with s3_small_parts.open_writer("step/shard") as writer:
+        writer.write(data)
+    assert _open_keys(raw, bucket) == [f"{prefix}/step/shard.bak", f"{prefix}/step/shard2"]
+    assert s3_small_parts.read("step/shard") == data
+    meta = raw.head_object(Bucket=bucket, Key=f"{prefix}/step/shard")["Metadata"]
+    assert meta["ckptctl-pid"] == str(os.getpid()) and meta["ckptctl-host"] and meta["ckptctl-started"]
 
 
 @pytest.fixture

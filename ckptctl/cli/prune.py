@@ -33,7 +33,7 @@ def prune(
     keep_weekly: KeepWeeklyOpt = None,
     keep_monthly: KeepMonthlyOpt = None,
     keep: KeepOpt = None,
-    partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker once nothing in them changed for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
+    partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker once nothing in them changed for DURATION; on S3, also abort unfinished uploads inside checkpoint directories idle that long.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="Also delete committed checkpoints that fail verification.")] = False,
     seal: Annotated[bool, typer.Option("--seal", help="Seal other tools' anchors this run test-loaded (as `ckptctl seal` does), so later runs check their bytes instead of test-loading them.")] = False,
     reverify: Annotated[bool, typer.Option("--reverify", help="Re-read checkpoints even if a recorded verification says they are unchanged.")] = False,

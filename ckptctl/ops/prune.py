@@ -22,6 +22,8 @@ Safety, in this order (the user-facing statement is ``man/ckptctl-prune.1``):
    (``layouts.protection``), like every pointer target, readable or not.
 5. Committed checkpoints older than the anchor are deleted unless a policy keeps them. Older
    ones are not verified (that would read everything on every run); policies count them.
+6. **Unfinished S3 uploads** a killed writer left inside checkpoint entries are aborted once
+   idle for ``partial_after_s``, like partial directories (``ops.uploads``); listed in the plan.
 
 Deleting one checkpoint removes its marker first, then the manifest, then everything else, then
 the empty directory: a prune killed at any point leaves something that reads as partial, never
@@ -40,6 +42,7 @@ from typing import Callable, Sequence
 from ckptctl.errors import NotFound
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import LAYOUTS
+from ckptctl.ops import uploads
 from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.prune_execute import ItemOutcome, PruneOutcome, Result, execute
 from ckptctl.ops.prune_plan import (
@@ -106,6 +109,7 @@ def prune(
                   layouts=layouts, seal=seal)
     if dry_run:
         p = plan(root, policy, record=False, **kwargs)  # type: ignore[arg-type]
+        p.uploads = uploads.in_root(root, idle_for_s=partial_after_s, notes=p.notes, dry_run=True, layouts=layouts)
         if review is not None:
             review(p)
         raise_if_refused(p)
@@ -113,8 +117,12 @@ def prune(
     with RootLock(root, command=command, stale_after_s=lock_stale_after_s) as lock:
         p = plan(root, policy, heartbeat=lock.refresh, **kwargs)  # type: ignore[arg-type]
         p.notes[:0] = lock.notes
+        p.uploads = uploads.in_root(root, idle_for_s=partial_after_s, notes=p.notes, dry_run=True, layouts=layouts)
         go = review(p) if review is not None else True
         raise_if_refused(p)
         if not go:
             return p, None
-        return p, execute(p, lock=lock)
+        outcome = execute(p, lock=lock)
+        if p.uploads:  # listed again: only what is still idle now is aborted
+            uploads.in_root(root, idle_for_s=partial_after_s, notes=outcome.notes, layouts=layouts)
+        return p, outcome

@@ -85,6 +85,7 @@ class PrunePlan:
     anchors: dict[str, PlanItem] = field(default_factory=dict)  # layout -> its anchor
     seal: bool = False  # seal the other stacks' anchors it verified (``prune --seal``)
     record: bool = True  # False for a dry run: nothing is written, no seal either
+    uploads: list[str] = field(default_factory=list)  # unfinished S3 uploads it aborts (ops.uploads)
 
     @property
     def deletions(self) -> list[PlanItem]:
@@ -107,6 +108,7 @@ class PrunePlan:
             "refused": self.refused,
             "items": [i.to_dict() for i in self.items],
             "notes": list(self.notes),
+            "uploads": list(self.uploads),
         }
 
 

@@ -37,6 +37,8 @@ from ckptctl.ops.expect import counting_only, expect_bytes
 from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.targets import open_root
 from ckptctl.ops.transfer import copy_checkpoint
+from ckptctl.ops import uploads
+from ckptctl.ops.uploads import UPLOAD_IDLE_S
 from ckptctl.ops.verify import VerifyReport
 from ckptctl.ops.verify_cache import VerifyCache, fingerprint, verify_cached
 from ckptctl.progress import Progress
@@ -136,6 +138,8 @@ def sync(
             result.items.append(_one(entry, dst, have.get(entry.name), cache, dry_run, progress))
         if delete:
             _delete_extra(src, dst, sources, cache, result, lock)
+        # Uploads a killed sync (or save) left open in DST's checkpoints (ops.uploads).
+        uploads.in_root(dst, idle_for_s=UPLOAD_IDLE_S, notes=result.notes, dry_run=dry_run, layouts=NATIVE)
         if not dry_run:
             cache.retain({e.name for e in list_checkpoints(dst, layouts=NATIVE) if e.status in ("committed", "corrupt")})
             cache.save()

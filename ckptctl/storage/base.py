@@ -15,7 +15,7 @@ from __future__ import annotations
 import posixpath
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Collection, Iterator, Literal, Sequence
 
 from ckptctl.errors import StorageError
 
@@ -156,6 +156,25 @@ class Storage(ABC):
     @abstractmethod
     def remove_dir(self, prefix: str) -> None:
         """Remove the now-empty directory ``prefix`` (and empty subdirectories). No-op on S3."""
+
+    def abort_stale_uploads(
+        self,
+        prefix: str = "",
+        *,
+        idle_for_s: float,
+        keys: Collection[str] = (),
+        where: Callable[[str], bool] | None = None,
+        dry_run: bool = False,
+    ) -> list[str]:
+        """Abort the unfinished multipart uploads below ``prefix`` that a killed writer left:
+        those of ``keys`` (this run is about to write them), and those whose key ``where``
+        accepts (all, for None) that nothing touched for ``idle_for_s`` seconds on the store's
+        clock, so a live writer's upload of another key is never aborted. Keys are relative
+        to this storage. Returns the keys aborted, sorted (``dry_run``: those it would abort,
+        aborting none). A backend without such uploads returns [] and removes nothing: local
+        temporaries are cleaned by the layers that write them. Rules: ``storage/s3_uploads``."""
+        check_key(prefix, allow_empty=True)
+        return []
 
     def local_path(self, key: str = "") -> str | None:
         """The filesystem path of ``key`` on a POSIX backend; None for object stores."""

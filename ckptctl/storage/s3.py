@@ -9,13 +9,15 @@ Around it, by concept:
 * ``s3_transfer``: the multipart ``S3Writer`` and the ranged, parallel ``S3Reader``. Writes
   are visible only when complete, as S3 itself guarantees; a failed multipart upload is
   aborted so no orphaned parts are left to pay for.
+* ``s3_uploads``: the uploads a killed writer left open: a new writer of the same key aborts
+  them, and ``abort_stale_uploads`` those idle for longer than a bound.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -23,6 +25,7 @@ from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.storage.base import ObjectInfo, Storage, check_key
 from ckptctl.storage.s3_client import Client, ClientHolder
 from ckptctl.storage.s3_errors import error_code, http_status, is_missing, is_precondition_failed, s3_error
+from ckptctl.storage.s3_uploads import abort_idle
 from ckptctl.storage.s3_transfer import (
     MAX_PART_SIZE,
     MAX_PARTS,
@@ -269,6 +272,22 @@ class S3Storage(Storage):
     def remove_dir(self, prefix: str) -> None:
         """Nothing to do: a prefix with no objects does not exist on S3."""
         check_key(prefix, allow_empty=True)
+
+    def abort_stale_uploads(
+        self,
+        prefix: str = "",
+        *,
+        idle_for_s: float,
+        keys: Collection[str] = (),
+        where: Callable[[str], bool] | None = None,
+        dry_run: bool = False,
+    ) -> list[str]:
+        """Unfinished multipart uploads below ``prefix``: one LIST, plus a ListParts for each
+        upload started longer than ``idle_for_s`` ago (see ``s3_uploads``)."""
+        prefix = check_key(prefix, allow_empty=True)
+        keys = {check_key(key) for key in keys}
+        return abort_idle(self, self._list_prefix(prefix), self.url_of(prefix), idle_for_s=idle_for_s,
+                          keys=keys, where=where, dry_run=dry_run)
 
 
 def _join(prefix: str, name: str) -> str:

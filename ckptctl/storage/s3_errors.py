@@ -33,6 +33,10 @@ def is_precondition_failed(err: ClientError) -> bool:
     return error_code(err) == "PreconditionFailed" or http_status(err) == 412
 
 
+def is_access_denied(err: ClientError) -> bool:
+    return error_code(err) in _ACCESS_DENIED
+
+
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
@@ -100,7 +104,7 @@ def _answered(err: ClientError, shown: str, bucket: str) -> CkptError:
         return StorageError(
             f"access denied: {shown}",
             hint="check the IAM policy (s3:ListBucket, GetObject, PutObject, DeleteObject, "
-            "AbortMultipartUpload) for this bucket and prefix, and AWS_PROFILE",
+            "AbortMultipartUpload, ListBucketMultipartUploads) for this bucket and prefix, and AWS_PROFILE",
         )
     if code in _BAD_CREDENTIALS:
         return StorageError(

@@ -2,7 +2,8 @@
 
 Writes are visible only when complete, as S3 itself guarantees: small objects are one PUT on
 ``commit``; large ones are a multipart upload completed on ``commit`` and aborted on any
-failure, so no orphaned parts are left to pay for. Uploads carry a CRC32 checksum (CRC32C
+failure, so no orphaned parts are left to pay for; those a killed writer left are aborted
+by the next writer of the key (``s3_uploads``). Uploads carry a CRC32 checksum (CRC32C
 needs the optional awscrt package) so S3 refuses bytes corrupted on the way.
 
 Retries are botocore's. The one loop of our own re-issues a ranged GET whose body stream broke
@@ -22,6 +23,7 @@ from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadErro
 from ckptctl.errors import CkptError, InvalidCheckpoint, StorageError
 from ckptctl.storage.base import Reader, Writer, byte_view
 from ckptctl.storage.s3_errors import error_code, is_precondition_failed
+from ckptctl.storage.s3_uploads import supersede, writer_metadata
 
 if TYPE_CHECKING:
     from ckptctl.storage.s3 import S3Storage
@@ -328,9 +330,15 @@ class S3Writer(Writer):
         self._cur = bytearray()
 
     def _start_multipart(self) -> None:
+        # An upload of this key still open is a killed writer's, or a racing one's that cannot
+        # both publish: one writer per object (s3_uploads).
+        supersede(self._storage, self._obj, self._shown)
         with self._storage._errors(self._shown):
             response = self._storage._client.s3.create_multipart_upload(
-                Bucket=self._storage._bucket, Key=self._obj, **self._storage._checksum_args()
+                Bucket=self._storage._bucket,
+                Key=self._obj,
+                Metadata=writer_metadata(),
+                **self._storage._checksum_args(),
             )
         self._upload_id = response["UploadId"]
         self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckptctl-s3-part")
