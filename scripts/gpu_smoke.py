@@ -42,7 +42,6 @@ CUDA-only parts report ``"skipped"``. The host's torch may be older than ours: n
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -57,7 +56,9 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_items, beside this file
 
-from gpu_items import ITEMS, ItemChecks  # noqa: E402 - after the path is set
+from gpu_dcp import DcpChecks, stall_verdict  # noqa: E402,F401 - after the path is set; stall_verdict for the tests
+from gpu_items import ITEMS, ItemChecks  # noqa: E402
+from gpu_reshard import ReshardChecks  # noqa: E402
 
 BUDGET_S = 170.0
 MiB, GiB = 1 << 20, 1 << 30
@@ -138,7 +139,7 @@ def _finish(report: dict, path: str | None) -> int:
     return int(report["exit"])
 
 
-class Smoke(ItemChecks):
+class Smoke(ItemChecks, DcpChecks, ReshardChecks):
     def __init__(self, device: str, quick: bool, gib: float, root: str) -> None:
         import torch
 
@@ -231,49 +232,6 @@ class Smoke(ItemChecks):
         return [{"name": "dtypes", "kind": "data", "ok": not wrong, "count": len(names), "wrong": wrong,
                  "target_device": self.device}]
 
-    def reshard(self) -> list[dict]:
-        import torch.multiprocessing as mp
-
-        from ckptctl import Checkpointer
-        from ckptctl.errors import InvalidCheckpoint
-
-        torch = self.torch
-        shape = (64, 48) if self.quick else (2048, 1024)
-        full = _pattern(torch, shape)
-        one, two = os.path.join(self.root, "one"), os.path.join(self.root, "two")
-        with Checkpointer(one) as ck:  # the 1-rank source of 1 -> 2
-            m = torch.nn.Module()
-            m.w = torch.nn.Parameter(full.to(self.device))
-            ck.save(1, {"model": m}).wait()
-        port = _free_port()
-        mp.spawn(_reshard_rank, args=(2, f"tcp://127.0.0.1:{port}", self.root, self.device, shape), nprocs=2, join=True)
-        ranks = [json.load(open(os.path.join(self.root, f"rank{r}.json"))) for r in range(2)]
-        out = [{"name": f"reshard_{k}", "kind": "data", "ok": all(r[k] for r in ranks)} for k in ("1to2", "2to2_shard0_to_shard1")]
-        # 2 -> 1: one process, no process group, the whole tensor on the device
-        m = torch.nn.Module()
-        m.w = torch.nn.Parameter(torch.zeros(shape, device=self.device))
-        with Checkpointer(two) as ck:
-            ck.load_latest({"model": m}, prepare=False)
-        out.append({"name": "reshard_2to1", "kind": "data", "ok": torch.equal(m.w.detach().cpu(), full)})
-        bad = os.path.join(self.root, "bad")
-        shutil.copytree(two, bad)
-        shard = max((os.path.join(d, f) for d, _, fs in os.walk(bad) for f in fs if f.startswith("rank")), key=os.path.getsize)
-        with open(shard, "r+b") as f:  # the last byte: tensor data, never the header
-            f.seek(-1, os.SEEK_END)
-            b = f.read(1)
-            f.seek(-1, os.SEEK_END)
-            f.write(bytes([b[0] ^ 0x01]))
-        m.w.data.zero_()
-        refused, why = False, "it loaded"
-        step_dir = next(d for d in os.listdir(bad) if d.startswith("step-"))
-        try:
-            with Checkpointer(bad) as ck:
-                ck.load(os.path.join(bad, step_dir), {"model": m})
-        except InvalidCheckpoint as e:
-            refused, why = True, str(e)
-        out.append({"name": "corrupt_byte_refused", "kind": "data", "ok": refused, "detail": why[:300], "file": os.path.basename(shard)})
-        return out
-
     # --- resources and speed -------------------------------------------------------------
 
     def d2h_bandwidth(self) -> list[dict]:
@@ -349,83 +307,6 @@ class Smoke(ItemChecks):
         out.append(entry)
         return out
 
-    def dcp_stalls(self, sd: dict) -> dict:
-        if not self.cuda:
-            return {"skipped": "cpu"}
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        params = inspect.signature(dcp.async_save).parameters
-        try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        except ImportError:
-            DefaultStager = None
-        started = False
-        if "no_dist" not in params and not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-            started = True
-        out: dict = {}
-        try:
-            modes = [("sync_staging", False), ("async_staging", True)] if DefaultStager and "async_stager" in params else [("default", None)]
-            for label, use_async in modes:
-                try:  # one mode failing leaves the other's figures
-                    out[label] = self._dcp_mode(dcp, params, sd, label, DefaultStager, StagingOptions, use_async)
-                except Exception as e:  # reported beside ckptctl's figures; stall_verdict fails it
-                    out[label] = {"error": f"{type(e).__name__}: {e}"}
-        finally:
-            if started:
-                dist.destroy_process_group()
-        return out
-
-    def _dcp_mode(self, dcp, params, sd: dict, label: str, DefaultStager, StagingOptions, use_async) -> dict:
-        """Three ``async_save`` calls reusing one ``DefaultStager`` (its pinned buffers are the
-        point of reusing it). torch 2.11 closes a caller's stager after each stage
-        (pytorch#183413, fixed by pytorch#183424): reusing it then crashes or re-pins every
-        save. That is detected (its ``close`` is called by someone else than us), said, and
-        the remaining saves use a fresh stager, so the column still measures DCP."""
-        kw: dict = {"no_dist": True} if "no_dist" in params else {}
-        closed_by_torch = [0]
-
-        def new_stager():
-            if use_async is None:
-                return None
-            stager = DefaultStager(StagingOptions(use_async_staging=use_async))
-            close = stager.close
-
-            def counted() -> None:
-                closed_by_torch[0] += 1
-                close()
-
-            stager.close = counted  # instrumentation: who closes it, and when
-            return stager
-
-        stager, stalls, note = new_stager(), [], None
-        try:
-            for step in range(3):
-                if stager is not None:
-                    kw["async_stager"] = stager
-                self.sync()
-                t = time.perf_counter()
-                r = dcp.async_save({"model": sd}, checkpoint_id=os.path.join(self.root, f"dcp-{label}-{step}"), **kw)
-                staged = getattr(r, "staging_completion", None)
-                if staged is not None:
-                    staged.result()  # the training loop may not touch its tensors before this
-                stalls.append(time.perf_counter() - t)
-                (getattr(r, "upload_completion", None) or r).result()
-                shutil.rmtree(os.path.join(self.root, f"dcp-{label}-{step}"), ignore_errors=True)
-                if closed_by_torch[0]:
-                    note = ("this torch closes a caller's DefaultStager after each stage (pytorch#183413, fixed by "
-                            "pytorch#183424): measured with a fresh stager per save, which pins again every time")
-                    closed_by_torch[0] = 0
-                    stager = new_stager()
-        finally:
-            if stager is not None:
-                stager.close()
-        res = {"first_s": round(stalls[0], 4), "steady_s": round(min(stalls[1:]), 4)}
-        if note:
-            res["stager_reuse"] = note
-        return res
-
     def pinned_after_close(self) -> list[dict]:
         from ckptctl import Checkpointer
 
@@ -466,59 +347,6 @@ class Smoke(ItemChecks):
                  "peak_during_load": peak[0], "torch_host_cache_growth_after_load": cache_after_load - before}]
 
 
-def stall_verdict(cuda: bool, steady_s: float, overlap_steady_s: float, dcp: dict) -> dict:
-    """The stall entry's verdict. On a GPU, DCP must have been measured: a run that never
-    compared with it fails (it used to pass with ``ok: None``)."""
-    ref = [d["steady_s"] for d in dcp.values() if isinstance(d, dict) and "steady_s" in d]
-    if ref:
-        return {"ok": steady_s <= min(ref), "overlap_vs_dcp": round(overlap_steady_s / min(ref), 3),
-                "target": "ckptctl steady <= DCP's; overlap <= 0.1 x DCP's (goal, not gated)"}
-    if not cuda:
-        return {"ok": None}  # nothing to compare with on the CPU
-    return {"ok": False, "why": "DCP could not be measured, so nothing was compared (see 'dcp')"}
-
-
-def _reshard_rank(rank: int, world: int, init: str, root: str, device: str, shape: tuple) -> None:
-    """One of two ranks (sharing the GPU): 1 -> 2 as Shard(0), save, 2 -> 2 as Shard(1)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    from ckptctl import Checkpointer
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        mesh = DeviceMesh(device, list(range(world)))
-        full = _pattern(torch, shape)
-
-        def module(dim: int, fill: bool):
-            local = full.chunk(world, dim)[rank]
-            m = torch.nn.Module()
-            data = local.clone() if fill else torch.zeros_like(local)
-            m.w = torch.nn.Parameter(DTensor.from_local(data.to(device), mesh, [Shard(dim)], run_check=False))
-            return m, local
-
-        res = {}
-        m, want = module(0, False)
-        with Checkpointer(os.path.join(root, "one")) as ck:
-            ck.load_latest({"model": m}, prepare=False)
-        res["1to2"] = torch.equal(m.w.to_local().detach().cpu(), want)
-        src, _ = module(0, True)
-        with Checkpointer(os.path.join(root, "two")) as ck:
-            ck.save(1, {"model": src}).wait()
-        m, want = module(1, False)
-        with Checkpointer(os.path.join(root, "two")) as ck:
-            ck.load_latest({"model": m}, prepare=False)
-        res["2to2_shard0_to_shard1"] = torch.equal(m.w.to_local().detach().cpu(), want)
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(res, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def _local(url: str) -> str:
     return url[len("file://"):] if url.startswith("file://") else url
 
@@ -532,25 +360,11 @@ def _scratch(gib: float) -> str:
     return tempfile.mkdtemp(prefix="ckptctl-smoke-")
 
 
-def _pattern(torch, shape: tuple):
-    n = 1
-    for s in shape:
-        n *= s
-    return (torch.arange(n, dtype=torch.float32) * 1.5 + 0.25).reshape(shape)
-
-
 def _bits(t):
     import torch
 
     return t.contiguous().reshape(-1).view(torch.uint8)
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
