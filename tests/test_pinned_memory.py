@@ -195,3 +195,17 @@ def test_held_bytes_counts_every_region_and_drops_to_zero_after_a_load_through_t
     del region
     gc.collect()
     assert held_bytes() == before
+
+
+def test_a_forked_child_releasing_the_parents_region_does_not_unregister_it():
+    reg = ThreadRecordingRegistrar()
+    region = HostRegion(2 * MiB, registrar=reg, chunk=MiB)
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the object: the parent's registration is not the child's
+        region.release()
+        os._exit(0 if not any(what == "unregister" for what, *_ in reg.log) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert len(reg.live) == 2  # still registered in the parent
+    region.release()
+    assert reg.live == {}

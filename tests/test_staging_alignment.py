@@ -113,3 +113,23 @@ def test_file_pieces_give_the_packed_bytes_in_file_order(piece):
         out += bytes(p)  # valid until the next piece: consumed now
         expect += len(p)
     assert bytes(out) == bytes(packed)
+
+
+def test_large_tensors_go_out_as_views_and_small_ones_gathered_into_few_pieces():
+    big = {"big": torch.randn(1 << 18)}  # 1 MiB
+    small = {f"s{i:03d}": torch.randn(10 + i) for i in range(200)}  # 200 small tensors, padded apart
+    state = {**big, **small}
+    layout = make_layout(_saved_all(state), align=512)
+    buf = torch.zeros(layout.buffer_nbytes, dtype=torch.uint8)
+    for s in layout.slots:
+        buf[s.staged : s.staged + s.end - s.begin] = state[s.name].reshape(-1).view(torch.uint8)
+    data = memoryview(buf.numpy()).cast("B")
+    big_slot = next(s for s in layout.slots if s.name == "big")
+    pieces = [(pos, p, isinstance(p.obj, bytearray)) for pos, p in file_pieces(data, layout, 64 << 10)]
+    over_big = [g for pos, p, g in pieces if big_slot.begin <= pos < big_slot.end]
+    assert over_big and not any(over_big)  # views of the staging buffer: no copy
+    assert len(pieces) - len(over_big) <= 3  # 200 small tensors, a few writes
+
+
+def _saved_all(tensors: dict[str, torch.Tensor]) -> dict[str, SavedTensor]:
+    return {n: SavedTensor(t.to("meta"), "model", tuple(t.shape), (0,) * t.dim()) for n, t in tensors.items()}

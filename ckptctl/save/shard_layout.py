@@ -203,9 +203,11 @@ def view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 def file_pieces(data: memoryview, layout: ShardLayout, piece: int) -> Iterator[tuple[int, memoryview]]:
     """The shard's data section, in file order, as ``(offset, bytes)`` pieces of at most
-    ``piece`` bytes, read from the host staging buffer ``data``. A piece the buffer holds
-    contiguously is a view of it; one that spans alignment padding is gathered into a scratch
-    buffer, valid until the next piece is asked for. A packed layout is always views."""
+    ``piece`` bytes, read from the host staging buffer ``data``. Where the buffer holds the
+    bytes contiguously (a packed layout; any tensor of at least ``piece // 16`` bytes) the
+    pieces are views of it: no copy. Runs of smaller tensors separated by alignment padding
+    are gathered into one scratch buffer, so they still go out in few large writes; such a
+    piece is valid until the next one is asked for (consume it first)."""
     runs: list[tuple[int, int, int]] = []  # (file begin, buffer begin, length): contiguous in both
     for s in layout.slots:
         n = s.end - s.begin
@@ -214,23 +216,23 @@ def file_pieces(data: memoryview, layout: ShardLayout, piece: int) -> Iterator[t
             runs[-1] = (f, b, m + n)
         elif n:
             runs.append((s.begin, s.staged, n))
-    scratch: bytearray | None = None
-    i = 0
-    for pos in range(0, layout.nbytes, piece):
-        end = min(pos + piece, layout.nbytes)
-        while runs[i][0] + runs[i][2] <= pos:
-            i += 1
-        f, b, m = runs[i]
-        if end <= f + m:  # within one run: no copy
-            yield pos, data[b + pos - f : b + end - f]
+    small = piece // 16
+    scratch = memoryview(bytearray(piece)) if any(m < small for _, _, m in runs) and len(runs) > 1 else None
+    start, fill = 0, 0  # the gathered piece: its file offset and how many bytes it holds
+    for f, b, m in runs:
+        if scratch is None or m >= small:
+            if fill:
+                yield start, scratch[:fill]
+                fill = 0
+            for off in range(0, m, piece):
+                yield f + off, data[b + off : b + min(off + piece, m)]
             continue
-        if scratch is None:
-            scratch = bytearray(piece)
-        out, j, at = memoryview(scratch)[: end - pos], i, pos
-        while at < end:
-            f, b, m = runs[j]
-            take = min(end, f + m) - at
-            out[at - pos : at - pos + take] = data[b + at - f : b + at - f + take]
-            at += take
-            j += 1
-        yield pos, out
+        if fill and fill + m > piece:
+            yield start, scratch[:fill]
+            fill = 0
+        if not fill:
+            start = f
+        scratch[fill : fill + m] = data[b : b + m]
+        fill += m
+    if fill:
+        yield start, scratch[:fill]

@@ -146,7 +146,7 @@ class HostRegion:
         # Unregisters whatever is still registered, then lets the mapping go: run by ``release``,
         # or by the garbage collector when the region is dropped without it. Its arguments keep
         # the mapping alive (through ``tensor``) until it has run, so it is never unmapped first.
-        self._finalizer = weakref.finalize(self, _unregister_all, registrar, self._registered, self.tensor)
+        self._finalizer = weakref.finalize(self, _unregister_all, registrar, self._registered, self.tensor, os.getpid())
         if nbytes:
             if fault_in:  # else the first copy into it faults pages in (or registering does)
                 _fault_in(self.tensor)
@@ -199,10 +199,12 @@ class HostRegion:
             self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
-def _unregister_all(registrar: Registrar | None, registered: list[tuple[int, int]], mapping: torch.Tensor) -> None:
+def _unregister_all(registrar: Registrar | None, registered: list[tuple[int, int]], mapping: torch.Tensor, pid: int) -> None:
     """The finalizer of a ``HostRegion``: unlock its chunks (off this thread) while ``mapping``
-    still holds the memory mapped; the mapping may go once this returns."""
-    if registrar is not None and registered:
+    still holds the memory mapped; the mapping may go once this returns. In a fork()ed child
+    (another ``pid``) there is nothing to unlock: the child inherited neither the pages
+    (MADV_DONTFORK) nor the registration, and must not touch CUDA."""
+    if registrar is not None and registered and os.getpid() == pid:
         _off_thread(lambda: _unregister_chunks(registrar, registered))
     del mapping  # held only so that the memory stays mapped until the chunks are unlocked
 
