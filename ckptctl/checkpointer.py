@@ -159,7 +159,8 @@ class Checkpointer:
 
     @property
     def staging_pinned_bytes(self) -> int:
-        """Bytes of that buffer page-locked now: exactly the shard's size, or 0 (CPU state, a
+        """Bytes of that buffer page-locked now: exactly the shard's size (plus less than
+        ``CKPTCTL_STAGING_ALIGN`` bytes of alignment per GPU tensor), or 0 (CPU state, a
         failed pin that fell back to ordinary memory, or after ``close``)."""
         return self._saver.staging.pinned_bytes
 
