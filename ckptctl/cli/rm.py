@@ -16,7 +16,7 @@ def rm(
     ckpts: Annotated[list[str], typer.Argument(help="Checkpoint directories to delete (ROOT/step-XXXXXXXXXX, local or s3://).", metavar="CKPT...")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a terminal).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be deleted and stop.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Also delete the newest checkpoint of its root that passes full verification.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Also delete the newest checkpoint of its root that passes full verification, or a symlink another stack's pointer names.")] = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -27,7 +27,8 @@ def rm(
     checksum and tensor checked, or unchanged since the verification record says so) is refused
     unless --force, and then nothing at all is deleted. Deleting removes the marker first, so an
     interrupted rm leaves a partial directory, never a checkpoint that looks whole. A symlink is
-    removed as a link, its target never touched. Only ckptctl checkpoints are removed (prune
+    removed as a link, its target never touched; one another stack's pointer names (DeepSpeed's
+    latest, Megatron's tracker) is refused unless --force. Only ckptctl checkpoints are removed (prune
     manages other tools' by their rules). Takes the same lock under ROOT as prune and sync;
     --dry-run takes none and writes nothing.
 
