@@ -29,6 +29,7 @@ from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.ops.transfer import STAGING_PREFIX
 from ckptctl.storage import open_storage
 from ckptctl.storage.s3 import S3Storage
+from ckptctl.errors import RefusedForSafety
 from helpers import ckpt_dir, cli
 from s3_fault_proxy import FaultProxy
 
@@ -240,5 +241,57 @@ def test_a_policy_without_upload_listing_still_writes_and_prunes(s3_url, s3_serv
         assert doc["outcome"]["deleted"] == [step_dir(1)]
         assert doc["plan"]["uploads"] == []
         assert any("not cleaned up" in n and "ListBucketMultipartUploads" in n for n in doc["plan"]["notes"])
+    finally:
+        proxy.stop()
+
+
+# --- two live writers of one object ----------------------------------------------------------
+
+_NO_SUCH_UPLOAD = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchUpload</Code>'
+                   b"<Message>The specified upload does not exist.</Message><RequestId>proxy</RequestId></Error>")
+
+
+class S3UploadAnswers(FaultProxy):
+    """Answers a request for an upload that no longer exists as S3 does (404 NoSuchUpload);
+    moto 5.2.5 answers 500 there, which botocore would retry as a server fault."""
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        query = dict(q.partition("=")[::2] for q in urlsplit(h.path).query.split("&"))
+        upload_id = query.get("uploadId")
+        if upload_id:
+            bucket = urlsplit(h.path).path.lstrip("/").split("/", 1)[0]
+            raw = boto3.client("s3", endpoint_url=f"http://{self.upstream[0]}:{self.upstream[1]}")
+            open_ids = {u["UploadId"] for u in raw.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+            if upload_id not in open_ids:
+                h.rfile.read(int(h.headers.get("Content-Length") or 0))
+                h.send_response(404, "Not Found")
+                h.send_header("Content-Type", "application/xml")
+                h.send_header("Content-Length", str(len(_NO_SUCH_UPLOAD)))
+                h.end_headers()
+                h.wfile.write(_NO_SUCH_UPLOAD)
+                return
+        super()._serve(h)
+
+
+def test_an_earlier_writer_of_the_same_object_loses_cleanly(s3_url, s3_server, monkeypatch):
+    """Two live writers of one key: the later one supersedes the earlier one's upload, and the
+    earlier one's commit is refused with a message saying why, never a retried server fault."""
+    proxy = S3UploadAnswers(s3_server).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        store = S3Storage(s3_url, multipart_threshold=0, part_size=5 * MiB)
+        first = store.open_writer("step/shard")
+        first.write(bytes(5 * MiB))  # exactly one part, uploading; nothing left to send at commit
+        deadline = time.monotonic() + 120  # a bound against hanging, not a timing assertion
+        while not any(_parts(s3_server, s3_url, u) for u in _uploads(s3_server, s3_url)):
+            assert time.monotonic() < deadline, "the first writer's part never reached the server"
+            time.sleep(0.02)
+        with store.open_writer("step/shard") as second:
+            second.write(b"\x01" * (5 * MiB))
+        with pytest.raises(RefusedForSafety, match="aborted by another process") as info:
+            first.commit()
+        assert "step/shard" in str(info.value)
+        assert store.read("step/shard") == b"\x01" * (5 * MiB)
+        assert _uploads(s3_server, s3_url) == []
     finally:
         proxy.stop()

@@ -13,7 +13,7 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 
-from ckptctl.errors import CkptError, NotFound, StorageError
+from ckptctl.errors import CkptError, NotFound, RefusedForSafety, StorageError
 
 
 def error_code(err: ClientError) -> str:
@@ -89,6 +89,14 @@ def _answered(err: ClientError, shown: str, bucket: str) -> CkptError:
         return NotFound(
             f"{shown}: no such object",
             hint="check the URL; the checkpoint may have been pruned or never committed",
+        )
+    if code == "NoSuchUpload":
+        # Our own upload, gone before we completed it: another writer of the same object
+        # superseded it (s3_uploads), or prune or a lifecycle rule aborted it as idle.
+        return RefusedForSafety(
+            f"{shown}: the multipart upload was aborted by another process before it completed",
+            hint="another save or copy of the same checkpoint took over this object; let one run "
+            "finish alone, then check the result with `ckptctl verify`",
         )
     if code == "NoSuchBucket":
         return StorageError(
