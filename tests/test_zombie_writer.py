@@ -14,7 +14,9 @@ import json
 import multiprocessing as mp
 import os
 import random
-from typing import Iterator
+import threading
+import uuid
+from typing import Any, Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -68,9 +70,10 @@ class Writers:
         for pipe in self.pipes.values():
             pipe.send(None)
         for p in self.procs:
-            p.join(30)
-            if p.is_alive():
+            p.join(2)
+            if p.is_alive():  # done with every trial: its interpreter's exit is not under test
                 p.kill()
+                p.join()
 
 
 @pytest.fixture
@@ -114,14 +117,52 @@ def _race(writers: Writers, base: str, seed: int) -> None:
     assert not failures, f"{len(failures)} of {TRIALS} trials went wrong, e.g.:\n" + "\n".join(failures[:5])
 
 
+@pytest.mark.slow
 def test_two_writers_of_one_step_locally_leave_one_good_checkpoint(writers, tmp_path):
     _race(writers, str(tmp_path), seed=1)
 
 
-def test_two_writers_of_one_step_on_s3_leave_one_good_checkpoint(s3_url, tmp_path):
-    w = Writers()  # started after s3_url: the writers inherit its endpoint configuration
+@pytest.fixture
+def atomic_s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Like ``s3_url``, on a moto server that handles one request at a time. S3 makes a
+    conditional write atomic; moto checks, then writes, and two PUTs with ``If-None-Match: *``
+    that meet between its check and its write would both succeed. Serialised, moto keeps the
+    guarantee the code relies on, so a failed trial is ours, never moto's."""
+    import boto3
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    class Quiet(MotoRequestHandler):
+        def log(self, *args: Any) -> None:  # a line per request would cost more than the request
+            pass
+
+    app = DomainDispatcherApplication(create_backend_app)
+    lock = threading.Lock()
+
+    def one_at_a_time(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        with lock:
+            return list(app(environ, start_response))
+
+    server = make_server("127.0.0.1", 0, one_at_a_time, threaded=True, request_handler=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    bucket = f"ckptctl-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
     try:
-        _race(w, s3_url, seed=2)
+        yield f"s3://{bucket}/prefix"
+    finally:
+        server.shutdown()
+        thread.join(10)
+
+
+@pytest.mark.slow
+def test_two_writers_of_one_step_on_s3_leave_one_good_checkpoint(atomic_s3_url, tmp_path):
+    w = Writers()  # started after the fixture: the writers inherit its endpoint configuration
+    try:
+        _race(w, atomic_s3_url, seed=2)
     finally:
         w.close()
 
@@ -167,7 +208,7 @@ def _unchanged(path: str, planted: dict[str, bytes]) -> bool:
 
 
 def test_a_restart_saves_a_step_its_dead_attempt_left_files_in(tmp_path):
-    root = str(tmp_path)
+    root = str(tmp_path / "root")
     path = os.path.join(root, step_dir(7))
     planted = _plant_leftovers(path)
     with Checkpointer(root) as ckpt:
@@ -183,6 +224,14 @@ def test_a_restart_saves_a_step_its_dead_attempt_left_files_in(tmp_path):
     _loads_as(root, 7, "restart", 3.0)
     assert cli("latest", root).stdout.strip() == path  # the leftovers do not make it bad
     assert cli("ls", root, "--json").exit_code == 0
+    # Copies carry the attempt names: the copy's marker names the same manifest.
+    copied = str(tmp_path / "copy")
+    assert cli("cp", path, copied).exit_code == 0
+    synced = str(tmp_path / "mirror")
+    assert cli("sync", root, synced).exit_code == 0
+    for other in (copied, synced):
+        assert cli("verify", other, "--latest").exit_code == 0, other
+        assert read_committed(open_storage(os.path.join(other, step_dir(7))))[1].manifest_name == f"manifest.{sid}.json"
     assert cli("rm", path, "--yes", "--force").exit_code == 0 and not os.path.exists(path)  # all of it goes
 
 
@@ -324,3 +373,37 @@ def test_a_checkpoint_with_only_attempt_names_is_still_ckptctls(tmp_path):
     assert detect(path) == "ckptctl"
     assert cli("inspect", path, "--json").exit_code == 0
     _loads_as(root, 7, "restart", 3.0)
+
+
+@pytest.mark.slow
+def test_every_rank_uses_the_save_id_rank_0_commits(tmp_path):
+    """Two ranks restart over leftovers of a dead attempt at steps 1 and 2: each rank finds
+    its canonical name taken and publishes under the save's attempt name, which carries the
+    very id rank 0 records in the manifest; steps 3 and 4 keep the canonical names, and no
+    two saves share an id."""
+    from ckptctl.format.layout import shard_name
+
+    root = str(tmp_path / "root")
+    leftovers = [shard_name(0, 2), shard_name(1, 2), MANIFEST]
+    for step in (1, 2):
+        os.makedirs(os.path.join(root, step_dir(step)))
+        for name in leftovers:
+            with open(os.path.join(root, step_dir(step), name), "wb") as f:
+                f.write(b"left by a dead attempt")
+    results = launch("back_to_back", 2, {"root": root}, str(tmp_path / "out"))
+    assert all("error" not in r and "exit" not in r for r in results.values()), results
+    ids = set()
+    for step in (1, 2, 3, 4):
+        path = os.path.join(root, step_dir(step))
+        manifest, marker = read_committed(open_storage(path))
+        sid = manifest.save_id
+        ids.add(sid)
+        if step <= 2:
+            assert [f.name for f in manifest.files] == [attempt_name(shard_name(r, 2), sid) for r in (0, 1)]
+            assert marker.manifest_name == attempt_name(MANIFEST, sid)
+            assert _unchanged(path, {name: b"left by a dead attempt" for name in leftovers})
+        else:
+            assert [f.name for f in manifest.files] == [shard_name(0, 2), shard_name(1, 2)]
+            assert marker.manifest_name == MANIFEST
+    assert len(ids) == 4
+    assert cli("verify", root, "--all").exit_code == 0
