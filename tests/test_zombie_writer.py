@@ -407,3 +407,21 @@ def test_every_rank_uses_the_save_id_rank_0_commits(tmp_path):
             assert marker.manifest_name == MANIFEST
     assert len(ids) == 4
     assert cli("verify", root, "--all").exit_code == 0
+
+
+@pytest.mark.parametrize("thing", ["directory", "symlink"])
+def test_a_directory_or_link_under_the_shard_name_fails_the_save_naming_it(tmp_path, thing):
+    """Only another attempt's file is routed around: a directory or a link under a shard's
+    name is nothing ckptctl made, so the save fails naming the path instead of guessing."""
+    root = str(tmp_path / "root")
+    path = os.path.join(root, step_dir(7))
+    os.makedirs(path)
+    if thing == "directory":
+        os.mkdir(os.path.join(path, SHARD))
+    else:
+        os.symlink(str(tmp_path), os.path.join(path, SHARD))
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(SaveFailed, match=SHARD.replace(".", r"\.")) as err:
+            ckpt.save(7, state_of(1.0, "a")).wait()
+    assert ("Is a directory" if thing == "directory" else "link") in str(err.value)
+    assert sorted(os.listdir(path)) == [SHARD]  # nothing published, nothing removed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from typing import Sequence
 
 from ckptctl.errors import InvalidCheckpoint
@@ -189,7 +190,7 @@ class LocalWriter(Writer):
         try:
             os.fsync(fd)
             for i, name in enumerate(names):
-                if self._link_if_absent(fd, dir_fd, name):
+                if self._link_if_absent(fd, dir_fd, name, routing=bool(fallbacks)):
                     taken = i
                     break
             self._fd = None
@@ -202,11 +203,21 @@ class LocalWriter(Writer):
         self._close_dir()
         return taken
 
-    def _link_if_absent(self, fd: int, dir_fd: int, name: str) -> bool:
+    def _link_if_absent(self, fd: int, dir_fd: int, name: str, *, routing: bool = False) -> bool:
         try:
             os.link(self._tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return True
         except FileExistsError:
+            if routing:
+                # Another attempt's file is routed around; a directory or link under a file's
+                # name is nothing ckptctl made, so the write fails naming it, not guessing.
+                mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+                if stat.S_ISDIR(mode):
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name) from None
+                if stat.S_ISLNK(mode):
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), name) from None
+                if not stat.S_ISREG(mode):
+                    raise FileExistsError(errno.EEXIST, "exists and is not a regular file", name) from None
             return False
         except OSError as err:
             if err.errno not in _NO_HARDLINKS:
