@@ -3,10 +3,11 @@ commit on a background thread.
 
 ``save`` copies every tensor into a reusable host staging buffer and returns; the writer thread
 checksums and writes this rank's shard, then (rank 0, once every rank's shard is durable) the
-manifest, then the marker. Every file is published without replacing any (a zombie job saving
-the same step loses cleanly: see ``layouts.native.commit`` and ``save.save_id``). A second ``save`` while one is still writing first waits for it
-(back-pressure: memory stays one snapshot). ``prepare`` makes that buffer ready ahead of the
-first save, so the first save stalls no longer than the others.
+manifest, then the marker. Every file is published without replacing any, so a zombie job
+saving the same step loses cleanly (``layouts.native.commit``, ``save.save_id``). A second
+``save`` while one is still writing first waits for it (back-pressure: memory stays one
+snapshot). ``prepare`` makes that buffer ready ahead of the first save, so the first save
+stalls no longer than the others.
 
 The public front door is ``ckptctl.Checkpointer``, which composes a ``Saver`` with the load
 path and with library retention.
@@ -238,7 +239,7 @@ class Saver:
         handle.observed = True
 
     def _write_and_coordinate(self, step: int, ckpt: Storage, layout: ShardLayout, buf, captured: Captured, stats: dict[str, float],
-                              replicas: list[int] | None = None, written: list[FileEntry] | None = None, save_id: str = "") -> str:
+                              replicas: list[int] | None, written: list[FileEntry] | None, save_id: str) -> str:
         """Multi-rank: write this rank's shard, then let the coordinator decide (writer thread).
 
         A failed write is reported to rank 0 rather than raised here, so the other ranks learn
