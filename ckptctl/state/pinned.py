@@ -75,7 +75,8 @@ _PORTABLE = 1
 
 class Registrar(Protocol):
     """Page-locks host memory for an accelerator. Both calls return None on success, else a
-    one-line reason (never raise: a failure to pin is handled by staging unpinned)."""
+    one-line reason (never raise: a failure to pin is handled by staging unpinned). A
+    ``HostRegion`` makes them on a short-lived helper thread, never on its caller's."""
 
     def register(self, ptr: int, nbytes: int) -> str | None: ...
 
