@@ -150,6 +150,12 @@ def test_case11_flipped_hex_digit_in_a_chunk_checksum_is_corruption_everywhere(t
         assert os.path.basename(path) in text, text
     r = cli("latest", root)
     assert r.exit_code == 0 and r.stdout.strip().endswith("step-0000000001"), r.stdout + r.stderr
+    out = str(tmp_path / "out")
+    for args in (["cp", two, out], ["convert", two, out + "-st", "--to", "safetensors"],
+                 ["reshard", two, out + "-rs", "--world-size", "2"], ["restore", root, out + "-r", "--step", "2"]):
+        r = cli(*args)
+        text = r.stdout + r.stderr
+        assert r.exit_code == 1 and "Traceback" not in text and "internal error" not in text, (args, text)
     state = _blank()
     with Checkpointer(root) as ck:
         with pytest.raises(InvalidCheckpoint):
