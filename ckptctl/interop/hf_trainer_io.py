@@ -25,7 +25,6 @@ out. ``training_args.bin`` is a pickle of a class: never loaded, listed as dropp
 from __future__ import annotations
 
 import os
-import pickle
 import re
 from typing import Any
 
@@ -36,7 +35,7 @@ from ckptctl.format import parse
 from ckptctl.interop.base import Source, TensorMeta, group_of, rename_refs
 from ckptctl.interop.safetensors_io import SafetensorsSource
 from ckptctl.interop.steps import StepClue, as_step
-from ckptctl.interop.torch_io import TorchSource
+from ckptctl.interop.torch_io import NeedsPickle, NotPlainFile, TorchSource
 from ckptctl.state import tree as statetree
 from ckptctl.storage import open_storage
 
@@ -109,19 +108,22 @@ class HfTrainerSource(Source):
 
     def _load_part(self, fname: str) -> Source | None:
         """``fname`` through TorchSource (weights_only), or None with the reason in ``dropped``."""
-        info = self.storage.stat(fname)
-        if info is None or info.kind != "file":
-            raise InvalidCheckpoint(f"{self.storage.url_of(fname)} is {'missing' if info is None else 'not a regular file'}",
-                                    hint="the checkpoint layout was altered; treat it as untrusted")
         try:
-            part = TorchSource(os.path.join(self.url, fname))
-        except (InvalidCheckpoint, UsageError) as e:  # needs pickle, damaged, or values JSON cannot hold
-            classes = _pickled_classes(os.path.join(self.url, fname))
-            if classes:  # intact, but holds more than weights_only builds (numpy's RNG state)
-                self.skipped.append(f"{fname}: not carried: it holds pickled {', '.join(classes[:4])}, which are "
-                                    "never unpickled")
-            else:
+            part = TorchSource(os.path.join(self.url, fname))  # opened without blocking or following a link
+        except NeedsPickle as e:  # intact, but holds more than weights_only builds (numpy's RNG state)
+            if not e.classes:
                 self.dropped.append(f"{fname}: not carried: {e}")
+                return None
+            self.skipped.append(f"{fname}: not carried: it holds pickled {', '.join(e.classes[:4])}, which are "
+                                "never unpickled")
+            return None
+        except NotPlainFile:
+            raise  # a FIFO or link planted in the checkpoint: the checkpoint is not to be trusted
+        except InvalidCheckpoint as e:
+            self.dropped.append(f"{fname}: not carried: {e}")
+            return None
+        except UsageError as e:  # values JSON cannot hold
+            self.dropped.append(f"{fname}: not carried: {e}")
             return None
         self._parts.append(part)
         self.dropped.extend(f"{fname}: {d}" for d in part.dropped)
@@ -147,13 +149,3 @@ class HfTrainerSource(Source):
     def close(self) -> None:
         for p in self._parts:
             p.close()
-
-
-def _pickled_classes(path: str) -> list[str]:
-    """The globals a torch.save file needs beyond what ``weights_only`` allows, read from its
-    pickle opcodes without running them (``torch.serialization.get_unsafe_globals_in_checkpoint``);
-    empty when there are none or the file is too damaged to say."""
-    try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except (RuntimeError, OSError, ValueError, EOFError, KeyError, IndexError, pickle.UnpicklingError):
-        return []  # too damaged to read its opcodes: the caller reports the load error itself

@@ -20,7 +20,6 @@ import ctypes
 import mmap
 import os
 import pickle
-import secrets
 import struct
 import zipfile
 import zlib
@@ -30,10 +29,55 @@ import torch
 
 from ckptctl.errors import InvalidCheckpoint, StateError, UsageError
 from ckptctl.format import dtypes
+from ckptctl.interop import torch_zip
 from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
 from ckptctl.interop.steps import STEP_KEYS, StepClue, as_step
 from ckptctl.state.buffers import tensor_bytes as byte_view
 from ckptctl.state import tree as statetree
+from ckptctl.storage.plain_file import fd_path, open_plain
+from ckptctl.storage.local_io import temporary_name
+
+class NotPlainFile(InvalidCheckpoint):
+    """Missing, or a symlink, FIFO or device where a ``torch.save`` file belongs: never opened."""
+
+
+class NeedsPickle(InvalidCheckpoint):
+    """A ``torch.save`` file that is intact but holds more than ``weights_only`` builds; never
+    unpickled. ``classes`` names the globals it needs (read from its opcodes, not run)."""
+
+    def __init__(self, path: str, e: pickle.UnpicklingError, classes: list[str]) -> None:
+        first = str(e).strip().splitlines()
+        detail = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
+        super().__init__(
+            f"{path}: refusing to load: it needs pickle beyond plain tensors and containers ({detail.strip()})",
+            hint="only weights_only-safe files are read; re-save it as a plain state_dict of tensors, or load it "
+            "yourself if you trust its source",
+        )
+        self.classes = classes
+
+
+def _unsafe_globals(where: str) -> list[str]:
+    """The globals a torch.save file needs beyond what ``weights_only`` allows, read from its
+    pickle opcodes without running them; empty when the file is too damaged to say."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(where))
+    except (RuntimeError, OSError, ValueError, EOFError, KeyError, IndexError, pickle.UnpicklingError):
+        return []
+
+
+def _check_container(f: Any, path: str) -> None:
+    """The zip container checked from its own headers before torch's reader sees it
+    (``interop.torch_zip``); a pre-1.6 bare pickle has none."""
+    head = f.read(2)
+    f.seek(0)
+    if head == b"\x80\x02":
+        return
+    try:
+        torch_zip.members(f, os.fstat(f.fileno()).st_size)
+    except torch_zip.ZipProblem as e:
+        raise InvalidCheckpoint(f"{path}: not a readable torch.save file: {e}",
+                                hint="the file is truncated or was altered; do not trust it") from None
+
 
 class TorchSource(Source):
     kind = "torch"
@@ -41,18 +85,21 @@ class TorchSource(Source):
     def __init__(self, path: str) -> None:
         super().__init__()
         self.url = path
+        f = open_plain(path)
+        if f is None:  # a FIFO here would block torch's open forever; a link is never followed
+            raise NotPlainFile(f"{path}: not a regular file (a symlink, FIFO or device); never opened",
+                               hint="the checkpoint layout was altered; treat it as untrusted")
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()
-            detail = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
-            raise InvalidCheckpoint(
-                f"{path}: refusing to load: it needs pickle beyond plain tensors and containers ({detail.strip()})",
-                hint="only weights_only-safe files are read; re-save it as a plain state_dict of tensors, or load it "
-                "yourself if you trust its source",
-            ) from None
+            with f:
+                _check_container(f, path)
+                # The descriptor's path: torch maps the very file checked to be regular.
+                where = fd_path(f, path)
+                try:
+                    obj = torch.load(where, map_location="cpu", weights_only=True, mmap=True)
+                except pickle.UnpicklingError as e:
+                    raise NeedsPickle(path, e, _unsafe_globals(where)) from None
         except (RuntimeError, OSError, EOFError, zipfile.BadZipFile, ValueError, TypeError, KeyError, IndexError,
-                OverflowError, RecursionError) as e:  # what a damaged zip or pickle stream raises
+                OverflowError, RecursionError, NotImplementedError) as e:  # what a damaged zip or pickle raises
             detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise InvalidCheckpoint(f"{path}: not a readable torch.save file ({detail})") from None
         self._tensors: dict[str, torch.Tensor] = {}
@@ -166,7 +213,7 @@ def write_torch(path: str, tree: Any, metas: dict[str, TensorMeta], fill: Fill) 
     order = list(dict.fromkeys(statetree.tensor_refs(tree)))  # pickling order = first appearance
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)[:180]}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = os.path.join(parent, temporary_name(os.path.basename(path)))
     done = False
     try:
         with skip_data(materialize_fake_tensors=True):

@@ -15,17 +15,28 @@ torch is imported only when a file is actually loaded.
 
 from __future__ import annotations
 
-import errno
-import json
+import math
 import os
 import pickle
 import stat
 import zipfile
 from typing import Any, BinaryIO, Callable, Sequence
 
+from ckptctl.errors import InvalidCheckpoint
+from ckptctl.format import dtypes, parse
+from ckptctl.interop import torch_zip
+from ckptctl.storage.plain_file import fd_path, open_plain
+
+# ``open_plain`` (storage.plain_file) is how every layout opens another tool's file: one helper.
+
 Allowed = Sequence[Any]  # classes/functions, or (object, "module.name") pairs for old names
 
 CHUNK = 8 << 20
+NOT_PLAIN = "not a regular file (a symlink, FIFO or device); never opened"
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit
+JSON_DEPTH = 64  # far deeper than any stack's sidecar (trainer_state.json nests 3 levels)
+# Documents a stack writes with Python's json, which logs a NaN loss as ``NaN``: read as written.
+LOGS_NON_FINITE = frozenset({"trainer_state.json"})
 
 
 def regular_size(path: str) -> int | None:
@@ -38,26 +49,6 @@ def regular_size(path: str) -> int | None:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
-def open_plain(path: str) -> "BinaryIO | None":
-    """Open a regular file for reading without following a link and without ever blocking (a
-    FIFO planted under a pointer's name is never waited on); None when there is no plain file
-    there. Checking with ``regular_size`` and then calling ``open`` would leave a window in
-    which the name could be swapped for a FIFO."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a symlink: never followed
-            return None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
 def read_pointer(path: str, limit: int) -> str | None:
     """The first ``limit`` bytes of a small pointer file at a root (DeepSpeed's ``latest``,
     Megatron's tracker), decoded and stripped; None when there is no plain file there."""
@@ -68,18 +59,49 @@ def read_pointer(path: str, limit: int) -> str | None:
         return f.read(limit).decode("utf-8", "replace").strip()
 
 
+def zip_structure(path: str) -> str | None:
+    """The cheap check of a ``torch.save`` archive (``interop.torch_zip``): its directory and
+    every member's place, method, flags and name, from headers only. A pre-1.6 file (a bare
+    pickle, no zip) passes here; the load level reads it. Returns the problem or None."""
+    f = open_plain(path)
+    if f is None:
+        return NOT_PLAIN
+    with f:
+        if _legacy(f):
+            return None
+        try:
+            torch_zip.members(f, os.fstat(f.fileno()).st_size)
+        except torch_zip.ZipProblem as e:
+            return f"not a complete torch.save archive: {e}"
+    return None
+
+
 def zip_crc(path: str) -> tuple[str | None, int]:
-    """Check every record of a ``torch.save`` zip archive against its CRC-32. Returns (problem
-    or None, bytes read). Nothing is unpickled."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
-            read = sum(i.file_size for i in z.infolist())
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        return f"not a readable torch.save archive ({e})", 0
-    if bad is not None:
-        return f"record {bad} fails its CRC-32 check (the bytes changed after it was written)", read
+    """Check every record of a ``torch.save`` zip archive against its CRC-32, through the
+    checked member table. Returns (problem or None, bytes read). Nothing is unpickled."""
+    f = open_plain(path)
+    if f is None:
+        return NOT_PLAIN, 0
+    read = 0
+    with f:
+        try:
+            found = torch_zip.members(f, os.fstat(f.fileno()).st_size)
+        except torch_zip.ZipProblem as e:
+            return f"not a complete torch.save archive: {e}", 0
+        for m in found:
+            problem = torch_zip.crc_problem(f, m)
+            read += m.compressed
+            if problem is not None:
+                return problem, read
     return None, read
+
+
+def _legacy(f: BinaryIO) -> bool:
+    """A bare pickle: ``torch.save(_use_new_zipfile_serialization=False)`` (pre-1.6)."""
+    f.seek(0)
+    head = f.read(2)
+    f.seek(0)
+    return head == b"\x80\x02"
 
 
 def torch_file(path: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
@@ -88,18 +110,27 @@ def torch_file(path: str, allowed: Allowed = ()) -> tuple[str | None, str | None
     "not test-loaded (pickle of CLASS)" text when it needs a class outside the allow-list."""
     import torch
 
-    try:
-        with torch.serialization.safe_globals(list(allowed)):
-            # mmap: the load maps the tensors instead of reading them (the CRC-32 pass read
-            # every byte already); only the zip format can be mapped.
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-        del obj
-        return None, None
-    except pickle.UnpicklingError as e:
-        classes = _unsafe_globals(path, allowed) or [_first_line(e)]
-        return None, f"not test-loaded (pickle of {', '.join(classes[:3])})"
-    except (RuntimeError, OSError, EOFError, ValueError, KeyError, TypeError) as e:
-        return f"does not load: {_first_line(e)}", None
+    f = open_plain(path)
+    if f is None:
+        return NOT_PLAIN, None
+    with f:
+        # torch reads a path (mmap needs one): the descriptor's, so the file loaded is the one
+        # checked to be regular, whatever the name points at by now.
+        where = fd_path(f, path)
+        zipped = not _legacy(f)
+        try:
+            with torch.serialization.safe_globals(list(allowed)):
+                # mmap: the load maps the tensors instead of reading them (the CRC-32 pass read
+                # every byte already); only the zip format can be mapped.
+                obj = torch.load(where, map_location="cpu", weights_only=True, mmap=zipped)
+            del obj
+            return None, None
+        except pickle.UnpicklingError as e:
+            classes = _unsafe_globals(where, allowed) or [_first_line(e)]
+            return None, f"not test-loaded (pickle of {', '.join(classes[:3])})"
+        except (RuntimeError, OSError, EOFError, ValueError, KeyError, TypeError, IndexError, OverflowError,
+                RecursionError, NotImplementedError, UnicodeDecodeError, zipfile.BadZipFile) as e:
+            return f"does not load: {_first_line(e)}", None
 
 
 def _unsafe_globals(path: str, allowed: Allowed) -> list[str]:
@@ -107,7 +138,7 @@ def _unsafe_globals(path: str, allowed: Allowed) -> list[str]:
 
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except (RuntimeError, OSError, ValueError, pickle.UnpicklingError):
+    except (RuntimeError, OSError, ValueError, EOFError, KeyError, IndexError, pickle.UnpicklingError):
         return []  # the caller reports the load error's own text instead
     ok = {_qualname(a) for a in allowed}
     return [n for n in names if n not in ok]
@@ -128,55 +159,114 @@ def safetensors_file(path: str) -> tuple[str | None, int]:
     """Read every tensor of a ``.safetensors`` file, one at a time. Returns (problem, bytes)."""
     from safetensors import SafetensorError, safe_open
 
+    f = open_plain(path)
+    if f is None:
+        return NOT_PLAIN, 0
     total = 0
-    try:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                t = f.get_tensor(key)
-                total += t.numel() * t.element_size()
-                del t
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        return f"safetensors refuses the file: {_first_line(e)}", total
+    with f:
+        try:
+            with safe_open(fd_path(f, path), framework="pt") as st:
+                for key in st.keys():
+                    t = st.get_tensor(key)
+                    total += t.numel() * t.element_size()
+                    del t
+        except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as e:
+            return f"safetensors refuses the file: {_first_line(e)}", total
     return None, total
 
 
 def safetensors_header(path: str) -> str | None:
-    """The cheap check: the header parses and the data it describes fits in the file."""
-    size = regular_size(path)
-    if size is None or size < 8:
-        return "too short for a safetensors header"
-    with open(path, "rb") as f:
+    """The cheap check, from the header alone: it parses (bounded, ``format.parse``), and the
+    tensors it lists tile the data section exactly, so the file is 8 + header length + the end
+    of the last tensor bytes long: no short file, no trailing bytes (safetensors' own rule).
+    Returns the problem or None."""
+    f = open_plain(path)
+    if f is None:
+        return NOT_PLAIN
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            return f"{size} bytes: too short for a safetensors header"
         n = int.from_bytes(f.read(8), "little")
-        if n > size - 8 or n > 100 << 20:
-            return f"header of {n} bytes does not fit the {size}-byte file"
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            return f"header is not JSON ({e})"
+        if n > MAX_SAFETENSORS_HEADER or n > size - 8:
+            return f"header of {n} bytes does not fit the {size}-byte file (truncated, or not safetensors)"
+        raw = f.read(n)
+    try:
+        header = parse.load_json(raw, "", "header", max_bytes=MAX_SAFETENSORS_HEADER)
+    except InvalidCheckpoint as e:
+        return _own_words(e)
     if not isinstance(header, dict):
         return "header is not a JSON object"
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items()
-                   if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return "header is garbled: a tensor's data_offsets is not a pair of integers"
-    if 8 + n + end > size:
-        return f"tensor data runs to byte {8 + n + end}, past the end of the {size}-byte file (truncated)"
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        problem, span = _tensor_span(name, entry)
+        if problem is not None:
+            return problem
+        spans.append((span, name))
+    spans.sort()
+    pos = 0
+    for (begin, end), name in spans:
+        if begin != pos:
+            return (f"tensor {name!r} at bytes {begin}-{end} of the data "
+                    + ("overlaps the previous one" if begin < pos else f"leaves a gap at byte {pos}"))
+        pos = end
+    data = size - 8 - n
+    if pos < data:
+        return (f"{data - pos} trailing bytes after the last tensor: the header says the file ends at byte "
+                f"{8 + n + pos}, it has {size}")
+    if pos > data:
+        return f"tensor data runs to byte {8 + n + pos}, past the end of the {size}-byte file (truncated)"
     return None
 
 
+def _tensor_span(name: str, entry: Any) -> tuple[str | None, tuple[int, int]]:
+    """(problem, (begin, end)) of one header entry's data; the size is checked against dtype
+    and shape when the dtype is one ckptctl knows (safetensors checks the others on load)."""
+    bad = f"tensor {name[:80]!r}: "
+    if not isinstance(entry, dict):
+        return bad + "header entry is not an object", (0, 0)
+    offs = entry.get("data_offsets")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            and 0 <= offs[0] <= offs[1] <= parse.INT64_MAX):
+        return bad + f"data_offsets {parse.show(offs)} is not a pair of increasing integers", (0, 0)
+    dtype = dtypes.name_from_code(entry.get("dtype"))
+    if dtype is not None:
+        def err(why: str) -> InvalidCheckpoint:
+            return parse.invalid("", why)
+
+        try:
+            shape = parse.shape(entry.get("shape"), dtypes.itemsize(dtype), err)
+        except InvalidCheckpoint as e:
+            return bad + f"shape {_own_words(e)}", (0, 0)
+        need = math.prod(shape) * dtypes.itemsize(dtype)
+        if need != offs[1] - offs[0]:
+            return bad + f"shape {list(shape)} of {dtype} needs {need} bytes, data_offsets give {offs[1] - offs[0]}", (0, 0)
+    return None, (offs[0], offs[1])
+
+
 def json_file(path: str, limit: int = 64 << 20) -> tuple[Any, str | None]:
-    """Parse a small JSON file. Returns (document, problem)."""
-    size = regular_size(path)
-    if size is None:
+    """Parse a small JSON sidecar through the bounded parser (``format.parse``: size, nesting,
+    finite numbers; NaN and Infinity only in the documents that log them). Returns
+    (document, problem); nothing raises for a hostile file."""
+    f = open_plain(path)
+    if f is None:
         return None, "missing or not a regular file"
-    if size > limit:
-        return None, f"{size} bytes, more than the {limit} a JSON sidecar may have"
+    with f:
+        raw = f.read(limit + 1)
+    name = os.path.basename(path)
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read()), None
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, f"not valid JSON ({_first_line(e)})"
+        return parse.load_json(raw, "", "JSON", max_bytes=limit, max_depth=JSON_DEPTH,
+                               allow_nonfinite=name in LOGS_NON_FINITE), None
+    except InvalidCheckpoint as e:
+        return None, _own_words(e)
+
+
+def _own_words(e: InvalidCheckpoint) -> str:
+    """The parser's message without the empty file name it was given (the caller names the file)."""
+    text = str(e)
+    return text[2:] if text.startswith(": ") else text
 
 
 def numpy_rng() -> list[Any]:

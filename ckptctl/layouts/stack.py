@@ -261,21 +261,16 @@ class StackLayout:
 
 
 def _zip_central_directory(path: str) -> str | None:
-    """A ``torch.save`` archive's directory parses (cheap: its tail only); a truncated file
-    fails here."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path):
-            return None
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        if _legacy_torch(path):
-            return None  # the pre-1.6 format has no zip directory; the load level reads it
-        return f"not a complete torch.save archive ({e}): truncated or overwritten"
+    """A ``torch.save`` archive's layout checks out from its headers (``safe_load.zip_structure``:
+    cheap, no data read); a truncated, padded or unreadable archive fails here."""
+    return safe_load.zip_structure(path)
 
 
 def _legacy_torch(path: str) -> bool:
-    with open(path, "rb") as f:
+    f = safe_load.open_plain(path)  # never blocks on a FIFO swapped in meanwhile
+    if f is None:
+        return False
+    with f:
         return f.read(2) == b"\x80\x02"  # a bare pickle: torch.save(_use_new_zipfile_serialization=False)
 
 

@@ -27,6 +27,7 @@ from ckptctl.interop.detect import CKPTCTL_SHARD
 from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.stack import StackLayout
+from ckptctl.ops.leftovers import remove_temporaries
 from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack_detail
 from ckptctl.ops.seal_check import hash_object, read_seal
 from ckptctl.ops.verify import VerifyReport
@@ -122,6 +123,10 @@ def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | Non
     if path is not None and os.path.isfile(path):
         return SealResult(ckpt.url, name, layout.name, None, "skipped",
                           reason="a checkpoint that is one file (Lightning's *.ckpt) has no directory to hold a seal")
+    # A seal killed between writing its temporary and linking or unlinking it left that
+    # temporary: removed first, so it is neither sealed as a file of the checkpoint nor mistaken
+    # for one added after sealing (a seal linked into place is complete: written, then linked).
+    remove_temporaries(ckpt)
     existing = read_seal(ckpt)  # a damaged seal raises: never replaced silently
     if existing is not None:
         return SealResult(ckpt.url, name, layout.name, existing.step, "already sealed", files=len(existing.files),

@@ -15,6 +15,7 @@ from typing import Callable, Literal
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.checksum import Hasher
 from ckptctl.format.seal import SEAL, Seal, SealedFile, chunk_count, parse_seal
+from ckptctl.ops.leftovers import is_temporary
 from ckptctl.ops.problem import Problem
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_PIECE
@@ -22,6 +23,7 @@ from ckptctl.storage.base import Storage
 
 SealLevel = Literal["quick", "checksums"]
 MAX_RANGES = 8  # bad chunks named one by one in a file; the rest are counted
+LEFTOVER = "run the interrupted `ckptctl seal` (or `ckptctl cp`) again: it removes the leftover first"
 RESEAL = "if the change was intended, delete the seal and run `ckptctl seal` again; otherwise restore this checkpoint from a good copy"
 
 
@@ -101,6 +103,10 @@ def check_against_seal(ckpt: Storage, seal: Seal, level: SealLevel = "checksums"
     now = {i.key: i for i in ckpt.list() if i.key != SEAL}
     sealed = seal.by_name()
     for name in sorted(set(now) - set(sealed)):
+        if is_temporary(name):
+            problems.append(Problem("a temporary file an interrupted ckptctl write left behind; the seal does not "
+                                    "cover it", file=name, hint=LEFTOVER))
+            continue
         problems.append(Problem("added after sealing: the seal does not cover it", file=name, hint=RESEAL))
     read = 0
     for f in seal.files:

@@ -39,9 +39,11 @@ from ckptctl.layouts.catalog import LAYOUTS, NATIVE, list_checkpoints, newest_ma
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack
+from ckptctl.ops.leftovers import remove_temporaries
 from ckptctl.ops.problem import Problem
 from ckptctl.ops.seal_check import check_against_seal, compare, hash_object, read_seal
 from ckptctl.ops.transfer import CopyResult, RestoreResult, Skipped
+from ckptctl.ops.verify import Level
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage import open_storage
@@ -139,14 +141,19 @@ def _describe(problems: list[Problem], where: str) -> str:
 
 
 def _already_present(src: StackSource, dst: Storage) -> bool:
-    """True when ``dst`` holds this very checkpoint (same seal, every byte matching it). A
-    destination holding a commit file of anything else is refused, never overwritten."""
+    """True when ``dst`` holds this very checkpoint (same seal, every byte matching it; or a
+    copy killed before its seal was written, every byte matching the source's seal, which is
+    then written). A destination holding a commit file of anything else is refused, never
+    overwritten."""
     committed = [k for k in src.layout.commit_files if dst.stat(k) is not None]
     if not committed:
         return False  # nothing, or a copy cut short before its commit files: redone
-    if src.seal_raw is not None and dst.stat(SEAL) is not None and dst.read(SEAL) == src.seal_raw:
-        assert src.seal is not None
-        if not check_against_seal(dst, src.seal, "checksums")[0]:
+    if src.seal is not None and src.seal_raw is not None:
+        dst_seal = dst.stat(SEAL)
+        if (dst_seal is None or dst.read(SEAL, max_size=64 << 20) == src.seal_raw) and \
+                not check_against_seal(dst, src.seal, "checksums")[0]:
+            if dst_seal is None:
+                dst.write_if_absent(SEAL, src.seal_raw)
             return True
     elif src.seal is None and _same_files(src.storage, dst):
         return True
@@ -183,8 +190,12 @@ def copy_stack_checkpoint(src: StackSource, dst: Storage, dst_root: Storage, pro
     problems = _source_problems(src)
     if problems:
         raise InvalidCheckpoint(_describe(problems, src.storage.url), hint=problems[0].hint or "copy an older checkpoint")
+    # A copy killed mid-file left temporaries here: removed before anything is decided, so a
+    # rerun neither counts them as files of the copy nor leaves them for verify to trip on.
+    remove_temporaries(dst)
     if _already_present(src, dst):
         result.status = "already present"
+        _check_destination(src, dst, dst_root)
         _write_pointer(src, dst_root, result)
         result.seconds = time.perf_counter() - t0
         return result
@@ -198,10 +209,9 @@ def copy_stack_checkpoint(src: StackSource, dst: Storage, dst_root: Storage, pro
         # Data files in parallel (on S3 each is a request of its own), then the commit files.
         result.bytes_copied = _copy_all(src, dst, [k for k in order if k not in commit], progress, threads)
         result.bytes_copied += _copy_all(src, dst, commit, progress, 1)
-        if src.seal is None:
-            _test_load_copy(src, dst, dst_root)
-        elif src.seal_raw is not None:
+        if src.seal is not None and src.seal_raw is not None:
             dst.write_atomic(SEAL, src.seal_raw)
+        _check_destination(src, dst, dst_root)
     except InvalidCheckpoint:
         for key in commit + order:  # commit files first: never something that reads as complete
             dst.delete(key)
@@ -260,13 +270,24 @@ def _copy_one(src: StackSource, dst: Storage, key: str, progress: Progress | Non
     return got.size
 
 
-def _test_load_copy(src: StackSource, dst: Storage, dst_root: Storage) -> None:
-    """An unsealed copy: every file test-loaded at the destination, as its stack will read it
-    once the pointer (if any) names it."""
-    layout = bound_layout(src.layout.name, dst_root).assuming_pointer(src.name, src.step)
-    report = verify_stack(dst, layout, "load")
-    if not report.ok:
-        raise InvalidCheckpoint(_describe(report.problems, f"{dst.url} (the copy, test-loaded)"),
+def _check_destination(src: StackSource, dst: Storage, dst_root: Storage) -> None:
+    """The destination as ``verify`` will judge it, as the stack will read it once the pointer
+    (if any) names it: the last step before the pointer, so that "copied" is never said of a
+    copy that does not verify. Unsealed: every file test-loaded (there is nothing else to check
+    bytes against). Sealed: the bytes were checked against the seal on the way, so the stack's
+    commit rule and files and the seal's list of files and sizes (nothing added, as a leftover
+    of a killed copy would be); on object storage, the seal's list alone (no layout reads there)."""
+    if dst.local_path() is None:
+        assert src.seal is not None, "an unsealed copy to object storage is refused before copying"
+        problems = check_against_seal(dst, src.seal, "quick")[0]
+        what = "the copy, checked against its seal"
+    else:
+        layout = bound_layout(src.layout.name, dst_root).assuming_pointer(src.name, src.step)
+        level: Level = "quick" if src.seal is not None else "load"
+        problems = verify_stack(dst, layout, level).problems
+        what = "the copy, verified" if src.seal is not None else "the copy, test-loaded"
+    if problems:
+        raise InvalidCheckpoint(_describe(problems, f"{dst.url} ({what})"),
                                 hint="the source does not load either, or changed while copied; copy an older checkpoint")
 
 

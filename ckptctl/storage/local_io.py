@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 from typing import Sequence
@@ -24,6 +25,24 @@ from ckptctl.storage.base import Reader, Writer, byte_view
 from ckptctl.storage.local_errors import mapped, os_error
 from ckptctl.settings import WRITE_BEHIND
 from ckptctl.storage.local_fs import CREATE_FLAGS, SYNC_WAIT, SYNC_WRITE, close_fd, drop_cached, sync_range
+
+# The one pattern of the temporaries this backend (and ``interop.torch_io``) writes: ``.NAME.tmp-PID-HEX``.
+# A rerun after a kill removes leftovers by it (``ops.leftovers``), so only names made here match.
+TEMPORARY = re.compile(r"\.(.+)\.tmp-([0-9]+)-[0-9a-f]{8}\Z", re.ASCII | re.DOTALL)
+
+
+def temporary_name(name: str) -> str:
+    """A fresh temporary name for a file about to become ``name``: hidden, next to it. Long
+    names are cut so that it stays within NAME_MAX (255)."""
+    return f".{name[:180]}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def temporary_of(name: str) -> tuple[str, int] | None:
+    """(the name it was to become, possibly cut, the writer's pid) when ``name`` is one of
+    these temporaries; None otherwise."""
+    m = TEMPORARY.match(name)
+    return (m.group(1), int(m.group(2))) if m is not None else None
+
 
 # Filesystems without hard links (some FUSE and SMB mounts) answer link() with these.
 _NO_HARDLINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV}
@@ -91,8 +110,7 @@ class LocalWriter(Writer):
         self._dir_fd: int | None = dir_fd
         self._name = name
         self._shown = shown
-        # Long names are cut so the temporary name stays within NAME_MAX (255).
-        self._tmp = f".{name[:180]}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self._tmp = temporary_name(name)
         with mapped(shown):
             self._fd: int | None = os.open(self._tmp, CREATE_FLAGS, 0o666, dir_fd=dir_fd)
         self._size = 0  # bytes written so far
