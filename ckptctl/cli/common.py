@@ -8,7 +8,10 @@ stderr), and running a command so that it behaves like a well-made Unix tool in 
 - a closed stdout pipe (``ckptctl ls ROOT | head -1``) stops the command quietly with exit 0,
   as GNU tools stop on SIGPIPE: under ``set -o pipefail`` a healthy root must not read as bad;
 - tables are one line per record when stdout is not a terminal, never truncated or wrapped,
-  whatever COLUMNS says, so ``grep`` and ``wc -l`` count records.
+  whatever COLUMNS says, so ``grep`` and ``wc -l`` count records;
+- location arguments that cannot name a location are usage errors before anything runs
+  (``cli.locations``), and numbers are checked against their bounds (``bounded_int``,
+  ``parse_size``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typer.exceptions import TyperException
 from rich.table import Table
 
 from ckptctl.cli.errors import describe
+from ckptctl.cli.locations import check_locations
 from ckptctl.errors import EXIT_OPERATIONAL, CkptError, UsageError
 
 JSON_SCHEMA = 1  # the "schema" field of every JSON document the CLI prints
@@ -91,7 +95,9 @@ def command(fn: F) -> F:
         global _emitted_json
         _emitted_json = False
         as_json = bool(kwargs.get("json"))
+        _pass_undecodable_bytes()
         try:
+            check_locations(fn.__name__, kwargs)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, TyperException):
             raise  # typer's own exits and usage errors carry their code already
@@ -112,6 +118,16 @@ def command(fn: F) -> F:
             _unexpected(e, as_json)
 
     return run  # type: ignore[return-value]
+
+
+def _pass_undecodable_bytes() -> None:
+    """Print a path's undecodable bytes back as the same bytes, as Unix tools do: argv
+    decodes them to surrogates, which a UTF-8 stdout refuses outside the C locale
+    (UnicodeEncodeError, exit 3, after the work was done)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "encoding", "").lower().replace("-", "") == "utf8":
+            reconfigure(errors="surrogateescape")
 
 
 def _fail(text: str, code: int, e: BaseException, as_json: bool) -> None:

@@ -34,19 +34,19 @@ import io
 import json
 import os
 import pickle
-import stat
 import warnings
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.errors import InvalidCheckpoint, StorageError, UsageError
 from ckptctl.format import dtypes, parse
 from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.interop.dcp_check import check_metadata
 from ckptctl.interop.steps import StepClue, as_step
 from ckptctl.state import tree as statetree
+from ckptctl.storage.plain_file import open_plain
 
 METADATA = ".metadata"
 # Top-level keys of a ckptctl state never start with "_", so these cannot collide with it.
@@ -71,28 +71,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
 
 
-def open_regular(where: str) -> io.BufferedReader:
-    """Open a local file for reading without ever blocking: a FIFO or device planted under a
-    checkpoint's name is refused (InvalidCheckpoint naming it) before a byte is read. Symlinks
-    are not followed."""
-    try:
-        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise InvalidCheckpoint(f"{where} is missing", hint="the checkpoint is incomplete") from None
-    except OSError as e:
-        if os.path.islink(where):
-            raise InvalidCheckpoint(f"{where} is a symlink; refusing to follow it out of the checkpoint",
-                                    hint="the checkpoint layout was altered; treat it as untrusted") from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidCheckpoint(f"{where} is not a regular file (a FIFO, device or directory)",
-                                    hint="the checkpoint layout was altered; treat it as untrusted")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+def open_regular(where: str) -> BinaryIO:
+    """Open a local file for reading without ever blocking (``storage.plain_file.open_plain``):
+    a FIFO, device or symlink planted under a checkpoint's name is refused (InvalidCheckpoint
+    naming it) before a byte is read."""
+    f = open_plain(where)
+    if f is not None:
+        return f
+    if not os.path.lexists(where):
+        raise InvalidCheckpoint(f"{where} is missing", hint="the checkpoint is incomplete")
+    if os.path.islink(where):
+        raise InvalidCheckpoint(f"{where} is a symlink; refusing to follow it out of the checkpoint",
+                                hint="the checkpoint layout was altered; treat it as untrusted")
+    raise InvalidCheckpoint(f"{where} is not a regular file (a FIFO, device or directory)",
+                            hint="the checkpoint layout was altered; treat it as untrusted")
 
 
 def read_metadata(path: str) -> Any:
@@ -293,6 +285,7 @@ def _placeholder(m: TensorMeta) -> torch.Tensor:
 def write_dcp(path: str, metas: dict[str, TensorMeta], fill: Fill, *, tree: Any, step: int | None) -> Written:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.planner import WriteItemType
 
     class StreamingPlanner(DefaultSavePlanner):
@@ -333,6 +326,15 @@ def write_dcp(path: str, metas: dict[str, TensorMeta], fill: Fill, *, tree: Any,
     ctx = _quiet()
     try:
         dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=1, single_file_per_rank=True), planner=planner, no_dist=True)
+    except CheckpointException as e:  # a BaseException: it escaped every handler as a traceback
+        cause: Any = next(iter(e.failures.values()), e) if getattr(e, "failures", None) else e
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback) as DCP records it
+        if isinstance(cause, OSError):
+            raise StorageError(f"cannot write {path}: {cause.strerror or cause}",
+                               hint="check the destination, its permissions and free space") from None
+        if isinstance(cause, (Exception, KeyboardInterrupt)):
+            raise cause from None  # ours (a source chunk that failed its checksum) or a bug: as raised
+        raise StorageError(f"cannot write {path}: {cause}", hint="check the destination") from None
     finally:
         ctx.__exit__(None, None, None)
         planner.release()

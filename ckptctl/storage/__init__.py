@@ -25,6 +25,8 @@ def open_storage(url: str | os.PathLike[str], **kwargs: Any) -> Storage:
     text = os.fspath(url)
     if not text:
         raise UsageError("empty storage URL", hint="give a directory, file://PATH or s3://BUCKET/PREFIX")
+    if "\x00" in text:  # every os call would raise ValueError ("embedded null byte")
+        raise UsageError(f"{text!r}: a path or URL cannot contain a NUL byte", hint="remove it")
     match = _SCHEME.match(text)
     if match is None:
         from ckptctl.storage.local import LocalStorage
