@@ -284,7 +284,8 @@ def test_library_retention_leaves_another_stacks_symlinks_alone(tmp_path):
 
 def test_a_garbled_megatron_tracker_keeps_every_iteration(tmp_path):
     """Megatron rewrites its tracker in place: cut short, it is empty. Every iteration read as
-    incomplete and was deleted as abandoned once idle."""
+    Megatron's own incomplete save (partial), one rule away from deletion as abandoned; which
+    one the tracker named is unknown, so each is corrupt: reported, never deleted."""
     root = str(tmp_path)
     for it in (100, 200):
         megatron_iter(root, it)
@@ -378,3 +379,21 @@ def test_sync_delete_from_an_empty_local_source_to_s3_is_refused(tmp_path, s3_ur
     r = cli("sync", src, s3_url, "--delete")
     assert r.exit_code == 1 and "--allow-empty-source" in r.stderr, r.stdout + r.stderr
     assert [c["step"] for c in cli("ls", s3_url, "--json").json()["checkpoints"]] == [1, 2]
+
+
+def test_iterations_whose_tracker_was_lost_are_never_taken_for_abandoned_saves(tmp_path):
+    """No tracker at all: an iteration with every file reads as corrupt (reported, kept: the
+    tracker was lost as likely as the first save cut short); one missing its files is partial."""
+    root = str(tmp_path)
+    for it in (100, 200):
+        megatron_iter(root, it, tracker=False)
+    os.makedirs(os.path.join(root, "iter_0000300"))  # made before any rank wrote
+    r = cli("ls", root, "--json")
+    assert {e["name"]: e["status"] for e in r.json()["checkpoints"]} == {
+        "iter_0000100": "corrupt", "iter_0000200": "corrupt", "iter_0000300": "partial"}
+    r = cli("prune", root, "--keep-last", "1", "--partial-after", "0s", "--yes")
+    assert r.exit_code == 1  # nothing verifies: refused, nothing deleted
+    r = cli("prune", root, "--keep-last", "1", "--partial-after", "0s", "--yes", "--dry-run", "--json")
+    plan = _plan(r)
+    assert plan["iter_0000100"]["action"] == plan["iter_0000200"]["action"] == "skip"
+    assert sorted(os.listdir(root)) == ["iter_0000100", "iter_0000200", "iter_0000300"]

@@ -20,7 +20,8 @@ Legacy files are test-loaded with ``torch.load(weights_only=True)`` allowing
 reported as not test-loaded, never unpickled.
 Weakness: Megatron has no keep-last-N (Megatron-LM#1354), and the tracker is rewritten in
 place (not atomically): an empty or garbled tracker makes every iteration read as corrupt
-(never complete, never deleted as abandoned: which one it named is unknown).
+(never complete, never deleted as abandoned: which one it named is unknown), and so does a
+missing tracker for an iteration whose files are all there.
 """
 
 from __future__ import annotations
@@ -82,20 +83,17 @@ class MegatronLayout(StackLayout):
             # iterations it covers is unknown, so none is taken for an abandoned save.
             return Examined("corrupt", f"{self.tracker_problem}; left alone, not taken for an abandoned save")
         if self.tracker is None:
+            if _files_problem(path) is None:
+                # No tracker, yet every file is here: the tracker was lost (deleted, or the
+                # iterations copied without it) as likely as the first save was cut short.
+                return Examined("corrupt", f"{self.tracker_problem}, but its files are complete; left alone, "
+                                           "not taken for an abandoned save (restore the tracker)")
             return Examined("partial", f"{self.tracker_problem}; no iteration is committed")
         if step is None or step > self.tracker:
             return Examined("partial", f"newer than {TRACKER} (iteration {self.tracker}): Megatron writes the tracker "
                                        "after every rank saved, so this save did not finish")
-        names = set(os.listdir(path))
-        if ".metadata" in names or "metadata.json" in names:
-            for need in (".metadata", "metadata.json"):
-                if safe_load.regular_size(os.path.join(path, need)) in (None, 0):
-                    return Examined("corrupt", f"torch_dist checkpoint without a complete {need}")
-            return Examined("committed")
-        if any(LEGACY.match(rel) for rel in _legacy_files(path, names)):
-            return Examined("committed")
-        return Examined("corrupt", "at or below the tracker's iteration but neither a torch_dist checkpoint "
-                                   "(.metadata + metadata.json) nor mp_rank_*/model_optim_rng.pt is here")
+        problem = _files_problem(path)
+        return Examined("committed") if problem is None else Examined("corrupt", problem)
 
     def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
         if ".metadata" in files:
@@ -134,6 +132,20 @@ class MegatronLayout(StackLayout):
         if step != self.tracker:
             how += f" --ckpt-step {step} (the tracker names iteration {self.tracker}, which did not verify)"
         return Resume(root, how)
+
+
+def _files_problem(path: str) -> str | None:
+    """Why the iteration directory ``path`` does not hold a whole checkpoint's files, or None."""
+    names = set(os.listdir(path))
+    if ".metadata" in names or "metadata.json" in names:
+        for need in (".metadata", "metadata.json"):
+            if safe_load.regular_size(os.path.join(path, need)) in (None, 0):
+                return f"torch_dist checkpoint without a complete {need}"
+        return None
+    if any(LEGACY.match(rel) for rel in _legacy_files(path, names)):
+        return None
+    return ("at or below the tracker's iteration but neither a torch_dist checkpoint (.metadata + metadata.json) "
+            "nor mp_rank_*/model_optim_rng.pt is here")
 
 
 def _legacy_files(path: str, names: set[str]) -> list[str]:
