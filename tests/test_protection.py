@@ -23,6 +23,7 @@ import torch
 
 from ckptctl import Checkpointer
 from ckptctl.errors import SaveFailed
+from ckptctl.format.layout import step_dir
 from ckptctl.ops.background_retention import BackgroundRetention
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
@@ -327,6 +328,43 @@ def test_a_prune_deferred_to_a_save_that_fails_still_runs(tmp_path):
     fourth.set_exception(SaveFailed(f"save of step 4 to {ckpt_dir(root, 4)} failed: [Errno 28] disk full"))
     retention.close()
     assert _steps(root) == [3]
+
+
+def test_a_checkpointer_whose_deferred_prune_meets_a_full_disk_still_prunes(tmp_path):
+    """The same through a real Checkpointer: step 3's post-commit check is held at a gate until
+    step 4 is queued (so step 3's prune waits for step 4's), and step 4's shard gets ENOSPC from
+    a real storage subclass. The prune owed since step 3 runs all the same."""
+    import errno
+    import threading
+
+    from ckptctl.format.layout import MARKER
+    from ckptctl.storage.local import LocalStorage
+
+    class GatedFullDisk(LocalStorage):
+        gate = threading.Event()
+
+        def list(self, prefix: str = ""):
+            # Only the post-commit check of step 3 lists it once its marker is there.
+            if self.url.endswith(step_dir(3)) and os.path.exists(os.path.join(self.local_path(), MARKER)):
+                self.gate.wait(120)  # a guard against a hang, not a timing assumption
+            return super().list(prefix)
+
+        def open_writer(self, key: str):
+            if self.url.endswith(step_dir(4)):
+                raise OSError(errno.ENOSPC, "No space left on device", self.local_path(key))
+            return super().open_writer(key)
+
+    root = str(tmp_path)
+    make_checkpoints(root, [1, 2])
+    state = {"w": torch.ones(64)}
+    with Checkpointer(root, keep_last=1, storage=GatedFullDisk(root)) as ck:
+        third = ck.save(3, state)
+        fourth = ck.save(4, state)
+        GatedFullDisk.gate.set()
+        third.wait()
+        with pytest.raises(SaveFailed, match="No space left"):
+            fourth.wait()
+    assert _committed(root) == [3]
 
 
 def test_a_full_disk_recovers_under_library_retention(tmp_path):
