@@ -182,9 +182,12 @@ class Checkpointer:
         allocated in the background. Pass ``prepare=False`` in a process that will not save
         (an evaluation), which then holds no buffer the size of its shard.
 
-        If the newest one turns out to be corrupt while reading (a checksum mismatch), the
-        next older committed checkpoint is loaded instead and a warning is logged: every
-        tensor is overwritten again, so nothing of the bad one survives.
+        If the newest one turns out to be corrupt while reading (a checksum mismatch, a shard
+        header not bound to its manifest, a record that does not decode), the next older
+        committed checkpoint is loaded instead and a warning is logged. A load is all or
+        nothing (``load.into_state.load_into``): nothing of the bad one was applied, so the
+        state is then exactly the older checkpoint's, RNG states included; and when none
+        loads (None), ``state`` is as it was passed in.
 
         Across ranks the choice is collective: rank 0 lists the candidates and every rank
         uses its list, and a checkpoint counts as loaded only when every rank loaded its part
