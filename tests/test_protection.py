@@ -186,6 +186,24 @@ def test_lightning_without_callback_states_prunes_by_the_older_files_best(tmp_pa
     assert [plan[f"epoch=0-step={s}.ckpt"]["action"] for s in (2, 3)] == ["delete", "delete"]
 
 
+def test_lightning_last_model_path_is_kept_like_the_best(tmp_path):
+    """``trainer.fit(ckpt_path="last")`` resumes from ``last_model_path``: kept when its name has
+    a step (a ``CHECKPOINT_NAME_LAST`` template), as the best is."""
+    root = str(tmp_path)
+    state = {"best_model_path": os.path.join(root, "epoch=0-step=1.ckpt"),
+             "last_model_path": os.path.join(root, "last-step=2.ckpt")}
+    _lightning_file(root, 1)
+    os.rename(_lightning_file(root, 2), os.path.join(root, "last-step=2.ckpt"))
+    for s in (3, 4):
+        _lightning_file(root, s, callbacks={"ModelCheckpoint{'monitor': 'score'}": state})
+    r = cli("prune", root, "--keep-last", "1", "--yes", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    plan = _plan(r)
+    assert "best_model_path" in plan["epoch=0-step=1.ckpt"]["reason"]
+    assert plan["last-step=2.ckpt"]["action"] == "keep" and "last_model_path" in plan["last-step=2.ckpt"]["reason"]
+    assert plan["epoch=0-step=3.ckpt"]["action"] == "delete"
+
+
 def test_library_retention_in_a_root_shared_with_a_lightning_file_whose_callbacks_is_a_list(tmp_path):
     root = str(tmp_path)
     _lightning_file(root, 7, callbacks=[1, 2])

@@ -15,7 +15,8 @@ incomplete save. Each file is one checkpoint: the catalog lists files, not direc
 for this layout only. ``last.ckpt`` has no step in its name and is never listed, so nothing
 deletes it; the ``best_model_path`` that ``ModelCheckpoint`` records inside the newest
 complete file is protected by prune as Lightning's own ``save_top_k`` keeps it: the best of
-*every* ``ModelCheckpoint`` callback (one per monitored metric). Files that record no callback
+*every* ``ModelCheckpoint`` callback (one per monitored metric), and its ``last_model_path``
+(what ``ckpt_path="last"`` resumes from). Files that record no callback
 state say nothing and the next older one is read; when the newest file that does cannot be
 read safely (a class beyond the allow-list in ``hyper_parameters``, a damaged file) or its
 ``callbacks`` is not the dict of states Lightning writes, the best is unknown and every
@@ -99,7 +100,10 @@ class LightningLayout(StackLayout):
                 why = f"ModelCheckpoint's best_model_path is unknown: {name} {found.why}; kept for safety"
                 return {n: why for n, s in entries if s in ("committed", "broken")}
             if found:
-                return {os.path.basename(b): f"ModelCheckpoint's best_model_path (in {name})" for b in found}
+                out: dict[str, str] = {}
+                for path, field in found:  # a best first: its reason wins when a path is both
+                    out.setdefault(os.path.basename(path), f"ModelCheckpoint's {field} (in {name})")
+                return out
         return {}
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
@@ -113,11 +117,13 @@ class Unknown:
     why: str  # completes "<file> ...": what stood in the way
 
 
-def best_paths(path: str) -> list[str] | Unknown:
-    """The ``best_model_path`` of every ``ModelCheckpoint`` state the Lightning checkpoint at
-    ``path`` records (``[]`` when it records no callback state at all), or ``Unknown`` when it
-    cannot be read with ``torch.load(weights_only=True)`` or its ``callbacks`` is not the dict
-    of states Lightning writes. Read with tensors memory-mapped, never unpickled."""
+def best_paths(path: str) -> list[tuple[str, str]] | Unknown:
+    """(path, field) of the ``best_model_path`` of every ``ModelCheckpoint`` state the
+    Lightning checkpoint at ``path`` records, then of each ``last_model_path`` (what
+    ``ckpt_path="last"`` resumes from, when its name has a step); ``[]`` when it records no
+    callback state at all. ``Unknown`` when it cannot be read with
+    ``torch.load(weights_only=True)`` or its ``callbacks`` is not the dict of states Lightning
+    writes. Read with tensors memory-mapped, never unpickled."""
     import torch
 
     try:
@@ -138,13 +144,19 @@ def best_paths(path: str) -> list[str] | Unknown:
         return []  # saved without callback states (Trainer.save_checkpoint of a model only)
     if not isinstance(callbacks, dict):
         return Unknown(f"has `callbacks` of type {type(callbacks).__name__}, not Lightning's dict of callback states")
-    found: list[str] = []
+    best: list[tuple[str, str]] = []
+    last: list[tuple[str, str]] = []
     for key, state in callbacks.items():
         if not (isinstance(key, str) and key.startswith("ModelCheckpoint")):
             continue  # other callbacks' states (EarlyStopping, ...): none of prune's business
-        best = state.get("best_model_path") if isinstance(state, dict) else None
-        if not isinstance(state, dict) or not isinstance(best, (str, *PATHS)):
+        value = state.get("best_model_path") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or not isinstance(value, (str, *PATHS)):
             return Unknown(f"has a {key[:60]!r} state without a readable best_model_path")
-        if str(best):
-            found.append(str(best))
-    return found
+        if str(value):
+            best.append((str(value), "best_model_path"))
+        value = state.get("last_model_path", "")
+        if not isinstance(value, (str, *PATHS)):
+            return Unknown(f"has a {key[:60]!r} state whose last_model_path is not a path")
+        if str(value):
+            last.append((str(value), "last_model_path"))
+    return best + last
