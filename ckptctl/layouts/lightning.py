@@ -86,9 +86,9 @@ class LightningLayout(StackLayout):
         return PATHS
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
-        """Every ``ModelCheckpoint``'s ``best_model_path`` as the newest complete file that
-        records callback states has them; when that file cannot be read safely or understood,
-        every complete or broken file (any of them may be the best)."""
+        """Every ``ModelCheckpoint``'s ``best_model_path`` and ``last_model_path`` as the newest
+        complete file that records callback states has them; when that file cannot be read
+        safely or understood, every complete or broken file (any of them may be the best)."""
         root = self.root.local_path() if self.root is not None else None
         if root is None:
             return {}
@@ -134,7 +134,7 @@ def best_paths(path: str) -> list[tuple[str, str]] | Unknown:
         detail = next((ln.strip() for ln in text if "GLOBAL" in ln or "Unsupported" in ln), text[0] if text else "")
         return Unknown(f"cannot be read safely (it needs pickle beyond plain values: {detail[:160]})")
     except (RuntimeError, OSError, EOFError, zipfile.BadZipFile, ValueError, TypeError, KeyError, IndexError,
-            AttributeError, NotImplementedError, OverflowError, RecursionError) as e:  # a damaged or hostile file
+            AttributeError, OverflowError, RecursionError) as e:  # a damaged or hostile file
         first = str(e).strip().splitlines()
         return Unknown(f"does not load ({(first[0] if first else type(e).__name__)[:160]})")
     if not isinstance(ckpt, dict):
