@@ -207,9 +207,10 @@ def test_rng_state_of_the_wrong_shape_is_refused_before_anything_is_set(two_step
     assert _same(_snapshot(state), saved[1])
 
 
-def test_header_bytes_after_reseal_are_what_the_manifest_binds(two_steps):
-    """The hostile re-seal above is the only way to change a header: one flipped byte of it
-    without re-sealing is refused (the header is hashed whole into the file checksum)."""
+def test_a_flipped_bit_in_the_rng_record_is_refused_and_the_fallback_is_exact(two_steps):
+    """Only a hostile re-seal (above) changes a header undetected: one flipped byte of the RNG
+    record without re-sealing is refused, since the header is hashed whole into the file
+    checksum the manifest records."""
     root, _one, two, saved = two_steps
     (name,) = [n for n in os.listdir(two) if n.endswith(".safetensors")]
     with open(os.path.join(two, name), "rb") as f:
