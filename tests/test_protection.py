@@ -1,13 +1,11 @@
 """Protected means protected: what a pointer names, a best checkpoint, and anything that cannot
-be read safely enough to decide are kept by prune, rm, sync and library retention.
+be read safely enough to decide are kept by prune, rm and library retention.
 
-Each test is one case of the adversarial run against main (its number in the trust issue):
-2, Lightning's best deleted (a ``pathlib.Path`` in ``save_hyperparameters()``, two
-``ModelCheckpoint`` callbacks); 3, a pointer's symlinked step directory deleted; 8, library
-retention dropping a prune deferred to a save that then failed; 12, a Lightning file whose
-``callbacks`` is not a dict failing root-wide verbs and retention; 17, ``sync --delete`` from an
-empty (unmounted) source. Real Lightning runs, real files and symlinks, real futures of a
-retention thread, the moto S3 server.
+Cases of the adversarial run against main (their numbers in the trust issue): 2, Lightning's
+best deleted (a ``pathlib.Path`` in ``save_hyperparameters()``, two ``ModelCheckpoint``
+callbacks); 3, a pointer's symlinked step directory deleted; 12, a Lightning file whose
+``callbacks`` is not a dict failing root-wide verbs. Real Lightning runs, real files and
+symlinks. Case 8 is in ``test_retention_recovery.py``, case 17 in ``test_sync_safety.py``.
 """
 
 from __future__ import annotations
@@ -15,23 +13,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
-from concurrent.futures import Future
 
 import pytest
 import torch
 
 from ckptctl import Checkpointer
-from ckptctl.errors import SaveFailed
-from ckptctl.format.layout import step_dir
-from ckptctl.ops.background_retention import BackgroundRetention
-from ckptctl.storage import open_storage
-from helpers import ckpt_dir, cli, make_checkpoints
+from helpers import cli
 from test_layouts import deepspeed_tag, hf_checkpoint, megatron_iter
-
-
-def _committed(root: str) -> list[int]:
-    return [c["step"] for c in cli("ls", root, "--json").json()["checkpoints"] if c["status"] == "committed"]
 
 
 def _plan(r) -> dict[str, dict]:
@@ -329,112 +317,6 @@ def test_a_trainer_best_that_is_not_a_path_keeps_every_checkpoint(tmp_path):
         assert plan[name]["action"] == "keep" and "kept for safety" in plan[name]["reason"], plan[name]
 
 
-# --- 8: library retention never drops a deferred prune ---------------------------------------
-
-
-def test_a_prune_deferred_to_a_save_that_fails_still_runs(tmp_path):
-    """Save 3 commits while save 4 is already queued, so its prune is deferred to save 4's;
-    save 4 then fails (ENOSPC). The prune was dropped: on a full disk every later save failed."""
-    root = str(tmp_path)
-    paths = make_checkpoints(root, [1, 2, 3])
-    retention = BackgroundRetention(open_storage(root), keep_last=1, keep_every=None)
-    third: Future = Future()
-    fourth: Future = Future()
-    retention.after(3, third)
-    retention.after(4, fourth)  # queued before the third's run could prune
-    third.set_result(paths[-1])
-    fourth.set_exception(SaveFailed(f"save of step 4 to {ckpt_dir(root, 4)} failed: [Errno 28] disk full"))
-    retention.close()
-    assert _steps(root) == [3]
-
-
-def test_a_checkpointer_whose_deferred_prune_meets_a_full_disk_still_prunes(tmp_path):
-    """The same through a real Checkpointer: step 3's post-commit check is held at a gate until
-    step 4 is queued (so step 3's prune waits for step 4's), and step 4's shard gets ENOSPC from
-    a real storage subclass. The prune owed since step 3 runs all the same."""
-    import errno
-    import threading
-
-    from ckptctl.format.layout import MARKER
-    from ckptctl.storage.local import LocalStorage
-
-    class GatedFullDisk(LocalStorage):
-        gate = threading.Event()
-
-        def list(self, prefix: str = ""):
-            # Only the post-commit check of step 3 lists it once its marker is there.
-            if self.url.endswith(step_dir(3)) and os.path.exists(os.path.join(self.local_path(), MARKER)):
-                self.gate.wait(120)  # a guard against a hang, not a timing assumption
-            return super().list(prefix)
-
-        def open_writer(self, key: str):
-            if self.url.endswith(step_dir(4)):
-                raise OSError(errno.ENOSPC, "No space left on device", self.local_path(key))
-            return super().open_writer(key)
-
-    root = str(tmp_path)
-    make_checkpoints(root, [1, 2])
-    state = {"w": torch.ones(64)}
-    with Checkpointer(root, keep_last=1, storage=GatedFullDisk(root)) as ck:
-        third = ck.save(3, state)
-        fourth = ck.save(4, state)
-        GatedFullDisk.gate.set()
-        third.wait()
-        with pytest.raises(SaveFailed, match="No space left"):
-            fourth.wait()
-    assert _committed(root) == [3]
-
-
-def test_a_full_disk_recovers_under_library_retention(tmp_path):
-    """A real Checkpointer on a small tmpfs: a save that cannot fit fails, the prune it owes
-    runs anyway, and the job saves on."""
-    from helpers import tmpfs
-
-    one = {"w": torch.ones(256 << 10)}  # 1 MiB
-    with tmpfs("5m") as mountpoint:
-        root = os.path.join(mountpoint, "ckpt")
-        with Checkpointer(root, keep_last=1) as ck:
-            ck.save(1, one).wait()
-            ck.save(2, one).wait()
-            with pytest.raises(SaveFailed):
-                ck.save(3, {"w": torch.ones(1 << 20)}).wait()  # 4 MiB beside 1 or 2 MiB: does not fit
-        assert _committed(root) == [2]
-        with Checkpointer(root, keep_last=1) as ck:
-            ck.save(4, {"w": torch.ones(3 << 18)}).wait()  # 3 MiB: fits once step 1 is gone
-        assert _committed(root) == [4]
-
-
-# --- 17: sync --delete from an empty source ---------------------------------------------------
-
-
-def test_sync_delete_from_an_empty_source_is_refused(tmp_path):
-    src, dst = str(tmp_path / "mnt"), str(tmp_path / "dst")
-    make_checkpoints(src, [1, 2, 3])
-    assert cli("sync", src, dst).exit_code == 0
-    shutil.rmtree(src)
-    os.makedirs(src)  # the mount point of a volume that is not mounted
-    for extra in ((), ("--dry-run",)):
-        r = cli("sync", src, dst, "--delete", *extra)
-        assert r.exit_code == 1, r.stdout + r.stderr
-        assert src in r.stderr and "--allow-empty-source" in r.stderr and "no committed checkpoint" in r.stderr
-        assert _steps(dst) == [1, 2, 3]
-    r = cli("sync", src, dst, "--delete", "--json")
-    assert r.exit_code == 1 and r.json()["error"]["type"] == "RefusedForSafety", r.stdout
-    assert cli("sync", src, dst).exit_code == 0  # without --delete there is nothing to fear
-    r = cli("sync", src, dst, "--delete", "--allow-empty-source")
-    assert r.exit_code == 0, r.stderr
-    assert _steps(dst) == [3]  # the newest that verifies is never deleted
-
-
-def test_sync_delete_from_an_empty_local_source_to_s3_is_refused(tmp_path, s3_url):
-    src = str(tmp_path / "nvme")
-    make_checkpoints(src, [1, 2])
-    assert cli("sync", src, s3_url).exit_code == 0
-    shutil.rmtree(src)
-    os.makedirs(src)
-    r = cli("sync", src, s3_url, "--delete")
-    assert r.exit_code == 1 and "--allow-empty-source" in r.stderr, r.stdout + r.stderr
-    assert [c["step"] for c in cli("ls", s3_url, "--json").json()["checkpoints"]] == [1, 2]
 
 
 def test_iterations_whose_tracker_was_lost_are_never_taken_for_abandoned_saves(tmp_path):
