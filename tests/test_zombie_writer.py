@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ckptctl import Checkpointer
-from ckptctl.errors import InvalidCheckpoint, RefusedForSafety, SaveFailed
+from ckptctl.errors import InvalidCheckpoint, SaveFailed
 from ckptctl.format.layout import MANIFEST, MARKER, attempt_name, is_manifest_name, step_dir
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import Marker
@@ -43,8 +43,8 @@ class Writers:
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
-        self.pipes = {}
-        self.procs = []
+        self.pipes: dict[str, Any] = {}
+        self.procs: list[Any] = []
         for who in FILLS:
             here, there = ctx.Pipe()
             p = ctx.Process(target=serve, args=(there, who), daemon=True)
