@@ -616,3 +616,165 @@ def test_manifest_state_tree_is_checked_and_agrees_with_the_encoder() -> None:
             Manifest.from_json(raw, "m.json")
     ok = {"k": {"__items__": [[1, {"__tuple__": [1, {"__tensor__": "model/w"}]}]]}}
     assert Manifest.from_json(json.dumps(dict(GOOD_MANIFEST_DOC, state=ok)).encode(), "m.json").state == ok
+
+
+# --- every sidecar of every other stack's layout --------------------------------------------
+# (trust issue, case 12) Each JSON a layout or reader parses goes through format/parse: a hostile
+# one is a problem in a one-line report for that checkpoint, never an exception, never exit 3,
+# and never a failure of the whole root.
+
+def _torch_zip_bytes() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(6.0), "step": 3}, buf)
+    return buf.getvalue()
+
+
+SIDECAR_DOCS: dict[str, Any] = {
+    "trainer_state.json": {"global_step": 200, "best_model_checkpoint": None, "log_history": [{"loss": 1.5, "step": 10}]},
+    "model.safetensors.index.json": GOOD_INDEX_DOC,
+    "integrity.json": {"common.pt": "0" * 64},
+    "metadata.json": {"sharded_backend": "torch_dist", "sharded_backend_version": 1},
+    "config.json": {"model_type": "gpt2", "n_layer": 2},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIDECAR_DOCS))
+def test_layout_json_sidecars_are_parsed_by_the_bounded_parser(tmp_path: Any, name: str) -> None:
+    from ckptctl.layouts import safe_load
+
+    path = str(tmp_path / name)
+    for s in (0, SEED):
+        pick = RandomPick(random.Random(s))
+        for i in range(200):
+            raw = hostile_bytes(pick, SIDECAR_DOCS[name])
+            with open(path, "wb") as f:
+                f.write(raw)
+            try:
+                doc, problem = safe_load.json_file(path)
+            except Exception as e:  # re-raised, naming the seed and the document
+                raise AssertionError(f"document {i} of seed {s}: {type(e).__name__}: {e}\n{raw[:200]!r}") from e
+            assert (doc is None) != (problem is None) or (doc is None and problem is None and raw.strip() == b"null")
+            if problem is not None:
+                assert "\n" not in problem and problem
+
+
+def test_safetensors_headers_and_torch_zips_fuzzed_never_raise(tmp_path: Any) -> None:
+    from ckptctl.layouts import safe_load
+
+    good_header = {"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    zipped = _torch_zip_bytes()
+    st_path, pt_path = str(tmp_path / "m.safetensors"), str(tmp_path / "f.pt")
+    for s in (0, SEED):
+        pick = RandomPick(random.Random(s))
+        for i in range(300):
+            header = hostile_bytes(pick, good_header)
+            with open(st_path, "wb") as f:
+                f.write(struct.pack("<Q", len(header)) + header + bytes(pick.int(0, 16)))
+            i_flip = pick.int(0, len(zipped) - 1)
+            damaged = bytearray(zipped)
+            for _ in range(pick.int(1, 4)):
+                damaged[pick.int(0, len(zipped) - 1)] = pick.int(0, 255)
+            cut = damaged[: pick.int(0, len(damaged))] if pick.int(0, 3) == 0 else damaged
+            with open(pt_path, "wb") as f:
+                f.write(bytes(cut))
+            try:
+                problems = [safe_load.safetensors_header(st_path), safe_load.zip_structure(pt_path),
+                            safe_load.zip_crc(pt_path)[0]]
+            except Exception as e:
+                raise AssertionError(f"case {i} (flip at {i_flip}) of seed {s}: {type(e).__name__}: {e}") from e
+            assert all(p is None or (p and "\n" not in p) for p in problems), problems
+
+
+def _megatron_dist(root: str, it: int) -> str:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(root, f"iter_{it:07d}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.full((4,), float(it))}}, checkpoint_id=path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump(SIDECAR_DOCS["metadata.json"], f)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(it))
+    return path
+
+
+def _stack_root(tmp_path: Any, sidecar: str) -> tuple[str, str, str, str]:
+    """(root, older, newest, the file to make hostile) for one sidecar of one stack."""
+    from test_layouts import dcp_step, deepspeed_tag, hf_checkpoint
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    if sidecar in ("trainer_state.json", "config.json", "seal", "model.safetensors header"):
+        older, newest = hf_checkpoint(root, 100), hf_checkpoint(root, 200)
+        if sidecar == "seal":
+            assert cli("seal", newest).exit_code == 0
+            return root, older, newest, os.path.join(newest, ".ckptctl-seal.json")
+        name = "model.safetensors" if sidecar == "model.safetensors header" else sidecar
+        return root, older, newest, os.path.join(newest, name)
+    if sidecar == "hf index":
+        older, newest = hf_checkpoint(root, 100), hf_checkpoint(root, 200)
+        with open(os.path.join(newest, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": 256}, "weight_map": {"w": "model.safetensors"}}, f)
+        return root, older, newest, os.path.join(newest, "model.safetensors.index.json")
+    if sidecar == "dcp hf index":
+        from safetensors.torch import save_file
+
+        older = dcp_step(root, 100)
+        newest = os.path.join(root, "step-200")
+        os.makedirs(newest)
+        save_file({"w": torch.zeros(2)}, os.path.join(newest, "model-00001-of-00001.safetensors"))
+        with open(os.path.join(newest, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": 8}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}, f)
+        return root, older, newest, os.path.join(newest, "model.safetensors.index.json")
+    if sidecar in ("integrity.json", "metadata.json", "megatron tracker"):
+        older, newest = _megatron_dist(root, 1000), _megatron_dist(root, 2000)
+        if sidecar == "integrity.json":
+            with open(os.path.join(newest, "integrity.json"), "w") as f:
+                json.dump({}, f)
+        target = os.path.join(root, "latest_checkpointed_iteration.txt") if sidecar == "megatron tracker" else \
+            os.path.join(newest, sidecar)
+        return root, older, newest, target
+    assert sidecar == "deepspeed latest"
+    older, newest = deepspeed_tag(root, 10), deepspeed_tag(root, 20)
+    return root, older, newest, os.path.join(root, "latest")
+
+
+SIDECARS = ["trainer_state.json", "config.json", "model.safetensors header", "hf index", "seal", "dcp hf index",
+            "integrity.json", "metadata.json", "megatron tracker", "deepspeed latest"]
+EXPLICIT = [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' + b"1" * 5000 + b"}", b"\xff\xfe{}", b'{"x": 1e999}']
+
+
+@pytest.mark.parametrize("sidecar", SIDECARS)
+def test_root_verbs_skip_a_checkpoint_with_a_hostile_sidecar(tmp_path: Any, sidecar: str) -> None:
+    """Every sidecar of every stack, hostile: ls, latest, verify --all and prune --dry-run end
+    with 0 or 1 (never 3, never a traceback), and ``latest`` names a checkpoint (the older one
+    whenever the newest is refused)."""
+    root, older, newest, target = _stack_root(tmp_path, sidecar)
+    base = open(target, "rb").read()
+    if sidecar == "model.safetensors header":
+        base = base[8 : 8 + struct.unpack("<Q", base[:8])[0]]
+    try:
+        base_doc = json.loads(base)
+    except ValueError:
+        base_doc = base.decode("utf-8", "replace")
+    pick = RandomPick(random.Random(SEED))
+    docs = EXPLICIT + [hostile_bytes(pick, base_doc) for _ in range(2)]
+    for raw in docs:
+        if sidecar == "model.safetensors header":
+            raw = struct.pack("<Q", len(raw)) + raw
+        with open(target, "wb") as f:
+            f.write(raw)
+        for args in (["ls", root], ["latest", root], ["verify", root, "--all"], ["prune", root, "--keep-last", "1", "--dry-run"]):
+            r = cli(*args)
+            assert r.exit_code in (0, 1) and "Traceback" not in r.stderr, (sidecar, raw[:60], args, r.exit_code, r.stderr)
+            # A garbled pointer commits nothing by its stack's own rule: refusing (1) is right there.
+            if args[0] == "latest" and sidecar not in ("megatron tracker", "deepspeed latest"):
+                assert r.exit_code == 0 and r.stdout.strip() in (older, newest, root), (sidecar, raw[:60], r.stdout, r.stderr)
+        if sidecar not in ("megatron tracker", "deepspeed latest"):
+            r = cli("verify", newest)
+            assert r.exit_code in (0, 1) and "Traceback" not in r.stderr, (sidecar, raw[:60], r.stderr)

@@ -15,6 +15,7 @@ from typing import Literal
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.storage import open_storage
+from ckptctl.storage.plain_file import open_plain
 
 Format = Literal["ckptctl", "dcp", "safetensors", "torch"]
 FORMATS: tuple[Format, ...] = ("ckptctl", "dcp", "safetensors", "torch")
@@ -29,7 +30,10 @@ def is_torch_file(path: str) -> bool:
     """A torch.save file: by suffix, else by the zip magic its layout starts with."""
     if path.endswith(TORCH_SUFFIXES):
         return True
-    with open(path, "rb") as f:
+    f = open_plain(path)  # never blocks on a FIFO
+    if f is None:
+        return False
+    with f:
         return f.read(4) == b"PK\x03\x04"
 
 

@@ -170,8 +170,7 @@ def _end_records(read: Callable[[int, int], bytes], size: int) -> tuple[int, int
     tail = read(size - tail_len, tail_len)
     at = tail.rfind(EOCD)
     while at >= 0:
-        comment = struct.unpack_from("<H", tail, at + 20)[0]
-        if at + 22 + comment == tail_len:
+        if at + 22 <= tail_len and at + 22 + struct.unpack_from("<H", tail, at + 20)[0] == tail_len:
             break
         at = tail.rfind(EOCD, 0, at)
     if at < 0:

@@ -78,7 +78,11 @@ class DcpLayout(StackLayout):
                 out.notes.append("records written through a storage transform (compression) were not test-loaded")
                 return
             rel = os.fspath(info.relative_path)
-            with open(os.path.join(path, rel), "rb") as f:
+            f = safe_load.open_plain(os.path.join(path, rel))  # checked regular by read_metadata; never block
+            if f is None:
+                out.problems.append(Finding(safe_load.NOT_PLAIN, file=rel))
+                return
+            with f:
                 f.seek(info.offset)
                 raw = f.read(info.length)
             out.bytes_read += len(raw)
