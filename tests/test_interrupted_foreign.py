@@ -143,3 +143,18 @@ def test_a_killed_restore_of_deepspeed_writes_the_pointer_only_for_a_verified_co
     assert open(os.path.join(dst_root, "latest")).read().strip() == "global_step10"
     assert cli("verify", dst).exit_code == 0
     assert not [f for f in os.listdir(dst) if ".tmp-" in f]
+
+
+def test_prune_never_seals_a_leftover_temporary_into_its_anchor(tmp_path: Any) -> None:
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    hf_checkpoint(root, 100)
+    anchor = hf_checkpoint(root, 200)
+    tmp = temporary(anchor, "optimizer.pt")
+    open(tmp, "wb").write(b"half a file")
+    r = cli("prune", root, "--keep-last", "1", "--seal", "--yes", "--json")
+    assert r.exit_code in (0, 1), r.stdout + r.stderr
+    if os.path.exists(os.path.join(anchor, SEAL)):
+        files = [f["name"] for f in json.loads(open(os.path.join(anchor, SEAL)).read())["files"]]
+        assert os.path.basename(tmp) not in files, files
+    assert "not sealed" in r.stdout + r.stderr, r.stdout

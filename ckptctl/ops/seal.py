@@ -27,7 +27,7 @@ from ckptctl.interop.detect import CKPTCTL_SHARD
 from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.leftovers import remove_temporaries
+from ckptctl.ops.leftovers import is_temporary, remove_temporaries
 from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack_detail
 from ckptctl.ops.seal_check import hash_object, read_seal
 from ckptctl.ops.verify import VerifyReport
@@ -93,6 +93,9 @@ def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loa
     before = _snapshot(ckpt) if expected is None else expected
     files: list[SealedFile] = []
     for key, _size, _mtime, kind in before:
+        if is_temporary(key):  # never vouched for: it is not one of the checkpoint's files
+            raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a temporary an interrupted ckptctl write left; not sealed",
+                                    hint=f"run `ckptctl seal {ckpt.url}`: it removes the leftover first")
         if kind != "file":
             raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a {kind}, not a regular file; not sealed",
                                     hint="the checkpoint layout was altered; treat it as untrusted")
