@@ -21,6 +21,12 @@ destination (every file, as ``verify --load`` does) before its commit files stay
 pointer is written; that needs a local destination, so copying an unsealed checkpoint to object
 storage is refused (seal it first: the seal travels with it). On object storage other tools'
 checkpoints are recognised by their seal (layouts read only local directories).
+
+Before a byte is copied the source passes the quick level of ``verify`` (the stack's commit rule,
+each file's own header: a safetensors file with trailing bytes or a torch zip whose members do
+not add up is refused at once, not after copying it). A copy run again after a kill first removes
+the temporaries the killed run left (``ops.leftovers``), and the destination is checked as
+``verify`` will judge it before the pointer is written and "copied" is reported.
 """
 
 from __future__ import annotations
