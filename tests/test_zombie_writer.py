@@ -425,3 +425,14 @@ def test_a_directory_or_link_under_the_shard_name_fails_the_save_naming_it(tmp_p
             ckpt.save(7, state_of(1.0, "a")).wait()
     assert ("Is a directory" if thing == "directory" else "link") in str(err.value)
     assert sorted(os.listdir(path)) == [SHARD]  # nothing published, nothing removed
+
+
+def test_prune_removes_a_step_with_other_attempts_files_whole(tmp_path):
+    root = str(tmp_path / "root")
+    _plant_leftovers(os.path.join(root, step_dir(5)))
+    with Checkpointer(root) as ckpt:
+        for step in (5, 6, 7):
+            ckpt.save(step, state_of(float(step), "job")).wait()
+    assert cli("verify", root, "--all").exit_code == 0  # the leftovers make none of them bad
+    assert cli("prune", root, "--keep-last", "1", "--yes").exit_code == 0
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [step_dir(7)]
