@@ -35,6 +35,7 @@ from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
 from ckptctl.layouts.base import Examined
 from ckptctl.layouts.removal import remove_unchanged
+from ckptctl.storage.local_io import TEMPORARY
 from ckptctl.storage.base import ObjectInfo, Storage
 
 NAME = "ckptctl"
@@ -288,7 +289,7 @@ def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = 
 
 # A POSIX writer streams into ``.NAME.tmp-PID-RANDOM`` and renames it into place on commit
 # (storage/local_io.py); a writer killed mid-file leaves that temporary behind.
-_TEMPORARY = re.compile(r"\.(.+)\.tmp-[0-9]+-[0-9a-f]+\Z", re.ASCII)
+_TEMPORARY = TEMPORARY  # the writer's own pattern (storage.local_io): one pattern for every leftover
 
 
 def remove_leftovers(ckpt: Storage, names: Iterable[str]) -> list[str]:

@@ -28,7 +28,7 @@ from ckptctl.storage.local_fs import CREATE_FLAGS, SYNC_WAIT, SYNC_WRITE, close_
 
 # The one pattern of the temporaries this backend (and ``interop.torch_io``) writes: ``.NAME.tmp-PID-HEX``.
 # A rerun after a kill removes leftovers by it (``ops.leftovers``), so only names made here match.
-TEMPORARY = re.compile(r"\.(.+)\.tmp-([0-9]+)-[0-9a-f]{8}\Z", re.ASCII | re.DOTALL)
+TEMPORARY = re.compile(r"\.(.+)\.tmp-([0-9]+)-[0-9a-f]+\Z", re.ASCII | re.DOTALL)
 
 
 def temporary_name(name: str) -> str:
