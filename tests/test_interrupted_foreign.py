@@ -158,3 +158,40 @@ def test_prune_never_seals_a_leftover_temporary_into_its_anchor(tmp_path: Any) -
         files = [f["name"] for f in json.loads(open(os.path.join(anchor, SEAL)).read())["files"]]
         assert os.path.basename(tmp) not in files, files
     assert "not sealed" in r.stdout + r.stderr, r.stdout
+
+
+@pytest.mark.slow
+def test_a_real_sigkill_mid_copy_then_the_rerun_verifies(tmp_path: Any) -> None:
+    """The same as the recreated kill points, with a real SIGKILL of a real ``ckptctl cp`` while
+    it is writing a temporary (waited for by watching the destination, not by time)."""
+    import sys
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    src = hf_checkpoint(root, 100)
+    save_file({"w": torch.zeros(96 << 20)}, os.path.join(src, "model.safetensors"))  # 384 MiB: a long copy
+    assert cli("seal", src).exit_code == 0
+    dst_root = str(tmp_path / "dst")
+    dst = os.path.join(dst_root, "checkpoint-100")
+    p = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "cp", src, dst_root], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    killed = False
+    while p.poll() is None:
+        if os.path.isdir(dst) and any(".tmp-" in n for n in os.listdir(dst)):
+            p.kill()  # SIGKILL: no handler runs, the temporary stays
+            killed = True
+            break
+        time.sleep(0.002)
+    p.wait()
+    if not killed:
+        pytest.skip("the copy finished before a temporary was seen; nothing was interrupted")
+    assert any(".tmp-" in n for n in os.listdir(dst)), "a SIGKILL leaves the temporary"
+    r = cli("cp", src, dst_root)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert not [n for n in os.listdir(dst) if ".tmp-" in n]
+    assert cli("verify", dst).exit_code == 0
+    assert cli("latest", dst_root).stdout.strip() == dst
