@@ -14,7 +14,11 @@ corrupt tensor. Keeping the chunk index here, not in the manifest, keeps the man
 linear in ranks + tensors instead of ranks x tensors.
 
 Parsing is defensive: the header is untrusted input. Its length is bounded, every offset is
-checked against the file size, and entries must tile the data section exactly.
+checked against the file size, and entries must tile the data section exactly. With the
+``ckptctl`` key present every part of the index is required (rank, and offsets and a checksum
+of exactly 16 lowercase hex digits for every entry); without it the file parses as another
+tool's safetensors (``ShardHeader.indexed`` False), which as a ckptctl shard is corrupt
+(``format.shard_identity``).
 """
 
 from __future__ import annotations
