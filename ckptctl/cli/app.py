@@ -10,7 +10,6 @@ from inspect import cleandoc
 from typing import Annotated
 
 import typer
-import typer.completion
 import typer.core
 
 from ckptctl.cli.common import check_environment, set_debug
@@ -41,7 +40,7 @@ class _Group(typer.core.TyperGroup):
 
 
 _COMPLETION_OPTIONS = ("--show-completion", "--install-completion")
-_SHELLS = tuple(shell.value for shell in typer.completion.Shells)
+_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")  # typer's completion scripts
 
 app = typer.Typer(
     name="ckptctl",

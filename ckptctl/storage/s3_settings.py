@@ -19,23 +19,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from botocore.exceptions import (
-    ConfigParseError,
-    InvalidChecksumConfigError,
-    InvalidConfigError,
-    InvalidDefaultsMode,
-    InvalidEndpointConfigurationError,
-    InvalidEndpointDiscoveryConfigurationError,
-    InvalidIMDSEndpointError,
-    InvalidIMDSEndpointModeError,
-    InvalidProxiesConfigError,
-    InvalidRegionError,
-    InvalidRetryConfigurationError,
-    InvalidS3AddressingStyleError,
-    InvalidS3UsEast1RegionalEndpointConfigError,
-    InvalidSTSRegionalEndpointsConfigError,
-    ProfileNotFound,
-)
+import botocore.exceptions
 
 from ckptctl.errors import UsageError
 
@@ -70,12 +54,17 @@ _REGION = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?")
 
 # botocore's complaints about a configuration it was given (never about the network or the
 # store); ValueError is what it raises for int() of a malformed number and a bad endpoint URL.
-CONFIG_ERRORS = (
-    ConfigParseError, InvalidChecksumConfigError, InvalidConfigError, InvalidDefaultsMode,
-    InvalidEndpointConfigurationError, InvalidEndpointDiscoveryConfigurationError, InvalidIMDSEndpointError,
-    InvalidIMDSEndpointModeError, InvalidProxiesConfigError, InvalidRegionError, InvalidRetryConfigurationError,
-    InvalidS3AddressingStyleError, InvalidS3UsEast1RegionalEndpointConfigError, InvalidSTSRegionalEndpointsConfigError,
-    ProfileNotFound, ValueError,
+# By name: older botocore releases (boto3>=1.34 is allowed) lack some of them.
+_CONFIG_ERROR_NAMES = (
+    "ConfigParseError", "InvalidChecksumConfigError", "InvalidConfigError", "InvalidDefaultsMode",
+    "InvalidEndpointConfigurationError", "InvalidEndpointDiscoveryConfigurationError", "InvalidIMDSEndpointError",
+    "InvalidIMDSEndpointModeError", "InvalidProxiesConfigError", "InvalidRegionError", "InvalidRetryConfigurationError",
+    "InvalidS3AddressingStyleError", "InvalidS3UsEast1RegionalEndpointConfigError",
+    "InvalidSTSRegionalEndpointsConfigError", "ProfileNotFound",
+)
+CONFIG_ERRORS: tuple[type[Exception], ...] = (
+    *(getattr(botocore.exceptions, name) for name in _CONFIG_ERROR_NAMES if hasattr(botocore.exceptions, name)),
+    ValueError,
 )
 
 
@@ -111,7 +100,7 @@ def config_error(err: Exception) -> UsageError:
     """botocore's complaint about its configuration (a CONFIG_ERRORS one) as a usage error
     naming where the setting lives."""
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    if isinstance(err, ProfileNotFound):
+    if isinstance(err, botocore.exceptions.ProfileNotFound):
         name = "AWS_PROFILE" if os.environ.get("AWS_PROFILE") else "AWS_DEFAULT_PROFILE"
         return UsageError(f"{first} (environment variable {name})",
                           hint=f"fix {name}, or add the profile to {_config_file()}")
