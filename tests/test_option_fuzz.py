@@ -41,7 +41,7 @@ from helpers import ckpt_dir, make_checkpoints
 
 HANG_S = float(os.environ.get("CKPTCTL_FUZZ_HANG_S", "10"))
 EXAMPLES = int(os.environ.get("CKPTCTL_FUZZ_EXAMPLES", "6"))
-SLOW_EXAMPLES = int(os.environ.get("CKPTCTL_FUZZ_EXAMPLES", "60"))
+SLOW_EXAMPLES = int(os.environ.get("CKPTCTL_FUZZ_EXAMPLES", "30"))
 
 OUTCOMES: Counter[tuple[str, str]] = Counter()  # (verb, "exit N" | "hang") -> examples
 
