@@ -288,3 +288,29 @@ def test_deepspeed_latest_fifo_and_garbage(tmp_path: Any) -> None:
         for args in ROOT_VERBS:
             r = cli(*[a.format(root=root) for a in args])
             assert r.exit_code in (0, 1) and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+
+
+def test_data_descriptors_must_repeat_the_sizes_not_the_crc(tmp_path: Any) -> None:
+    """A record filled after it was laid out (ckptctl's own writer, before it patched data
+    descriptors) keeps a stale descriptor CRC: its bytes are still checked against the
+    directory's CRC; a descriptor whose sizes disagree is a broken archive."""
+    path = str(tmp_path / "f.pt")
+    torch.save({"w": torch.arange(8.0)}, path)
+    raw = bytearray(open(path, "rb").read())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data/0"))
+    local_extra = struct.unpack_from("<H", raw, info.header_offset + 28)[0]
+    data_end = info.header_offset + 30 + len(info.filename.encode()) + local_extra + info.compress_size
+    assert raw[data_end:data_end + 4] == b"PK\x07\x08"
+    stale = bytearray(raw)
+    struct.pack_into("<I", stale, data_end + 4, 0xDEADBEEF)
+    open(path, "wb").write(bytes(stale))
+    assert safe_load.zip_structure(path) is None and safe_load.zip_crc(path)[0] is None
+    wrong = bytearray(raw)
+    struct.pack_into("<I", wrong, data_end + 8, info.compress_size + 1)
+    open(path, "wb").write(bytes(wrong))
+    assert "descriptor" in (safe_load.zip_structure(path) or "")
+    flipped = bytearray(raw)
+    flipped[data_end - 1] ^= 0xFF
+    open(path, "wb").write(bytes(flipped))
+    assert safe_load.zip_structure(path) is None and "CRC-32" in (safe_load.zip_crc(path)[0] or "")

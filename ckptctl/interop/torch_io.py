@@ -260,6 +260,11 @@ def _fill_records(path: str, order: list[TensorMeta], fill: Fill) -> None:
             crcs[rec.filename] = crc
             f.seek(rec.header_offset + 14)
             f.write(struct.pack("<I", crc))
+            if struct.unpack("<H", local[6:8])[0] & 0x8:  # torch's writer adds a data descriptor: its CRC too
+                f.seek(start + len(data))
+                at = start + len(data) + (4 if f.read(4) == b"PK\x07\x08" else 0)
+                f.seek(at)
+                f.write(struct.pack("<I", crc))
         _patch_central_crcs(f, crcs)
         os.fsync(f.fileno())
 

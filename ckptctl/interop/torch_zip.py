@@ -278,7 +278,9 @@ def _local(read: Callable[[int, int], bytes], m: Member, file_size: int) -> Memb
 
 def _descriptor_length(read: Callable[[int, int], bytes], m: Member, at: int, file_size: int) -> int:
     """The length of the data descriptor after member ``m``'s data (signature optional, 32- or
-    64-bit sizes), which must repeat the directory's CRC and sizes."""
+    64-bit sizes), which must repeat the directory's sizes. Its CRC is not compared: the data
+    is checked against the directory's (``crc_problem``), and writers that fill a record after
+    laying it out (``torch_io.write_torch`` did, until it patched descriptors too) may leave it stale."""
     for length, signed, wide in ((16, True, False), (24, True, True), (12, False, False), (20, False, True)):
         if at + length > file_size:
             continue
@@ -286,7 +288,7 @@ def _descriptor_length(read: Callable[[int, int], bytes], m: Member, at: int, fi
         body = raw[4:] if signed else raw
         if signed and raw[:4] != DESCRIPTOR:
             continue
-        crc, csize, usize = struct.unpack_from("<IQQ" if wide else "<III", body)
-        if (crc, csize, usize) == (m.crc, m.compressed, m.size):
+        _crc, csize, usize = struct.unpack_from("<IQQ" if wide else "<III", body)
+        if (csize, usize) == (m.compressed, m.size):
             return length
     raise ZipProblem(f"member {m.name!r}: no data descriptor matching its directory entry after its data")
