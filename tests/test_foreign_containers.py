@@ -20,7 +20,6 @@ import torch
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
 from ckptctl.ops.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
-from ckptctl.storage import open_storage
 from helpers import cli
 from test_foreign_trust import deadline
 from test_layouts import deepspeed_tag, hf_checkpoint, megatron_iter
