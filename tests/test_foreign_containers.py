@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -252,10 +251,10 @@ def test_deep_safetensors_header_is_corrupt_and_skipped(tmp_path: Any) -> None:
     check_root_verbs(root, older)
 
 
-def test_megatron_integrity_json_and_metadata_json_hostile(tmp_path: Any) -> None:
+def test_hostile_megatron_integrity_json_is_corrupt_and_skipped(tmp_path: Any) -> None:
     root = str(tmp_path / "root")
     os.makedirs(root)
-    older = megatron_iter(root, 1000)
+    megatron_iter(root, 1000)
     newest = megatron_iter(root, 2000)
     for doc in (DEEP, b'{"a": ' + b"9" * 5000 + b"}", b"\xff\xfe", b'{"x": NaN}'):
         open(os.path.join(newest, "integrity.json"), "wb").write(doc)
@@ -263,8 +262,6 @@ def test_megatron_integrity_json_and_metadata_json_hostile(tmp_path: Any) -> Non
         assert r.exit_code == 1 and "integrity.json" in r.stdout + r.stderr, (doc[:20], r.stdout, r.stderr)
         r = cli("ls", root)
         assert r.exit_code == 0, r.stderr
-    os.unlink(os.path.join(newest, "integrity.json"))
-    shutil.rmtree(older)
 
 
 def test_trainer_state_with_nan_losses_is_still_good(tmp_path: Any) -> None:
