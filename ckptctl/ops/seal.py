@@ -143,7 +143,7 @@ def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | Non
     if not report.ok:
         first = report.problems[0]
         more = f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        raise InvalidCheckpoint(f"{ckpt.url}: does not test-load, not sealed: {first}{more}",
+        raise InvalidCheckpoint(f"{ckpt.url}: fails `verify --load`, not sealed: {first}{more}",
                                 hint=first.hint or "a seal would vouch for damaged bytes; use an older checkpoint")
     result = write_seal(ckpt, layout, report, not_loaded, progress=progress, expected=before, chunk_size=chunk_size)
     result.seconds = time.perf_counter() - t0
