@@ -44,8 +44,8 @@ from ckptctl.storage import open_storage
 # ``test_every_byte_of_marker_manifest_and_headers_is_bound`` (the gate every path goes through).
 SAMPLED = {"loads": {"bulk_stride": 8001, "other_stride": 211, "data_samples": 4},
            "verbs": {"bulk_stride": 16001, "other_stride": 601, "data_samples": 2}}
-FULL = {"loads": {"bulk_stride": 4001, "other_stride": 53, "data_samples": 6},
-        "verbs": {"bulk_stride": 8001, "other_stride": 211, "data_samples": 4}}
+FULL = {"loads": {"bulk_stride": 4001, "other_stride": 79, "data_samples": 6},
+        "verbs": {"bulk_stride": 8001, "other_stride": 307, "data_samples": 4}}
 
 
 def _sweep(base: str, density: dict[str, dict[str, int]]) -> dict[str, Any]:
