@@ -11,6 +11,7 @@ from ckptctl.ops.retention import (
     ANCHOR_REASON,
     Candidate,
     Decision,
+    InvalidPolicy,
     KeepEvery,
     KeepLast,
     KeepSteps,
@@ -21,7 +22,7 @@ from ckptctl.ops.retention import (
 )
 
 NO_POLICY = ("no retention policy given; pass --keep-last, --keep-every, --keep-within, "
-             "--keep-hourly/-daily/-weekly/-monthly or --keep")
+             "--keep-hourly/-daily/-weekly/-monthly, --keep-best or --keep")
 
 
 # --- strategies ----------------------------------------------------------------------------
@@ -228,15 +229,18 @@ def test_describe() -> None:
 # --- refusals ------------------------------------------------------------------------------
 
 
-def test_no_policies_is_a_usage_error() -> None:
-    with pytest.raises(UsageError) as info:
+def test_no_policies_is_a_value_error_and_no_options_a_usage_error() -> None:
+    # The library says what is wrong with its own parameter; the CLI names its options.
+    with pytest.raises(InvalidPolicy, match="RetentionPolicy: policies must be at least one rule"):
         RetentionPolicy([])
+    # An exhausted iterator is "no policies" too, not an empty-but-valid rule set.
+    with pytest.raises(ValueError, match="at least one rule"):
+        RetentionPolicy(iter([]))
+    with pytest.raises(UsageError) as info:
+        from_options(None, None, None, ())
     assert str(info.value) == NO_POLICY
     assert info.value.exit_code == EXIT_USAGE
     assert info.value.hint
-    # An exhausted iterator is "no policies" too, not an empty-but-valid rule set.
-    with pytest.raises(UsageError, match="no retention policy given"):
-        RetentionPolicy(iter([]))
 
 
 @pytest.mark.parametrize("keep", [(), [], iter(())])
@@ -246,29 +250,52 @@ def test_from_options_with_nothing_is_a_usage_error(keep: object) -> None:
 
 
 @pytest.mark.parametrize(
-    ("make", "option"),
+    ("make", "message"),
     [
-        (lambda: KeepLast(0), "--keep-last"),
-        (lambda: KeepLast(-3), "--keep-last"),
-        (lambda: KeepLast(2.5), "--keep-last"),
-        (lambda: KeepLast(True), "--keep-last"),
-        (lambda: KeepEvery(0), "--keep-every"),
-        (lambda: KeepEvery(-1000), "--keep-every"),
-        (lambda: KeepWithin(-1.0), "--keep-within"),
-        (lambda: KeepWithin(float("nan")), "--keep-within"),
-        (lambda: KeepWithin(float("inf")), "--keep-within"),
-        (lambda: KeepSteps(frozenset()), "--keep"),
-        (lambda: KeepSteps(frozenset({-1})), "--keep"),
-        (lambda: from_options(0, None, None, ()), "--keep-last"),
-        (lambda: from_options(None, 0, None, ()), "--keep-every"),
-        (lambda: from_options(None, None, -5.0, ()), "--keep-within"),
-        (lambda: from_options(None, None, None, ["3000"]), "--keep"),
+        (lambda: KeepLast(0), "KeepLast: n must be at least 1, got 0"),
+        (lambda: KeepLast(-3), "KeepLast: n must be at least 1, got -3"),
+        (lambda: KeepLast(2.5), "KeepLast: n must be a whole number, got 2.5"),
+        (lambda: KeepLast(True), "KeepLast: n must be a whole number, got True"),
+        (lambda: KeepEvery(0), "KeepEvery: steps must be at least 1, got 0"),
+        (lambda: KeepEvery(-1000), "KeepEvery: steps must be at least 1"),
+        (lambda: KeepWithin(-1.0), "KeepWithin: seconds must be a finite duration >= 0, got -1.0"),
+        (lambda: KeepWithin(float("nan")), "KeepWithin: seconds must be"),
+        (lambda: KeepWithin(float("inf")), "KeepWithin: seconds must be"),
+        (lambda: KeepSteps(frozenset()), "KeepSteps: steps must be at least one step"),
+        (lambda: KeepSteps(frozenset({-1})), "KeepSteps: steps must be at least 0, got -1"),
     ],
 )
-def test_invalid_numbers_are_usage_errors_naming_the_option(make: object, option: str) -> None:
+def test_a_bad_parameter_is_a_value_error_about_that_parameter(make: object, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        make()  # type: ignore[operator]
+    assert not isinstance(info.value, UsageError)
+    assert str(info.value).startswith(message)
+    assert "--" not in str(info.value)  # a library user typed no option
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: from_options(0, None, None, ()), "--keep-last must be at least 1, got 0"),
+        (lambda: from_options(2.5, None, None, ()), "--keep-last must be a whole number, got 2.5"),
+        (lambda: from_options(None, 0, None, ()), "--keep-every must be at least 1, got 0"),
+        (lambda: from_options(None, None, -5.0, ()), "--keep-within must be a finite duration >= 0, got -5.0"),
+        (lambda: from_options(None, None, None, ["3000"]), "--keep must be a whole number, got 3000"),
+        (lambda: from_options(None, None, None, keep_weekly=0), "--keep-weekly must be at least 1, got 0"),
+        (lambda: from_options(None, None, None, keep_best=0, metric="loss"), "--keep-best must be at least 1, got 0"),
+        (lambda: from_options(None, None, None, keep_best=1, metric=""), "--metric must be a printable name"),
+        (lambda: from_options(None, None, None, keep_best=1, metric="l", mode="low"),
+         '--mode must be "min" or "max", got low'),
+        (lambda: from_options(None, None, None, keep_best=1), "--keep-best needs --metric NAME"),
+        (lambda: from_options(1, None, None, metric="loss"), "--metric is used only with --keep-best"),
+        (lambda: from_options(1, None, None, mode="max"), "--mode is used only with --keep-best"),
+    ],
+)
+def test_invalid_options_are_usage_errors_naming_the_option(make: object, message: str) -> None:
     with pytest.raises(UsageError) as info:
         make()  # type: ignore[operator]
-    assert str(info.value).startswith(option + " ")
+    assert str(info.value).startswith(message)
+    assert info.value.exit_code == EXIT_USAGE
     assert "\n" not in str(info.value)
     assert info.value.hint
 

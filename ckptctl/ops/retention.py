@@ -32,7 +32,6 @@ checkpoint dated 10 years ahead cannot make ``--keep-within 7d`` drop everything
 
 from __future__ import annotations
 
-import abc
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,11 +39,17 @@ from datetime import datetime, timezone
 
 from ckptctl.durations import format_duration
 from ckptctl.errors import UsageError
+from ckptctl.ops.retention_base import AnyOf, Candidate, Decision, InvalidPolicy, Policy, check_int
+from ckptctl.ops.retention_base import sorted_unique as _sorted_unique
+from ckptctl.ops.retention_best import KeepBest
 
 __all__ = [
     "ANCHOR_REASON",
+    "AnyOf",
     "Candidate",
     "Decision",
+    "InvalidPolicy",
+    "KeepBest",
     "KeepEvery",
     "KeepLast",
     "KeepSteps",
@@ -59,90 +64,10 @@ __all__ = [
 ANCHOR_REASON = "anchor: newest verified checkpoint"
 NO_POLICY_MESSAGE = (
     "no retention policy given; pass --keep-last, --keep-every, --keep-within, "
-    "--keep-hourly/-daily/-weekly/-monthly or --keep"
+    "--keep-hourly/-daily/-weekly/-monthly, --keep-best or --keep"
 )
 # A commit time this far ahead of ``now`` is a wrong clock, not skew between hosts.
 FUTURE_TOLERANCE_S = 600.0
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A committed checkpoint that retention may keep or delete.
-
-    ``step`` is the training step (an int, never a directory name: "10000" < "9000" as strings);
-    ``time`` its creation time in epoch seconds.
-
-    >>> Candidate(step=3000, time=1_700_000_000.0)
-    Candidate(step=3000, time=1700000000.0)
-    """
-
-    step: int
-    time: float
-
-    def __post_init__(self) -> None:
-        # bool is an int subclass; True as a step is a bug upstream, not step 1.
-        if not isinstance(self.step, int) or isinstance(self.step, bool):
-            raise TypeError(f"Candidate.step must be an int, got {self.step!r}")
-        if self.step < 0:
-            raise ValueError(f"Candidate.step must be >= 0, got {self.step}")
-        # NaN compares false with everything and would make KeepWithin keep or drop at random.
-        if not math.isfinite(self.time):
-            raise ValueError(f"Candidate.time must be finite, got {self.time!r} (step {self.step})")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What retention decided for one step, and every reason it is kept (empty when deleted).
-
-    >>> Decision(keep=True, reasons=("keep-last 3",))
-    Decision(keep=True, reasons=('keep-last 3',), implausible=None)
-    """
-
-    keep: bool
-    reasons: tuple[str, ...]
-    implausible: str | None = None  # why its commit time was not trusted (time rules skip it)
-
-
-def _sorted_unique(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """Candidates sorted by step; duplicate steps are an error, not a tie to break silently."""
-    ordered = sorted(candidates, key=lambda c: c.step)
-    for before, after in zip(ordered, ordered[1:]):
-        if before.step == after.step:
-            raise ValueError(f"duplicate checkpoint step {after.step} among retention candidates")
-    return ordered
-
-
-def _require_int(value: object, option: str, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise UsageError(
-            f"{option} must be a whole number, got {value!r}", hint=f"e.g. {option} 3"
-        )
-    if value < minimum:
-        raise UsageError(
-            f"{option} must be at least {minimum}, got {value}",
-            hint=f"pass {option} {minimum} or more, or leave it out",
-        )
-    return value
-
-
-class Policy(abc.ABC):
-    """One retention rule. ``reasons`` maps each step it keeps to a short reason string.
-
-    Implementations must be pure and order-independent: same candidates in any order, same
-    answer. Duplicate steps raise ``ValueError``. ``time_based`` rules read ``Candidate.time``;
-    :class:`RetentionPolicy` hands them only the candidates whose time is trustworthy.
-    """
-
-    time_based = False
-
-    @abc.abstractmethod
-    def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:
-        """Steps this policy keeps, each with its reason."""
-
-    @property
-    @abc.abstractmethod
-    def label(self) -> str:
-        """The reason string this policy gives, e.g. ``"keep-last 3"``."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +81,7 @@ class KeepLast(Policy):
     n: int
 
     def __post_init__(self) -> None:
-        _require_int(self.n, "--keep-last", 1)
+        check_int(self.n, "KeepLast", "n", 1)
 
     @property
     def label(self) -> str:
@@ -178,7 +103,7 @@ class KeepEvery(Policy):
     steps: int
 
     def __post_init__(self) -> None:
-        _require_int(self.steps, "--keep-every", 1)
+        check_int(self.steps, "KeepEvery", "steps", 1)
 
     @property
     def label(self) -> str:
@@ -203,16 +128,9 @@ class KeepWithin(Policy):
     time_based = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
-            raise UsageError(
-                f"--keep-within must be a duration, got {self.seconds!r}",
-                hint="e.g. --keep-within 6h",
-            )
-        if not math.isfinite(self.seconds) or self.seconds < 0:
-            raise UsageError(
-                f"--keep-within must be a finite duration >= 0, got {self.seconds!r}",
-                hint="e.g. --keep-within 6h",
-            )
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) \
+                or not math.isfinite(self.seconds) or self.seconds < 0:
+            raise InvalidPolicy("KeepWithin", "seconds", "a finite duration >= 0", self.seconds)
 
     @property
     def label(self) -> str:
@@ -258,8 +176,8 @@ class KeepCalendar(Policy):
 
     def __post_init__(self) -> None:
         if self.unit not in _CALENDAR_UNITS:
-            raise ValueError(f"calendar unit must be one of {', '.join(_CALENDAR_UNITS)}, got {self.unit!r}")
-        _require_int(self.n, f"--keep-{self.unit}", 1)
+            raise InvalidPolicy("KeepCalendar", "unit", f"one of {', '.join(_CALENDAR_UNITS)}", self.unit)
+        check_int(self.n, "KeepCalendar", "n", 1)
 
     @property
     def label(self) -> str:
@@ -326,9 +244,9 @@ class KeepSteps(Policy):
 
     def __post_init__(self) -> None:
         # Accept any iterable of ints but store a frozenset, so the policy stays hashable.
-        steps = frozenset(_require_int(s, "--keep", 0) for s in self.steps)
+        steps = frozenset(check_int(s, "KeepSteps", "steps", 0) for s in self.steps)
         if not steps:
-            raise UsageError("--keep needs at least one step", hint="e.g. --keep 3000")
+            raise InvalidPolicy("KeepSteps", "steps", "at least one step", set())
         object.__setattr__(self, "steps", steps)
 
     @property
@@ -345,12 +263,15 @@ class KeepSteps(Policy):
 
 @dataclass(frozen=True, init=False)
 class RetentionPolicy:
-    """Keep a checkpoint if ANY policy keeps it; the anchor is always kept.
+    """Keep a checkpoint if ANY policy keeps it; the anchor is always kept. ``AnyOf`` rules
+    (``KeepLast(3) | KeepEvery(1000)``) are taken apart into their rules.
 
-    >>> RetentionPolicy([])  # doctest: +ELLIPSIS
+    >>> RetentionPolicy([])
     Traceback (most recent call last):
     ...
-    ckptctl.errors.UsageError: no retention policy given; pass --keep-last, ... or --keep
+    ckptctl.ops.retention_base.InvalidPolicy: RetentionPolicy: policies must be at least one rule, got ()
+    >>> RetentionPolicy.of(KeepLast(3) | KeepEvery(1000)).describe()
+    'keep-last 3, keep-every 1000'
     """
 
     policies: tuple[Policy, ...]
@@ -362,10 +283,28 @@ class RetentionPolicy:
                 raise TypeError(f"not a retention policy: {p!r}")
         # An empty policy must never mean "delete everything but the anchor".
         if not policies:
-            raise UsageError(
-                NO_POLICY_MESSAGE, hint="e.g. ckptctl prune ROOT --keep-last 3 --dry-run"
-            )
-        object.__setattr__(self, "policies", policies)
+            raise InvalidPolicy("RetentionPolicy", "policies", "at least one rule", ())
+        flat = tuple(q for p in policies for q in (p.policies if isinstance(p, AnyOf) else (p,)))
+        object.__setattr__(self, "policies", flat)
+
+    @classmethod
+    def of(cls, rules: "Policy | RetentionPolicy") -> "RetentionPolicy":
+        """``rules`` as a RetentionPolicy (what ``Checkpointer(retention=...)`` accepts)."""
+        if isinstance(rules, RetentionPolicy):
+            return rules
+        return cls([rules])
+
+    def __or__(self, other: "Policy | RetentionPolicy") -> "RetentionPolicy":
+        if isinstance(other, RetentionPolicy):
+            return RetentionPolicy(self.policies + other.policies)
+        if isinstance(other, Policy):
+            return RetentionPolicy(self.policies + (other,))
+        return NotImplemented
+
+    def __ror__(self, other: Policy) -> "RetentionPolicy":
+        if isinstance(other, Policy):
+            return RetentionPolicy((other,) + self.policies)
+        return NotImplemented
 
     def describe(self) -> str:
         """The rules in one line, e.g. ``"keep-last 3, keep-every 1000"``."""
@@ -409,6 +348,20 @@ class RetentionPolicy:
         return {step: Decision(bool(why), tuple(why), untrusted.get(step)) for step, why in collected.items()}
 
 
+def _built(option: str, rule: type[Policy], *args: object) -> Policy:
+    """``rule(*args)``; its ValueError becomes a usage error naming the option the user typed."""
+    try:
+        return rule(*args)
+    except InvalidPolicy as e:
+        if (e.rule, e.param) == ("KeepBest", "metric"):
+            option = "--metric"
+        elif (e.rule, e.param) == ("KeepBest", "mode"):
+            option = "--mode"
+        shown = e.value if isinstance(e.value, (int, float, str)) else repr(e.value)
+        raise UsageError(f"{option} must be {e.requirement}, got {shown}",
+                         hint=f"pass a valid {option}, or leave it out") from None
+
+
 def from_options(
     keep_last: int | None,
     keep_every: int | None,
@@ -419,29 +372,49 @@ def from_options(
     keep_daily: int | None = None,
     keep_weekly: int | None = None,
     keep_monthly: int | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: str | None = None,
 ) -> RetentionPolicy:
-    """Build the policy from CLI-style options (``None`` / empty means "not given").
+    """Build the policy from CLI-style options (``None`` / empty means "not given"). A bad
+    value is a ``UsageError`` naming the option (exit 2).
 
     >>> from_options(keep_last=3, keep_every=None, keep_within=6 * 3600, keep=[500]).describe()
     'keep-last 3, within 6h of newest, pinned'
     >>> from_options(None, None, None, keep_daily=7, keep_monthly=12).describe()
     'keep-daily 7, keep-monthly 12'
+    >>> from_options(1, None, None, keep_best=2, metric="val_loss").describe()
+    'keep-last 1, best 2 of val_loss (lowest)'
+    >>> from_options(0, None, None)
+    Traceback (most recent call last):
+    ...
+    ckptctl.errors.UsageError: --keep-last must be at least 1, got 0
     >>> from_options(None, None, None, ())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     ckptctl.errors.UsageError: no retention policy given; pass --keep-last, ... or --keep
     """
+    if keep_best is None and (metric is not None or mode is not None):
+        given = "--metric" if metric is not None else "--mode"
+        raise UsageError(f"{given} is used only with --keep-best", hint="e.g. --keep-best 3 --metric val_loss")
+    if keep_best is not None and metric is None:
+        raise UsageError("--keep-best needs --metric NAME (the metric the saves recorded)",
+                         hint="e.g. --keep-best 3 --metric val_loss [--mode max]")
     policies: list[Policy] = []
     if keep_last is not None:
-        policies.append(KeepLast(keep_last))
+        policies.append(_built("--keep-last", KeepLast, keep_last))
     if keep_every is not None:
-        policies.append(KeepEvery(keep_every))
+        policies.append(_built("--keep-every", KeepEvery, keep_every))
     if keep_within is not None:
-        policies.append(KeepWithin(keep_within))
+        policies.append(_built("--keep-within", KeepWithin, keep_within))
     for unit, n in zip(_CALENDAR_UNITS, (keep_hourly, keep_daily, keep_weekly, keep_monthly)):
         if n is not None:
-            policies.append(KeepCalendar(unit, n))
+            policies.append(_built(f"--keep-{unit}", KeepCalendar, unit, n))
+    if keep_best is not None:
+        policies.append(_built("--keep-best", KeepBest, keep_best, metric, mode or "min"))
     pinned = tuple(keep)
     if pinned:
-        policies.append(KeepSteps(frozenset(pinned)))
+        policies.append(_built("--keep", KeepSteps, frozenset(pinned)))
+    if not policies:
+        raise UsageError(NO_POLICY_MESSAGE, hint="e.g. ckptctl prune ROOT --keep-last 3 --dry-run")
     return RetentionPolicy(policies)
