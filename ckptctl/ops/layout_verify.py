@@ -5,7 +5,8 @@ levels: quick (the stack's commit rule, every file present, regular, non-empty, 
 sizes), checksums (+ the checksums that exist: CRC-32 of every ``torch.save`` record, Megatron
 ``integrity.json``), load (+ every file test-loaded without unpickling anything).
 
-``latest_checkpoint(root, level, formats=...)`` is the pre-resume check for every stack: the
+``verify_root(root, which=...)`` verifies a root's checkpoints of every layout (``verify --latest``
+and ``--all``); ``latest_checkpoint(root, level, formats=...)`` is the pre-resume check for every stack: the
 newest complete checkpoint that verifies, by the stack's own rule and pointer, with what that
 stack's resume option takes.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from ckptctl.errors import NoValidCheckpoint, UsageError
 from ckptctl.layouts.base import Checkpoint, Layout
@@ -91,6 +92,24 @@ def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",
         return verify_checkpoint(entry.storage, level, progress)
     layout = bound_layout(entry.layout, root)
     return verify_stack(entry.storage, layout, level)
+
+
+def verify_root(root: Storage, *, which: Literal["latest", "all"], level: Level = "checksums",
+                progress: Progress | None = None) -> list[VerifyReport]:
+    """Every checkpoint that claims to be committed, newest first (``all``), or newest first
+    until one verifies (``latest``: the reports of the newer ones that failed come first), each
+    by its own layout's rules. Directories without their layout's commit mark are not
+    checkpoints yet and are skipped."""
+    reports = []
+    for entry in newest_marked(root):  # lazily: --latest stops at the first that verifies
+        assert entry.storage is not None  # a directory: symlinks are never listed as marked
+        rep = verify_entry(entry, root, level, progress)
+        reports.append(rep)
+        if which == "latest" and rep.ok:
+            break
+    if not reports:
+        raise NoValidCheckpoint(f"{root.url}: no committed checkpoint", hint="nothing has been saved here yet, or every save failed")
+    return reports
 
 
 def bound_layout(name: str, root: Storage) -> StackLayout:

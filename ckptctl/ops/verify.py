@@ -14,6 +14,9 @@ Levels, each including the one before:
 One file's checks are ``ops.shard_scan``'s: files stream through in fixed-size pieces (memory:
 pieces in flight, never a whole file) and are checked in parallel. Every problem found is
 reported, not just the first.
+
+One ckptctl checkpoint only: a root's checkpoints, of every layout, are ``ops.layout_verify``'s
+(``verify_root``), which calls ``verify_checkpoint`` for ckptctl's own.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, NotFound
+from ckptctl.errors import InvalidCheckpoint, NotFound
 from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
-from ckptctl.layouts.catalog import newest_marked
 from ckptctl.layouts.native import read_committed
 from ckptctl.ops.problem import Problem
 from ckptctl.ops.shard_scan import check_file, stream_file
@@ -36,7 +38,7 @@ from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_THREADS
 from ckptctl.storage.base import Storage
 
-__all__ = ["LEVELS", "Level", "Problem", "VerifyReport", "coverage", "latest", "verify_checkpoint", "verify_root"]
+__all__ = ["LEVELS", "Level", "Problem", "VerifyReport", "coverage", "verify_checkpoint"]
 
 Level = Literal["quick", "checksums", "load"]
 LEVELS: tuple[Level, ...] = ("quick", "checksums", "load")
@@ -133,33 +135,3 @@ def _safetensors_accepts(ckpt: Storage, headers: dict[str, ShardHeader]) -> list
         except (SafetensorError, OSError) as e:
             problems.append(Problem(f"safetensors refuses the file: {e}", file=name))
     return problems
-
-
-def verify_root(root: Storage, *, which: Literal["latest", "all"], level: Level = "checksums", progress: Progress | None = None) -> list[VerifyReport]:
-    """Every checkpoint that has a marker, newest first (``all``), or newest first until one
-    verifies (``latest``: the reports of the newer ones that failed come first). Directories
-    without a marker are not checkpoints yet and are skipped."""
-    from ckptctl.ops.layout_verify import verify_entry  # each layout's own rules (it imports this module)
-
-    reports = []
-    for entry in newest_marked(root):  # lazily: --latest stops at the first that verifies
-        assert entry.storage is not None  # a directory: symlinks are never listed as marked
-        rep = verify_entry(entry, root, level, progress)
-        reports.append(rep)
-        if which == "latest" and rep.ok:
-            break
-    if not reports:
-        raise NoValidCheckpoint(f"{root.url}: no committed checkpoint", hint="nothing has been saved here yet, or every save failed")
-    return reports
-
-
-def latest(root: Storage, level: Level = "checksums", progress: Progress | None = None) -> tuple[VerifyReport, list[VerifyReport]]:
-    """The newest committed checkpoint that verifies at ``level``, and the reports of newer
-    ones that did not. Raises NoValidCheckpoint when none verifies."""
-    reports = verify_root(root, which="latest", level=level, progress=progress)
-    if not reports[-1].ok:
-        raise NoValidCheckpoint(
-            f"{root.url}: none of {len(reports)} committed checkpoints verifies",
-            hint="run `ckptctl verify ROOT --all` to see what is wrong with each",
-        )
-    return reports[-1], reports[:-1]
