@@ -5,6 +5,8 @@ Around it, by concept:
 
 * ``s3_client``: building, caching and sharing botocore clients from boto3's own
   configuration (credential chain, ``AWS_PROFILE``, region, ``AWS_ENDPOINT_URL``, retries).
+* ``s3_bucket``: one bucket through one client: errors translated, request checksums,
+  conditional writes. The modules below take a ``Bucket``, never an ``S3Storage``.
 * ``s3_errors``: classifying botocore's errors and translating them into ckptctl's tree.
 * ``s3_transfer``: the multipart ``S3Writer`` and the ranged, parallel ``S3Reader``. Writes
   are visible only when complete, as S3 itself guarantees; a failed multipart upload is
@@ -15,16 +17,15 @@ Around it, by concept:
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.storage.base import ObjectInfo, Storage, check_key
-from ckptctl.storage.s3_client import Client, ClientHolder
-from ckptctl.storage.s3_errors import error_code, http_status, is_missing, is_precondition_failed, s3_error
+from ckptctl.storage.s3_bucket import Bucket
+from ckptctl.storage.s3_client import Client
+from ckptctl.storage.s3_errors import is_missing, s3_error
 from ckptctl.storage.s3_uploads import abort_idle
 from ckptctl.storage.s3_transfer import (
     MAX_PART_SIZE,
@@ -49,9 +50,6 @@ __all__ = [
     "part_size_for",
     "s3_error",
 ]
-
-_CONFLICT_RETRIES = 5  # S3 answers 409 while another conditional PUT to the key is in flight
-
 
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/a/b/`` -> ("bucket", "a/b"). Raises UsageError for a malformed URL."""
@@ -107,8 +105,8 @@ class S3Storage(Storage):
                 "multipart_threshold must be >= 0, max_inflight_parts and read_chunk_size >= 1",
                 hint="fix the S3Storage arguments",
             )
-        self._bucket, self._prefix = parse_s3_url(url)
-        self.url = f"s3://{self._bucket}" + (f"/{self._prefix}" if self._prefix else "")
+        name, self._prefix = parse_s3_url(url)
+        self.url = f"s3://{name}" + (f"/{self._prefix}" if self._prefix else "")
         self._opts = TransferOptions(
             multipart_threshold=multipart_threshold,
             part_size=part_size,
@@ -116,7 +114,7 @@ class S3Storage(Storage):
             read_chunk_size=read_chunk_size,
             read_concurrency=max(1, read_concurrency),
         )
-        self._holder = ClientHolder(endpoint_url)
+        self._bucket = Bucket(name, endpoint_url)
 
     def __repr__(self) -> str:
         return f"S3Storage({self.url!r})"
@@ -130,7 +128,6 @@ class S3Storage(Storage):
         child._prefix = self._obj_key(key)
         child.url = self.url_of(key)
         child._opts = self._opts
-        child._holder = self._holder
         return child
 
     def _obj_key(self, key: str) -> str:
@@ -142,14 +139,7 @@ class S3Storage(Storage):
 
     @property
     def _client(self) -> Client:
-        return self._holder.get()
-
-    @contextmanager
-    def _errors(self, shown: str) -> Iterator[None]:
-        try:
-            yield
-        except (ClientError, BotoCoreError) as err:
-            raise s3_error(err, shown, self._bucket, self._holder.endpoint()) from err
+        return self._bucket.client
 
     # --- listing ---------------------------------------------------------------------------
 
@@ -157,9 +147,9 @@ class S3Storage(Storage):
         prefix = check_key(prefix, allow_empty=True)
         start = self._list_prefix(prefix)
         found: list[ObjectInfo] = []
-        with self._errors(self.url_of(prefix)):
+        with self._bucket.errors(self.url_of(prefix)):
             pages = self._client.s3.get_paginator("list_objects_v2").paginate(
-                Bucket=self._bucket, Prefix=start, Delimiter="/"
+                Bucket=self._bucket.name, Prefix=start, Delimiter="/"
             )
             for page in pages:
                 for common in page.get("CommonPrefixes", []):
@@ -176,9 +166,9 @@ class S3Storage(Storage):
         """Every object below ``prefix``, in key order (S3's listing order)."""
         prefix = check_key(prefix, allow_empty=True)
         start = self._list_prefix(prefix)
-        with self._errors(self.url_of(prefix)):
+        with self._bucket.errors(self.url_of(prefix)):
             pages = self._client.s3.get_paginator("list_objects_v2").paginate(
-                Bucket=self._bucket, Prefix=start
+                Bucket=self._bucket.name, Prefix=start
             )
             for page in pages:
                 for obj in page.get("Contents", []):
@@ -191,15 +181,15 @@ class S3Storage(Storage):
         (one extra LIST on a miss, so both backends answer alike)."""
         key = check_key(key)
         obj = self._obj_key(key)
-        with self._errors(self.url_of(key)):
+        with self._bucket.errors(self.url_of(key)):
             try:
-                head = self._client.s3.head_object(Bucket=self._bucket, Key=obj)
+                head = self._client.s3.head_object(Bucket=self._bucket.name, Key=obj)
             except ClientError as err:
                 if not is_missing(err):
                     raise
             else:
                 return ObjectInfo(key, head["ContentLength"], head["LastModified"].timestamp())
-            below = self._client.s3.list_objects_v2(Bucket=self._bucket, Prefix=obj + "/", MaxKeys=1)
+            below = self._client.s3.list_objects_v2(Bucket=self._bucket.name, Prefix=obj + "/", MaxKeys=1)
         return ObjectInfo(key, 0, 0.0, "dir") if below.get("KeyCount", 0) else None
 
     # --- reading and writing ---------------------------------------------------------------
@@ -208,50 +198,28 @@ class S3Storage(Storage):
         key = check_key(key)
         shown = self.url_of(key)
         obj = self._obj_key(key)
-        with self._errors(shown):
-            head = self._client.s3.head_object(Bucket=self._bucket, Key=obj)
-        return S3Reader(self, obj, shown, head["ContentLength"], head.get("ETag"))
+        with self._bucket.errors(shown):
+            head = self._client.s3.head_object(Bucket=self._bucket.name, Key=obj)
+        return S3Reader(self._bucket, self._opts, obj, shown, head["ContentLength"], head.get("ETag"))
 
     def open_writer(self, key: str) -> S3Writer:
         key = check_key(key)
-        return S3Writer(self, self._obj_key(key), self.url_of(key))
+        return S3Writer(self._bucket, self._opts, self._obj_key(key), self.url_of(key))
 
     def write_atomic(self, key: str, data: bytes) -> None:
         """One PUT: S3 makes it visible whole or not at all."""
         key = check_key(key)
-        with self._errors(self.url_of(key)):
+        with self._bucket.errors(self.url_of(key)):
             self._client.s3.put_object(
-                Bucket=self._bucket, Key=self._obj_key(key), Body=data, **self._checksum_args()
+                Bucket=self._bucket.name, Key=self._obj_key(key), Body=data, **self._bucket.checksum_args()
             )
 
     def write_if_absent(self, key: str, data: bytes) -> bool:
         """A PUT with ``If-None-Match: *``. Stores that ignore the header (some older
         S3-compatible ones) overwrite instead; AWS S3, MinIO and Ceph RGW honour it."""
         key = check_key(key)
-        return self._if_absent(self.url_of(key), lambda: self._client.s3.put_object(
-            Bucket=self._bucket, Key=self._obj_key(key), Body=data, IfNoneMatch="*", **self._checksum_args()))
-
-    def _if_absent(self, shown: str, request: Callable[[], object]) -> bool:
-        """Run ``request``, a PUT or a CompleteMultipartUpload carrying ``If-None-Match: *``:
-        True when it created the object, False when the key already existed (412)."""
-        for attempt in range(_CONFLICT_RETRIES):
-            with self._errors(shown):
-                try:
-                    request()
-                    return True
-                except ClientError as err:
-                    if is_precondition_failed(err):
-                        return False
-                    conflict = error_code(err) == "ConditionalRequestConflict" or http_status(err) == 409
-                    if not conflict or attempt == _CONFLICT_RETRIES - 1:
-                        raise
-            # Another conditional write to the key is in flight; once it lands ours gets a 412.
-            time.sleep(0.05 * (attempt + 1))
-        raise AssertionError("unreachable")
-
-    def _checksum_args(self) -> dict[str, str]:
-        algorithm = self._client.checksum
-        return {"ChecksumAlgorithm": algorithm} if algorithm else {}
+        return self._bucket.if_absent(self.url_of(key), lambda: self._client.s3.put_object(
+            Bucket=self._bucket.name, Key=self._obj_key(key), Body=data, IfNoneMatch="*", **self._bucket.checksum_args()))
 
     # --- removing --------------------------------------------------------------------------
 
@@ -259,14 +227,14 @@ class S3Storage(Storage):
         """DELETE one object; a HEAD first tells whether it existed (S3's DELETE does not)."""
         key = check_key(key)
         obj = self._obj_key(key)
-        with self._errors(self.url_of(key)):
+        with self._bucket.errors(self.url_of(key)):
             try:
-                self._client.s3.head_object(Bucket=self._bucket, Key=obj)
+                self._client.s3.head_object(Bucket=self._bucket.name, Key=obj)
             except ClientError as err:
                 if is_missing(err):
                     return False
                 raise
-            self._client.s3.delete_object(Bucket=self._bucket, Key=obj)
+            self._client.s3.delete_object(Bucket=self._bucket.name, Key=obj)
         return True
 
     def remove_dir(self, prefix: str) -> None:
@@ -286,7 +254,7 @@ class S3Storage(Storage):
         upload started longer than ``idle_for_s`` ago (see ``s3_uploads``)."""
         prefix = check_key(prefix, allow_empty=True)
         keys = {check_key(key) for key in keys}
-        return abort_idle(self, self._list_prefix(prefix), self.url_of(prefix), idle_for_s=idle_for_s,
+        return abort_idle(self._bucket, self._list_prefix(prefix), self._list_prefix(""), self.url_of(prefix), idle_for_s=idle_for_s,
                           keys=keys, where=where, dry_run=dry_run)
 
 

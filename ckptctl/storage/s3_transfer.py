@@ -16,17 +16,15 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, StorageError
 from ckptctl.storage.base import Reader, Writer, byte_view
+from ckptctl.storage.s3_bucket import Bucket
 from ckptctl.storage.s3_errors import error_code, is_precondition_failed
 from ckptctl.storage.s3_uploads import supersede, writer_metadata
-
-if TYPE_CHECKING:
-    from ckptctl.storage.s3 import S3Storage
 
 MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
 MAX_PART_SIZE = 5 << 30
@@ -46,7 +44,7 @@ def part_size_for(base: int, part_number: int) -> int:
 
 @dataclass(frozen=True)
 class TransferOptions:
-    """How an ``S3Storage`` splits writes into parts and reads into ranged GETs."""
+    """How a storage splits writes into parts and reads into ranged GETs."""
 
     multipart_threshold: int
     part_size: int
@@ -68,8 +66,10 @@ class S3Reader(Reader):
     read fails loudly instead of yielding a mix of two versions.
     """
 
-    def __init__(self, storage: S3Storage, obj_key: str, shown: str, size: int, etag: str | None) -> None:
-        self._storage = storage
+    def __init__(self, bucket: Bucket, opts: TransferOptions, obj_key: str, shown: str, size: int,
+                 etag: str | None) -> None:
+        self._bucket = bucket
+        self._opts = opts
         self._obj = obj_key
         self._shown = shown
         self._etag = etag
@@ -90,7 +90,7 @@ class S3Reader(Reader):
             )
         if want == 0:
             return
-        opts = self._storage._opts
+        opts = self._opts
         chunk = opts.read_chunk_size
         if opts.read_concurrency == 1 or want <= chunk:
             self._get_range(offset, view)
@@ -107,16 +107,16 @@ class S3Reader(Reader):
             future.result()
 
     def _get_range(self, offset: int, view: memoryview) -> None:
-        s3 = self._storage._client.s3
+        s3 = self._bucket.client.s3
         last = offset + len(view) - 1
         done = 0
         drops = 0
         while True:
             first = offset + done
-            with self._storage._errors(self._shown):
+            with self._bucket.errors(self._shown):
                 try:
                     response = s3.get_object(
-                        Bucket=self._storage._bucket,
+                        Bucket=self._bucket.name,
                         Key=self._obj,
                         Range=f"bytes={first}-{last}",
                         **({"IfMatch": self._etag} if self._etag else {}),
@@ -182,11 +182,10 @@ class S3Writer(Writer):
     ``max_inflight_parts`` are in flight, so memory stays bounded however much is written.
     """
 
-    def __init__(self, storage: S3Storage, obj_key: str, shown: str) -> None:
-        self._storage = storage
+    def __init__(self, bucket: Bucket, opts: TransferOptions, obj_key: str, shown: str) -> None:
+        self._bucket = bucket
         self._obj = obj_key
         self._shown = shown
-        opts = storage._opts
         self._threshold = opts.multipart_threshold
         self._base_part = opts.part_size
         self._inflight = opts.max_inflight_parts
@@ -222,17 +221,17 @@ class S3Writer(Writer):
     def commit(self) -> None:
         """One PUT below the threshold; else upload the last part and complete the upload."""
         self._require_open()
-        s3 = self._storage._client.s3
+        s3 = self._bucket.client.s3
         with self._aborting_on_failure():
             if self._upload_id is None:
                 parts = [buf for _, buf in self._ready] + [self._cur]
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
-                with self._storage._errors(self._shown):
+                with self._bucket.errors(self._shown):
                     s3.put_object(
-                        Bucket=self._storage._bucket,
+                        Bucket=self._bucket.name,
                         Key=self._obj,
                         Body=body,
-                        **self._storage._checksum_args(),
+                        **self._bucket.checksum_args(),
                     )
             else:
                 if self._cur:
@@ -240,9 +239,9 @@ class S3Writer(Writer):
                 self._submit_ready()
                 wait(self._futures)
                 self._raise_failed()
-                with self._storage._errors(self._shown):
+                with self._bucket.errors(self._shown):
                     s3.complete_multipart_upload(
-                        Bucket=self._storage._bucket,
+                        Bucket=self._bucket.name,
                         Key=self._obj,
                         UploadId=self._upload_id,
                         MultipartUpload={"Parts": [self._parts[n] for n in sorted(self._parts)]},
@@ -258,7 +257,7 @@ class S3Writer(Writer):
         self._require_open()
         if any(not n or "/" in n or n in (".", "..") for n in fallbacks):
             raise ValueError(f"fallbacks must be plain names beside {self._shown}: {list(fallbacks)}")
-        s3, bucket, checksum = self._storage._client.s3, self._storage._bucket, self._storage._checksum_args()
+        s3, bucket, checksum = self._bucket.client.s3, self._bucket.name, self._bucket.checksum_args()
         taken: int | None = None
         with self._aborting_on_failure():
             if self._upload_id is None:
@@ -271,7 +270,7 @@ class S3Writer(Writer):
                     def put(obj: str = obj) -> object:
                         return s3.put_object(Bucket=bucket, Key=obj, Body=body, IfNoneMatch="*", **checksum)
 
-                    if self._storage._if_absent(shown, put):
+                    if self._bucket.if_absent(shown, put):
                         taken = i
                         break
             else:
@@ -281,7 +280,7 @@ class S3Writer(Writer):
                 wait(self._futures)
                 self._raise_failed()
                 parts_done = {"Parts": [self._parts[n] for n in sorted(self._parts)]}
-                if self._storage._if_absent(self._shown, lambda: s3.complete_multipart_upload(
+                if self._bucket.if_absent(self._shown, lambda: s3.complete_multipart_upload(
                         Bucket=bucket, Key=self._obj, UploadId=self._upload_id, MultipartUpload=parts_done, IfNoneMatch="*")):
                     taken = 0
         if taken is None:
@@ -297,10 +296,10 @@ class S3Writer(Writer):
         self._finish("aborted")
         if self._upload_id is None:
             return
-        with self._storage._errors(self._shown):
+        with self._bucket.errors(self._shown):
             try:
-                self._storage._client.s3.abort_multipart_upload(
-                    Bucket=self._storage._bucket, Key=self._obj, UploadId=self._upload_id
+                self._bucket.client.s3.abort_multipart_upload(
+                    Bucket=self._bucket.name, Key=self._obj, UploadId=self._upload_id
                 )
             except ClientError as err:
                 if error_code(err) != "NoSuchUpload":
@@ -332,13 +331,13 @@ class S3Writer(Writer):
     def _start_multipart(self) -> None:
         # An upload of this key still open is a killed writer's, or a racing one's that cannot
         # both publish: one writer per object (s3_uploads).
-        supersede(self._storage, self._obj, self._shown)
-        with self._storage._errors(self._shown):
-            response = self._storage._client.s3.create_multipart_upload(
-                Bucket=self._storage._bucket,
+        supersede(self._bucket, self._obj, self._shown)
+        with self._bucket.errors(self._shown):
+            response = self._bucket.client.s3.create_multipart_upload(
+                Bucket=self._bucket.name,
                 Key=self._obj,
                 Metadata=writer_metadata(),
-                **self._storage._checksum_args(),
+                **self._bucket.checksum_args(),
             )
         self._upload_id = response["UploadId"]
         self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckptctl-s3-part")
@@ -362,10 +361,10 @@ class S3Writer(Writer):
 
     def _upload_part(self, number: int, buf: bytearray) -> None:
         try:
-            checksum = self._storage._checksum_args()
-            with self._storage._errors(f"{self._shown} (part {number})"):
-                response = self._storage._client.s3.upload_part(
-                    Bucket=self._storage._bucket,
+            checksum = self._bucket.checksum_args()
+            with self._bucket.errors(f"{self._shown} (part {number})"):
+                response = self._bucket.client.s3.upload_part(
+                    Bucket=self._bucket.name,
                     Key=self._obj,
                     UploadId=self._upload_id,
                     PartNumber=number,

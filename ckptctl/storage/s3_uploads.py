@@ -40,14 +40,12 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import TYPE_CHECKING, Any, Callable, Collection
+from typing import Any, Callable, Collection
 
 from botocore.exceptions import ClientError
 
+from ckptctl.storage.s3_bucket import Bucket
 from ckptctl.storage.s3_errors import error_code, is_access_denied
-
-if TYPE_CHECKING:
-    from ckptctl.storage.s3 import S3Storage
 
 
 @dataclass(frozen=True)
@@ -64,20 +62,21 @@ def writer_metadata() -> dict[str, str]:
     return {"ckptctl-host": host, "ckptctl-pid": str(os.getpid()), "ckptctl-started": started}
 
 
-def supersede(storage: S3Storage, obj_key: str, shown: str) -> int:
+def supersede(bucket: Bucket, obj_key: str, shown: str) -> int:
     """Abort every unfinished upload of exactly ``obj_key``; returns how many were aborted.
 
     A policy that may not list uploads (no ``s3:ListBucketMultipartUploads``) skips this: the
     write is what matters here, and ``prune`` (or a lifecycle rule) cleans up later."""
-    listed = _list(storage, obj_key, shown, denied_ok=True)
+    listed = _list(bucket, obj_key, shown, denied_ok=True)
     if listed is None:
         return 0
-    return sum(_abort(storage, u, shown) for u in listed[0] if u.key == obj_key)
+    return sum(_abort(bucket, u, shown) for u in listed[0] if u.key == obj_key)
 
 
 def abort_idle(
-    storage: S3Storage,
+    bucket: Bucket,
     list_prefix: str,
+    storage_prefix: str,
     shown: str,
     *,
     idle_for_s: float,
@@ -86,37 +85,37 @@ def abort_idle(
     dry_run: bool,
 ) -> list[str]:
     """The uploads below ``list_prefix`` (a full key prefix) to abort, by their keys relative to
-    ``storage``: those of ``keys``, and those ``where`` accepts that were idle for
-    ``idle_for_s``. Aborts them unless ``dry_run``. Sorted."""
-    listed = _list(storage, list_prefix, shown)
+    the storage whose own full key prefix is ``storage_prefix`` ("/"-terminated, or empty):
+    those of ``keys``, and those ``where`` accepts that were idle for ``idle_for_s``. Aborts
+    them unless ``dry_run``. Sorted."""
+    listed = _list(bucket, list_prefix, shown)
     assert listed is not None  # without denied_ok, an access denied raises
     uploads, now = listed
-    start = storage._list_prefix("")
     chosen: list[tuple[str, Upload]] = []
     for upload in uploads:
-        key = upload.key[len(start):]
+        key = upload.key[len(storage_prefix):]
         if key in keys:
             chosen.append((key, upload))
         elif where is not None and not where(key):
             continue
-        elif now - upload.initiated >= idle_for_s and _idle(storage, upload, now, shown) >= idle_for_s:
+        elif now - upload.initiated >= idle_for_s and _idle(bucket, upload, now, shown) >= idle_for_s:
             # Only an upload started before the bound can be idle that long: the parts are
             # asked for (a request per 1,000) only then.
             chosen.append((key, upload))
     if not dry_run:
-        chosen = [(key, u) for key, u in chosen if _abort(storage, u, shown)]
+        chosen = [(key, u) for key, u in chosen if _abort(bucket, u, shown)]
     return sorted(key for key, _ in chosen)
 
 
-def _list(storage: S3Storage, prefix: str, shown: str, *, denied_ok: bool = False) -> tuple[list[Upload], float] | None:
+def _list(bucket: Bucket, prefix: str, shown: str, *, denied_ok: bool = False) -> tuple[list[Upload], float] | None:
     """Unfinished uploads whose key starts with ``prefix``, and the store's time of answering.
     ``denied_ok``: None for an access denied, instead of raising StorageError."""
     uploads: list[Upload] = []
     now = time.time()
-    with storage._errors(shown):
+    with bucket.errors(shown):
         try:
-            pages = storage._client.s3.get_paginator("list_multipart_uploads").paginate(
-                Bucket=storage._bucket, Prefix=prefix
+            pages = bucket.client.s3.get_paginator("list_multipart_uploads").paginate(
+                Bucket=bucket.name, Prefix=prefix
             )
             for page in pages:
                 now = _server_time(page, now)
@@ -129,14 +128,14 @@ def _list(storage: S3Storage, prefix: str, shown: str, *, denied_ok: bool = Fals
     return uploads, now
 
 
-def _idle(storage: S3Storage, upload: Upload, now: float, shown: str) -> float:
+def _idle(bucket: Bucket, upload: Upload, now: float, shown: str) -> float:
     """Seconds since the upload last changed: started, or a part landed (parts upload in
     parallel, so the newest may be on any page)."""
     latest = upload.initiated
-    with storage._errors(shown):
+    with bucket.errors(shown):
         try:
-            pages = storage._client.s3.get_paginator("list_parts").paginate(
-                Bucket=storage._bucket, Key=upload.key, UploadId=upload.upload_id
+            pages = bucket.client.s3.get_paginator("list_parts").paginate(
+                Bucket=bucket.name, Key=upload.key, UploadId=upload.upload_id
             )
             for page in pages:
                 for part in page.get("Parts", []):
@@ -148,12 +147,12 @@ def _idle(storage: S3Storage, upload: Upload, now: float, shown: str) -> float:
     return now - latest
 
 
-def _abort(storage: S3Storage, upload: Upload, shown: str) -> bool:
+def _abort(bucket: Bucket, upload: Upload, shown: str) -> bool:
     """False when the upload was gone already (completed or aborted by someone else)."""
-    with storage._errors(shown):
+    with bucket.errors(shown):
         try:
-            storage._client.s3.abort_multipart_upload(
-                Bucket=storage._bucket, Key=upload.key, UploadId=upload.upload_id
+            bucket.client.s3.abort_multipart_upload(
+                Bucket=bucket.name, Key=upload.key, UploadId=upload.upload_id
             )
         except ClientError as err:
             if error_code(err) != "NoSuchUpload":

@@ -1,0 +1,65 @@
+"""One bucket, reached through one client: the requests every S3 module makes the same way.
+
+``S3Storage`` (addressing, listing, one-PUT writes), ``s3_transfer`` (multipart writes, ranged
+reads) and ``s3_uploads`` (unfinished uploads) all talk to a bucket: with the shared client,
+errors translated into ckptctl's tree, the request checksum the user's configuration asks for,
+and conditional writes that tell "created" from "already there". That is this module; each of
+the three imports it, and none of them imports another's storage class, so they form no cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ckptctl.storage.s3_client import Client, ClientHolder
+from ckptctl.storage.s3_errors import error_code, http_status, is_precondition_failed, s3_error
+
+_CONFLICT_RETRIES = 5  # S3 answers 409 while another conditional PUT to the key is in flight
+
+
+class Bucket:
+    """The bucket ``name`` through a client built lazily (constructing touches no network and
+    needs no credentials) and shared by a storage and every ``sub()`` of it."""
+
+    def __init__(self, name: str, endpoint_url: str | None) -> None:
+        self.name = name
+        self._holder = ClientHolder(endpoint_url)
+
+    @property
+    def client(self) -> Client:
+        return self._holder.get()
+
+    @contextmanager
+    def errors(self, shown: str) -> Iterator[None]:
+        """Botocore's errors about ``shown`` (an s3:// URL) raised as ckptctl's."""
+        try:
+            yield
+        except (ClientError, BotoCoreError) as err:
+            raise s3_error(err, shown, self.name, self._holder.endpoint()) from err
+
+    def checksum_args(self) -> dict[str, str]:
+        """The checksum a PUT or part carries, so S3 refuses bytes corrupted on the way."""
+        algorithm = self.client.checksum
+        return {"ChecksumAlgorithm": algorithm} if algorithm else {}
+
+    def if_absent(self, shown: str, request: Callable[[], object]) -> bool:
+        """Run ``request``, a PUT or a CompleteMultipartUpload carrying ``If-None-Match: *``:
+        True when it created the object, False when the key already existed (412)."""
+        for attempt in range(_CONFLICT_RETRIES):
+            with self.errors(shown):
+                try:
+                    request()
+                    return True
+                except ClientError as err:
+                    if is_precondition_failed(err):
+                        return False
+                    conflict = error_code(err) == "ConditionalRequestConflict" or http_status(err) == 409
+                    if not conflict or attempt == _CONFLICT_RETRIES - 1:
+                        raise
+            # Another conditional write to the key is in flight; once it lands ours gets a 412.
+            time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
