@@ -51,7 +51,7 @@ from ckptctl.format import dtypes
 from ckptctl.format.layout import shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.layouts.native import check_target_name, commit, read_committed, read_header, remove, uncommit
+from ckptctl.layouts.native import check_target_name, commit, read_committed, remove, uncommit
 from ckptctl.format.checksum import file_checksum
 from ckptctl.ops.reshard_source import checked_source_checksums
 from ckptctl.ops.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
@@ -316,11 +316,9 @@ def same_place(a: Storage, b: Storage) -> bool:
 def check_source(src: Storage) -> None:
     """Rank 0's check of the source before anything is written: ``quick`` (marker, manifest,
     every file present at its size, headers that agree with the manifest), no tensor data read.
-    A source whose chunks lack checksums (an old writer's: only file checksums) is verified in
-    full here instead, since its chunks cannot be checked one by one as they are read."""
+    Every chunk of a source that passes has a checksum (``quick`` refuses a shard with a chunk
+    without one: ``format.shard_identity``), so its data is checked chunk by chunk as it is read."""
     require_verified(src, level="quick")
-    if any(c.checksum is None for f in read_committed(src)[0].files for c in read_header(src, f.name).chunks):
-        require_verified(src)
 
 
 def check_source_files(reader: CheckpointReader) -> None:
@@ -335,9 +333,9 @@ def check_source_files(reader: CheckpointReader) -> None:
     for f in reader.manifest.files:
         h = reader.headers[f.name]
         chunks = sorted(h.chunks, key=lambda c: c.begin)
-        if any(c.checksum is None for c in chunks):
-            continue  # verified in full by check_source
-        if file_checksum(h.header_bytes, [c.checksum for c in chunks]) != f.checksum:
+        # Every chunk has a checksum: the reader refused any header without one (shard_identity);
+        # were one missing, "" makes the file checksum differ: refused, never skipped.
+        if file_checksum(h.header_bytes, [c.checksum or "" for c in chunks]) != f.checksum:
             raise InvalidCheckpoint(
                 f"{reader.storage.url}: the source failed verification: {f.name}: file checksum does not match the manifest",
                 hint="run `ckptctl verify` on it; reshard a good checkpoint instead (`ckptctl latest`)",

@@ -38,7 +38,7 @@ from ckptctl.format import dtypes
 from ckptctl.format.checksum import Hasher, file_checksum
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
-from ckptctl.settings import STREAM_PIECE, STREAM_THREADS, WRITE_PIECE
+from ckptctl.settings import STREAM_PIECE, WRITE_PIECE
 from ckptctl.state.buffers import TensorBuffer, tensor_bytes
 from ckptctl.storage.base import Storage
 
@@ -90,30 +90,6 @@ def pieces(spec: ChunkSpec, buf: TensorBuffer, piece_bytes: int | None) -> Itera
         yield r, buf.view(spec.dtype, (n, *spec.shape[1:]))
     if rows == 0:
         yield 0, buf.view(spec.dtype, spec.shape)
-
-
-def with_checksums(specs: Sequence[ChunkSpec], fill: Fill, *, threads: int = STREAM_THREADS, piece_bytes: int = STREAM_PIECE) -> list[ChunkSpec]:
-    """Pass 1 for many chunks at once: the checksum of every spec that lacks one, computed by
-    ``threads`` workers (preads and hashing release the GIL), each with one piece buffer."""
-    import dataclasses
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    local = threading.local()
-
-    def one(spec: ChunkSpec) -> ChunkSpec:
-        if spec.checksum is not None:
-            return spec
-        buf = getattr(local, "buf", None) or TensorBuffer()
-        local.buf = buf
-        h = Hasher()
-        for row, out in pieces(spec, buf, piece_bytes):
-            fill(spec, out, row)
-            h.update(tensor_bytes(out))
-        return dataclasses.replace(spec, checksum=h.hexdigest())
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="ckptctl-hash") as pool:
-        return list(pool.map(one, specs))
 
 
 def write_shard_streaming(
