@@ -172,7 +172,7 @@ def test_hf_trainer_commit_rule_load_level_and_best_checkpoint(tmp_path):
     assert rows["checkpoint-400"] == ("hf-trainer", "partial") and rows["checkpoint-300"] == ("hf-trainer", "committed")
     best = latest_checkpoint(open_storage(root), "load")
     assert best.step == 300 and "--resume_from_checkpoint" in best.resume.option
-    assert "training_args.bin: presence and size only" in (best.report.note or "")
+    assert "training_args.bin: decoded structurally" in (best.report.note or "")  # opcodes walked, never run
     # a truncated optimizer.pt is caught (issue 12: `verify` passed it, reading model.safetensors only)
     opt = os.path.join(root, "checkpoint-300", "optimizer.pt")
     with open(opt, "r+b") as f:
@@ -287,13 +287,16 @@ def test_deepspeed_without_latest_is_never_taken_for_abandoned(tmp_path):
     assert r.exit_code == 1 and os.path.isdir(os.path.join(root, "global_step10"))
 
 
-def test_pickle_beyond_the_allow_list_is_reported_not_loaded(tmp_path):
+def test_pickle_beyond_the_allow_list_is_not_decoded_and_fails_the_load_level(tmp_path):
+    from ckptctl.errors import NoValidCheckpoint
+
     root = str(tmp_path)
     path = deepspeed_tag(root, 10)
     torch.save({"module": {"w": torch.ones(2)}, "cfg": _Custom()}, os.path.join(path, "mp_rank_00_model_states.pt"))
-    best = latest_checkpoint(open_storage(root), "load")
-    assert best.step == 10 and "not test-loaded (pickle of" in (best.report.note or "")
-    assert "_Custom" in (best.report.note or "")
+    with pytest.raises(NoValidCheckpoint):  # what the load level could not decode is not verified at it
+        latest_checkpoint(open_storage(root), "load")
+    (report,) = verify_root(open_storage(root), which="all", level="load")
+    assert not report.ok and "unverified at load" in str(report.problems[0]) and "_Custom" in str(report.problems[0])
 
 
 class _Custom:

@@ -74,7 +74,8 @@ class Checked:
     problems: list[Finding] = field(default_factory=list)
     files: int = 0
     bytes_read: int = 0
-    not_loaded: list[str] = field(default_factory=list)  # "NAME: not test-loaded (pickle of CLASS)"
+    not_loaded: list[str] = field(default_factory=list)  # "NAME: not decoded (...)": fails the load level
+    structural: list[str] = field(default_factory=list)  # "NAME: decoded structurally, ..." (opcodes only)
     notes: list[str] = field(default_factory=list)  # what this level could not check
 
 

@@ -15,7 +15,9 @@ instead (``model.safetensors.index.json`` + shards): complete when the index and
 it names are present.
 
 ``.metadata`` is read with ckptctl's restricted unpickler (``interop.dcp_io.read_metadata``);
-records are test-loaded with ``torch.load(weights_only=True)``, one at a time.
+records are test-loaded with ``torch.load(weights_only=True)``, one at a time; a record that
+needs a class outside the allow-list (torchtitan's ``train_state`` holds ``io.BytesIO`` values)
+is decoded structurally (``pickle_scan``), and one decoded neither way fails the load level.
 Weakness: DCP records no checksums, so a flipped bit in a tensor that still decodes is not
 seen; ``ckptctl convert --to ckptctl`` gives a checkpoint that has them.
 """
@@ -28,7 +30,7 @@ import re
 from typing import Sequence
 
 from ckptctl.errors import InvalidCheckpoint
-from ckptctl.layouts import safe_load
+from ckptctl.layouts import pickle_scan, safe_load
 from ckptctl.layouts.base import Checked, Examined, Finding
 from ckptctl.layouts.stack import Level, Resume, StackLayout
 
@@ -72,38 +74,57 @@ class DcpLayout(StackLayout):
             self._load_records(path, md, out)
 
     def _load_records(self, path: str, md: object, out: Checked) -> None:
-        skipped = 0
-        for index, info in (getattr(md, "storage_data", None) or {}).items():
-            if getattr(info, "transform_descriptors", None):
-                out.notes.append("records written through a storage transform (compression) were not test-loaded")
-                return
-            rel = os.fspath(info.relative_path)
-            f = safe_load.open_plain(os.path.join(path, rel))  # checked regular by read_metadata; never block
-            if f is None:
-                out.problems.append(Finding(safe_load.NOT_PLAIN, file=rel))
-                return
-            with f:
-                f.seek(info.offset)
-                raw = f.read(info.length)
-            out.bytes_read += len(raw)
-            problem, not_loaded = _load_bytes(raw, self.allowed)
-            where = f"{rel} (record {getattr(index, 'fqn', '?')})"
-            if problem is not None:
-                out.problems.append(Finding(problem, file=where))
-            elif not_loaded is not None:
-                skipped += 1
-                if skipped <= MAX_NOT_LOADED:
-                    out.not_loaded.append(f"{where}: {not_loaded}")
-        if skipped > MAX_NOT_LOADED:
-            out.not_loaded.append(f"... and {skipped - MAX_NOT_LOADED} more records not test-loaded")
+        load_records(path, md, self.allowed, self.name, out)
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"torchtitan: --checkpoint.load_step {step} (with --checkpoint.folder its root); "
                                  f"torch: dcp.load(state_dict, checkpoint_id={ckpt_path!r})")
 
 
-def _load_bytes(raw: bytes, allowed: Sequence[object]) -> tuple[str | None, str | None]:
-    """Test-load one DCP record (a ``torch.save`` of a tensor or a value) from its bytes."""
+def load_records(path: str, md: object, allowed: Sequence[object], layout: str, out: Checked) -> None:
+    """Decode every storage record of a DCP checkpoint (``md`` checked by ``read_metadata``):
+    ``torch.load(weights_only=True)`` of each record's bytes, one at a time; a record that needs
+    a class outside ``allowed`` is decoded structurally (``pickle_scan``) against ``layout``'s
+    list. A record decoded neither way goes to ``out.not_loaded``, which fails the load level.
+    Megatron's torch_dist checkpoints are DCP-format and are decoded here too."""
+    not_decoded = structural = 0
+    for index, info in (getattr(md, "storage_data", None) or {}).items():
+        if getattr(info, "transform_descriptors", None):
+            # compressed or otherwise transformed bytes: nothing here can decode them
+            out.not_loaded.append("records written through a storage transform (compression): not decoded")
+            return
+        rel = os.fspath(info.relative_path)
+        f = safe_load.open_plain(os.path.join(path, rel))  # checked regular by read_metadata; never block
+        if f is None:
+            out.problems.append(Finding(safe_load.NOT_PLAIN, file=rel))
+            return
+        with f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        out.bytes_read += len(raw)
+        problem, missed, decoded = _load_bytes(raw, allowed, layout)
+        where = f"{rel} (record {getattr(index, 'fqn', '?')})"
+        if problem is not None:
+            out.problems.append(Finding(problem, file=where))
+        elif missed is not None:
+            not_decoded += 1
+            if not_decoded <= MAX_NOT_LOADED:
+                out.not_loaded.append(f"{where}: {missed}")
+        elif decoded is not None:
+            structural += 1
+            if structural <= MAX_NOT_LOADED:
+                out.structural.append(f"{where}: {decoded}")
+    if not_decoded > MAX_NOT_LOADED:
+        out.not_loaded.append(f"... and {not_decoded - MAX_NOT_LOADED} more records not decoded")
+    if structural > MAX_NOT_LOADED:
+        out.structural.append(f"... and {structural - MAX_NOT_LOADED} more records decoded structurally")
+
+
+def _load_bytes(raw: bytes, allowed: Sequence[object], layout: str) -> tuple[str | None, str | None, str | None]:
+    """Decode one DCP record (a ``torch.save`` of a tensor or a value) from its bytes. Returns
+    (problem, not_decoded, structural) as ``safe_load.torch_file``. torch's refusal is never
+    taken to mean "a class outside the allow-list": a zeroed record is refused the same way, so
+    every refused record is decoded structurally, which tells the two apart."""
     import pickle
 
     import torch
@@ -111,13 +132,13 @@ def _load_bytes(raw: bytes, allowed: Sequence[object]) -> tuple[str | None, str 
     try:
         with torch.serialization.safe_globals(list(allowed)):
             torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        return None, None
-    except pickle.UnpicklingError as e:
-        m = re.search(r"GLOBAL ([\w.]+)", str(e))
-        return None, f"not test-loaded (pickle of {m.group(1) if m else 'a class outside the allow-list'})"
+        return None, None, None
+    except pickle.UnpicklingError:
+        scan = pickle_scan.scan_torch_bytes(raw, pickle_scan.allowed_for(layout, allowed))
+        return (None, *safe_load.structural_text(scan))
     except (RuntimeError, EOFError, ValueError, KeyError, TypeError, OSError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        return f"does not load: {first}", None
+        return f"does not load: {first}", None, None
 
 
 def _hf_index_state(path: str) -> Examined:

@@ -16,8 +16,10 @@ never deleted by prune. If the directory holds ``integrity.json`` (a JSON object
 file's relative path to its SHA-256, at the top level or under ``"files"``), verify checks it.
 
 Legacy files are test-loaded with ``torch.load(weights_only=True)`` allowing
-``argparse.Namespace`` (Megatron's ``args``) and numpy's RNG state; anything else they hold is
-reported as not test-loaded, never unpickled.
+``argparse.Namespace`` (Megatron's ``args``) and numpy's RNG state; a torch_dist checkpoint's
+records are decoded as DCP's are (``dcp.load_records``: TransformerEngine's ``_extra_state``
+is an ``io.BytesIO``, decoded structurally). Anything else is never unpickled, and a file or
+record decoded neither way fails the load level.
 Weakness: Megatron has no keep-last-N (Megatron-LM#1354), and the tracker is rewritten in
 place (not atomically): an empty or garbled tracker makes every iteration read as corrupt
 (never complete, never deleted as abandoned: which one it named is unknown), and so does a
@@ -100,9 +102,14 @@ class MegatronLayout(StackLayout):
             from ckptctl.interop.dcp_io import read_metadata  # needs torch
 
             try:
-                read_metadata(path)
+                md = read_metadata(path)
             except InvalidCheckpoint as e:
                 out.problems.append(Finding(str(e), file=".metadata", hint=e.hint))
+            else:
+                if level == "load":  # torch_dist is DCP-format: every record decoded as DCP's are
+                    from ckptctl.layouts.dcp import load_records
+
+                    load_records(path, md, self.allowed, self.name, out)
         if INTEGRITY in files and level != "quick":
             _check_integrity(path, out)
 

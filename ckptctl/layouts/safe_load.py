@@ -5,8 +5,10 @@ restricted unpickler, which builds tensors, containers and plain values only. A 
 widen it with an explicit allow-list of harmless classes its stack really stores (numpy's RNG
 state in Hugging Face ``rng_state.pth``, ``argparse.Namespace`` in Megatron's ``args``), given
 to ``torch.serialization.safe_globals`` for that one load. A file that needs anything else is
-*not* unpickled: it is reported as ``not test-loaded (pickle of CLASS)``, and a ``--trust-pickle``
-is deliberately not offered.
+*not* unpickled: its opcode stream is decoded structurally (``pickle_scan``: parsed, never run),
+which counts for the load level only when the stream is whole and every class it names is on
+the layout's list; otherwise the file is "not decoded" and the load level fails. A
+``--trust-pickle`` is deliberately not offered.
 
 ``torch.save`` files are zip archives with a CRC-32 per record, so their bytes can be checked
 without unpickling anything (``zip_crc``): that is the checksum level for those stacks.
@@ -25,6 +27,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes, parse
 from ckptctl.interop import torch_zip
+from ckptctl.layouts import pickle_scan
 from ckptctl.storage.plain_file import fd_path, open_plain
 
 # ``open_plain`` (storage.plain_file) is how every layout opens another tool's file: one helper.
@@ -32,6 +35,7 @@ from ckptctl.storage.plain_file import fd_path, open_plain
 Allowed = Sequence[Any]  # classes/functions, or (object, "module.name") pairs for old names
 
 CHUNK = 8 << 20
+STRUCTURAL_MARK = "decoded structurally"  # how a seal's not_loaded entry says its file was decoded
 NOT_PLAIN = "not a regular file (a symlink, FIFO or device); never opened"
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit
 JSON_DEPTH = 64  # far deeper than any stack's sidecar (trainer_state.json nests 3 levels)
@@ -104,15 +108,17 @@ def _legacy(f: BinaryIO) -> bool:
     return head == b"\x80\x02"
 
 
-def torch_file(path: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
+def torch_file(path: str, allowed: Allowed = (), layout: str = "") -> tuple[str | None, str | None, str | None]:
     """Test-load a ``torch.save`` file with ``weights_only=True`` and ``allowed`` as the only
-    extra globals. Returns (problem, not_loaded): a problem when the file is damaged; a
-    "not test-loaded (pickle of CLASS)" text when it needs a class outside the allow-list."""
+    extra globals. Returns (problem, not_decoded, structural): a problem when the file is
+    damaged; when it needs a class outside the allow-list, its pickle is decoded structurally
+    (``pickle_scan``: opcodes parsed, nothing run): "decoded structurally (...)" when the stream
+    is whole and names only ``layout``'s listed classes, else a "not decoded (...)" text."""
     import torch
 
     f = open_plain(path)
     if f is None:
-        return NOT_PLAIN, None
+        return NOT_PLAIN, None, None
     with f:
         # torch reads a path (mmap needs one): the descriptor's, so the file loaded is the one
         # checked to be regular, whatever the name points at by now.
@@ -124,30 +130,31 @@ def torch_file(path: str, allowed: Allowed = ()) -> tuple[str | None, str | None
                 # every byte already); only the zip format can be mapped.
                 obj = torch.load(where, map_location="cpu", weights_only=True, mmap=zipped)
             del obj
-            return None, None
-        except pickle.UnpicklingError as e:
-            classes = _unsafe_globals(where, allowed) or [_first_line(e)]
-            return None, f"not test-loaded (pickle of {', '.join(classes[:3])})"
+            return None, None, None
+        except pickle.UnpicklingError:
+            return (None, *structural_text(pickle_scan.scan_torch(f, pickle_scan.allowed_for(layout, allowed))))
         except (RuntimeError, OSError, EOFError, ValueError, KeyError, TypeError, IndexError, OverflowError,
                 RecursionError, NotImplementedError, UnicodeDecodeError, zipfile.BadZipFile) as e:
-            return f"does not load: {_first_line(e)}", None
+            return f"does not load: {_first_line(e)}", None, None
 
 
-def _unsafe_globals(path: str, allowed: Allowed) -> list[str]:
-    import torch
-
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except (RuntimeError, OSError, ValueError, EOFError, KeyError, IndexError, pickle.UnpicklingError):
-        return []  # the caller reports the load error's own text instead
-    ok = {_qualname(a) for a in allowed}
-    return [n for n in names if n not in ok]
+def structural_text(scan: pickle_scan.Scan) -> tuple[str | None, str | None]:
+    """(not_decoded, structural) phrases for a file or record torch's loader refused."""
+    if scan.problem is not None:
+        return f"not decoded ({scan.problem}; never unpickled)", None
+    what = ", ".join(scan.classes[:3]) or "plain values"
+    return None, f"{STRUCTURAL_MARK}, not test-loaded (pickle of {what}: opcodes parsed, never run)"
 
 
-def _qualname(a: Any) -> str:
-    if isinstance(a, tuple):
-        return str(a[1])
-    return f"{getattr(a, '__module__', '?')}.{getattr(a, '__qualname__', getattr(a, '__name__', '?'))}"
+def pickle_file(path: str, layout: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
+    """The structural decode alone of a file the layout knows to be a pickle of a class (the
+    Trainer's ``training_args.bin``): never handed to any unpickler. Returns (not_decoded,
+    structural) as ``structural_text``."""
+    f = open_plain(path)
+    if f is None:
+        return f"not decoded ({NOT_PLAIN})", None
+    with f:
+        return structural_text(pickle_scan.scan_torch(f, pickle_scan.allowed_for(layout, allowed)))
 
 
 def _first_line(e: BaseException) -> str:

@@ -204,7 +204,11 @@ class StackLayout:
 
     def _check_file(self, full: str, rel: str, kind: FileKind, level: Level, out: Checked, unsummed: set[str]) -> None:
         if kind == "pickle":
-            out.not_loaded.append(f"{rel}: presence and size only (a pickle of a class; never unpickled)")
+            if level != "load":
+                out.not_loaded.append(f"{rel}: presence and size only (a pickle of a class; never unpickled)")
+                return
+            not_decoded, structural = safe_load.pickle_file(full, self.name, self.allowed)
+            (out.not_loaded if not_decoded else out.structural).append(f"{rel}: {not_decoded or structural}")
             return
         problem: str | None = None
         if kind == "torch":
@@ -216,9 +220,11 @@ class StackLayout:
                 problem, n = safe_load.zip_crc(full)
                 out.bytes_read += n
             if problem is None and level == "load":
-                problem, skipped = safe_load.torch_file(full, self.allowed)
-                if skipped:
-                    out.not_loaded.append(f"{rel}: {skipped}")
+                problem, not_decoded, structural = safe_load.torch_file(full, self.allowed, self.name)
+                if not_decoded:
+                    out.not_loaded.append(f"{rel}: {not_decoded}")
+                elif structural:
+                    out.structural.append(f"{rel}: {structural}")
         elif kind == "safetensors":
             problem = safe_load.safetensors_header(full)
             if problem is None and level != "quick":

@@ -23,7 +23,8 @@ from ckptctl.layouts.base import Checkpoint, Layout
 from ckptctl.layouts.catalog import FORMATS, layouts_named, newest_marked
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.stack import Resume, StackLayout
-from ckptctl.format.seal import SEAL
+from ckptctl.format.seal import SEAL, Seal
+from ckptctl.layouts.safe_load import STRUCTURAL_MARK
 from ckptctl.ops.problem import Problem
 from ckptctl.ops.seal_check import SealLevel, check_against_seal, seal_note, seal_problem
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
@@ -52,7 +53,7 @@ def verify_stack_detail(ckpt: Storage, layout: StackLayout, level: Level = "chec
     t0 = time.perf_counter()
     seal, bad_seal = (None, None) if _single_file(ckpt) else seal_problem(ckpt)
     stack_level: Level = level
-    if seal is not None and (level == "checksums" or (trust_seal and level == "load")):
+    if seal is not None and (level == "checksums" or (trust_seal and level == "load" and decoded_when_sealed(seal))):
         stack_level = "quick"  # the seal vouches for the bytes; the stack's rule and files still checked
     checked = layout.check(ckpt, stack_level)
     report = VerifyReport(ckpt.url, level, step=checked.step, files=checked.files, bytes_read=checked.bytes_read)
@@ -71,11 +72,27 @@ def verify_stack_detail(ckpt: Storage, layout: StackLayout, level: Level = "chec
         notes.append(seal_note(seal, seal_level))
         if stack_level == "quick" and level == "load":
             notes.append("test-loaded when sealed; the seal's checksums stand for the load level")
-    if checked.not_loaded:
+    if checked.structural:
+        notes.append(f"{len(checked.structural)} decoded structurally only: " + "; ".join(checked.structural))
+    if checked.not_loaded and stack_level == "load":
+        # What the load level could not decode is not verified at that level: never an anchor,
+        # never `latest --level load`'s answer, never sealed as test-loaded.
+        report.problems.append(Problem(
+            f"unverified at load ({len(checked.not_loaded)} records not decoded: " + "; ".join(checked.not_loaded) + ")",
+            hint="ckptctl never unpickles a class outside its allow-list; use a checkpoint that decodes, "
+                 "or verify at the default level (checksums) if that is enough for you"))
+    elif checked.not_loaded:
         notes.append(f"{len(checked.not_loaded)} file(s) not test-loaded: " + "; ".join(checked.not_loaded))
     report.note = "; ".join(notes)
     report.seconds = time.perf_counter() - t0
-    return report, list(checked.not_loaded)
+    return report, list(checked.structural) + list(checked.not_loaded)
+
+
+def decoded_when_sealed(seal: Seal) -> bool:
+    """Whether the seal was made by an honest load level: every file it lists as not
+    test-loaded was decoded structurally. An older seal may list files nothing decoded
+    ("presence and size only", "not test-loaded"): its checksums then do not stand for load."""
+    return all(STRUCTURAL_MARK in entry for entry in seal.not_loaded)
 
 
 def _single_file(ckpt: Storage) -> bool:
