@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+from ckptctl.format.formats import LAYOUT_NAMES, names_among
 from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout
 from ckptctl.layouts.dcp import DcpLayout
 from ckptctl.layouts.deepspeed import DeepSpeedLayout
@@ -39,20 +40,20 @@ NATIVE: tuple[Layout, ...] = (NativeLayout(),)
 # ckptctl's own first: a step-N directory with a ckptctl marker is ckptctl's, whatever else it holds.
 LAYOUTS: tuple[Layout, ...] = (*NATIVE, DcpLayout(), HfTrainerLayout(), MegatronLayout(), DeepSpeedLayout(),
                                LightningLayout())
+# The layouts' names are the shared vocabulary's (``format.formats``: ``latest --format`` and
+# ``convert --to`` speak the same names); tests/test_format_names.py checks they agree.
 FORMATS: tuple[str, ...] = tuple(layout.name for layout in LAYOUTS)
 
 _Found = tuple[tuple[Layout, ...], ObjectInfo, int]  # (layouts that know the name, child, step)
 
 
 def layouts_named(formats: Sequence[str] | None) -> tuple[Layout, ...]:
-    """The layouts of ``formats`` (names as in ``FORMATS``), all of them for None. Raises
-    ValueError naming an unknown one."""
+    """The layouts of ``formats`` (names or aliases of ``format.formats``' vocabulary), all of
+    them for None. Raises ValueError naming an unknown one, or a file format that is no layout."""
     if formats is None:
         return LAYOUTS
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown:
-        raise ValueError(f"unknown format {', '.join(unknown)}; known: {', '.join(FORMATS)}")
-    return tuple(layout for layout in LAYOUTS if layout.name in formats)
+    wanted = names_among(formats, LAYOUT_NAMES)
+    return tuple(layout for layout in LAYOUTS if layout.name in wanted)
 
 
 def layout_named(name: str, root: Storage) -> Layout:
