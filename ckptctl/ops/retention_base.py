@@ -13,10 +13,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ckptctl.format.manifest import MAX_METRIC_NAME, MAX_METRICS  # the manifest's bounds on metrics
 
 __all__ = ["AnyOf", "Candidate", "Decision", "InvalidPolicy", "MAX_METRICS", "MAX_METRIC_NAME", "Policy", "check_int"]
-
-from ckptctl.format.manifest import MAX_METRIC_NAME, MAX_METRICS  # the manifest's bounds on them
 
 
 class InvalidPolicy(ValueError):
