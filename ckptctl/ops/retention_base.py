@@ -13,9 +13,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ckptctl.format.manifest import MAX_METRIC_NAME, MAX_METRICS  # the manifest's bounds on metrics
-
 __all__ = ["AnyOf", "Candidate", "Decision", "InvalidPolicy", "MAX_METRICS", "MAX_METRIC_NAME", "Policy", "check_int"]
+
+# A checkpoint records a handful of metrics (val_loss, accuracy, ...); the bound keeps a
+# hostile manifest from making retention sort megabytes of names. The manifest enforces the same.
+MAX_METRICS = 256
+MAX_METRIC_NAME = 128
 
 
 class InvalidPolicy(ValueError):
