@@ -1,13 +1,17 @@
 """ckptctl: asynchronous sharded checkpoints you can trust.
 
->>> from ckptctl import Checkpointer
->>> ckpt = Checkpointer("/tmp/ckpt")                           # doctest: +SKIP
->>> ckpt.save(100, {"model": model, "optimizer": opt}).wait()  # doctest: +SKIP
+>>> from ckptctl import Checkpointer, KeepBest, KeepLast
+>>> ckpt = Checkpointer("/tmp/ckpt", retention=KeepLast(3) | KeepBest(2, "val_loss"))  # doctest: +SKIP
+>>> ckpt.save(100, {"model": model, "optimizer": opt}, metrics={"val_loss": 0.21}).wait()  # doctest: +SKIP
 """
 
 from ckptctl.version import __version__
 
-__all__ = ["Checkpointer", "SaveHandle", "__version__"]
+# The retention rules: the same objects ``ckptctl prune`` builds from its options.
+_RETENTION = ("AnyOf", "KeepBest", "KeepCalendar", "KeepEvery", "KeepLast", "KeepSteps", "KeepWithin",
+              "Policy", "RetentionPolicy")
+
+__all__ = ["Checkpointer", "SaveHandle", "__version__", *_RETENTION]
 
 
 def __getattr__(name: str):
@@ -16,4 +20,8 @@ def __getattr__(name: str):
         from ckptctl import checkpointer
 
         return getattr(checkpointer, name)
+    if name in _RETENTION:  # pure Python: no torch
+        from ckptctl.ops import retention
+
+        return getattr(retention, name)
     raise AttributeError(name)

@@ -25,6 +25,7 @@ from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, StateError, U
 from ckptctl.layouts.catalog import NATIVE, newest_committed
 from ckptctl.load.loader import load_checkpoint
 from ckptctl.ops.background_retention import BackgroundRetention
+from ckptctl.ops.retention import Policy, RetentionPolicy
 from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S
 from ckptctl.save.saver import SaveHandle, Saver
 from ckptctl.storage import Storage, open_storage
@@ -43,6 +44,7 @@ class Checkpointer:
         *,
         async_save: bool = True,
         storage: Storage | None = None,
+        retention: Policy | RetentionPolicy | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
         process_group: "Any | None" = None,
@@ -51,9 +53,13 @@ class Checkpointer:
         overlap_copies: bool = False,
         check_replicas: bool | None = None,
     ) -> None:
-        """``keep_last``/``keep_every``: after each commit, rank 0 prunes older checkpoints in
-        the background with the same policy and safety checks as ``ckptctl prune`` (the new
-        checkpoint is fully verified before anything is deleted). The verification is shared
+        """``retention``: after each commit, rank 0 prunes older checkpoints in the background
+        with these rules and the same safety checks as ``ckptctl prune`` (the new checkpoint is
+        fully verified before anything is deleted; it is always kept). The rules are the CLI's
+        own objects and compose with ``|``: ``KeepLast(3) | KeepEvery(1000) | KeepBest(2,
+        "val_loss")`` (``KeepBest`` ranks by the ``metrics`` each ``save`` recorded).
+        ``keep_last=N``/``keep_every=S`` are shorthand for ``KeepLast(N)``/``KeepEvery(S)``;
+        giving them together with ``retention`` raises ``ValueError``, as does a bad value. The verification is shared
         out: every rank re-reads the shard it wrote, on its writer thread, and rank 0 records
         the verdict in the verification record, so the prune downloads no checkpoint (see
         ``ops.background_retention``). Pass the same options on every rank (different ones
@@ -86,30 +92,31 @@ class Checkpointer:
         (each copied to the host to be hashed) and plain tensors of other keys; False: none
         (see ``ckptctl.save.replicas``)."""
         self.root = storage or open_storage(root)
-        retention = None
-        if keep_last is not None or keep_every is not None:
-            retention = BackgroundRetention(self.root, keep_last, keep_every)  # bad values raise here
+        background = None
+        if retention is not None or keep_last is not None or keep_every is not None:
+            # Bad values raise here, on every rank, before any group is created.
+            background = BackgroundRetention(self.root, keep_last, keep_every, retention=retention)
         self._saver = Saver(
             self.root,
             async_save=async_save,
             process_group=process_group,
             timeout_s=timeout_s,
             liveness_s=liveness_s,
-            on_save=retention.after if retention is not None else None,
+            on_save=background.after if background is not None else None,
             overlap_copies=overlap_copies,
             check_replicas=check_replicas,
-            after_commit=retention,  # every rank re-reads its own shard: retention reads no data
+            after_commit=background,  # every rank re-reads its own shard: retention reads no data
         )
-        self._retention = retention if self._saver.rank == 0 else None
+        self._retention = background if self._saver.rank == 0 else None
         self.rank, self.world_size = self._saver.rank, self._saver.world_size
         coord = self._saver.coordinator
         if coord is not None:
             # The post-commit check is an exchange: every rank must take part, or none.
-            mine = AGREE_OK if retention is not None else AGREE_SKIP
+            mine = AGREE_OK if background is not None else AGREE_SKIP
             if self._saver.collective(coord.agree, mine) != mine:
                 self._saver.close()
                 raise UsageError(
-                    f"rank {self.rank}: keep_last/keep_every are set here but not on every rank",
+                    f"rank {self.rank}: retention (or keep_last/keep_every) is set here but not on every rank",
                     hint="pass the same retention options to the Checkpointer on every rank",
                 )
 
@@ -132,15 +139,20 @@ class Checkpointer:
         """
         return self._saver.prepare(state)
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None) -> SaveHandle:
         """Snapshot ``state`` into host memory and return; the write happens in the background.
+
+        ``metrics`` (``{"val_loss": 0.213}``): finite numbers recorded in the manifest, for
+        ``KeepBest`` and ``ckptctl prune --keep-best N --metric NAME``; at most 256, names of 1 to
+        128 printable characters (``ValueError`` otherwise, before anything is copied). Across
+        ranks, rank 0's are recorded.
 
         Raises the previous save's error if it failed and nobody has seen it yet, and
         ``RefusedForSafety`` if ``step`` is already committed (a checkpoint is never overwritten).
         Across ranks, an error raised here on one rank (a state that cannot be captured) is
         reported to the others at once: their save of this step fails naming this rank.
         """
-        return self._saver.save(step, state)
+        return self._saver.save(step, state, metrics)
 
     def wait(self) -> str | None:
         """Wait for every pending save; returns the last committed URL, raises if it failed."""

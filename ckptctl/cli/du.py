@@ -5,10 +5,7 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, print_table, say
-from ckptctl.cli.policy import (
-    KeepDailyOpt, KeepEveryOpt, KeepHourlyOpt, KeepLastOpt, KeepMonthlyOpt, KeepOpt, KeepWeeklyOpt, KeepWithinOpt,
-    any_policy, policy_from,
-)
+from ckptctl.cli.policy import RetentionOptions, retention_options
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
 from ckptctl.ops.du import disk_usage
@@ -16,16 +13,10 @@ from ckptctl.ops.prune_plan import DEFAULT_PARTIAL_AFTER_S
 
 
 @command
+@retention_options
 def du(
     root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
-    keep_last: KeepLastOpt = None,
-    keep_every: KeepEveryOpt = None,
-    keep_within: KeepWithinOpt = None,
-    keep_hourly: KeepHourlyOpt = None,
-    keep_daily: KeepDailyOpt = None,
-    keep_weekly: KeepWeeklyOpt = None,
-    keep_monthly: KeepMonthlyOpt = None,
-    keep: KeepOpt = None,
+    retention: RetentionOptions,
     partial_after: Annotated[str, typer.Option("--partial-after", help="As prune: directories without a marker count as abandoned once idle for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="As prune: count committed checkpoints that fail verification as freed.")] = False,
     json: JsonOpt = False,
@@ -42,9 +33,7 @@ def du(
     Exit status: 0 done; 1 with a policy, no checkpoint verifies (prune would delete nothing);
     2 usage error; 3 storage error.
     """
-    policy = None
-    if any_policy(keep_last, keep_every, keep_within, keep, keep_hourly, keep_daily, keep_weekly, keep_monthly):
-        policy = policy_from(keep_last, keep_every, keep_within, keep, keep_hourly, keep_daily, keep_weekly, keep_monthly)
+    policy = retention.policy() if retention.given else None
     with byte_progress("verify", quiet=quiet) as progress:
         report = disk_usage(root, policy, partial_after_s=parse_duration(partial_after, option="--partial-after"),
                             delete_broken=delete_broken, progress=progress)

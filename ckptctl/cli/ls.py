@@ -27,10 +27,19 @@ def ls(
     FORMAT is the layout: ckptctl, or another tool's (dcp, hf-trainer, megatron, deepspeed, lightning),
     whose status follows that tool's own commit rule; unknown: named like a checkpoint but no
     layout recognises its files (never deleted).
+
+    ROOT must be a root, not one checkpoint: a checkpoint (a step directory, another tool's
+    checkpoint, a Lightning .ckpt file) is a usage error (exit 2) pointing at `ckptctl inspect`
+    and at its parent. A ROOT without checkpoints whose subdirectories hold some (torchtitan's
+    output folder keeps them in checkpoint/) lists nothing, exit 0, with a hint on stderr
+    naming them.
     """
-    rows = list_root(root)
+    listing = list_root(root)
+    rows = listing.rows
     counts = {status: sum(r.status == status for r in rows) for status in ("committed", "partial", "corrupt", "link", "unknown")}
     if json:
+        if listing.hint:  # none here, but a subdirectory holds some: on stderr, as without --json
+            say(f"hint: {listing.hint}", console=err)
         emit_json({"url": _root_url(rows, root), "checkpoints": [_entry(r.to_dict()) for r in rows], "counts": counts,
                    "bytes": sum(r.size for r in rows)})
         return
@@ -45,6 +54,8 @@ def ls(
     )
     say(f"{len(rows)} checkpoints: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n or status == "committed")
         + f"; total {human_bytes(sum(r.size for r in rows))}", console=err)
+    if listing.hint:  # none here, but a subdirectory holds some
+        say(f"hint: {listing.hint}", console=err)
 
 
 def _entry(d: dict) -> dict:

@@ -6,10 +6,7 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out, print_table
-from ckptctl.cli.policy import (
-    KeepDailyOpt, KeepEveryOpt, KeepHourlyOpt, KeepLastOpt, KeepMonthlyOpt, KeepOpt, KeepWeeklyOpt, KeepWithinOpt,
-    policy_from,
-)
+from ckptctl.cli.policy import RetentionOptions, retention_options
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
 from ckptctl.errors import InvalidCheckpoint, StorageError, UsageError
@@ -23,16 +20,10 @@ def interactive() -> bool:
 
 
 @command
+@retention_options
 def prune(
     root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
-    keep_last: KeepLastOpt = None,
-    keep_every: KeepEveryOpt = None,
-    keep_within: KeepWithinOpt = None,
-    keep_hourly: KeepHourlyOpt = None,
-    keep_daily: KeepDailyOpt = None,
-    keep_weekly: KeepWeeklyOpt = None,
-    keep_monthly: KeepMonthlyOpt = None,
-    keep: KeepOpt = None,
+    retention: RetentionOptions,
     partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker once nothing in them changed for DURATION; on S3, also abort unfinished uploads inside checkpoint directories idle that long.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="Also delete committed checkpoints that fail verification.")] = False,
     seal: Annotated[bool, typer.Option("--seal", help="Seal other tools' anchors this run test-loaded (as `ckptctl seal` does), so later runs check their bytes instead of test-loading them.")] = False,
@@ -49,7 +40,11 @@ def prune(
     weeks or months that have one (as restic's forget does). Time-based rules (--keep-within
     and the calendar) trust a commit time only if it is not in the future and not before the
     first checkpoint's: a checkpoint saved on a host with a wrong clock is kept and flagged, and
-    windows are measured from the newest trustworthy commit time.
+    windows are measured from the newest trustworthy commit time. --keep-best N --metric NAME
+    [--mode min|max] keeps the N checkpoints with the best value of a metric the save recorded
+    (Checkpointer.save(..., metrics=...)) or a Hugging Face Trainer logged at that step
+    (eval_loss, ..., and its best_metric); one without the metric is left to the other rules,
+    and if no checkpoint records it (a misspelt name) all are kept.
 
     The newest committed checkpoint that passes
     full verification (every checksum, every tensor decoded) is always kept, and nothing is
@@ -71,8 +66,9 @@ def prune(
     held or storage error.
 
     Example (cron): ckptctl prune /ckpt --keep-last 3 --keep-every 10000 --yes
+    Example: ckptctl prune /ckpt --keep-last 2 --keep-best 3 --metric val_loss --dry-run
     """
-    policy = policy_from(keep_last, keep_every, keep_within, keep, keep_hourly, keep_daily, keep_weekly, keep_monthly)
+    policy = retention.policy()
     partial_after_s = parse_duration(partial_after, option="--partial-after")
     if not (dry_run or yes or interactive()):
         raise UsageError(

@@ -26,6 +26,10 @@ FORMAT_VERSION = 1
 # above any real model's. The commit marker's ``manifest.size`` is bounded by the same figure.
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_RANKS = 1 << 24
+# ``metrics``: a handful of numbers a save records for retention (``KeepBest``); the bound keeps
+# a hostile manifest from handing retention megabytes of names to sort.
+MAX_METRICS = 256
+MAX_METRIC_NAME = 128
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class Manifest:
     # The save attempt that wrote this checkpoint (16 hex digits; see ``layout.attempt_name``).
     # Optional: older manifests have none ("").
     save_id: str = ""
+    # Finite numbers the job recorded at save time (``save(step, state, metrics=...)``), for
+    # retention by metric. Optional: absent in older manifests and when none were given.
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def new(
@@ -83,6 +90,7 @@ class Manifest:
         *,
         extra: dict[str, Any] | None = None,
         save_id: str | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> "Manifest":
         """The manifest of a checkpoint being written now: files by rank, tensors by name, and
         the ``tool`` entry every writer records (``version.tool_info``). ``save_id``: the
@@ -98,6 +106,7 @@ class Manifest:
             tool=tool_info(),
             extra=dict(extra or {}),
             save_id=new_save_id() if save_id is None else save_id,
+            metrics=check_metrics(metrics or {}),
         )
 
     @property
@@ -121,6 +130,8 @@ class Manifest:
         }
         if self.save_id:
             doc["save_id"] = self.save_id
+        if self.metrics:
+            doc["metrics"] = dict(self.metrics)
         return json.dumps(doc, indent=1, allow_nan=True).encode()
 
     @classmethod
@@ -159,6 +170,7 @@ class Manifest:
             checksum_algorithm=top.str("checksum_algorithm", max_len=64, default=""),
             extra=top.dict("extra", default=None) or {},
             save_id=top.str("save_id", max_len=64, default=""),
+            metrics=_metrics(top),
         )
         parse.check_state_tree(m.state, where, "manifest: 'state'")
         m._validate(where)
@@ -190,6 +202,39 @@ class Manifest:
         for n, t in self.tensors.items():
             if not dtypes.is_known(t.dtype) or any(d < 0 for d in t.shape):
                 raise InvalidCheckpoint(f"{where}: tensor {n!r} has a bad dtype or shape")
+
+
+def check_metrics(metrics: Any) -> dict[str, float]:
+    """What ``save(..., metrics=...)`` may record: at most ``MAX_METRICS`` names of 1 to
+    ``MAX_METRIC_NAME`` printable characters, each a finite number (never a bool). ``ValueError``
+    names the offending entry (a caller's mistake, raised before anything is written)."""
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict of name to number, got {type(metrics).__name__}")
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"metrics has {len(metrics)} entries, more than {MAX_METRICS}")
+    out: dict[str, float] = {}
+    for name, v in metrics.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_METRIC_NAME or not name.isprintable():
+            raise ValueError(f"metrics: name {name!r} is not 1..{MAX_METRIC_NAME} printable characters")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"metrics[{name!r}] must be a number, got {type(v).__name__}")
+        f = float(v)
+        if not math.isfinite(f):
+            raise ValueError(f"metrics[{name!r}] must be finite, got {f}")
+        out[name] = f
+    return out
+
+
+def _metrics(top: parse.Obj) -> dict[str, float]:
+    """The optional ``metrics`` object, every entry checked as the writer checked it."""
+    doc = top.dict("metrics", max_len=MAX_METRICS, default=None) or {}
+    out: dict[str, float] = {}
+    for name, v in doc.items():
+        if not 0 < len(name) <= MAX_METRIC_NAME or not name.isprintable():
+            raise top.bad("metrics", f"has a name that is not 1..{MAX_METRIC_NAME} printable characters")
+        out[name] = parse.as_float(v, lo=-math.inf, hi=math.inf,
+                                   err=lambda why, n=name: top.bad("metrics", f"entry {n!r} {why}"))
+    return out
 
 
 def _file_entry(f: parse.Obj) -> FileEntry:

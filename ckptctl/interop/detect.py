@@ -13,12 +13,23 @@ import re
 from typing import Literal
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.format.formats import FILE_FORMATS, name_among
 from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.storage import open_storage
 from ckptctl.storage.plain_file import open_plain
 
 Format = Literal["ckptctl", "dcp", "safetensors", "torch"]
-FORMATS: tuple[Format, ...] = ("ckptctl", "dcp", "safetensors", "torch")
+# The file formats of the shared vocabulary (``format.formats``), which names layouts too.
+FORMATS: tuple[Format, ...] = FILE_FORMATS  # type: ignore[assignment]
+
+
+def format_named(name: str) -> Format:
+    """The file format ``name`` (a name or an alias of ``format.formats``) stands for. Raises
+    UsageError for an unknown name or a layout that is no file format (``--to hf-trainer``)."""
+    try:
+        return name_among(name, FILE_FORMATS)  # type: ignore[return-value]
+    except ValueError as e:
+        raise UsageError(f"--to: {e}", hint=f"use one of {', '.join(FILE_FORMATS)}") from None
 
 # With a save id before the suffix where the canonical name was taken (``layout.attempt_name``).
 CKPTCTL_SHARD = re.compile(r"^rank-\d{5}-of-\d{5}(-\d+)?(\.[0-9a-f]{16})?\.safetensors$")

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from ckptctl.errors import InvalidCheckpoint, StorageError
-from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
+from ckptctl.format.formats import LAYOUT_NAMES, names_among
 from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout
 from ckptctl.layouts.dcp import DcpLayout
 from ckptctl.layouts.deepspeed import DeepSpeedLayout
@@ -41,20 +40,20 @@ NATIVE: tuple[Layout, ...] = (NativeLayout(),)
 # ckptctl's own first: a step-N directory with a ckptctl marker is ckptctl's, whatever else it holds.
 LAYOUTS: tuple[Layout, ...] = (*NATIVE, DcpLayout(), HfTrainerLayout(), MegatronLayout(), DeepSpeedLayout(),
                                LightningLayout())
+# The layouts' names are the shared vocabulary's (``format.formats``: ``latest --format`` and
+# ``convert --to`` speak the same names); tests/test_format_names.py checks they agree.
 FORMATS: tuple[str, ...] = tuple(layout.name for layout in LAYOUTS)
 
 _Found = tuple[tuple[Layout, ...], ObjectInfo, int]  # (layouts that know the name, child, step)
 
 
 def layouts_named(formats: Sequence[str] | None) -> tuple[Layout, ...]:
-    """The layouts of ``formats`` (names as in ``FORMATS``), all of them for None. Raises
-    ValueError naming an unknown one."""
+    """The layouts of ``formats`` (names or aliases of ``format.formats``' vocabulary), all of
+    them for None. Raises ValueError naming an unknown one, or a file format that is no layout."""
     if formats is None:
         return LAYOUTS
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown:
-        raise ValueError(f"unknown format {', '.join(unknown)}; known: {', '.join(FORMATS)}")
-    return tuple(layout for layout in LAYOUTS if layout.name in formats)
+    wanted = names_among(formats, LAYOUT_NAMES)
+    return tuple(layout for layout in LAYOUTS if layout.name in wanted)
 
 
 def layout_named(name: str, root: Storage) -> Layout:
@@ -143,24 +142,3 @@ def newest_committed(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> I
     """Committed checkpoints, newest first, lazily (each by its layout's commit rule;
     contents not verified)."""
     return (e for e in newest_marked(root, layouts=layouts) if e.status == "committed")
-
-
-def sealed_commit_time(entry: Checkpoint) -> float | None:
-    """Another tool's checkpoint's commit time as its seal recorded it (``ckptctl seal``), for
-    ``ls`` ages and prune's age and calendar rules: the seal's own file is newer than every
-    file of the checkpoint, and a copy gives every file a new mtime, so neither may stand for
-    the checkpoint's age. None when there is no seal, it does not parse (``verify`` reports
-    it), it is another step's, or it predates the field (the caller falls back to the newest
-    modification inside, as before seals recorded it)."""
-    if entry.storage is None or entry.layout in (NATIVE_NAME, UNKNOWN):
-        return None
-    info = entry.storage.stat(SEAL)
-    if info is None or info.kind != "file":  # never a FIFO or a link planted under the seal's name
-        return None
-    try:
-        seal = parse_seal(entry.storage.read(SEAL, max_size=MAX_SEAL_BYTES), entry.storage.url_of(SEAL))
-    except (InvalidCheckpoint, StorageError, FileNotFoundError):
-        return None
-    if seal.committed is None or seal.layout != entry.layout or seal.step not in (None, entry.step):
-        return None
-    return seal.committed

@@ -1,6 +1,7 @@
 """Library retention: after each commit, prune older checkpoints in the background.
 
-``ckptctl.Checkpointer(keep_last=...)`` builds one and hands its ``after`` to the save path as
+``ckptctl.Checkpointer(retention=KeepLast(3) | KeepBest(2, "val_loss"))`` (or its shorthand
+``keep_last=``) builds one and hands its ``after`` to the save path as
 a callable, so the save path never imports the verbs.
 
 The policy and its safety checks are ``ckptctl prune``'s (``ops.prune``): the new checkpoint is
@@ -35,7 +36,7 @@ from ckptctl.format.shard_identity import header_matches
 from ckptctl.layouts.catalog import NATIVE
 from ckptctl.layouts.native import read_committed, read_header
 from ckptctl.ops.prune import prune
-from ckptctl.ops.retention import from_options
+from ckptctl.ops.retention import KeepEvery, KeepLast, Policy, RetentionPolicy
 from ckptctl.ops.shard_scan import stream_file
 from ckptctl.ops.verify import VerifyReport
 from ckptctl.ops.verify_cache import Fingerprint, VerifyCache, fingerprint
@@ -45,10 +46,13 @@ log = logging.getLogger("ckptctl")
 
 
 class BackgroundRetention:
-    def __init__(self, root: Storage, keep_last: int | None, keep_every: int | None) -> None:
-        """Raises ``UsageError`` for bad values, at once (on every rank, not in a thread)."""
+    def __init__(self, root: Storage, keep_last: int | None = None, keep_every: int | None = None, *,
+                 retention: Policy | RetentionPolicy | None = None) -> None:
+        """``retention``: the rules (``KeepLast(3) | KeepEvery(1000)``); ``keep_last`` and
+        ``keep_every`` are shorthand for ``KeepLast``/``KeepEvery`` and cannot be given with it.
+        Raises ``ValueError`` for bad values, at once (on every rank, not in a thread)."""
         self.root = root
-        self.policy = from_options(keep_last, keep_every, None, ())
+        self.policy = retention_policy(retention, keep_last, keep_every)
         self._pool: ThreadPoolExecutor | None = None  # started by the first request
         self._lock = threading.Lock()
         self._requests: list[tuple[int, "Future[str | None]"]] = []  # saves not yet looked at by a run
@@ -160,6 +164,33 @@ class BackgroundRetention:
                 log.warning("retention: %s %s: %s", o.result, o.name, o.detail)
             if outcome.deleted:
                 log.info("retention after step %d deleted %s", owed, ", ".join(o.name for o in outcome.deleted))
+
+
+def retention_policy(retention: Policy | RetentionPolicy | None, keep_last: int | None,
+                     keep_every: int | None) -> RetentionPolicy:
+    """The rules ``Checkpointer(retention=..., keep_last=..., keep_every=...)`` describe.
+    ``ValueError`` when both forms are given, none is, or a value is bad.
+
+    >>> retention_policy(None, 3, None).describe()
+    'keep-last 3'
+    >>> retention_policy(KeepLast(3), 2, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: keep_last/keep_every are shorthand for retention=KeepLast(n) | KeepEvery(steps); pass one or the other
+    """
+    shorthand: list[Policy] = []
+    if keep_last is not None:
+        shorthand.append(KeepLast(keep_last))
+    if keep_every is not None:
+        shorthand.append(KeepEvery(keep_every))
+    if retention is not None and shorthand:
+        raise ValueError("keep_last/keep_every are shorthand for retention=KeepLast(n) | KeepEvery(steps); "
+                         "pass one or the other")
+    if retention is None:
+        return RetentionPolicy(shorthand)  # empty: ValueError (InvalidPolicy)
+    if not isinstance(retention, (Policy, RetentionPolicy)):
+        raise TypeError(f"retention must be a retention policy such as KeepLast(3), got {retention!r}")
+    return RetentionPolicy.of(retention)
 
 
 def _log_unexpected(future: "Future[None]") -> None:

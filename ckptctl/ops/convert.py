@@ -58,7 +58,7 @@ from ckptctl.format.layout import MANIFEST, MARKER, shard_name
 from ckptctl.format.manifest import Manifest, TensorEntry
 from ckptctl.interop import steps
 from ckptctl.interop.base import Source, TensorMeta
-from ckptctl.interop.detect import FORMATS, Format, detect
+from ckptctl.interop.detect import Format, detect, format_named
 from ckptctl.interop.steps import StepClue
 from ckptctl.layouts.native import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
@@ -183,8 +183,7 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
     target refuses a source that records none (UsageError: pass ``step``). ``strip_prefix``:
     see ``ops.convert_tree``; ``only`` prefixes match the names before stripping."""
     t0 = time.perf_counter()
-    if to not in FORMATS:
-        raise UsageError(f"--to {to!r} is not one of {', '.join(FORMATS)}")
+    to = format_named(to)  # the shared vocabulary: a name or an alias (format.formats)
     cast = None
     if dtype is not None:
         cast = CASTS.get(dtype.lower())

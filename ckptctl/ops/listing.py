@@ -7,16 +7,29 @@ written, or abandoned), ``corrupt`` (claims to be committed but is not self-cons
 no layout recognises its files; never deleted). ``verify`` finds the rest. This module adds
 what ``ls`` prints beside it: the layout (FORMAT: ckptctl, dcp, hf-trainer, megatron,
 deepspeed, lightning), size and age.
+
+It also says what a root that holds no checkpoint is instead (``wrong_level``): one checkpoint
+(``ls`` named a checkpoint, not its root), or the parent of directories that hold checkpoints
+(torchtitan's dump folder, whose checkpoints are in ``checkpoint/``), so that ``ls`` and
+``restore`` point at the right level instead of answering "0 checkpoints".
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 
+from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
+from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir
+from ckptctl.interop.detect import CKPTCTL_SHARD
 from ckptctl.layouts import catalog
 from ckptctl.layouts.native import total_size
 from ckptctl.storage.base import Storage
+
+# How many subdirectories of a root without checkpoints are looked into for some: enough for a
+# run's output folder (checkpoint/, tb/, logs/), bounded for a bucket of thousands (a LIST each).
+SUBDIRS_LOOKED_INTO = 32
 
 
 @dataclass(frozen=True)
@@ -46,10 +59,123 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
         info = root.stat(e.name)
         # A checkpoint that is one file (Lightning's *.ckpt): its own size and time.
         size, created = (info.size, info.mtime) if info is not None and info.kind == "file" else total_size(e.storage)
-        sealed = catalog.sealed_commit_time(e)  # a sealed checkpoint's own commit time, not its seal's
-        if sealed is not None:
-            created = sealed
         if e.manifest is not None:
             created = e.manifest.created
+        elif not created and info is not None and info.mtime:
+            created = info.mtime  # nothing inside (an empty partial): its directory's time, never the epoch
         out.append(Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout))
     return out
+
+
+@dataclass(frozen=True)
+class WrongLevel:
+    """What a root that lists no checkpoint is instead: ``checkpoint`` (it is one: ckptctl's,
+    or another tool's layout or format, named in ``what``), or ``parent`` (``below`` names
+    its subdirectories that hold checkpoints, with how many)."""
+
+    kind: str  # "checkpoint" or "parent"
+    what: str = ""
+    below: tuple[tuple[str, int], ...] = ()
+
+
+def checkpoint_kind(root: Storage) -> str | None:
+    """What one checkpoint ``root`` itself is ("a ckptctl checkpoint", "a dcp checkpoint",
+    "a lightning checkpoint file"), or None when it is none. Cheap: a listing and, for a
+    local path, other tools' detection by file names and headers."""
+    local = root.local_path()
+    if local is not None and os.path.isfile(local):
+        from ckptctl.ops.layout_verify import stack_checkpoint_at  # imported when needed: detection reads headers
+
+        found = stack_checkpoint_at(local)
+        return f"a {found[0].name} checkpoint file" if found is not None else None
+    names = {info.key.rsplit("/", 1)[-1] for info in root.children()}
+    if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
+        return "a ckptctl checkpoint"
+    if local is None:
+        return None
+    from ckptctl.interop.detect import foreign_format
+    from ckptctl.ops.layout_verify import stack_checkpoint_at
+
+    found = stack_checkpoint_at(local)
+    if found is not None:
+        return f"a {found[0].name} checkpoint"
+    fmt = foreign_format(local)
+    if fmt is not None:
+        return f"a {fmt} checkpoint"
+    if not names and parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
+        return "an empty ckptctl checkpoint directory"
+    return None
+
+
+def holders_below(root: Storage, *, limit: int = SUBDIRS_LOOKED_INTO) -> list[tuple[str, int]]:
+    """Subdirectories of ``root`` that hold checkpoints, with how many each (the first
+    ``limit`` subdirectories, by name, are looked into; links are never followed)."""
+    found = []
+    dirs = sorted(c.key for c in root.children() if c.kind == "dir")
+    for name in dirs[:limit]:
+        n = len(catalog.list_checkpoints(root.sub(name)))
+        if n:
+            found.append((name, n))
+    return found
+
+
+def wrong_level(root: Storage) -> WrongLevel | None:
+    """For a root that lists no checkpoint: is it one checkpoint, or the parent of roots?
+    None when neither (an empty root, a fresh run)."""
+    what = checkpoint_kind(root)
+    if what is not None:
+        return WrongLevel("checkpoint", what)
+    below = holders_below(root)
+    return WrongLevel("parent", below=tuple(below)) if below else None
+
+
+def parent_of(url: str) -> str:
+    """The directory or prefix that holds ``url`` (a path as given, or a URL)."""
+    stripped = url.rstrip("/")
+    head, sep, _tail = stripped.rpartition("/")
+    if not sep or head.endswith(":/"):  # a bare relative name, or s3://bucket
+        return "." if not sep else stripped
+    return head or "/"
+
+
+def below_text(path: str, below: tuple[tuple[str, int], ...]) -> str:
+    """``"checkpoint/ holds 3 checkpoints"``, for up to three subdirectories."""
+    parts = [f"{name}/ holds {n} checkpoint{'' if n == 1 else 's'}" for name, n in below[:3]]
+    more = f" (and {len(below) - 3} more subdirectories)" if len(below) > 3 else ""
+    return f"no checkpoint directly in {path}, but " + ", ".join(parts) + more
+
+
+def sub_path(path: str, name: str) -> str:
+    return path.rstrip("/") + "/" + name
+
+
+def nothing_to_restore(root: Storage) -> CkptError:
+    """The error for ``restore`` when ``root`` gave it no checkpoint to copy, built from the
+    listing ``ls`` shows, so that the two never disagree: Lightning's one-file checkpoints
+    (which restore does not copy: a UsageError saying so), checkpoints none of which is
+    committed, one checkpoint or a parent of roots (the wrong level), or truly nothing."""
+    rows = catalog.list_checkpoints(root)
+    files = [e for e in rows if e.layout == "lightning" and e.status == "committed"]
+    if files:
+        n = len(files)
+        return UsageError(
+            f"{root.url} holds {n} Lightning checkpoint{'' if n == 1 else 's'} (one .ckpt file each); "
+            "restore copies checkpoint directories only, not one-file checkpoints",
+            hint="copy the newest good one as a file: cp \"$(ckptctl latest SRC --format lightning)\" DST/")
+    if rows:
+        counts: dict[str, int] = {}
+        for e in rows:
+            counts[e.status] = counts.get(e.status, 0) + 1
+        held = ", ".join(f"{n} {status}" for status, n in counts.items())
+        return NoValidCheckpoint(f"{root.url}: no committed checkpoint to restore ({held})",
+                                 hint=f"`ckptctl ls {root.url}` shows why each is not committed")
+    wrong = wrong_level(root)
+    if wrong is not None and wrong.kind == "checkpoint":
+        return NoValidCheckpoint(f"{root.url} is {wrong.what}, not committed by its layout's rule",
+                                 hint=f"`ckptctl verify {root.url}` says what is missing")
+    if wrong is not None:
+        sub = sub_path(root.url, wrong.below[0][0])
+        return NoValidCheckpoint(f"{below_text(root.url, wrong.below)}",
+                                 hint=f"restore from the subdirectory: `ckptctl restore {sub} DST`")
+    return NoValidCheckpoint(f"{root.url}: no checkpoint of any known layout",
+                             hint="check SRC; nothing has been saved there")

@@ -23,13 +23,14 @@ from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
 from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout
-from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints, sealed_commit_time
+from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.layout_verify import verify_stack_detail
 from ckptctl.ops.seal import write_seal
 from ckptctl.ops.retention import Candidate, KeepSteps, RetentionPolicy
+from ckptctl.ops.retention_metrics import hf_trainer_metrics
 from ckptctl.ops.verify import Level, VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.ops.verify_cache import Fingerprint, VerifyCache, verify_cached
@@ -59,6 +60,7 @@ class PlanItem:
     verification: dict[str, Any] | None = None  # summary of a verification, when one ran
     snapshot: Snapshot = ()  # the files as planned; execute deletes only if they are unchanged
     layout: str = NATIVE_NAME  # whose checkpoint it is (layouts.catalog)
+    metrics: dict[str, float] = field(default_factory=dict)  # recorded at save time (KeepBest ranks by them)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,7 +151,9 @@ def plan(
                   seal=seal, record=record)
     p.cache = VerifyCache.load(root, read_only=not record)  # record=False: a dry run writes nothing
     ours = {layout.name for layout in layouts}
-    p.items = [_survey(root, e, p.now, partial_after_s) for e in list_checkpoints(root)]
+    entries = list_checkpoints(root)
+    p.items = [_survey(root, e, p.now, partial_after_s) for e in entries]
+    _attach_metrics(root, entries, p.items)
     for item in p.items:
         # A symlink under another stack's name is that stack's too (DeepSpeed's `latest` may
         # name it): library retention leaves it alone like the stack's directories.
@@ -231,12 +235,22 @@ def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float
         item.kind, item.reason = "broken", entry.reason or entry.status
         return item
     item.kind = "committed"
-    # Other stacks record no creation time: the commit time their seal recorded stands for it
-    # (the seal's own file is newer), else the newest modification inside.
-    sealed = sealed_commit_time(entry) if entry.manifest is None else None
-    item.created = (entry.manifest.created if entry.manifest is not None else sealed if sealed is not None
-                    else max((s[2] for s in snap), default=0.0))
+    # Other stacks record no creation time: the newest modification inside stands for it.
+    item.created = entry.manifest.created if entry.manifest is not None else max((s[2] for s in snap), default=0.0)
     return item
+
+
+def _attach_metrics(root: Storage, entries: list[Checkpoint], items: list[PlanItem]) -> None:
+    """What ``KeepBest`` ranks by: a manifest's ``metrics``, a Trainer checkpoint's logged
+    evaluation (``ops.retention_metrics``); none for the other stacks."""
+    trainer = hf_trainer_metrics(root, [(i.name, i.step) for i in items if i.kind == "committed" and i.layout == "hf-trainer"])
+    for entry, item in zip(entries, items):
+        if item.kind != "committed":
+            continue
+        if entry.manifest is not None:
+            item.metrics = dict(entry.manifest.metrics)
+        elif item.layout == "hf-trainer":
+            item.metrics = trainer.get(item.name, {})
 
 
 def _mark_duplicates(items: list[PlanItem]) -> None:
@@ -335,7 +349,7 @@ def _apply_policy(p: PrunePlan, layout: str) -> None:
     cands = [i for i in p.items if i.kind == "committed" and i.layout == layout and (own is None or i.step <= own.step)]
     by_step = {i.step: i for i in cands}
     anchor = own.step if own is not None else None
-    decisions = p.policy.decide([Candidate(i.step, float(i.created or 0.0)) for i in cands], anchor, now=p.now)
+    decisions = p.policy.decide([Candidate(i.step, float(i.created or 0.0), i.metrics) for i in cands], anchor, now=p.now)
     for step, d in decisions.items():
         item = by_step[step]
         if d.implausible:  # a wrong clock on the saving host: flagged, never a reason to delete

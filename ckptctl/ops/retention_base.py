@@ -13,12 +13,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["AnyOf", "Candidate", "Decision", "InvalidPolicy", "MAX_METRICS", "MAX_METRIC_NAME", "Policy", "check_int"]
+from ckptctl.format.manifest import MAX_METRIC_NAME, MAX_METRICS  # the manifest's bounds on metrics
 
-# A checkpoint records a handful of metrics (val_loss, accuracy, ...); the bound keeps a
-# hostile manifest from making retention sort megabytes of names. The manifest enforces the same.
-MAX_METRICS = 256
-MAX_METRIC_NAME = 128
+__all__ = ["AnyOf", "Candidate", "Decision", "InvalidPolicy", "MAX_METRICS", "MAX_METRIC_NAME", "Policy", "check_int"]
 
 
 class InvalidPolicy(ValueError):

@@ -93,11 +93,15 @@ class Target:
     format: str | None = None
 
 
-def _root_error(path: str, n: int) -> UsageError:
-    return UsageError(
-        f"this is a root holding {n} checkpoint{'' if n == 1 else 's'}; did you mean --latest?",
-        hint=f"name one checkpoint ({path.rstrip('/')}/step-XXXXXXXXXX), or pass --latest or --all where the verb has them",
-    )
+def _root_error(path: str, n: int, verb: str) -> UsageError:
+    # Only verify has --latest/--all: every other verb's hint names what it does take.
+    many = f"this is a root holding {n} checkpoint{'' if n == 1 else 's'}"
+    one = f"{path.rstrip('/')}/step-XXXXXXXXXX"
+    if verb == "verify":
+        return UsageError(f"{many}; did you mean --latest?",
+                          hint=f"name one checkpoint ({one}), or pass --latest or --all: `ckptctl verify {path} --latest`")
+    return UsageError(f"{many}; {verb} takes one checkpoint",
+                      hint=f"name one checkpoint ({one}); `ckptctl ls {path}` lists them")
 
 
 def _not_a_checkpoint(path: str, what: str) -> InvalidCheckpoint:
@@ -107,10 +111,21 @@ def _not_a_checkpoint(path: str, what: str) -> InvalidCheckpoint:
     )
 
 
-def resolve_checkpoint(path: str, *, foreign: bool = True) -> Target:
+def _not_ckptctl(path: str, fmt: str, verb: str) -> InvalidCheckpoint:
+    """Another tool's checkpoint given to a verb that reads ckptctl's only (reshard, cp of a
+    bare DCP or safetensors directory): say so, and what makes one it can read."""
+    return InvalidCheckpoint(
+        f"{path} is a {fmt} checkpoint; {verb} takes ckptctl checkpoints only",
+        hint=f"make one first: `ckptctl convert {path} DIR --to ckptctl`"
+             + (", then reshard DIR" if verb == "reshard" else ""),
+    )
+
+
+def resolve_checkpoint(path: str, *, foreign: bool = True, verb: str = "this verb") -> Target:
     """Say what ``path`` holds when one checkpoint is expected. Raises UsageError (missing
     path, or a root of checkpoints) or InvalidCheckpoint (nothing that is a checkpoint).
-    With ``foreign=False`` another tool's checkpoint is refused like any non-checkpoint."""
+    With ``foreign=False`` another tool's checkpoint is refused, saying that ``verb`` takes
+    ckptctl checkpoints only."""
     st = _open_existing(path)
     local = st.local_path()
     if local is None:  # object storage: only ckptctl checkpoints live there
@@ -118,7 +133,7 @@ def resolve_checkpoint(path: str, *, foreign: bool = True) -> Target:
             return Target(path, "ckptctl", st)
         steps = list_checkpoints(st)
         if steps:
-            raise _root_error(path, len(steps))
+            raise _root_error(path, len(steps), verb)
         if next(iter(st.list()), None) is None:
             raise _no_such(path)
         return Target(path, "ckptctl", st)  # objects but no marker: the reader says why
@@ -129,13 +144,13 @@ def resolve_checkpoint(path: str, *, foreign: bool = True) -> Target:
     fmt = foreign_format(local)
     if fmt is not None:
         if not foreign:
-            raise _not_a_checkpoint(path, f"a {fmt} checkpoint; `ckptctl convert --to ckptctl` makes a ckptctl one")
+            raise _not_ckptctl(path, fmt, verb)
         return Target(local, "foreign", format=fmt)  # the readers of other formats take a local path
     if not os.path.isdir(local):
         raise _not_a_checkpoint(path, "a file of no checkpoint format")
     steps = list_checkpoints(st)
     if steps:
-        raise _root_error(path, len(steps))
+        raise _root_error(path, len(steps), verb)
     if parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
         return Target(path, "ckptctl", st)  # a step directory still empty: the reader says "not committed"
     raise _not_a_checkpoint(path, "no manifest, marker, DCP .metadata or .safetensors in it")
@@ -147,7 +162,7 @@ def resolve_checkpoint(path: str, *, foreign: bool = True) -> Target:
 def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | ForeignInspect":
     """What the checkpoint at ``path`` holds: a ckptctl checkpoint from its manifest, another
     tool's from its metadata (the result's ``format`` field tells them apart)."""
-    target = resolve_checkpoint(path)
+    target = resolve_checkpoint(path, verb="inspect")
     if target.kind == "foreign":
         from ckptctl.ops.foreign import inspect_foreign  # needs torch
 
@@ -177,8 +192,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
-    from ckptctl.ops.layout_verify import verify_root
-    from ckptctl.ops.verify import LEVELS, verify_checkpoint
+    from ckptctl.ops.verify import LEVELS, verify_checkpoint, verify_root
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -193,7 +207,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     if stack is not None:  # another stack's checkpoint directory: every file, by its own rules
         report = verify_stack(stack[1], stack[0], level)  # type: ignore[arg-type]
         return VerifyOutcome(report.ok, level, [report], report.note)
-    target = resolve_checkpoint(path)
+    target = resolve_checkpoint(path, verb="verify")
     if target.kind == "foreign":
         from ckptctl.ops.foreign import verify_foreign  # needs torch
 
@@ -202,6 +216,16 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     assert target.storage is not None
     report = verify_checkpoint(target.storage, level, progress)  # type: ignore[arg-type]
     return VerifyOutcome(report.ok, level, [report])
+
+
+def latest_in(root: str, level: str = "checksums", progress: Progress | None = None) -> "tuple[VerifyReport, list[VerifyReport]]":
+    """``ops.verify.latest`` of the root at ``root``: the newest checkpoint that verifies and
+    the reports of newer ones that did not."""
+    from ckptctl.ops.verify import LEVELS, latest
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    return latest(open_root(root), level, progress)  # type: ignore[arg-type]
 
 
 def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
@@ -217,11 +241,51 @@ def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | Non
     return latest_checkpoint(open_root(root), level, formats=formats, progress=progress)  # type: ignore[arg-type]
 
 
-def list_root(root: str) -> "list[Listed]":
-    """Every checkpoint under the root at ``root`` (``ops.listing.list_checkpoints``)."""
+@dataclass
+class RootListing:
+    """``ls``'s answer: the checkpoints of a root, and, when there are none but the path's
+    subdirectories hold some (torchtitan's dump folder holds them in ``checkpoint/``), a hint
+    saying where (printed on stderr; the listing itself stays the truth about this root)."""
+
+    rows: "list[Listed]"
+    hint: str | None = None
+
+
+def _checkpoint_not_root(path: str, what: str) -> UsageError:
+    parent = listing_parent(path)
+    return UsageError(f"{path} is {what}, not a root of checkpoints",
+                      hint=f"`ckptctl inspect {path}` shows what it holds; `ckptctl ls {parent}` lists it beside the others")
+
+
+def listing_parent(path: str) -> str:
+    from ckptctl.ops.listing import parent_of
+
+    return parent_of(path)
+
+
+def list_root(root: str) -> RootListing:
+    """Every checkpoint under the root at ``root`` (``ops.listing.list_checkpoints``).
+    The wrong level is named: one checkpoint given as the root is a UsageError (exit 2: it
+    holds no checkpoints of its own, and "0 checkpoints" would read as a fresh run); a root
+    with none whose subdirectories hold some gets a hint naming them."""
     from ckptctl.ops import listing
 
-    return listing.list_checkpoints(open_root(root))
+    st = _open_existing(root)
+    local = st.local_path()
+    if local is not None and os.path.isfile(local):  # a one-file checkpoint (Lightning's .ckpt)
+        what = listing.checkpoint_kind(st)
+        if what is not None:
+            raise _checkpoint_not_root(root, what)
+    rows = listing.list_checkpoints(open_root(root))
+    if rows:
+        return RootListing(rows)
+    wrong = listing.wrong_level(st)
+    if wrong is None:
+        return RootListing(rows)
+    if wrong.kind == "checkpoint":
+        raise _checkpoint_not_root(root, wrong.what)
+    first = listing.sub_path(root, wrong.below[0][0])
+    return RootListing(rows, f"{listing.below_text(root, wrong.below)}: `ckptctl ls {first}`")
 
 
 # --- prune, interval ------------------------------------------------------------------------
@@ -269,7 +333,7 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
         dest, dest_root = destination_for(stack, dst)
         done = copy_stack_checkpoint(stack, dest, dest_root, progress)
         return CopyOutcome(dest.local_path() or dest.url, done)
-    target = resolve_checkpoint(src, foreign=False)
+    target = resolve_checkpoint(src, foreign=False, verb="cp")
     assert target.storage is not None
     manifest, _ = read_committed(target.storage)
     dest = checkpoint_dir_for(open_storage(dst), manifest.step)
@@ -285,6 +349,13 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
     from ckptctl.ops.transfer import restore_latest
 
     src = _open_existing(src_root)
+    local = src.local_path()
+    if local is not None and os.path.isfile(local):  # a one-file checkpoint (Lightning's .ckpt), or any file
+        from ckptctl.ops.listing import checkpoint_kind
+
+        what = checkpoint_kind(src) or "a file"
+        raise UsageError(f"{src_root} is {what}; restore copies checkpoint directories from a root of them",
+                         hint="copy the file itself (cp, rsync, aws s3 cp)")
     if wants_stack_restore(src):  # other tools' checkpoints, and no ckptctl one (ops.stack_copy)
         if world_size is not None:
             raise UsageError("--world-size re-shards ckptctl checkpoints only",
@@ -306,7 +377,7 @@ def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False
     from ckptctl.ops.reshard import reshard
     from ckptctl.ops.torchrun import torchrun_group
 
-    target = resolve_checkpoint(src, foreign=False)
+    target = resolve_checkpoint(src, foreign=False, verb="reshard")
     assert target.storage is not None
     return_freed_memory()  # memory stays one tensor, not a heap of freed ones
     with torchrun_group() as rank:
@@ -330,7 +401,7 @@ def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype
 
 
 __all__ = [
-    "CopyOutcome", "Target", "VerifyOutcome", "advise_for_root", "convert_path", "copy_to", "inspect_path",
-    "latest_for", "list_root", "open_root", "prune_root", "reshard_path", "resolve_checkpoint", "restore_into",
+    "CopyOutcome", "RootListing", "Target", "VerifyOutcome", "advise_for_root", "convert_path", "copy_to", "inspect_path",
+    "latest_for", "latest_in", "list_root", "open_root", "prune_root", "reshard_path", "resolve_checkpoint", "restore_into",
     "verify_path",
 ]

@@ -317,8 +317,10 @@ def restore_latest(
             f"{src_root.url}: no committed checkpoint at step {step}",
             hint=f"list what is there with `ckptctl ls {src_root.url}`",
         )
-    if not skipped:
-        raise NoValidCheckpoint(f"{src_root.url}: no committed checkpoint", hint="check SRC; nothing has been saved there")
+    if not skipped:  # say what SRC holds instead, from the listing `ls` shows
+        from ckptctl.ops.listing import nothing_to_restore
+
+        raise nothing_to_restore(src_root)
     raise NoValidCheckpoint(
         f"{src_root.url}: none of {len(skipped)} committed checkpoints verifies",
         hint="run `ckptctl verify SRC --all` to see what is wrong with each",

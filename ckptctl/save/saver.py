@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ckptctl.errors import CkptError, CoordinationError, RefusedForSafety, SaveFailed
 from ckptctl.format.layout import MARKER, attempt_name, shard_name, step_dir
-from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
+from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry, check_metrics
 from ckptctl.layouts.native import commit
 from ckptctl.save.coordination import AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.replicas import replica_digests
@@ -134,9 +134,10 @@ class Saver:
                 return False  # a write still reads the buffer: the next save sizes it after draining
             return self.staging.prepare(layout, captured.tensors)  # pinned under the tensors' GPU
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> SaveHandle:
         """See ``Checkpointer.save``."""
         self._check_open()
+        recorded = check_metrics(metrics if metrics is not None else {})  # a bad one raises before any work
         with self._lock:
             t0 = time.perf_counter()
             self._drain()  # back-pressure: the staging buffer is still being written
@@ -173,14 +174,15 @@ class Saver:
                 if fence is not None:  # copies left in flight land before anything is hashed
                     fence.synchronize()
                 if self.coordinator is not None:
-                    return self._write_and_coordinate(step, ckpt, layout, buf, captured, stats, replicas, written, save_id)
+                    return self._write_and_coordinate(step, ckpt, layout, buf, captured, stats, replicas, written, save_id,
+                                                      recorded)
                 t = time.perf_counter()
                 name = shard_name(self.rank, self.world_size)
                 report = write_shard(ckpt, name, layout, buf, rank=self.rank, rank_state=captured.rank_state,
                                      fallback=attempt_name(name, save_id))
                 written.append(report.file)
                 stats["write_s"] = time.perf_counter() - t
-                manifest = manifest_from_reports(step, self.world_size, [report], captured.tree, stats, save_id)
+                manifest = manifest_from_reports(step, self.world_size, [report], captured.tree, stats, save_id, recorded)
                 commit(ckpt, manifest, published=[report.file.name])
                 return ckpt.url
 
@@ -239,7 +241,8 @@ class Saver:
         handle.observed = True
 
     def _write_and_coordinate(self, step: int, ckpt: Storage, layout: ShardLayout, buf, captured: Captured, stats: dict[str, float],
-                              replicas: list[int] | None, written: list[FileEntry] | None, save_id: str) -> str:
+                              replicas: list[int] | None, written: list[FileEntry] | None, save_id: str,
+                              metrics: dict[str, float] | None = None) -> str:
         """Multi-rank: write this rank's shard, then let the coordinator decide (writer thread).
 
         A failed write is reported to rank 0 rather than raised here, so the other ranks learn
@@ -259,7 +262,9 @@ class Saver:
 
         def commit_on_rank0(files: list[FileEntry], tensors: dict[str, TensorEntry], all_stats: dict[str, float]) -> str:
             all_stats["commit_s"] = time.perf_counter() - t
-            manifest = Manifest.new(step, self.world_size, files, tensors, captured.tree, all_stats, save_id=save_id)
+            # Rank 0 commits, so rank 0's metrics are the ones recorded.
+            manifest = Manifest.new(step, self.world_size, files, tensors, captured.tree, all_stats, save_id=save_id,
+                                    metrics=metrics)
             # Every rank's file was published by this save (``write_shard``): a lost race deletes them.
             commit(ckpt, manifest, published=[f.name for f in files])
             return ckpt.url
@@ -320,7 +325,7 @@ class Saver:
 
 
 def manifest_from_reports(step: int, world_size: int, reports: Sequence[ShardReport], tree: dict[str, Any], stats: dict[str, float],
-                          save_id: str | None = None) -> Manifest:
+                          save_id: str | None = None, metrics: dict[str, float] | None = None) -> Manifest:
     """The manifest of a save whose every shard report is at hand (one process): each tensor's
     chunks counted over the shards."""
     tensors: dict[str, TensorEntry] = {}
@@ -328,7 +333,8 @@ def manifest_from_reports(step: int, world_size: int, reports: Sequence[ShardRep
         for s in r.slots:
             t = tensors.get(s.name)
             tensors[s.name] = TensorEntry(s.dtype, s.global_shape, s.group, (t.chunks if t else 0) + 1)
-    return Manifest.new(step, world_size, [r.file for r in reports], tensors, tree, stats, save_id=save_id)
+    return Manifest.new(step, world_size, [r.file for r in reports], tensors, tree, stats, save_id=save_id,
+                        metrics=metrics)
 
 
 def _never_commits(*_: object) -> str:
