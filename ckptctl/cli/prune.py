@@ -66,7 +66,8 @@ def prune(
     held or storage error.
 
     Example (cron): ckptctl prune /ckpt --keep-last 3 --keep-every 10000 --yes
-    Example: ckptctl prune /ckpt --keep-last 2 --keep-best 3 --metric val_loss --dry-run
+
+    Example (the best by a recorded metric): ckptctl prune /ckpt --keep-last 2 --keep-best 3 --metric val_loss --dry-run
     """
     policy = retention.policy()
     partial_after_s = parse_duration(partial_after, option="--partial-after")

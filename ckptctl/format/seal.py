@@ -7,12 +7,18 @@ once and writes this sidecar next to its files (never changing them): per file i
 XXH3-64 and, for files larger than ``chunk_size``, the XXH3-64 of each ``chunk_size`` piece so
 that bit rot is located to a byte range. ``verify`` then checks every byte against it.
 
+``created`` is when the seal was written; ``committed`` the checkpoint's own commit time at
+sealing (the newest modification among its files then), which every age and calendar rule
+uses instead of the seal's own mtime: sealing never makes a checkpoint younger, and a copy
+that carries the seal keeps its age. Seals written before the field existed lack it; their
+checkpoints' age falls back to the newest modification inside, the seal file's included.
+
 This module is pure: bytes in, a ``Seal`` or ``InvalidCheckpoint`` out (``format.parse``).
 
     {"kind": "ckptctl-seal", "version": 1, "layout": "hf-trainer", "name": "checkpoint-1500",
-     "step": 1500, "created": 1764570000.0, "tool": {"ckptctl": "0.1.0", ...},
+     "step": 1500, "created": 1764570000.0, "committed": 1764000000.0, "tool": {"ckptctl": "0.1.0", ...},
      "algorithm": "xxh3-64", "chunk_size": 67108864, "test_loaded": "load",
-     "not_loaded": ["training_args.bin: presence and size only (...)"],
+     "not_loaded": ["training_args.bin: decoded structurally, not test-loaded (...)"],
      "files": [{"name": "model.safetensors", "size": 123, "xxh3": "...", "chunks": []}, ...]}
 """
 
@@ -67,6 +73,7 @@ class Seal:
     test_loaded: str = "load"
     not_loaded: tuple[str, ...] = ()
     algorithm: str = ALGORITHM
+    committed: float | None = None  # the checkpoint's commit time at sealing (None: an older seal)
 
     @property
     def total_bytes(self) -> int:
@@ -95,7 +102,8 @@ def encode_seal(seal: Seal) -> bytes:
     """The sidecar's bytes (stable key order, one file per line for diffs)."""
     doc = {
         "kind": KIND, "version": VERSION, "layout": seal.layout, "name": seal.name, "step": seal.step,
-        "created": seal.created, "tool": dict(seal.tool), "algorithm": seal.algorithm,
+        "created": seal.created, **({} if seal.committed is None else {"committed": seal.committed}),
+        "tool": dict(seal.tool), "algorithm": seal.algorithm,
         "chunk_size": seal.chunk_size, "test_loaded": seal.test_loaded, "not_loaded": list(seal.not_loaded),
         "files": [{"name": f.name, "size": f.size, "xxh3": f.xxh3, "chunks": list(f.chunks)} for f in seal.files],
     }
@@ -145,9 +153,13 @@ def parse_seal(raw: bytes, where: str) -> Seal:
     if not all(isinstance(s, str) and len(s) <= 4096 for s in not_loaded):
         raise o.bad("not_loaded", "holds something other than short strings")
     step = o.int("step", lo=0, hi=INT64_MAX, default=None)
+    created = o.float("created", lo=0.0, hi=MAX_TIME)
+    committed = o.float("committed", lo=0.0, hi=MAX_TIME, default=None)
+    if committed is not None and committed > created:
+        raise o.bad("committed", "is later than the seal's own time: a checkpoint is committed before it is sealed")
     return Seal(
         layout=o.str("layout", max_len=64), name=o.str("name", max_len=4096), step=step,
-        created=o.float("created", lo=0.0, hi=MAX_TIME), tool={str(k): str(v)[:200] for k, v in tool.items()},
+        created=created, committed=committed, tool={str(k): str(v)[:200] for k, v in tool.items()},
         files=tuple(files), chunk_size=chunk_size, test_loaded=o.str("test_loaded", max_len=32, default="load"),
         not_loaded=tuple(not_loaded), algorithm=algorithm,
     )

@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from ckptctl.format.formats import LAYOUT_NAMES, names_among
+from ckptctl.errors import InvalidCheckpoint, StorageError
+from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
 from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout
 from ckptctl.layouts.dcp import DcpLayout
 from ckptctl.layouts.deepspeed import DeepSpeedLayout
@@ -142,3 +144,24 @@ def newest_committed(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> I
     """Committed checkpoints, newest first, lazily (each by its layout's commit rule;
     contents not verified)."""
     return (e for e in newest_marked(root, layouts=layouts) if e.status == "committed")
+
+
+def sealed_commit_time(entry: Checkpoint) -> float | None:
+    """Another tool's checkpoint's commit time as its seal recorded it (``ckptctl seal``), for
+    ``ls`` ages and prune's age and calendar rules: the seal's own file is newer than every
+    file of the checkpoint, and a copy gives every file a new mtime, so neither may stand for
+    the checkpoint's age. None when there is no seal, it does not parse (``verify`` reports
+    it), it is another step's, or it predates the field (the caller falls back to the newest
+    modification inside, as before seals recorded it)."""
+    if entry.storage is None or entry.layout in (NATIVE_NAME, UNKNOWN):
+        return None
+    info = entry.storage.stat(SEAL)
+    if info is None or info.kind != "file":  # never a FIFO or a link planted under the seal's name
+        return None
+    try:
+        seal = parse_seal(entry.storage.read(SEAL, max_size=MAX_SEAL_BYTES), entry.storage.url_of(SEAL))
+    except (InvalidCheckpoint, StorageError, FileNotFoundError):
+        return None
+    if seal.committed is None or seal.layout != entry.layout or seal.step not in (None, entry.step):
+        return None
+    return seal.committed

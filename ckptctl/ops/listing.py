@@ -59,6 +59,9 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
         info = root.stat(e.name)
         # A checkpoint that is one file (Lightning's *.ckpt): its own size and time.
         size, created = (info.size, info.mtime) if info is not None and info.kind == "file" else total_size(e.storage)
+        sealed = catalog.sealed_commit_time(e)  # a sealed checkpoint's own commit time, not its seal's
+        if sealed is not None:
+            created = sealed
         if e.manifest is not None:
             created = e.manifest.created
         elif not created and info is not None and info.mtime:

@@ -23,7 +23,7 @@ from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
 from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout
-from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints
+from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints, sealed_commit_time
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.stack import StackLayout
@@ -235,8 +235,11 @@ def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float
         item.kind, item.reason = "broken", entry.reason or entry.status
         return item
     item.kind = "committed"
-    # Other stacks record no creation time: the newest modification inside stands for it.
-    item.created = entry.manifest.created if entry.manifest is not None else max((s[2] for s in snap), default=0.0)
+    # Other stacks record no creation time: the commit time their seal recorded stands for it
+    # (the seal's own file is newer), else the newest modification inside.
+    sealed = sealed_commit_time(entry) if entry.manifest is None else None
+    item.created = (entry.manifest.created if entry.manifest is not None else sealed if sealed is not None
+                    else max((s[2] for s in snap), default=0.0))
     return item
 
 

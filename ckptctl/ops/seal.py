@@ -2,7 +2,8 @@
 
 A checkpoint of the Hugging Face Trainer, torchtitan/DCP, Megatron-LM or DeepSpeed is checked
 by its layout's commit rule and test-loaded fully once (the ``load`` level of ``verify``: every file, ``torch.load(weights_only=True)`` with the layout's
-allow-list, nothing unpickled), then every file is hashed (XXH3-64, and per 64 MiB chunk for
+allow-list, nothing unpickled; a pickle of another class decoded structurally and listed in the
+seal's ``not_loaded``, and a checkpoint with anything not decoded refused), then every file is hashed (XXH3-64, and per 64 MiB chunk for
 larger files) and the sidecar ``.ckptctl-seal.json`` (``format.seal``) is created with
 write-if-absent semantics: an existing seal is never replaced, a concurrent sealer cannot
 clobber another's seal, and the checkpoint's own files are never modified.
@@ -11,6 +12,9 @@ The files are listed before the test-load and again after hashing: a checkpoint 
 meanwhile (a save still writing, a rotation deleting) is refused rather than sealed with bytes
 that were never test-loaded. ckptctl's own checkpoints carry checksums in their manifest and
 need no seal (a no-op that says so); an incomplete or corrupt checkpoint is refused.
+
+The seal records the checkpoint's commit time (``commit_time``): the catalog reads a sealed
+checkpoint's age from it, so sealing a root never changes what an age or calendar rule keeps.
 """
 
 from __future__ import annotations
@@ -78,6 +82,13 @@ def _snapshot(ckpt: Storage) -> tuple[tuple[str, int, float, str], ...]:
     return tuple(sorted((i.key, i.size, i.mtime, i.kind) for i in ckpt.list() if i.key != SEAL))
 
 
+def commit_time(snapshot: tuple[tuple[str, int, float, str], ...]) -> float:
+    """The checkpoint's own commit time as ``ls`` and ``prune`` read it before sealing: the
+    newest modification among its files (the stacks write their commit file last). The seal
+    records it so that its own file, written now, never makes the checkpoint younger."""
+    return max((mtime for key, _size, mtime, kind in snapshot if key != SEAL and not is_temporary(key)), default=0.0)
+
+
 def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loaded: list[str], *,
                progress: Progress | None = None,
                expected: tuple[tuple[str, int, float, str], ...] | None = None,
@@ -90,6 +101,7 @@ def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loa
     t0 = time.perf_counter()
     name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
     assert report.ok and report.level == "load", "only a checkpoint that test-loaded is sealed"
+    # ``not_loaded`` holds only files decoded structurally: the load level fails on the others.
     before = _snapshot(ckpt) if expected is None else expected
     files: list[SealedFile] = []
     for key, _size, _mtime, kind in before:
@@ -105,8 +117,10 @@ def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loa
     if _snapshot(ckpt) != before:
         raise InvalidCheckpoint(f"{ckpt.url}: changed while it was being sealed; not sealed",
                                 hint="a save or a rotation is still at work on it; seal it once it is finished")
-    seal = Seal(layout=layout.name, name=name, step=report.step, created=time.time(), tool=tool_info(),
-                files=tuple(files), chunk_size=chunk_size, test_loaded="load", not_loaded=tuple(not_loaded))
+    now = time.time()
+    seal = Seal(layout=layout.name, name=name, step=report.step, created=now, tool=tool_info(),
+                files=tuple(files), chunk_size=chunk_size, test_loaded="load", not_loaded=tuple(not_loaded),
+                committed=min(now, commit_time(before)))
     result = SealResult(ckpt.url, name, layout.name, report.step, "sealed", files=len(files),
                         bytes=seal.total_bytes, not_loaded=not_loaded)
     if not ckpt.write_if_absent(SEAL, encode_seal(seal)):
