@@ -184,6 +184,7 @@ def test_prune_keep_best_says_why_each_is_kept(tmp_path) -> None:
     plan = {i["step"]: i for i in r.json()["plan"]["items"]}
     assert {s: i["action"] for s, i in plan.items()} == {1: "delete", 2: "keep", 3: "delete", 4: "keep", 5: "keep"}
     assert plan[2]["reason"] == "best 2 of val_loss (0.213)"
+    assert plan[2]["metrics"] == {"val_loss": 0.213} and plan[3]["metrics"] == {}
     assert r.json()["plan"]["policy"] == "best 2 of val_loss (lowest)"
     r = cli("du", root, "--keep-best", "1", "--metric", "val_loss", "--mode", "max", "--json")
     assert r.exit_code == 0, r.stdout + r.stderr

@@ -67,6 +67,7 @@ class PlanItem:
             "step": self.step, "name": self.name, "url": self.url, "kind": self.kind, "layout": self.layout,
             "action": self.action, "reason": self.reason, "size": self.size,
             "created": self.created, "modified": self.modified, "verification": self.verification,
+            "metrics": dict(self.metrics),
         }
 
 
@@ -244,8 +245,7 @@ def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float
 
 
 def _attach_metrics(root: Storage, entries: list[Checkpoint], items: list[PlanItem]) -> None:
-    """What ``KeepBest`` ranks by: a manifest's ``metrics``, a Trainer checkpoint's logged
-    evaluation (``ops.retention_metrics``); none for the other stacks."""
+    """What ``KeepBest`` ranks by (``ops.retention_metrics``)."""
     trainer = hf_trainer_metrics(root, [(i.name, i.step) for i in items if i.kind == "committed" and i.layout == "hf-trainer"])
     for entry, item in zip(entries, items):
         if item.kind != "committed":
