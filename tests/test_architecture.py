@@ -34,7 +34,7 @@ from arch_imports import (
     unit_of,
     unused_entries,
 )
-from arch_layout_names import layout_names, offences
+from arch_layout_names import Offence, layout_names, offences
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ckptctl"
@@ -164,9 +164,10 @@ LAYOUT_NAME_OFFENDERS = frozenset({
 })
 
 
-def _layout_name_offences() -> list:
+def _layout_name_offences() -> list[Offence]:
+    """Every layout-name comparison or layout-type check in a module outside layouts/."""
     names = layout_names({str(p): p.read_text() for p in (PACKAGE / "layouts").rglob("*.py")})
-    found = []
+    found: list[Offence] = []
     for name, path, is_package in _modules():
         rel = path.relative_to(ROOT)
         if rel.parts[1] != "layouts":
@@ -183,7 +184,7 @@ def test_no_new_layout_name_comparison_outside_layouts() -> None:
 
 def _functions() -> set[str]:
     """Every ``path:qualified.name`` of a function or class defined under ckptctl/."""
-    found = set()
+    found: set[str] = set()
     for _, path, _ in _modules():
         def walk(node: ast.AST, prefix: str) -> None:
             for child in ast.iter_child_nodes(node):

@@ -63,8 +63,9 @@ def names_among(names: Iterable[str], among: tuple[str, ...]) -> tuple[str, ...]
         found = canonical(name)
         if found is None:
             bad.append(f"unknown format {name!r}")
-        elif found not in among:  # a name of the other kind (only ckptctl and dcp are both)
-            bad.append(f"{name!r} names {_kind(found)}, not {_kind(among[-1])}")
+        elif found not in among:  # a name of the other kind (ckptctl and dcp are both, never here)
+            wanted = "a file format" if set(among) <= set(FILE_FORMATS) else "a layout of a root"
+            bad.append(f"{name!r} names {_kind(found)}, not {wanted}")
         elif found not in out:
             out.append(found)
     if bad:
