@@ -192,7 +192,8 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
-    from ckptctl.ops.verify import LEVELS, verify_checkpoint, verify_root
+    from ckptctl.ops.layout_verify import verify_root
+    from ckptctl.ops.verify import LEVELS, verify_checkpoint
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -216,16 +217,6 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     assert target.storage is not None
     report = verify_checkpoint(target.storage, level, progress)  # type: ignore[arg-type]
     return VerifyOutcome(report.ok, level, [report])
-
-
-def latest_in(root: str, level: str = "checksums", progress: Progress | None = None) -> "tuple[VerifyReport, list[VerifyReport]]":
-    """``ops.verify.latest`` of the root at ``root``: the newest checkpoint that verifies and
-    the reports of newer ones that did not."""
-    from ckptctl.ops.verify import LEVELS, latest
-
-    if level not in LEVELS:
-        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
-    return latest(open_root(root), level, progress)  # type: ignore[arg-type]
 
 
 def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
@@ -402,6 +393,6 @@ def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype
 
 __all__ = [
     "CopyOutcome", "RootListing", "Target", "VerifyOutcome", "advise_for_root", "convert_path", "copy_to", "inspect_path",
-    "latest_for", "latest_in", "list_root", "open_root", "prune_root", "reshard_path", "resolve_checkpoint", "restore_into",
+    "latest_for", "list_root", "open_root", "prune_root", "reshard_path", "resolve_checkpoint", "restore_into",
     "verify_path",
 ]
