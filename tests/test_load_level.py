@@ -127,6 +127,13 @@ def test_structural_decode_tells_a_listed_class_from_garbage():
     assert "after the pickle's STOP" in (scan_pickle(b"\x80\x02K\x01.junk", ())[0].problem or "")
     assert "STOP" in (scan_pickle(b"\x80\x02K\x01", ())[0].problem or "")
     assert "legacy" in (scan_torch_bytes(b"\x80\x02K\x01.junk", ()).problem or "")
+    # a class named by copyreg extension code instead of by name: which class is unknown
+    assert "extension code" in (scan_pickle(b"\x80\x02\x82\x01)\x81.", ())[0].problem or "")
+    # protocol 4: STACK_GLOBAL takes its names from the stream
+    import pickle
+
+    assert "_Unlisted" in (scan_pickle(pickle.dumps(_Unlisted(), protocol=4), ())[0].problem or "")
+    assert scan_pickle(pickle.dumps({"a": [1, 2.0, "x"]}, protocol=4), ())[0].problem is None
 
 
 # --- torchtitan / DCP -------------------------------------------------------------------------

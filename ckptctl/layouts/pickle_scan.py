@@ -96,6 +96,9 @@ def scan_pickle(data: bytes, allowed: Iterable[str]) -> tuple[Scan, set[str]]:
             if op.name in ("GLOBAL", "INST"):
                 module, _, name = str(arg).partition(" ")
                 named.append(_canonical(module, name))
+            elif op.name in ("EXT1", "EXT2", "EXT4"):
+                # copyreg's extension registry names a class by a number: which one cannot be read
+                return Scan(f"byte {pos}: {op.name} names a class by extension code, not by name"), keys
             elif op.name == "STACK_GLOBAL":
                 if len(recent) < 2 or not all(isinstance(v, str) for v in recent[-2:]):
                     return Scan(f"byte {pos}: STACK_GLOBAL whose class cannot be read from the stream"), keys
