@@ -55,7 +55,15 @@ JsonOpt = Annotated[bool, typer.Option(
     help='Print one JSON document on stdout, with "schema": 1 (bumped when a field changes meaning; the fields '
          'are in ckptctl-json(7)). A failure prints {"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
 )]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is drawn only when stderr is a terminal).")]
+# -q is for cron, which mails whatever a job prints: on success nothing is printed but the
+# answer a script captures (the JSON document; the path latest, restore and cp print), so that
+# a mail means trouble. What means trouble (an error, a refusal, a checkpoint skipped or failing,
+# a note) still prints on stderr, and the exit status says it.
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q",
+    help="Print nothing when the command succeeds (for cron, which mails any output): no progress bar, report "
+         "or summary. What a script captures still prints: the --json document, and the path latest, restore "
+         "and cp print. Errors, refusals, checkpoints skipped or failing, and notes still print on stderr.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -36,12 +36,13 @@ def cp(
     """
     with byte_progress("cp", quiet=quiet) as progress:
         outcome = copy_to(src, dst, progress)
-    report_copy("copied", outcome.path, outcome.result)
+    if not quiet:
+        report_copy("copied", outcome.path, outcome.result)
     if json:
         # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); dst, bytes_copied kept
         emit_json({**outcome.result.to_dict(), "url": outcome.path, "bytes": outcome.result.bytes_copied})
     else:
-        say(outcome.path)
+        say(outcome.path)  # the answer a script captures: printed under -q too
 
 
 def report_copy(verb: str, where: str, result: "CopyResult") -> None:

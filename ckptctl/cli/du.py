@@ -39,7 +39,7 @@ def du(
                             delete_broken=delete_broken, progress=progress)
     if json:
         emit_json(report.to_dict())
-    else:
+    elif not quiet or report.refused:  # -q: the table only when prune would be refused
         with_plan = policy is not None
         print_table(("STEP", "STATUS", "SIZE", "PATH") + (("PRUNE", "REASON") if with_plan else ()),
                     [(str(e.step), e.status, human_bytes(e.bytes), e.url)

@@ -65,7 +65,10 @@ def prune(
     place; 2 usage error, including no terminal to confirm on without --yes or --dry-run; 3 lock
     held or storage error.
 
-    Example (cron): ckptctl prune /ckpt --keep-last 3 --keep-every 10000 --yes
+    With -q nothing is printed when all went as planned (cron mails only on trouble): the plan
+    only when prune refuses or asks, the outcome only when a deletion did not happen.
+
+    Example (cron): ckptctl prune -q /ckpt --keep-last 3 --keep-every 10000 --yes
 
     Example (the best by a recorded metric): ckptctl prune /ckpt --keep-last 2 --keep-best 3 --metric val_loss --dry-run
     """
@@ -79,7 +82,8 @@ def prune(
 
     def review(plan: PrunePlan) -> bool:
         final = plan.refused is not None or dry_run  # nothing more will happen after this
-        if not json:
+        asks = not (yes or dry_run) and bool(plan.deletions) and plan.refused is None  # a person confirms
+        if not json and (not quiet or asks or plan.refused is not None):  # -q: the plan only on trouble
             _print_plan(plan)
         elif final:
             emit_json({"dry_run": dry_run, "plan": _plan_doc(plan), "outcome": None})
@@ -110,7 +114,7 @@ def prune(
         raise typer.Exit(1)
     if json:
         emit_json({"dry_run": False, "plan": _plan_doc(plan), "outcome": outcome.to_dict()})
-    else:
+    elif not quiet or outcome.failed or outcome.skipped:  # -q: only when a deletion did not happen
         _print_outcome(outcome)
     for note in outcome.notes:
         err.print(f"note: {note}", markup=False, highlight=False)

@@ -41,5 +41,7 @@ def reshard(
     if json:
         emit_json(r.to_dict())
         return
+    if quiet:
+        return
     say(f"ok  {r.dst}  step {r.step}: {r.source_world_size} -> {r.world_size} ranks, {r.tensors} tensors "
         f"({r.split_tensors} split), {human_bytes(r.bytes_written)} written in {r.seconds:.2f}s; verified")

@@ -43,14 +43,15 @@ def restore(
     bounded_int(step, "--step", minimum=0, maximum=MAX_STEP, what="a step number")
     bounded_int(world_size, "--world-size", minimum=1, maximum=MAX_WORLD_SIZE, what="the number of ranks of the job that will load it")
 
-    def skipped(s: "Skipped") -> None:
+    def skipped(s: "Skipped") -> None:  # a corrupt checkpoint passed over: trouble, printed under -q too
         say(f"skipping step {s.step}: {s.reason}", console=err)
 
     with byte_progress("restore", quiet=quiet) as progress:
         result = restore_into(src, dst, step, progress, world_size=world_size, on_skip=skipped)
-    report_copy("restored", result.path, result.copy)
+    if not quiet:
+        report_copy("restored", result.path, result.copy)
     if json:
         # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); path kept
         emit_json({**result.to_dict(), "url": result.path, "bytes": result.copy.bytes_copied})
     else:
-        say(result.path)
+        say(result.path)  # the answer a script captures: printed under -q too

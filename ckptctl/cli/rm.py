@@ -43,7 +43,8 @@ def rm(
         )
 
     def review(plan: RmResult) -> bool:
-        if not json or (not yes and not dry_run):
+        asks = not yes and not dry_run  # a person confirms: they see what, -q or not
+        if (not json and not quiet) or asks:
             _print(plan, to_stderr=json)
         if dry_run or yes:
             return True
@@ -60,6 +61,8 @@ def rm(
         emit_json({**result.to_dict(), "confirmed": not not_done})
     elif not dry_run and not not_done:
         for i in result.items:
+            if quiet and i.result == "deleted":
+                continue  # -q: only what was not deleted
             say(f"{i.result:<8} {i.url}" + (f"  ({i.detail})" if i.detail else ""))
     if not_done:
         err.print("not confirmed; nothing was deleted", markup=False)

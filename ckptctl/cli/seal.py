@@ -41,6 +41,8 @@ def seal(
         emit_json(outcome.to_dict())
     else:
         for r in outcome.results:
+            if quiet and r.status != "failed":
+                continue  # -q: only what failed
             if r.status == "sealed":
                 say(f"sealed  {r.url}  ({r.layout}, step {r.step}): {r.files} files, {human_bytes(r.bytes)} "
                     f"test-loaded and checksummed in {r.seconds:.2f}s")

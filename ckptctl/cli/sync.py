@@ -36,8 +36,9 @@ def sync(
     Exit status: 0 in sync; 1 a checkpoint could not be mirrored (corrupt source, DST_ROOT holds
     a different checkpoint under that name) or --delete refused an empty SRC_ROOT; 2 usage error; 3 lock held or storage error.
 
-    Example (cron, every 15 minutes): ckptctl prune /nvme/ckpt --keep-last 3 --yes && ckptctl
-    sync /nvme/ckpt s3://training/run7 && ckptctl verify s3://training/run7 --latest
+    Example (cron, every 15 minutes; -q prints nothing unless something is wrong): ckptctl prune
+    -q /nvme/ckpt --keep-last 3 --yes && ckptctl sync -q /nvme/ckpt s3://training/run7 &&
+    ckptctl verify -q s3://training/run7 --latest
     """
     with byte_progress("sync", quiet=quiet) as progress:
         result = sync_roots(src, dst, delete=delete, allow_empty_source=allow_empty_source, dry_run=dry_run,
@@ -46,7 +47,7 @@ def sync(
         err.print(f"note: {note}", markup=False, highlight=False)
     if json:
         emit_json(result.to_dict())
-    else:
+    elif not quiet or result.failed:  # -q: the table only when something was not mirrored
         print_table(("STEP", "ACTION", "SIZE", "DESTINATION", "DETAIL"),
                     [(str(i.step), i.action, human_bytes(i.bytes), i.url, i.detail or "-") for i in result.items],
                     right=("STEP", "SIZE"))

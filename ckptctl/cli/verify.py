@@ -38,8 +38,8 @@ def verify(
         outcome = verify_path(path, level, which="latest" if latest else "all" if all_ else "one", progress=progress)
     if json:
         emit_json(outcome.to_dict())
-    else:
-        for r in outcome.reports:
+    elif not quiet or not outcome.ok or not all(r.ok for r in outcome.reports):  # -q: only on trouble
+        for r in (r for r in outcome.reports if not (quiet and r.ok)):
             _print(r)
         if outcome.note:
             say(f"note: {outcome.note}", console=err)
