@@ -232,3 +232,19 @@ def test_trainer_logged_metrics_and_best_metric(tmp_path) -> None:
     plan = {i["step"]: i for i in r.json()["plan"]["items"]}
     assert plan[100]["reason"] == "best 2 of best_metric (0.9)"  # once Trainer's best
     assert plan[300]["action"] == "delete"  # never Trainer's best: no best_metric, no other rule
+
+
+def test_trainer_values_that_are_not_finite_numbers_are_no_metric(tmp_path) -> None:
+    from test_layouts import hf_checkpoint
+
+    root = str(tmp_path)
+    logged = {100: float("nan"), 200: "0.1", 300: 0.4, 400: True}
+    for step, value in logged.items():
+        path = hf_checkpoint(root, step)
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": step, "log_history": [{"step": step, "eval_loss": value}]}, f)
+    r = cli("prune", root, "--keep-best", "1", "--metric", "eval_loss", "--dry-run", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    plan = {i["step"]: i for i in r.json()["plan"]["items"]}
+    assert {s: i["metrics"] for s, i in plan.items()} == {100: {}, 200: {}, 300: {"eval_loss": 0.4}, 400: {}}
+    assert {s: i["action"] for s, i in plan.items()} == {100: "delete", 200: "delete", 300: "keep", 400: "keep"}

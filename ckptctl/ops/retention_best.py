@@ -16,6 +16,10 @@ What it decides, and why:
   evaluation has run yet): the rule then keeps every candidate, with a reason that says so,
   rather than let a typo delete the history.
 * Ties go to the newer checkpoint (the higher step).
+* What it ranks: the candidates prune hands every rule, the committed checkpoints up to the
+  anchor (a newer one failed full verification and is reported as broken, never ranked). A
+  best checkpoint is kept as it is, not re-read at every prune: ``ckptctl verify ROOT --all``
+  checks it.
 """
 
 from __future__ import annotations
