@@ -93,7 +93,10 @@ class LightningLayout(StackLayout):
         if root is None:
             return {}
         entries = list(entries)
-        done = sorted((int(m.group(1)), n) for n, s in entries if s == "committed" and (m := NAME_RE.match(n)))
+        # A broken file is read too: one the load level could not decode (a class outside the
+        # allow-list) may still be what Lightning resumes from, and its best is then unknown.
+        done = sorted((int(m.group(1)), n) for n, s in entries
+                      if s in ("committed", "broken") and (m := NAME_RE.match(n)))
         for _step, name in reversed(done):
             found = best_paths(os.path.join(root, name))
             if isinstance(found, Unknown):

@@ -37,7 +37,7 @@ STRUCTURAL: dict[str, frozenset[str]] = {
                              "transformers.trainer_utils.SaveStrategy", "transformers.trainer_utils.HubStrategy",
                              "transformers.trainer_utils.SchedulerType", "transformers.trainer_utils.FSDPOption",
                              "transformers.debug_utils.DebugOption", "transformers.trainer_pt_utils.AcceleratorConfig",
-                             "accelerate.utils.dataclasses.DistributedType"}),
+                             "accelerate.utils.dataclasses.DistributedType", "accelerate.state.PartialState"}),
     "deepspeed": frozenset({"argparse.Namespace", "deepspeed.runtime.zero.config.ZeroStageEnum",
                             "deepspeed.runtime.fp16.loss_scaler.LossScaler",
                             "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"}),
