@@ -214,3 +214,12 @@ def test_a_root_given_for_one_checkpoint_names_only_options_the_verb_has(tmp_pat
         assert r.exit_code == 2 and "this is a root holding 2 checkpoints" in r.stderr, (args, r.stderr)
         assert _check_named(r.stderr, verbs) == [], args
         assert ("--latest" in r.stderr) == (args[0] == "verify"), (args, r.stderr)
+
+
+def test_ls_of_one_checkpoint_on_object_storage(s3_url):
+    make_checkpoints(s3_url, [1, 2])
+    r = cli("ls", f"{s3_url}/step-0000000002")
+    assert r.exit_code == 2 and "is a ckptctl checkpoint, not a root of checkpoints" in r.stderr, r.stderr
+    assert f"`ckptctl ls {s3_url}`" in r.stderr
+    r = cli("ls", s3_url.rsplit("/", 1)[0])  # the bucket above the run: the run is named
+    assert r.exit_code == 0 and "prefix/ holds 2 checkpoints" in r.stderr, r.stderr

@@ -37,6 +37,8 @@ def restore(
     complete by its stack's own rule, copied as `ckptctl cp` copies it: checked against its seal,
     or test-loaded at DST without one; it lands in DST under its own name, and the path printed
     is what that stack resumes from (the checkpoint; for Megatron-LM, DST with its tracker).
+    Lightning's checkpoints are one .ckpt file each, which restore does not copy: a root of them
+    (or one such file) is a usage error saying so (exit 2); copy the file itself.
 
     Example: CKPT=$(ckptctl restore s3://bucket/run7 /nvme/ckpt) && torchrun train.py --resume "$CKPT"
     """
