@@ -66,6 +66,17 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
          "torchrun --nproc-per-node 8 train.py --resume \"$CKPT\""),
         ("A faster pre-resume check that reads headers and sizes only:",
          "ckptctl latest /mnt/ckpt/llama-7b --level quick"),
+        ("Megatron-LM: the arguments that load exactly the iteration that verified, even when the"
+         " tracker names a newer, broken one:",
+         "ARGS=$(ckptctl latest /runs/megatron --format megatron --resume-args) &&\n"
+         "  eval \"torchrun pretrain_gpt.py $ARGS\""),
+    ],
+    "repoint": [
+        ("Before a relaunch: when the stack's pointer names a checkpoint that does not verify,"
+         " move it back to the newest one that does:",
+         "ckptctl verify /runs/megatron --latest || ckptctl repoint /runs/megatron"),
+        ("See what would be written, as JSON (the old value is kept in the result):",
+         "ckptctl repoint /runs/ds --format deepspeed --dry-run --json"),
     ],
     "prune": [
         ("Show what a retention policy would delete, and why each step is kept:",
@@ -140,6 +151,7 @@ SEE_ALSO: dict[str, list[str]] = {
     "restore": ["latest", "reshard"],
     "cp": ["restore", "verify"],
     "seal": ["verify", "prune", "cp"],
+    "repoint": ["verify", "latest"],
 }
 
 EXIT_STATUS: list[tuple[int, str]] = [

@@ -22,6 +22,7 @@ from ckptctl.cli import reshard  # noqa: E402
 from ckptctl.cli import convert  # noqa: E402
 from ckptctl.cli import du, rm, sync  # noqa: E402
 from ckptctl.cli import seal  # noqa: E402
+from ckptctl.cli import repoint  # noqa: E402
 from ckptctl.version import __version__  # noqa: E402
 
 class _Group(typer.core.TyperGroup):
@@ -120,6 +121,7 @@ for name, fn in [
     ("du", du.du),
     ("sync", sync.sync),
     ("seal", seal.seal),
+    ("repoint", repoint.repoint),
     ("interval", interval.interval),
     ("reshard", reshard.reshard),
     ("convert", convert.convert),

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import shlex
 from typing import Annotated, Optional
 
 import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, say
 from ckptctl.cli.progress import byte_progress
+from ckptctl.errors import EXIT_CHECKPOINT
 from ckptctl.ops.targets import latest_for
 
 
@@ -16,15 +18,26 @@ def latest(
     format: Annotated[Optional[list[str]], typer.Option(
         "--format", help="Only checkpoints of this layout: ckptctl, dcp, hf-trainer, megatron, deepspeed, lightning (repeatable).",
         metavar="FORMAT")] = None,
+    resume_args: Annotated[bool, typer.Option(
+        "--resume-args", help="Print the stack's resume arguments for exactly this checkpoint, shell-quoted on one "
+                              "line (e.g. --load ROOT --ckpt-step 25), instead of a path.")] = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Print the newest committed checkpoint that passes verification: the pre-resume check.
 
     Newer checkpoints that fail are reported on stderr and skipped. Exit 1 when none passes.
-    Other tools' checkpoints (torchtitan/DCP, Hugging Face Trainer, Megatron-LM, DeepSpeed)
-    count by their own commit rule and pointer; the path printed is what that stack's resume
-    option takes (Megatron: the root, for --load).
+    Other tools' checkpoints (torchtitan/DCP, Hugging Face Trainer, Megatron-LM, DeepSpeed,
+    Lightning) count by their own commit rule and pointer. The path printed is one that the
+    stack's default resume loads as exactly this checkpoint (Megatron, DeepSpeed: the root,
+    whose pointer names it); when the root's pointer names another checkpoint (one that did
+    not verify), no path does: nothing is printed and the exit is 1; use --resume-args, or
+    `ckptctl repoint ROOT` to move the pointer back.
+
+    --resume-args prints arguments instead: the path (ckptctl), --checkpoint.load_step N
+    (torchtitan), --resume_from_checkpoint PATH (Trainer), --ckpt_path PATH (Lightning),
+    --load ROOT --ckpt-step N (Megatron), --load_dir ROOT --tag TAG (DeepSpeed: for
+    engine.load_checkpoint(ROOT, tag=TAG)).
 
     Example: CKPT=$(ckptctl latest /ckpt) && torchrun train.py --resume "$CKPT"
     """
@@ -33,8 +46,19 @@ def latest(
     good, bad = found.report, found.skipped
     for r in bad:
         say(f"skipped {r.url}: {r.problems[0]}" + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""), console=err)
+    resume = found.resume
     if json:
         emit_json({"url": good.url, "step": found.step, "level": level, "format": found.layout,
-                   "resume": found.resume.to_dict(), "skipped": [r.to_dict() for r in bad]})
+                   "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad]})
+    elif resume_args:
+        say(shlex.join(resume.argv))
+    elif resume.exact:
+        say(resume.path)
     else:
-        say(found.resume.path)
+        # The root resumes what its pointer names, not the checkpoint that verified: printing
+        # it would hand a launcher the broken one.
+        say(f"{good.url} (step {found.step}) is the newest that verifies, but {resume.pointer}: "
+            f"resuming {resume.path} would load that one, not this", console=err)
+        say(f"use `ckptctl latest {shlex.quote(root)} --resume-args` ({shlex.join(resume.argv)}), "
+            f"or move the pointer back with `ckptctl repoint {shlex.quote(root)}`", console=err)
+        raise typer.Exit(EXIT_CHECKPOINT)

@@ -10,6 +10,7 @@ from ckptctl.errors import EXIT_CHECKPOINT, UsageError
 from ckptctl.ops.targets import verify_path
 
 if TYPE_CHECKING:
+    from ckptctl.ops.repoint import PointerCheck
     from ckptctl.ops.verify import VerifyReport
 
 
@@ -28,6 +29,11 @@ def verify(
     The default level checks the marker, the manifest, every file's size and every checksum
     (file and tensor chunk), reading each byte once. Every problem is reported with its file,
     tensor and byte range. Exit 0 when everything verified, 1 when a problem was found.
+
+    With --latest, a stack's own pointer (DeepSpeed's `latest`, Megatron's
+    latest_checkpointed_iteration.txt) is checked too: its target is what that stack's default
+    resume loads, so a target that does not verify is exit 1, naming the pointer, the target,
+    the checkpoint that does verify and the `ckptctl repoint` command that moves it back.
     """
     if quick and load:
         raise UsageError("--quick and --load are exclusive", hint="pick one verification level")
@@ -43,6 +49,9 @@ def verify(
             _print(r)
         if outcome.note:
             say(f"note: {outcome.note}", console=err)
+        for p in outcome.pointers:
+            if not (quiet and p.ok):
+                _print_pointer(p)
         if all_:
             failed = sum(not r.ok for r in outcome.reports)
             read = sum(r.bytes_read for r in outcome.reports)
@@ -50,6 +59,19 @@ def verify(
                 f"{human_bytes(read)} read ({level})", console=err)
     if not outcome.ok:
         raise typer.Exit(EXIT_CHECKPOINT)
+
+
+def _print_pointer(p: "PointerCheck") -> None:
+    if p.ok:
+        say(f"ok  pointer {p.pointer} ({p.layout}) names {p.target}, which verifies", console=err)
+        return
+    say(f"FAILED  pointer {p.pointer} ({p.layout}): {p.problem}")
+    if p.good is not None:
+        say(f"  {p.good} (step {p.good_step}) verifies; move the pointer back to it: {p.repoint_command()}")
+    else:
+        say("  no older checkpoint of this stack verifies; do not resume with the stack's default")
+    say(f"{p.pointer} names {p.target or repr(p.value)}, which the stack would resume and which does not verify",
+        console=err)
 
 
 def _print(r: "VerifyReport") -> None:

@@ -78,7 +78,8 @@ class DcpLayout(StackLayout):
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"torchtitan: --checkpoint.load_step {step} (with --checkpoint.folder its root); "
-                                 f"torch: dcp.load(state_dict, checkpoint_id={ckpt_path!r})")
+                                 f"torch: dcp.load(state_dict, checkpoint_id={ckpt_path!r})",
+                      ("--checkpoint.load_step", str(step)))
 
 
 def load_records(path: str, md: object, allowed: Sequence[object], layout: str, out: Checked) -> None:

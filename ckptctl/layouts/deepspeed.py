@@ -48,6 +48,7 @@ class DeepSpeedLayout(StackLayout):
                            r"(bf16_)?zero_pp_rank_[0-9]+_mp_rank_[0-9]{2}_optim_states\.pt|"
                            r"layer_[0-9]+-model_[0-9]+-model_states\.pt)\Z")
     claims_empty = True
+    pointer_file = LATEST
     commit_files = ("mp_rank_00_model_states.pt",)
 
     def __init__(self) -> None:
@@ -115,6 +116,17 @@ class DeepSpeedLayout(StackLayout):
         bound.latest, bound.latest_problem = name, None
         return bound
 
+    def pointer_target(self) -> tuple[str, str, int | None] | None:
+        if self.latest is None:
+            return None
+        m = self.pattern.match(self.latest)
+        return LATEST, self.latest, (int(m.group(1)) if m is not None else None)
+
     def resume(self, ckpt_path: str, step: int) -> Resume:
+        # DeepSpeed has no command line of its own: the arguments map to
+        # ``engine.load_checkpoint(load_dir, tag=tag)``, whose default (no tag) reads ``latest``.
+        # So the root resumes exactly this tag only while ``latest`` names it.
         root, tag = os.path.split(ckpt_path.rstrip("/"))
-        return Resume(ckpt_path, f"engine.load_checkpoint({root!r}, tag={tag!r})")
+        exact = self.latest == tag
+        return Resume(root, f"engine.load_checkpoint({root!r}, tag={tag!r})", ("--load_dir", root, "--tag", tag),
+                      exact, None if exact else f"{LATEST} names {self.latest!r}")

@@ -111,4 +111,5 @@ class HfTrainerLayout(StackLayout):
         return {}
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
-        return Resume(ckpt_path, f"--resume_from_checkpoint {ckpt_path} (trainer.train(resume_from_checkpoint=...))")
+        return Resume(ckpt_path, f"--resume_from_checkpoint {ckpt_path} (trainer.train(resume_from_checkpoint=...))",
+                      ("--resume_from_checkpoint", ckpt_path))

@@ -110,7 +110,7 @@ class LightningLayout(StackLayout):
         return {}
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
-        return Resume(ckpt_path, f"trainer.fit(model, ckpt_path={ckpt_path!r})")
+        return Resume(ckpt_path, f"trainer.fit(model, ckpt_path={ckpt_path!r})", ("--ckpt_path", ckpt_path))
 
 
 @dataclass(frozen=True)

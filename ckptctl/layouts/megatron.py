@@ -53,6 +53,7 @@ class MegatronLayout(StackLayout):
     own_files = re.compile(r"(mp_rank_[0-9]{2}(_[0-9]{3})?|\.metadata|metadata\.json|common\.pt|.+\.distcp|"
                            r"integrity\.json)\Z")
     claims_empty = True  # made by ensure_directory_exists before any rank wrote
+    pointer_file = TRACKER
     commit_files = (".metadata", "metadata.json")
 
     def __init__(self) -> None:
@@ -133,12 +134,22 @@ class MegatronLayout(StackLayout):
         bound.tracker, bound.tracker_problem = max(step, self.tracker or 0), None
         return bound
 
+    def pointer_target(self) -> tuple[str, str, int | None] | None:
+        if self.tracker is None:
+            return None
+        return TRACKER, f"iter_{self.tracker:07d}", self.tracker  # the name Megatron's loader builds
+
     def resume(self, ckpt_path: str, step: int) -> Resume:
+        # ``--load ROOT`` loads the tracker's iteration; ``--ckpt-step N`` overrides the tracker
+        # (megatron/training/checkpointing.py, _load_base_checkpoint), so the argv always pins it:
+        # a save that rewrites the tracker between `latest` and the launch changes nothing.
         root = os.path.dirname(ckpt_path.rstrip("/"))
         how = f"--load {root}"
-        if step != self.tracker:
+        exact = step == self.tracker
+        if not exact:
             how += f" --ckpt-step {step} (the tracker names iteration {self.tracker}, which did not verify)"
-        return Resume(root, how)
+        return Resume(root, how, ("--load", root, "--ckpt-step", str(step)), exact,
+                      None if exact else f"{TRACKER} names iteration {self.tracker}")
 
 
 def _files_problem(path: str) -> str | None:

@@ -41,13 +41,20 @@ NO_CHECKSUMS = ("{what} record no checksums: corruption that still decodes canno
 
 @dataclass(frozen=True)
 class Resume:
-    """What a stack's resume option takes for one checkpoint."""
+    """What a stack's resume takes for one checkpoint: the path its default resume takes, and
+    the arguments that resume exactly this checkpoint (``latest --resume-args``)."""
 
     path: str  # the path to hand over (a checkpoint directory, or the root for pointer stacks)
-    option: str  # how the stack takes it, e.g. "--resume_from_checkpoint PATH"
+    option: str  # how the stack takes it, in words, e.g. "--resume_from_checkpoint PATH"
+    argv: tuple[str, ...] = ()  # argv-ready arguments naming exactly this checkpoint
+    # Whether ``path`` with the stack's default resume loads exactly this checkpoint: False
+    # when the root's pointer (Megatron's tracker, DeepSpeed's ``latest``) names another one.
+    exact: bool = True
+    pointer: str | None = None  # the pointer file that makes ``path`` inexact, and what it names
 
-    def to_dict(self) -> dict[str, str]:
-        return {"path": self.path, "option": self.option}
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "option": self.option, "argv": list(self.argv), "exact": self.exact,
+                "pointer": self.pointer}
 
 
 def local_dir(ckpt: Storage) -> str | None:
@@ -77,6 +84,7 @@ class StackLayout:
     claims_empty = False  # an empty directory under our name is our dead save
     files_are_checkpoints = False  # one file per checkpoint (Lightning), not a directory
     commit_files: tuple[str, ...] = ()  # deleted first: what the commit rule reads
+    pointer_file: str | None = None  # the root-level file the stack's default resume reads
     allowed: tuple[object, ...] = ()  # extra globals for torch.load(weights_only=True)
 
     def __init__(self) -> None:
@@ -149,7 +157,7 @@ class StackLayout:
         return {}
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
-        return Resume(ckpt_path, f"{ckpt_path}")
+        return Resume(ckpt_path, f"{ckpt_path}", (ckpt_path,))
 
     # --- checking -------------------------------------------------------------------------
 
@@ -258,6 +266,11 @@ class StackLayout:
 
     def pointer_step(self, raw: bytes) -> int | None:
         """The step an existing pointer file's content names (None: unreadable)."""
+        return None
+
+    def pointer_target(self) -> tuple[str, str, int | None] | None:
+        """The root's pointer file as read (key, the checkpoint name it names, its step), for
+        stacks whose default resume reads one; None when there is none or it is unreadable."""
         return None
 
     def assuming_pointer(self, name: str, step: int) -> "StackLayout":

@@ -172,7 +172,8 @@ def latest_checkpoint(root: Storage, level: Level = "checksums", *, formats: Seq
             skipped.append(report)
             continue
         if entry.layout == NATIVE_NAME:
-            resume = Resume(entry.url, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)")
+            resume = Resume(entry.url, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)",
+                            (entry.url,))
         else:
             resume = bound_layout(entry.layout, root).resume(entry.url, entry.step)
         return Latest(report, entry.layout, entry.step, resume, skipped)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
     from ckptctl.ops.inspect import InspectResult
     from ckptctl.ops.listing import Listed
     from ckptctl.ops.prune import PruneOutcome, PrunePlan
+    from ckptctl.ops.repoint import PointerCheck, RepointResult
     from ckptctl.ops.reshard import ReshardReport
     from ckptctl.ops.retention import RetentionPolicy
     from ckptctl.ops.save_stats import SaveStats
@@ -182,9 +183,15 @@ class VerifyOutcome:
     level: str
     reports: list["VerifyReport"]
     note: str | None = None  # what the format could not check (another tool's checkpoint)
+    # ``latest``: what each stack's pointer (DeepSpeed ``latest``, Megatron's tracker) names
+    # and whether it verifies: what the stack's default resume would load.
+    pointers: "list[PointerCheck]" = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "level": self.level, "checkpoints": [r.to_dict() for r in self.reports]}
+        doc = {"ok": self.ok, "level": self.level, "checkpoints": [r.to_dict() for r in self.reports]}
+        if self.pointers:
+            doc["pointers"] = [p.to_dict() for p in self.pointers]
+        return doc
 
 
 def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "latest", "all"] = "one",
@@ -198,9 +205,10 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
     if which != "one":
-        reports = verify_root(open_root(path), which=which, level=level, progress=progress)  # type: ignore[arg-type]
+        root = open_root(path)
+        reports = verify_root(root, which=which, level=level, progress=progress)  # type: ignore[arg-type]
         if which == "latest":
-            return VerifyOutcome(reports[-1].ok, level, reports)
+            return _with_pointers(root, level, reports, progress)
         return VerifyOutcome(all(r.ok for r in reports), level, reports[::-1])
     from ckptctl.ops.layout_verify import stack_checkpoint_at, verify_stack
 
@@ -217,6 +225,32 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     assert target.storage is not None
     report = verify_checkpoint(target.storage, level, progress)  # type: ignore[arg-type]
     return VerifyOutcome(report.ok, level, [report])
+
+
+def _with_pointers(root: Storage, level: str, reports: "list[VerifyReport]", progress: Progress | None) -> VerifyOutcome:
+    """``verify --latest``: the newest checkpoint that verifies, and what each stack's pointer
+    names, which is what that stack's default resume loads: a pointer whose target does not
+    verify fails the run, whatever else verified."""
+    from ckptctl.ops.repoint import check_pointers
+
+    walk_ok = reports[-1].ok  # the newest-first walk found a checkpoint that verifies
+    known = {r.url: r for r in reports}
+    pointers = check_pointers(root, level, progress=progress, known=known)  # type: ignore[arg-type]
+    for p in pointers:  # the target's report joins the others (once), so every verdict is shown
+        if p.report is not None and all(r.url != p.report.url for r in reports):
+            reports.append(p.report)
+    return VerifyOutcome(walk_ok and all(p.ok for p in pointers), level, reports, pointers=pointers)
+
+
+def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | None = None, *,
+                 dry_run: bool = False, progress: Progress | None = None) -> "RepointResult":
+    """``ops.repoint.repoint`` of the root at ``root``."""
+    from ckptctl.ops.repoint import repoint
+    from ckptctl.ops.verify import LEVELS
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    return repoint(open_root(root), level, formats=formats, dry_run=dry_run, progress=progress)  # type: ignore[arg-type]
 
 
 def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
@@ -393,6 +427,6 @@ def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype
 
 __all__ = [
     "CopyOutcome", "RootListing", "Target", "VerifyOutcome", "advise_for_root", "convert_path", "copy_to", "inspect_path",
-    "latest_for", "list_root", "open_root", "prune_root", "reshard_path", "resolve_checkpoint", "restore_into",
+    "latest_for", "list_root", "open_root", "prune_root", "repoint_root", "reshard_path", "resolve_checkpoint", "restore_into",
     "verify_path",
 ]

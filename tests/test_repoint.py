@@ -1,0 +1,120 @@
+"""A stack's pointer names a broken checkpoint (resume-truth issue, #20).
+
+DeepSpeed's ``load_checkpoint(ROOT)`` loads the tag in ``ROOT/latest``; Megatron's ``--load
+ROOT`` the iteration in ``latest_checkpointed_iteration.txt``. Roots are laid out as those
+stacks' sources write them (``test_layouts.deepspeed_tag``, ``megatron_iter``), and the
+pointer's target is cut short after the pointer was written (DeepSpeed writes ``latest`` before
+its final barrier; a disk can lose the tail of any file). Then ``verify --latest`` must fail
+naming both, ``latest`` must not hand over a path that resumes the broken one, ``--resume-args``
+must name the good one, and ``repoint`` must move the pointer back so the stack's default
+resume is safe again.
+"""
+
+from __future__ import annotations
+
+import os
+
+from helpers import cli
+from test_layouts import deepspeed_tag, megatron_iter
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _megatron_root(root: str) -> None:
+    for it in (20, 25, 30):
+        megatron_iter(root, it)  # the tracker names 30 last
+    _truncate(os.path.join(root, "iter_0000030", "mp_rank_00", "model_optim_rng.pt"))
+
+
+def _deepspeed_root(root: str) -> None:
+    for s in (10, 20, 30):
+        deepspeed_tag(root, s)  # `latest` names global_step30 last
+    _truncate(os.path.join(root, "global_step30", "mp_rank_00_model_states.pt"))
+
+
+def test_megatron_latest_plain_output_refuses_when_the_tracker_names_a_broken_iteration(tmp_path):
+    root = str(tmp_path)
+    _megatron_root(root)
+    r = cli("latest", root, "--format", "megatron")
+    assert r.exit_code == 1 and r.stdout == "", (r.stdout, r.stderr)  # printing ROOT would resume iteration 30
+    assert "--resume-args" in r.stderr and "ckptctl repoint" in r.stderr and TRACKER in r.stderr
+    r = cli("latest", root, "--format", "megatron", "--resume-args")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.strip() == f"--load {root} --ckpt-step 25"
+    doc = cli("latest", root, "--json").json()
+    assert doc["resume"]["argv"] == ["--load", root, "--ckpt-step", "25"] and doc["resume"]["exact"] is False
+    assert doc["resume"]["option"].startswith(f"--load {root}")  # the field external scripts read stays
+
+
+def test_megatron_verify_latest_names_the_tracker_and_repoint_moves_it_back(tmp_path):
+    root = str(tmp_path)
+    _megatron_root(root)
+    r = cli("verify", root, "--latest")
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert TRACKER in r.stdout and "iter_0000030" in r.stdout and "iter_0000025" in r.stdout
+    assert f"ckptctl repoint {root} --format megatron" in r.stdout
+    doc = cli("verify", root, "--latest", "--json").json()
+    (p,) = doc["pointers"]
+    assert not doc["ok"] and p["target"] == "iter_0000030" and p["verifies"]["step"] == 25
+
+    r = cli("repoint", root, "--dry-run", "--json")
+    assert r.exit_code == 0 and r.json()["new"] == "25" and not r.json()["changed"], r.stdout + r.stderr
+    assert open(os.path.join(root, TRACKER)).read() == "30"  # a dry run writes nothing
+    r = cli("repoint", root, "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert r.json()["old"] == "30" and r.json()["new_target"] == "iter_0000025" and r.json()["changed"]
+    assert open(os.path.join(root, TRACKER)).read() == "25"  # as Megatron writes it
+    assert not [n for n in os.listdir(root) if n.startswith(".") and n != ".ckptctl-lock"]  # no temporary left
+    assert cli("verify", root, "--latest").exit_code == 0
+    r = cli("latest", root, "--format", "megatron")
+    assert r.exit_code == 0 and r.stdout.strip() == root  # --load ROOT now loads exactly iteration 25
+    r = cli("repoint", root)
+    assert r.exit_code == 0 and "nothing to do" in r.stderr
+
+
+def test_deepspeed_broken_latest_target_verify_latest_resume_args_repoint(tmp_path):
+    root = str(tmp_path)
+    _deepspeed_root(root)
+    r = cli("verify", root, "--latest")
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert "pointer latest" in r.stdout and "global_step30" in r.stdout and "global_step20" in r.stdout
+    r = cli("latest", root, "--format", "deepspeed")
+    assert r.exit_code == 1 and r.stdout == ""  # load_checkpoint(ROOT) would load global_step30
+    r = cli("latest", root, "--resume-args")
+    assert r.exit_code == 0 and r.stdout.strip() == f"--load_dir {root} --tag global_step20"
+    r = cli("repoint", root)
+    assert r.exit_code == 0 and "global_step30 -> global_step20" in r.stderr, r.stderr
+    assert open(os.path.join(root, "latest")).read() == "global_step20"  # as save_latest writes it
+    assert cli("verify", root, "--latest").exit_code == 0
+    r = cli("latest", root)
+    assert r.exit_code == 0 and r.stdout.strip() == root
+
+
+def test_repoint_never_moves_forward_and_refuses_when_nothing_older_verifies(tmp_path):
+    root = str(tmp_path)
+    deepspeed_tag(root, 10)
+    deepspeed_tag(root, 20)
+    _truncate(os.path.join(root, "global_step10", "mp_rank_00_model_states.pt"))
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("global_step10")  # global_step20 is newer than `latest`: never committed, never a target
+    r = cli("repoint", root, "--json")
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert "no older DeepSpeed checkpoint verifies" in r.json()["error"]["message"]
+    assert open(os.path.join(root, "latest")).read() == "global_step10"
+
+
+def test_repoint_usage_errors(tmp_path):
+    root = str(tmp_path)
+    r = cli("repoint", root)
+    assert r.exit_code == 2 and "nothing to repoint" in r.stderr
+    megatron_iter(root, 10)
+    deepspeed_tag(root, 10)
+    r = cli("repoint", root)
+    assert r.exit_code == 2 and "--format" in r.stderr
+    r = cli("repoint", root, "--format", "megatron")
+    assert r.exit_code == 0 and "nothing to do" in r.stderr
