@@ -118,3 +118,32 @@ def test_repoint_usage_errors(tmp_path):
     assert r.exit_code == 2 and "--format" in r.stderr
     r = cli("repoint", root, "--format", "megatron")
     assert r.exit_code == 0 and "nothing to do" in r.stderr
+
+
+def test_tracker_naming_a_missing_iteration_fails_verify_latest_and_is_moved_back(tmp_path):
+    root = str(tmp_path)
+    megatron_iter(root, 10)
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write("40")  # the tracker outlived its iteration (deleted by hand, or never copied)
+    r = cli("verify", root, "--latest")
+    assert r.exit_code == 1 and "iter_0000040" in r.stdout and "iter_0000010" in r.stdout, r.stdout + r.stderr
+    r = cli("latest", root)
+    assert r.exit_code == 1 and r.stdout == ""
+    assert cli("repoint", root).exit_code == 0
+    assert open(os.path.join(root, TRACKER)).read() == "10"
+    assert cli("verify", root, "--latest").exit_code == 0
+
+
+def test_repoint_takes_the_roots_lock_and_a_dry_run_does_not(tmp_path):
+    from ckptctl.ops.lock import RootLock
+    from ckptctl.storage import open_storage
+
+    root = str(tmp_path)
+    _deepspeed_root(root)
+    with RootLock(open_storage(root), command="prune (another run)"):
+        r = cli("repoint", root)
+        assert r.exit_code == 3, r.stdout + r.stderr  # held by a live process: nothing written
+        assert open(os.path.join(root, "latest")).read() == "global_step30"
+        assert cli("repoint", root, "--dry-run").exit_code == 0
+    assert cli("repoint", root).exit_code == 0
+    assert open(os.path.join(root, "latest")).read() == "global_step20"
