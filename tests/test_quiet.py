@@ -106,3 +106,12 @@ def test_the_readme_cron_lines_use_q():
     for line in lines:
         for cmd in re.findall(r"ckptctl ([a-z]+)((?: (?!&&)\S+)*)", line):
             assert " -q" in f" {cmd[1]}", (cmd, line)
+
+
+def test_reshard_and_convert_print_nothing_under_q(tmp_path):
+    root = str(tmp_path / "root")
+    (ckpt,) = make_checkpoints(root, [7])
+    _silent("reshard", "-q", ckpt, ckpt_dir(str(tmp_path / "two"), 7), "--world-size", "2")
+    _silent("convert", "-q", ckpt, str(tmp_path / "model.safetensors"), "--to", "safetensors")
+    r = cli_subprocess("convert", ckpt, str(tmp_path / "again.safetensors"), "--to", "safetensors")
+    assert r.exit_code == 0 and r.stdout.startswith("ok ") and "found ckptctl" in r.stderr, (r.stdout, r.stderr)

@@ -227,6 +227,8 @@ def test_the_readme_cron_line_runs_as_written(tmp_path, s3_url):
         make_checkpoints(str(tmp_path / "nvme"), saved)
         p = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 0, p.stderr
+        assert (p.stdout, p.stderr) == ("", ""), (p.stdout, p.stderr)  # -q: cron mails nothing when all is well
     assert steps_in(str(tmp_path / "nvme")) == [3, 4, 5]
     assert [c["step"] for c in cli("ls", s3_url, "--json").json()["checkpoints"]] == [1, 2, 3, 4, 5]
-    assert f"{s3_url}/{step_dir(5)}" in p.stdout.splitlines()[-1]  # verify --latest: the newest
+    newest = cli("verify", s3_url, "--latest", "--json").json()["checkpoints"][-1]  # what the line's verify judged
+    assert newest["ok"] and newest["url"].rstrip("/") == f"{s3_url}/{step_dir(5)}", newest

@@ -59,9 +59,7 @@ def convert(
     if json:
         emit_json(r.to_dict())
         return
-    for d in r.dropped:  # state the result lacks: printed under -q too
-        err.print(f"dropped: {d}", markup=False, highlight=False)
-    if quiet:
+    if quiet:  # what was dropped is routine for the target format (RNG state in safetensors); --json lists it
         return
     err.print(f"found {r.source_format} at {r.src}" + ("" if r.source_checksums else " (no checksums to verify in this format)"),
               markup=False, highlight=False)
@@ -69,6 +67,8 @@ def convert(
         err.print(f"step {r.step} (from {r.step_from})", markup=False, highlight=False)
     for c in r.carried:
         err.print(f"carried: {c}", markup=False, highlight=False)
+    for d in r.dropped:
+        err.print(f"dropped: {d}", markup=False, highlight=False)
     cast = f", cast to {r.cast}" if r.cast else ""
     skipped = f" ({r.skipped_by_only} left out by --only)" if r.skipped_by_only else ""
     skipped += f" ({r.renamed} renamed by --strip-prefix)" if r.renamed else ""

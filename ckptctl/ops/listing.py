@@ -99,10 +99,13 @@ def checkpoint_kind(root: Storage) -> str | None:
     from ckptctl.interop.detect import foreign_format
     from ckptctl.ops.layout_verify import stack_checkpoint_at
 
-    found = stack_checkpoint_at(local)
+    try:
+        found = stack_checkpoint_at(local)
+        fmt = foreign_format(local) if found is None else None
+    except CkptError:  # a file that cannot be read or judged: no hint, and the listing stands
+        return None
     if found is not None:
         return f"a {found[0].name} checkpoint"
-    fmt = foreign_format(local)
     if fmt is not None:
         return f"a {fmt} checkpoint"
     if not names and parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
@@ -116,7 +119,10 @@ def holders_below(root: Storage, *, limit: int = SUBDIRS_LOOKED_INTO) -> list[tu
     found = []
     dirs = sorted(c.key for c in root.children() if c.kind == "dir")
     for name in dirs[:limit]:
-        n = len(catalog.list_checkpoints(root.sub(name)))
+        try:
+            n = len(catalog.list_checkpoints(root.sub(name)))
+        except CkptError:  # unreadable (permissions): only a hint is lost, never the listing
+            continue
         if n:
             found.append((name, n))
     return found
