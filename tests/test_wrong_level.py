@@ -223,3 +223,39 @@ def test_ls_of_one_checkpoint_on_object_storage(s3_url):
     assert f"`ckptctl ls {s3_url}`" in r.stderr
     r = cli("ls", s3_url.rsplit("/", 1)[0])  # the bucket above the run: the run is named
     assert r.exit_code == 0 and "prefix/ holds 2 checkpoints" in r.stderr, r.stderr
+
+
+def _hint_texts(path: Path) -> list[str]:
+    """The text of every ``hint=`` argument in a module (f-string fields as X)."""
+    texts = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.keyword) and node.arg == "hint":
+            subs = list(ast.walk(node.value))
+            parts = {id(v) for sub in subs if isinstance(sub, ast.JoinedStr) for v in sub.values}  # not alone
+            for sub in subs:
+                if isinstance(sub, ast.JoinedStr):
+                    texts.append("".join(v.value if isinstance(v, ast.Constant) else "X" for v in sub.values))
+                elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and id(sub) not in parts:
+                    texts.append(sub.value)
+    return texts
+
+
+def test_hint_texts_finds_hints_in_fstrings(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text('raise E("x", hint=f"pass --nope or `ckptctl ls {root}`")\n')
+    assert _hint_texts(mod) == ["pass --nope or `ckptctl ls X`"]
+    assert "--nope" not in _verb_options()["prune"]
+
+
+def test_a_verbs_own_hints_name_only_its_options():
+    # cli/VERB.py's hints speak to someone running VERB: "pass --yes" must be one of VERB's
+    verbs = _verb_options()
+    bad = []
+    for name, options in verbs.items():
+        path = PACKAGE / "cli" / f"{name}.py"
+        if not path.exists():
+            continue
+        for text in _hint_texts(path):
+            bare = _COMMAND.sub("", text)  # options of a command line the hint spells out are checked above
+            bad += [f"{name}: {o} in {text!r}" for o in _OPTION.findall(bare) if o not in options]
+    assert bad == []
