@@ -134,6 +134,17 @@ def test_a_malformed_aws_setting_is_exit_2_naming_it(s3_url, monkeypatch, name, 
     assert cli("latest", s3_url, "--json").json()["exit"] == 2
 
 
+def test_a_setting_gone_bad_after_a_client_was_cached_is_still_refused(s3_url, monkeypatch):
+    # A client built under good settings is cached per process; a variable set wrong since
+    # (and not part of the cache key) must not slip past behind it.
+    assert cli("ls", s3_url).exit_code == 0
+    for name, value in [("AWS_CA_BUNDLE", "/nonexistent/ca.pem"), ("AWS_DEFAULTS_MODE", "x"),
+                        ("AWS_METADATA_SERVICE_TIMEOUT", "x")]:
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            _one_line_naming(cli("ls", s3_url), name)
+
+
 def test_a_malformed_aws_config_file_setting_is_exit_2_naming_the_file(s3_url, monkeypatch, tmp_path):
     config = tmp_path / "config"
     config.write_text("[default]\nmax_attempts = many\n")

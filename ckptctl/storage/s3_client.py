@@ -51,6 +51,10 @@ _clients_lock = threading.Lock()
 
 
 def shared_client(endpoint_url: str | None) -> Client:
+    # Checked on every call, not only when a client is built: a client cached under settings
+    # that were fine must not hide a variable set wrong since (the cache key holds only the
+    # variables that shape the client).
+    check_environment(endpoint_url)
     key = (endpoint_url, *(os.environ.get(name) for name in _CLIENT_ENV))
     with _clients_lock:
         client = _clients.get(key)
@@ -60,7 +64,6 @@ def shared_client(endpoint_url: str | None) -> Client:
 
 
 def _make_client(endpoint_url: str | None) -> Client:
-    check_environment(endpoint_url)
     try:
         return _build(endpoint_url)
     except CONFIG_ERRORS as err:  # a setting from the config file: building touches no network
