@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import shutil
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -48,8 +48,18 @@ FULL = {"loads": {"bulk_stride": 4001, "other_stride": 79, "data_samples": 6},
         "verbs": {"bulk_stride": 8001, "other_stride": 307, "data_samples": 4}}
 
 
+@pytest.fixture(autouse=True)
+def _quiet_fallbacks() -> Iterator[None]:
+    # Every fallback warns, thousands of times. Restored afterwards: a level left on the
+    # "ckptctl" logger would hide the warnings later tests assert on.
+    logger = logging.getLogger("ckptctl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
 def _sweep(base: str, density: dict[str, dict[str, int]]) -> dict[str, Any]:
-    logging.getLogger("ckptctl").setLevel(logging.ERROR)  # every fallback warns
     root1, sweep1 = os.path.join(base, "root1"), os.path.join(base, "sweep1")
     state = job_state("plain", 1)
     with Checkpointer(root1) as ck:
