@@ -1,7 +1,7 @@
 """The README demo: deterministic, honest about what it did, and exact about any difference.
 
 The comparer is tested with crafted curves (a one-ulp difference, a sign of zero, a missing
-step), the log format with real files, and the demo itself end to end, three times in a row:
+step), the log format with real files, and the demo itself end to end, twice in a row:
 real processes, a real SIGKILL mid-save, real checkpoints on disk.
 """
 
@@ -189,9 +189,9 @@ def _demo(where: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_the_demo_passes_three_times_in_a_row_with_the_same_bits(tmp_path):
+def test_the_demo_passes_twice_in_a_row_with_the_same_bits(tmp_path):
     curves = []
-    for i in range(3):
+    for i in range(2):  # two runs show the bits repeat across processes; a third added ~40 s of CI
         where = str(tmp_path / f"run{i}")
         proc = _demo(where)
         out = proc.stdout
@@ -217,7 +217,7 @@ def test_the_demo_passes_three_times_in_a_row_with_the_same_bits(tmp_path):
         assert repr(reference[60]) in lines[-1]
         curves.append([bits(reference[s]) for s in range(1, 61)])
     # Not only each demo against itself: every run of the demo computes the same bits.
-    assert curves[0] == curves[1] == curves[2]
+    assert curves[0] == curves[1]
     assert REFERENCE == "reference"
 
 

@@ -34,7 +34,9 @@ from dist_workers import free_port, launch
 from helpers import cli
 from zombie_workers import ELEMENTS, race_at, race_at_on_gloo, serve, state_of
 
-TRIALS = 50
+# The old publish (replace on rename) went wrong in 42 of 50 trials locally and 46 of 50 on
+# moto: 20 trials still catch it with certainty for all practical purposes, in less CI time.
+TRIALS = 20
 FILLS = {"zombie": 1.0, "restart": 2.0}
 
 
