@@ -18,12 +18,23 @@ import torch
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
+from ckptctl.storage.plain_file import open_plain
 from ckptctl.ops.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
 from helpers import cli
 from test_foreign_trust import deadline
 from test_layouts import deepspeed_tag, hf_checkpoint, megatron_iter
 
 ROOT_VERBS = (["ls", "{root}"], ["latest", "{root}"], ["verify", "{root}", "--all"], ["prune", "{root}", "--keep-last", "1", "--dry-run"])
+
+
+def at(path):
+    """(storage, key) of a local file, as the layouts' readers take it."""
+    import os
+
+    from ckptctl.storage import open_storage
+
+    path = str(path)
+    return open_storage(os.path.dirname(os.path.abspath(path))), os.path.basename(path)
 
 
 def two_hf(tmp_path: Any) -> tuple[str, str, str]:
@@ -86,10 +97,10 @@ def test_open_plain_refuses_fifos_links_and_missing(tmp_path: Any) -> None:
     (tmp_path / "file").write_bytes(b"abc")
     os.symlink(tmp_path / "file", tmp_path / "link")
     with deadline(30):
-        assert safe_load.open_plain(str(tmp_path / "fifo")) is None
-        assert safe_load.open_plain(str(tmp_path / "link")) is None
-        assert safe_load.open_plain(str(tmp_path / "missing")) is None
-        f = safe_load.open_plain(str(tmp_path / "file"))
+        assert open_plain(str(tmp_path / "fifo")) is None
+        assert open_plain(str(tmp_path / "link")) is None
+        assert open_plain(str(tmp_path / "missing")) is None
+        f = open_plain(str(tmp_path / "file"))
         assert f is not None
         with f:
             assert f.read() == b"abc"
@@ -143,7 +154,7 @@ def test_a_short_safetensors_file_is_refused(tmp_path: Any) -> None:
     root, older, newest = two_hf(tmp_path)
     model = os.path.join(newest, "model.safetensors")
     os.truncate(model, os.path.getsize(model) - 4)
-    assert safe_load.safetensors_header(model) is not None
+    assert safe_load.safetensors_header(*at(model)) is not None
     r = cli("verify", newest, "--quick")
     assert r.exit_code == 1 and "model.safetensors" in r.stdout + r.stderr
 
@@ -154,10 +165,10 @@ def test_safetensors_header_accepts_real_files_and_refuses_gaps(tmp_path: Any) -
     path = str(tmp_path / "m.safetensors")
     save_file({"a": torch.zeros(3), "b": torch.ones(2, 2, dtype=torch.bfloat16), "e": torch.zeros(0)}, path,
               metadata={"format": "pt"})
-    assert safe_load.safetensors_header(path) is None
+    assert safe_load.safetensors_header(*at(path)) is None
     header = json.dumps({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}).encode()
     (tmp_path / "gap.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
-    assert "gap" in (safe_load.safetensors_header(str(tmp_path / "gap.safetensors")) or "")
+    assert "gap" in (safe_load.safetensors_header(*at(str(tmp_path / "gap.safetensors"))) or "")
 
 
 def _rewrite_zip(path: str, change: str) -> None:
@@ -206,7 +217,7 @@ ZIP_CHANGES = ["method 99", "encrypted", "not UTF-8", "gap", "trailing"]
 def test_torch_zips_that_cannot_be_checked_are_corrupt_never_operational(tmp_path: Any, change: str) -> None:
     root, older, newest = two_hf(tmp_path)
     _rewrite_zip(os.path.join(newest, "optimizer.pt"), change)
-    assert safe_load.zip_structure(os.path.join(newest, "optimizer.pt")) is not None
+    assert safe_load.zip_structure(*at(os.path.join(newest, "optimizer.pt"))) is not None
     for level in (["--quick"], [], ["--load"]):
         r = cli("verify", newest, *level)
         assert r.exit_code == 1 and "optimizer.pt" in r.stdout + r.stderr, (level, r.stdout, r.stderr)
@@ -219,12 +230,12 @@ def test_real_torch_zips_pass_the_structure_check(tmp_path: Any) -> None:
     for i, obj in enumerate([{"a": torch.zeros(100)}, torch.arange(10), {"x": [torch.ones(3), 1.5, "s"]}, {}]):
         path = str(tmp_path / f"f{i}.pt")
         torch.save(obj, path)
-        assert safe_load.zip_structure(path) is None, path
-        assert safe_load.zip_crc(path)[0] is None
+        assert safe_load.zip_structure(*at(path)) is None, path
+        assert safe_load.zip_crc(*at(path))[0] is None
     with zipfile.ZipFile(tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("a/data.pkl", b"x" * 1000)
-    assert safe_load.zip_structure(str(tmp_path / "deflated.pt")) is None
-    assert safe_load.zip_crc(str(tmp_path / "deflated.pt"))[0] is None
+    assert safe_load.zip_structure(*at(str(tmp_path / "deflated.pt"))) is None
+    assert safe_load.zip_crc(*at(str(tmp_path / "deflated.pt")))[0] is None
 
 
 # --- case 12: deep or hostile JSON in every sidecar -----------------------------------------
@@ -301,12 +312,12 @@ def test_data_descriptors_must_repeat_the_sizes_not_the_crc(tmp_path: Any) -> No
     stale = bytearray(raw)
     struct.pack_into("<I", stale, data_end + 4, 0xDEADBEEF)
     open(path, "wb").write(bytes(stale))
-    assert safe_load.zip_structure(path) is None and safe_load.zip_crc(path)[0] is None
+    assert safe_load.zip_structure(*at(path)) is None and safe_load.zip_crc(*at(path))[0] is None
     wrong = bytearray(raw)
     struct.pack_into("<I", wrong, data_end + 8, info.compress_size + 1)
     open(path, "wb").write(bytes(wrong))
-    assert "descriptor" in (safe_load.zip_structure(path) or "")
+    assert "descriptor" in (safe_load.zip_structure(*at(path)) or "")
     flipped = bytearray(raw)
     flipped[data_end - 1] ^= 0xFF
     open(path, "wb").write(bytes(flipped))
-    assert safe_load.zip_structure(path) is None and "CRC-32" in (safe_load.zip_crc(path)[0] or "")
+    assert safe_load.zip_structure(*at(path)) is None and "CRC-32" in (safe_load.zip_crc(*at(path))[0] or "")

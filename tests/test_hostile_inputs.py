@@ -44,6 +44,16 @@ FUZZ_DOCS = 1200  # per parser and seed, from a plain seeded generator (cheap: n
 PROPERTY_EXAMPLES = 100  # per parser, through hypothesis (shrinks a failure to a small example)
 
 
+def at(path):
+    """(storage, key) of a local file, as the layouts' readers take it."""
+    import os
+
+    from ckptctl.storage import open_storage
+
+    path = str(path)
+    return open_storage(os.path.dirname(os.path.abspath(path))), os.path.basename(path)
+
+
 # --- hostile documents: one generator, driven by hypothesis or by a seeded Random -----------
 
 class RandomPick:
@@ -652,7 +662,7 @@ def test_layout_json_sidecars_are_parsed_by_the_bounded_parser(tmp_path: Any, na
             with open(path, "wb") as f:
                 f.write(raw)
             try:
-                doc, problem = safe_load.json_file(path)
+                doc, problem = safe_load.json_file(*at(path))
             except Exception as e:  # re-raised, naming the seed and the document
                 raise AssertionError(f"document {i} of seed {s}: {type(e).__name__}: {e}\n{raw[:200]!r}") from e
             assert (doc is None) != (problem is None) or (doc is None and problem is None and raw.strip() == b"null")
@@ -680,8 +690,8 @@ def test_safetensors_headers_and_torch_zips_fuzzed_never_raise(tmp_path: Any) ->
             with open(pt_path, "wb") as f:
                 f.write(bytes(cut))
             try:
-                problems = [safe_load.safetensors_header(st_path), safe_load.zip_structure(pt_path),
-                            safe_load.zip_crc(pt_path)[0]]
+                problems = [safe_load.safetensors_header(*at(st_path)), safe_load.zip_structure(*at(pt_path)),
+                            safe_load.zip_crc(*at(pt_path))[0]]
             except Exception as e:
                 raise AssertionError(f"case {i} (flip at {i_flip}) of seed {s}: {type(e).__name__}: {e}") from e
             assert all(p is None or (p and "\n" not in p) for p in problems), problems

@@ -297,12 +297,16 @@ def test_sealed_checkpoint_round_trips_through_s3(tmp_path, s3_url):
     os.makedirs(src_root)
     hf_checkpoint(src_root, 5)
     ckpt = hf_checkpoint(src_root, 6)
+    # Unsealed: copied, then test-loaded on S3 itself (each file streamed back to a temporary).
     unsealed = cli("cp", ckpt, s3_url)
-    assert unsealed.exit_code == 2 and "seal it first" in unsealed.stderr  # cannot be test-loaded on S3
+    assert unsealed.exit_code == 0 and "test-loaded at the destination" in unsealed.stderr, unsealed.stderr
+    assert cli("verify", f"{s3_url}/checkpoint-6", "--load").exit_code == 0
     assert cli("seal", src_root).exit_code == 0
+    # Sealed since: the copy already there matches the seal byte for byte, and gets the seal.
     r = cli("cp", ckpt, s3_url, "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
-    assert r.json()["dst"] == f"{s3_url}/checkpoint-6"
+    assert r.json()["dst"] == f"{s3_url}/checkpoint-6" and r.json()["status"] == "already present"
+    assert cli("verify", f"{s3_url}/checkpoint-6", "--json").json()["checkpoints"][0]["ok"]
     assert cli("cp", os.path.join(src_root, "checkpoint-5"), s3_url).exit_code == 0
     back = str(tmp_path / "back")
     r = cli("restore", s3_url, back, "--json")

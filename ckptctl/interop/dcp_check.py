@@ -12,18 +12,19 @@ multiplied by the element size, chunks inside their tensor.
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes, parse
+from ckptctl.storage.base import Storage
+from ckptctl.storage.stored_file import regular_size
 
 _HINT = "the DCP metadata was altered or is damaged; do not trust this checkpoint"
 
 
-def check_metadata(md: Any, path: str, where: str) -> None:
+def check_metadata(md: Any, store: Storage, where: str) -> None:
     """Raise InvalidCheckpoint naming ``where`` and the record unless ``md`` (a DCP Metadata)
-    is in range and every record stays inside ``path``."""
+    is in range and every record stays inside the checkpoint ``store``."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     sdm = md.state_dict_metadata
@@ -54,7 +55,7 @@ def check_metadata(md: Any, path: str, where: str) -> None:
                 hint=_HINT,
             )
         if name not in sizes:
-            sizes[name] = _regular_size(os.path.join(path, name), fqn, where)
+            sizes[name] = _regular_size(store, name, fqn, where)
         err = lambda why, fqn=fqn: _bad(where, f"record {fqn!r}: {why}")  # noqa: E731
         offset = parse.as_int(getattr(info, "offset", None), lo=0, hi=parse.INT64_MAX, err=lambda w: err(f"offset {w}"))
         length = parse.as_int(getattr(info, "length", None), lo=0, hi=parse.INT64_MAX, err=lambda w: err(f"length {w}"))
@@ -89,17 +90,16 @@ def _ints(v: Any, err: Any) -> list[Any]:
     raise err(f"size {type(v).__name__} is not a sequence")
 
 
-def _regular_size(full: str, fqn: str, where: str) -> int:
-    try:
-        st = os.lstat(full)
-    except FileNotFoundError:
-        raise _bad(where, f"record {fqn!r}: {os.path.basename(full)} is missing") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidCheckpoint(
-            f"{full} is not a regular file (a symlink, FIFO, device or directory); named by record {fqn!r}",
-            hint=_HINT,
-        )
-    return st.st_size
+def _regular_size(store: Storage, name: str, fqn: str, where: str) -> int:
+    size = regular_size(store, name)
+    if size is not None:
+        return size
+    if store.stat(name) is None:
+        raise _bad(where, f"record {fqn!r}: {name} is missing")
+    raise InvalidCheckpoint(
+        f"{store.url_of(name)} is not a regular file (a symlink, FIFO, device or directory); named by record {fqn!r}",
+        hint=_HINT,
+    )
 
 
 def _bad(where: str, message: str) -> InvalidCheckpoint:

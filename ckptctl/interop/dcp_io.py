@@ -35,7 +35,7 @@ import json
 import os
 import pickle
 import warnings
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -46,7 +46,9 @@ from ckptctl.state.buffers import TensorBuffer
 from ckptctl.interop.dcp_check import check_metadata
 from ckptctl.interop.steps import StepClue, as_step
 from ckptctl.state import tree as statetree
-from ckptctl.storage.plain_file import open_plain
+from ckptctl.storage import open_storage
+from ckptctl.storage.base import Storage
+from ckptctl.storage.stored_file import open_file
 
 METADATA = ".metadata"
 # Top-level keys of a ckptctl state never start with "_", so these cannot collide with it.
@@ -71,30 +73,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
 
 
-def open_regular(where: str) -> BinaryIO:
-    """Open a local file for reading without ever blocking (``storage.plain_file.open_plain``):
-    a FIFO, device or symlink planted under a checkpoint's name is refused (InvalidCheckpoint
-    naming it) before a byte is read."""
-    f = open_plain(where)
-    if f is not None:
-        return f
-    if not os.path.lexists(where):
-        raise InvalidCheckpoint(f"{where} is missing", hint="the checkpoint is incomplete")
-    if os.path.islink(where):
-        raise InvalidCheckpoint(f"{where} is a symlink; refusing to follow it out of the checkpoint",
-                                hint="the checkpoint layout was altered; treat it as untrusted")
-    raise InvalidCheckpoint(f"{where} is not a regular file (a FIFO, device or directory)",
-                            hint="the checkpoint layout was altered; treat it as untrusted")
-
-
-def read_metadata(path: str) -> Any:
-    """DCP's ``.metadata``, unpickled with the restricted unpickler and then checked: every
-    storage record is a plain file in ``path`` with its bytes inside that file, every size and
+def read_metadata(where_: "str | Storage") -> Any:
+    """DCP's ``.metadata`` of the checkpoint at ``where_`` (a local directory or its
+    ``Storage``), unpickled with the restricted unpickler and then checked: every storage
+    record is a plain file in the checkpoint with its bytes inside that file, every size and
     chunk is in range. Raises InvalidCheckpoint naming the file and the record."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    where = os.path.join(path, METADATA)
-    with open_regular(where) as f:
+    store = open_storage(where_) if isinstance(where_, str) else where_
+    where = store.url_of(METADATA)
+    f = open_file(store, METADATA)
+    if f is None:
+        if store.stat(METADATA) is None:
+            raise InvalidCheckpoint(f"{where} is missing", hint="the checkpoint is incomplete")
+        raise InvalidCheckpoint(f"{where} is not a regular file (a symlink, FIFO, device or directory)",
+                                hint="the checkpoint layout was altered; treat it as untrusted")
+    with f:
         try:
             md = _MetadataUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError,
@@ -104,7 +98,7 @@ def read_metadata(path: str) -> Any:
                                     hint="the file is not plain DCP metadata; do not trust this checkpoint") from None
     if not isinstance(md, Metadata):
         raise InvalidCheckpoint(f"{where}: refusing DCP metadata: it holds a {type(md).__name__}, not Metadata")
-    check_metadata(md, path, where)
+    check_metadata(md, store, where)
     return md
 
 

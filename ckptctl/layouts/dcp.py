@@ -33,6 +33,8 @@ from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import pickle_scan, safe_load
 from ckptctl.layouts.base import Checked, Examined, Finding
 from ckptctl.layouts.stack import Level, Resume, StackLayout
+from ckptctl.storage.base import Storage
+from ckptctl.storage.stored_file import open_file
 
 METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"
@@ -47,34 +49,34 @@ class DcpLayout(StackLayout):
                            r"model\.safetensors\.index\.json|model-[0-9]+-of-[0-9]+\.safetensors)\Z")
     commit_files = (METADATA, HF_INDEX)
 
-    def commit_state(self, path: str, step: int | None) -> Examined:
-        size = safe_load.regular_size(os.path.join(path, METADATA))
+    def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
+        size = safe_load.regular_size(ckpt, METADATA)
         if size is not None:
             if size == 0:
                 return Examined("corrupt", f"{METADATA} is 0 bytes: its write never finished")
             return Examined("committed")
-        if os.path.lexists(os.path.join(path, METADATA)):
+        if ckpt.stat(METADATA) is not None:
             return Examined("corrupt", f"{METADATA} is not a regular file")
-        if safe_load.regular_size(os.path.join(path, HF_INDEX)) is not None:
-            return _hf_index_state(path)
+        if safe_load.regular_size(ckpt, HF_INDEX) is not None:
+            return _hf_index_state(ckpt)
         return Examined("partial", f"no {METADATA}: DCP writes it last (to {METADATA}.tmp, then renamed), "
                                    "so this save did not finish")
 
-    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
-        if safe_load.regular_size(os.path.join(path, METADATA)) is None:
+    def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
+        if safe_load.regular_size(ckpt, METADATA) is None:
             return
         from ckptctl.interop.dcp_io import read_metadata  # needs torch
 
         try:
-            md = read_metadata(path)  # every record: a plain file here, its bytes inside it
+            md = read_metadata(ckpt)  # every record: a plain file here, its bytes inside it
         except InvalidCheckpoint as e:
             out.problems.append(Finding(str(e), file=METADATA, hint=e.hint))
             return
         if level == "load":
-            self._load_records(path, md, out)
+            self._load_records(ckpt, md, out)
 
-    def _load_records(self, path: str, md: object, out: Checked) -> None:
-        load_records(path, md, self.allowed, self.name, out)
+    def _load_records(self, ckpt: Storage, md: object, out: Checked) -> None:
+        load_records(ckpt, md, self.allowed, self.name, out)
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"torchtitan: --checkpoint.load_step {step} (with --checkpoint.folder its root); "
@@ -82,7 +84,7 @@ class DcpLayout(StackLayout):
                       ("--checkpoint.load_step", str(step)))
 
 
-def load_records(path: str, md: object, allowed: Sequence[object], layout: str, out: Checked) -> None:
+def load_records(ckpt: Storage, md: object, allowed: Sequence[object], layout: str, out: Checked) -> None:
     """Decode every storage record of a DCP checkpoint (``md`` checked by ``read_metadata``):
     ``torch.load(weights_only=True)`` of each record's bytes, one at a time; a record that needs
     a class outside ``allowed`` is decoded structurally (``pickle_scan``) against ``layout``'s
@@ -95,7 +97,7 @@ def load_records(path: str, md: object, allowed: Sequence[object], layout: str, 
             out.not_loaded.append("records written through a storage transform (compression): not decoded")
             return
         rel = os.fspath(info.relative_path)
-        f = safe_load.open_plain(os.path.join(path, rel))  # checked regular by read_metadata; never block
+        f = open_file(ckpt, rel)  # checked regular by read_metadata; never blocks
         if f is None:
             out.problems.append(Finding(safe_load.NOT_PLAIN, file=rel))
             return
@@ -142,14 +144,14 @@ def _load_bytes(raw: bytes, allowed: Sequence[object], layout: str) -> tuple[str
         return f"does not load: {first}", None, None
 
 
-def _hf_index_state(path: str) -> Examined:
-    doc, problem = safe_load.json_file(os.path.join(path, HF_INDEX))
+def _hf_index_state(ckpt: Storage) -> Examined:
+    doc, problem = safe_load.json_file(ckpt, HF_INDEX)
     if problem is not None:
         return Examined("corrupt", f"{HF_INDEX}: {problem}")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         return Examined("corrupt", f"{HF_INDEX}: no weight_map")
     for shard in sorted({str(v) for v in weight_map.values()}):
-        if "/" in shard or shard in ("", ".", "..") or safe_load.regular_size(os.path.join(path, shard)) is None:
+        if "/" in shard or shard in ("", ".", "..") or safe_load.regular_size(ckpt, shard) is None:
             return Examined("corrupt", f"{HF_INDEX} names {shard!r}, which is missing")
     return Examined("committed")

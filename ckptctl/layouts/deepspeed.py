@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
+import posixpath
 import re
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import Checked, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout
+from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of
 from ckptctl.storage.base import Storage
 
 LATEST = "latest"
@@ -61,10 +61,7 @@ class DeepSpeedLayout(StackLayout):
         return (argparse.Namespace, *safe_load.numpy_rng())
 
     def read_root(self, root: Storage) -> None:
-        path = root.local_path()
-        if path is None:
-            return
-        text = safe_load.read_pointer(os.path.join(path, LATEST), 256)
+        text = safe_load.read_pointer(root, LATEST, 256)
         if text is None:
             self.latest, self.latest_problem = None, f"no `{LATEST}` file at the root: DeepSpeed's commit record is missing"
             return
@@ -73,20 +70,20 @@ class DeepSpeedLayout(StackLayout):
         else:
             self.latest, self.latest_problem = None, f"`{LATEST}` holds {text[:40]!r}, not a tag"
 
-    def commit_state(self, path: str, step: int | None) -> Examined:
+    def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
         if self.latest is None:
             return Examined("corrupt", f"{self.latest_problem}; left alone, not taken for an abandoned save")
-        tag = os.path.basename(os.path.abspath(path))
+        tag = name_of(ckpt)
         m = self.pattern.match(self.latest)
         if tag != self.latest and (m is None or step is None or step > int(m.group(1))):
             return Examined("partial", f"newer than the tag `{LATEST}` names ({self.latest}): DeepSpeed writes it after "
                                        "the files, so this save did not finish")
-        names = os.listdir(path)
+        names = [c.key for c in ckpt.children()]
         if not any(MODEL.match(n) for n in names):
             return Examined("corrupt", "no *model_states.pt file although `latest` covers this tag")
         return Examined("committed")
 
-    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+    def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
         ranks: dict[str, set[int]] = {}
         for rel in files:
             m = OPTIM.match(rel)
@@ -126,7 +123,7 @@ class DeepSpeedLayout(StackLayout):
         # DeepSpeed has no command line of its own: the arguments map to
         # ``engine.load_checkpoint(load_dir, tag=tag)``, whose default (no tag) reads ``latest``.
         # So the root resumes exactly this tag only while ``latest`` names it.
-        root, tag = os.path.split(ckpt_path.rstrip("/"))
+        root, tag = posixpath.split(ckpt_path.rstrip("/"))
         exact = self.latest == tag
         return Resume(root, f"engine.load_checkpoint({root!r}, tag={tag!r})", ("--load_dir", root, "--tag", tag),
                       exact, None if exact else f"{LATEST} names {self.latest!r}")

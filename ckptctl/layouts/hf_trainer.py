@@ -24,13 +24,14 @@ truncated one is caught here as unparsable (corrupt), never read as complete.
 
 from __future__ import annotations
 
-import os
+import posixpath
 import re
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import Checked, Examined, Finding
 from ckptctl.layouts.stack import FileKind, Level, Resume, StackLayout
+from ckptctl.storage.base import Storage
 
 STATE = "trainer_state.json"
 ARGS = "training_args.bin"
@@ -53,11 +54,10 @@ class HfTrainerLayout(StackLayout):
     def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
         return tuple(safe_load.numpy_rng())
 
-    def commit_state(self, path: str, step: int | None) -> Examined:
-        full = os.path.join(path, STATE)
-        if not os.path.lexists(full):
+    def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
+        if ckpt.stat(STATE) is None:
             return Examined("partial", f"no {STATE}: Trainer writes it last, so this save did not finish")
-        doc, problem = safe_load.json_file(full)
+        doc, problem = safe_load.json_file(ckpt, STATE)
         if problem is not None:
             return Examined("corrupt", f"{STATE}: {problem}")
         got = doc.get("global_step") if isinstance(doc, dict) else None
@@ -72,11 +72,11 @@ class HfTrainerLayout(StackLayout):
             return "pickle"
         return super().kind_of(rel)
 
-    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+    def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
         names = set(files)
         for index in INDEXES:
             if index in names:
-                doc, problem = safe_load.json_file(os.path.join(path, index))
+                doc, problem = safe_load.json_file(ckpt, index)
                 wm = doc.get("weight_map") if isinstance(doc, dict) else None
                 if problem is not None or not isinstance(wm, dict):
                     out.problems.append(Finding(problem or "no weight_map", file=index))
@@ -91,13 +91,11 @@ class HfTrainerLayout(StackLayout):
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         """The ``best_model_checkpoint`` named by the newest complete checkpoint; every
         checkpoint that might be it when that file does not say it readably."""
-        if self.root is None or self.root.local_path() is None:
+        if self.root is None:
             return {}
-        root = self.root.local_path()
-        assert root is not None
         done = [n for n, status in entries if status == "committed"]
         for name in sorted(done, key=lambda n: int(self.pattern.match(n).group(1)), reverse=True):  # type: ignore[union-attr]
-            doc, problem = safe_load.json_file(os.path.join(root, name, STATE))
+            doc, problem = safe_load.json_file(self.root, f"{name}/{STATE}")
             best = doc.get("best_model_checkpoint") if isinstance(doc, dict) else None
             if problem is not None or not isinstance(doc, dict) or not isinstance(best, (str, type(None))):
                 # Unreadable (rewritten since the catalog read it) or not a path: the best is
@@ -106,7 +104,7 @@ class HfTrainerLayout(StackLayout):
                        f"{problem or 'does not hold it as a path'}; kept for safety")
                 return {n: why for n, status in entries if status in ("committed", "broken")}
             if best and best.rstrip("/"):
-                return {os.path.basename(best.rstrip("/")): f"Trainer's best_model_checkpoint (in {name}/{STATE})"}
+                return {posixpath.basename(best.rstrip("/")): f"Trainer's best_model_checkpoint (in {name}/{STATE})"}
             return {}
         return {}
 

@@ -32,8 +32,8 @@ are not read here yet (not listed, so never deleted).
 
 from __future__ import annotations
 
-import os
 import pathlib
+import posixpath
 import pickle
 import re
 import zipfile
@@ -44,6 +44,7 @@ from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import Examined
 from ckptctl.layouts.stack import FileKind, Resume, StackLayout
 from ckptctl.storage.base import ObjectInfo, Storage
+from ckptctl.storage.stored_file import local_copy, open_file
 
 # Building a pure or POSIX path runs no code of the file (``WindowsPath`` raises on POSIX,
 # so it stays out and such a file is reported as not test-loaded).
@@ -64,18 +65,18 @@ class LightningLayout(StackLayout):
         return int(m.group(1)) if m is not None else None
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
-        path = ckpt.local_path()
-        return path is not None and os.path.isfile(path) and not os.path.islink(path)
+        return safe_load.regular_size(ckpt, "") is not None  # never a link, a FIFO or a directory
 
-    def commit_state(self, path: str, step: int | None) -> Examined:
-        size = safe_load.regular_size(path)
-        if size is None:
+    def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
+        f = open_file(ckpt, "")
+        if f is None:
             return Examined("partial", "removed while it was being read")
-        if size == 0:
-            return Examined("partial", "0 bytes: Lightning's write did not finish")
-        if not zipfile.is_zipfile(path):
-            return Examined("partial", "not a whole torch.save archive (no zip directory at its end): "
-                                       "the write did not finish")
+        with f:
+            if f.size == 0:
+                return Examined("partial", "0 bytes: Lightning's write did not finish")
+            if not zipfile.is_zipfile(f):
+                return Examined("partial", "not a whole torch.save archive (no zip directory at its end): "
+                                           "the write did not finish")
         return Examined("committed")
 
     def kind_of(self, rel: str) -> FileKind:
@@ -89,7 +90,7 @@ class LightningLayout(StackLayout):
         """Every ``ModelCheckpoint``'s ``best_model_path`` and ``last_model_path`` as the newest
         complete file that records callback states has them; when that file cannot be read
         safely or understood, every complete or broken file (any of them may be the best)."""
-        root = self.root.local_path() if self.root is not None else None
+        root = self.root
         if root is None:
             return {}
         entries = list(entries)
@@ -98,14 +99,14 @@ class LightningLayout(StackLayout):
         done = sorted((int(m.group(1)), n) for n, s in entries
                       if s in ("committed", "broken") and (m := NAME_RE.match(n)))
         for _step, name in reversed(done):
-            found = best_paths(os.path.join(root, name))
+            found = best_paths(root, name)
             if isinstance(found, Unknown):
                 why = f"ModelCheckpoint's best_model_path is unknown: {name} {found.why}; kept for safety"
                 return {n: why for n, s in entries if s in ("committed", "broken")}
             if found:
                 out: dict[str, str] = {}
                 for path, field in found:  # a best first: its reason wins when a path is both
-                    out.setdefault(os.path.basename(path), f"ModelCheckpoint's {field} (in {name})")
+                    out.setdefault(posixpath.basename(path), f"ModelCheckpoint's {field} (in {name})")
                 return out
         return {}
 
@@ -120,18 +121,21 @@ class Unknown:
     why: str  # completes "<file> ...": what stood in the way
 
 
-def best_paths(path: str) -> list[tuple[str, str]] | Unknown:
+def best_paths(root: Storage, name: str) -> list[tuple[str, str]] | Unknown:
     """(path, field) of the ``best_model_path`` of every ``ModelCheckpoint`` state the
-    Lightning checkpoint at ``path`` records, then of each ``last_model_path`` (what
+    Lightning checkpoint ``name`` under ``root`` records, then of each ``last_model_path`` (what
     ``ckpt_path="last"`` resumes from, when its name has a step); ``[]`` when it records no
     callback state at all. ``Unknown`` when it cannot be read with
     ``torch.load(weights_only=True)`` or its ``callbacks`` is not the dict of states Lightning
     writes. Read with tensors memory-mapped, never unpickled."""
     import torch
 
+    f = open_file(root, name)
+    if f is None:
+        return Unknown("is not a plain file any more")
     try:
-        with torch.serialization.safe_globals(list(PATHS)):
-            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with f, local_copy(f) as where, torch.serialization.safe_globals(list(PATHS)):
+            ckpt = torch.load(where, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         text = str(e).strip().splitlines()
         detail = next((ln.strip() for ln in text if "GLOBAL" in ln or "Unsupported" in ln), text[0] if text else "")

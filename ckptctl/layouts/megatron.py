@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import os
+import posixpath
 import re
 from typing import Iterable, Sequence
 
@@ -39,7 +39,8 @@ from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import Checked, Examined, Finding
 from ckptctl.layouts.stack import Level, Resume, StackLayout
-from ckptctl.storage.base import Storage
+from ckptctl.storage.base import ObjectInfo, Storage
+from ckptctl.storage.stored_file import open_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY = re.compile(r"mp_rank_[0-9]{2}(_[0-9]{3})?/model_optim_rng\.pt\Z")
@@ -67,10 +68,7 @@ class MegatronLayout(StackLayout):
         return (argparse.Namespace, *safe_load.numpy_rng())
 
     def read_root(self, root: Storage) -> None:
-        path = root.local_path()
-        if path is None:
-            return
-        text = safe_load.read_pointer(os.path.join(path, TRACKER), 64)
+        text = safe_load.read_pointer(root, TRACKER, 64)
         if text is None:
             self.tracker, self.tracker_problem = None, f"no {TRACKER} at the root (Megatron writes it after every rank saved)"
             return
@@ -80,13 +78,13 @@ class MegatronLayout(StackLayout):
             self.tracker, self.tracker_problem = None, f"{TRACKER} holds {text[:20]!r}, not an iteration"
             self.tracker_garbled = True
 
-    def commit_state(self, path: str, step: int | None) -> Examined:
+    def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
         if self.tracker is None and self.tracker_garbled:
             # The tracker is there but unreadable (rewritten in place, cut short): which
             # iterations it covers is unknown, so none is taken for an abandoned save.
             return Examined("corrupt", f"{self.tracker_problem}; left alone, not taken for an abandoned save")
         if self.tracker is None:
-            if _files_problem(path) is None:
+            if _files_problem(ckpt) is None:
                 # No tracker, yet every file is here: the tracker was lost (deleted, or the
                 # iterations copied without it) as likely as the first save was cut short.
                 return Examined("corrupt", f"{self.tracker_problem}, but its files are complete; left alone, "
@@ -95,24 +93,24 @@ class MegatronLayout(StackLayout):
         if step is None or step > self.tracker:
             return Examined("partial", f"newer than {TRACKER} (iteration {self.tracker}): Megatron writes the tracker "
                                        "after every rank saved, so this save did not finish")
-        problem = _files_problem(path)
+        problem = _files_problem(ckpt)
         return Examined("committed") if problem is None else Examined("corrupt", problem)
 
-    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+    def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
         if ".metadata" in files:
             from ckptctl.interop.dcp_io import read_metadata  # needs torch
 
             try:
-                md = read_metadata(path)
+                md = read_metadata(ckpt)
             except InvalidCheckpoint as e:
                 out.problems.append(Finding(str(e), file=".metadata", hint=e.hint))
             else:
                 if level == "load":  # torch_dist is DCP-format: every record decoded as DCP's are
                     from ckptctl.layouts.dcp import load_records
 
-                    load_records(path, md, self.allowed, self.name, out)
+                    load_records(ckpt, md, self.allowed, self.name, out)
         if INTEGRITY in files and level != "quick":
-            _check_integrity(path, out)
+            _check_integrity(ckpt, out)
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         if self.tracker is None and self.tracker_garbled:
@@ -143,7 +141,7 @@ class MegatronLayout(StackLayout):
         # ``--load ROOT`` loads the tracker's iteration; ``--ckpt-step N`` overrides the tracker
         # (megatron/training/checkpointing.py, _load_base_checkpoint), so the argv always pins it:
         # a save that rewrites the tracker between `latest` and the launch changes nothing.
-        root = os.path.dirname(ckpt_path.rstrip("/"))
+        root = posixpath.dirname(ckpt_path.rstrip("/"))
         how = f"--load {root}"
         exact = step == self.tracker
         if not exact:
@@ -152,30 +150,32 @@ class MegatronLayout(StackLayout):
                       None if exact else f"{TRACKER} names iteration {self.tracker}")
 
 
-def _files_problem(path: str) -> str | None:
-    """Why the iteration directory ``path`` does not hold a whole checkpoint's files, or None."""
-    names = set(os.listdir(path))
+def _files_problem(ckpt: Storage) -> str | None:
+    """Why the iteration directory ``ckpt`` does not hold a whole checkpoint's files, or None."""
+    children = ckpt.children()
+    names = {c.key for c in children}
     if ".metadata" in names or "metadata.json" in names:
         for need in (".metadata", "metadata.json"):
-            if safe_load.regular_size(os.path.join(path, need)) in (None, 0):
+            if safe_load.regular_size(ckpt, need) in (None, 0):
                 return f"torch_dist checkpoint without a complete {need}"
         return None
-    if any(LEGACY.match(rel) for rel in _legacy_files(path, names)):
+    if any(LEGACY.match(rel) for rel in _legacy_files(ckpt, children)):
         return None
     return ("at or below the tracker's iteration but neither a torch_dist checkpoint (.metadata + metadata.json) "
             "nor mp_rank_*/model_optim_rng.pt is here")
 
 
-def _legacy_files(path: str, names: set[str]) -> list[str]:
+def _legacy_files(ckpt: Storage, children: Sequence[ObjectInfo]) -> list[str]:
+    """The files inside the ``mp_rank_*`` directories (never through a link), as keys."""
     out = []
-    for n in sorted(names):
-        if n.startswith("mp_rank_") and os.path.isdir(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n)):
-            out += [f"{n}/{m}" for m in os.listdir(os.path.join(path, n))]
+    for child in children:
+        if child.key.startswith("mp_rank_") and child.kind == "dir":
+            out += [info.key for info in ckpt.children(child.key)]
     return out
 
 
-def _check_integrity(path: str, out: Checked) -> None:
-    doc, problem = safe_load.json_file(os.path.join(path, INTEGRITY))
+def _check_integrity(ckpt: Storage, out: Checked) -> None:
+    doc, problem = safe_load.json_file(ckpt, INTEGRITY)
     table = doc.get("files", doc) if isinstance(doc, dict) else None
     if problem is not None or not isinstance(table, dict):
         out.problems.append(Finding(problem or "not a JSON object of file -> SHA-256", file=INTEGRITY))
@@ -184,7 +184,7 @@ def _check_integrity(path: str, out: Checked) -> None:
         if not isinstance(want, str) or ".." in rel.split("/") or rel.startswith("/"):
             out.problems.append(Finding(f"entry {rel!r} is not a relative path with a SHA-256", file=INTEGRITY))
             continue
-        f = safe_load.open_plain(os.path.join(path, rel))
+        f = open_file(ckpt, rel)
         if f is None:
             out.problems.append(Finding(f"listed in {INTEGRITY} but missing", file=rel))
             continue

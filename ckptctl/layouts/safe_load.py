@@ -18,9 +18,7 @@ torch is imported only when a file is actually loaded.
 from __future__ import annotations
 
 import math
-import os
 import pickle
-import stat
 import zipfile
 from typing import Any, BinaryIO, Callable, Sequence
 
@@ -28,9 +26,11 @@ from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes, parse
 from ckptctl.interop import torch_zip
 from ckptctl.layouts import pickle_scan
-from ckptctl.storage.plain_file import fd_path, open_plain
+from ckptctl.storage.base import Storage
+from ckptctl.storage.stored_file import local_copy, open_file, regular_size  # noqa: F401 (regular_size: the layouts call it through here)
 
-# ``open_plain`` (storage.plain_file) is how every layout opens another tool's file: one helper.
+# ``open_file`` (storage.stored_file) is how every layout opens another tool's file, on every
+# backend: a key under the checkpoint's ``Storage`` ("" for a checkpoint that is one file).
 
 Allowed = Sequence[Any]  # classes/functions, or (object, "module.name") pairs for old names
 
@@ -43,53 +43,43 @@ JSON_DEPTH = 64  # far deeper than any stack's sidecar (trainer_state.json nests
 LOGS_NON_FINITE = frozenset({"trainer_state.json"})
 
 
-def regular_size(path: str) -> int | None:
-    """The size of a regular file at ``path``; None when it is missing, a symlink, a FIFO or
-    anything else that is not a plain file (never followed, never opened)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
-def read_pointer(path: str, limit: int) -> str | None:
+def read_pointer(store: Storage, key: str, limit: int) -> str | None:
     """The first ``limit`` bytes of a small pointer file at a root (DeepSpeed's ``latest``,
     Megatron's tracker), decoded and stripped; None when there is no plain file there."""
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return None
     with f:
         return f.read(limit).decode("utf-8", "replace").strip()
 
 
-def zip_structure(path: str) -> str | None:
+def zip_structure(store: Storage, key: str) -> str | None:
     """The cheap check of a ``torch.save`` archive (``interop.torch_zip``): its directory and
     every member's place, method, flags and name, from headers only. A pre-1.6 file (a bare
     pickle, no zip) passes here; the load level reads it. Returns the problem or None."""
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return NOT_PLAIN
     with f:
         if _legacy(f):
             return None
         try:
-            torch_zip.members(f, os.fstat(f.fileno()).st_size)
+            torch_zip.members(f, f.size)
         except torch_zip.ZipProblem as e:
             return f"not a complete torch.save archive: {e}"
     return None
 
 
-def zip_crc(path: str) -> tuple[str | None, int]:
+def zip_crc(store: Storage, key: str) -> tuple[str | None, int]:
     """Check every record of a ``torch.save`` zip archive against its CRC-32, through the
     checked member table. Returns (problem or None, bytes read). Nothing is unpickled."""
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return NOT_PLAIN, 0
     read = 0
     with f:
         try:
-            found = torch_zip.members(f, os.fstat(f.fileno()).st_size)
+            found = torch_zip.members(f, f.size)
         except torch_zip.ZipProblem as e:
             return f"not a complete torch.save archive: {e}", 0
         for m in found:
@@ -108,7 +98,7 @@ def _legacy(f: BinaryIO) -> bool:
     return head == b"\x80\x02"
 
 
-def torch_file(path: str, allowed: Allowed = (), layout: str = "") -> tuple[str | None, str | None, str | None]:
+def torch_file(store: Storage, key: str, allowed: Allowed = (), layout: str = "") -> tuple[str | None, str | None, str | None]:
     """Test-load a ``torch.save`` file with ``weights_only=True`` and ``allowed`` as the only
     extra globals. Returns (problem, not_decoded, structural): a problem when the file is
     damaged; when it needs a class outside the allow-list, its pickle is decoded structurally
@@ -116,13 +106,13 @@ def torch_file(path: str, allowed: Allowed = (), layout: str = "") -> tuple[str 
     is whole and names only ``layout``'s listed classes, else a "not decoded (...)" text."""
     import torch
 
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return NOT_PLAIN, None, None
-    with f:
-        # torch reads a path (mmap needs one): the descriptor's, so the file loaded is the one
-        # checked to be regular, whatever the name points at by now.
-        where = fd_path(f, path)
+    with f, local_copy(f) as where:
+        # torch reads a path (mmap needs one): locally the descriptor's, so the file loaded is
+        # the one checked to be regular, whatever the name points at by now; on object storage
+        # a temporary copy streamed in pieces.
         zipped = not _legacy(f)
         try:
             with torch.serialization.safe_globals(list(allowed)):
@@ -146,11 +136,11 @@ def structural_text(scan: pickle_scan.Scan) -> tuple[str | None, str | None]:
     return None, f"{STRUCTURAL_MARK}, not test-loaded (pickle of {what}: opcodes parsed, never run)"
 
 
-def pickle_file(path: str, layout: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
+def pickle_file(store: Storage, key: str, layout: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
     """The structural decode alone of a file the layout knows to be a pickle of a class (the
     Trainer's ``training_args.bin``): never handed to any unpickler. Returns (not_decoded,
     structural) as ``structural_text``."""
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return f"not decoded ({NOT_PLAIN})", None
     with f:
@@ -162,17 +152,17 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
-def safetensors_file(path: str) -> tuple[str | None, int]:
+def safetensors_file(store: Storage, key: str) -> tuple[str | None, int]:
     """Read every tensor of a ``.safetensors`` file, one at a time. Returns (problem, bytes)."""
     from safetensors import SafetensorError, safe_open
 
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return NOT_PLAIN, 0
     total = 0
-    with f:
+    with f, local_copy(f) as where:
         try:
-            with safe_open(fd_path(f, path), framework="pt") as st:
+            with safe_open(where, framework="pt") as st:
                 for key in st.keys():
                     t = st.get_tensor(key)
                     total += t.numel() * t.element_size()
@@ -182,16 +172,16 @@ def safetensors_file(path: str) -> tuple[str | None, int]:
     return None, total
 
 
-def safetensors_header(path: str) -> str | None:
+def safetensors_header(store: Storage, key: str) -> str | None:
     """The cheap check, from the header alone: it parses (bounded, ``format.parse``), and the
     tensors it lists tile the data section exactly, so the file is 8 + header length + the end
     of the last tensor bytes long: no short file, no trailing bytes (safetensors' own rule).
     Returns the problem or None."""
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return NOT_PLAIN
     with f:
-        size = os.fstat(f.fileno()).st_size
+        size = f.size
         if size < 8:
             return f"{size} bytes: too short for a safetensors header"
         n = int.from_bytes(f.read(8), "little")
@@ -253,16 +243,16 @@ def _tensor_span(name: str, entry: Any) -> tuple[str | None, tuple[int, int]]:
     return None, (offs[0], offs[1])
 
 
-def json_file(path: str, limit: int = 64 << 20) -> tuple[Any, str | None]:
+def json_file(store: Storage, key: str, limit: int = 64 << 20) -> tuple[Any, str | None]:
     """Parse a small JSON sidecar through the bounded parser (``format.parse``: size, nesting,
     finite numbers; NaN and Infinity only in the documents that log them). Returns
     (document, problem); nothing raises for a hostile file."""
-    f = open_plain(path)
+    f = open_file(store, key)
     if f is None:
         return None, "missing or not a regular file"
     with f:
         raw = f.read(limit + 1)
-    name = os.path.basename(path)
+    name = key.rsplit("/", 1)[-1]
     try:
         return parse.load_json(raw, "", "JSON", max_bytes=limit, max_depth=JSON_DEPTH,
                                allow_nonfinite=name in LOGS_NON_FINITE), None

@@ -15,23 +15,23 @@ A ``StackLayout`` subclass says four things (``dcp``, ``hf_trainer``, ``megatron
 - what prune must protect (pointer targets, Trainer's best checkpoint), which file it deletes
   first (the one the commit rule reads), and what a resume takes (``resume``).
 
-Only local roots are read: on object storage no directory is claimed, so other tools'
-checkpoints there are listed as ``unknown`` and never touched.
+Every file is read through the checkpoint's ``Storage`` (``storage.stored_file``), so each
+layout works the same on a local directory and under an ``s3://`` prefix.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import re
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
-from ckptctl.errors import StorageError
+from ckptctl.errors import NotFound
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import Checked, Examined, Finding
 from ckptctl.storage.base import ObjectInfo, Storage
+from ckptctl.storage.stored_file import open_file
 
 Level = Literal["quick", "checksums", "load"]
 FileKind = Literal["torch", "safetensors", "json", "pickle", "distcp", "other"]
@@ -57,20 +57,15 @@ class Resume:
                 "pointer": self.pointer}
 
 
-def local_dir(ckpt: Storage) -> str | None:
-    """The local directory ``ckpt`` is rooted at, or None on object storage."""
-    return ckpt.local_path()
+def files_below(ckpt: Storage) -> list[ObjectInfo]:
+    """Every file below the checkpoint ``ckpt``, recursively, symlinks included (kind "link")
+    but never followed; keys relative to ``ckpt``."""
+    return sorted(ckpt.list(), key=lambda info: info.key)
 
 
-def files_below(path: str) -> list[str]:
-    """Every entry below ``path`` (relative, ``/``-separated), symlinks included as names but
-    never followed."""
-    out = []
-    for dirpath, dirs, files in os.walk(path, followlinks=False):
-        rel = os.path.relpath(dirpath, path)
-        for name in sorted(files) + sorted(d for d in dirs if os.path.islink(os.path.join(dirpath, d))):
-            out.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
-    return sorted(out)
+def name_of(ckpt: Storage) -> str:
+    """The last component of the checkpoint's URL: its directory (or file) name."""
+    return ckpt.url.rstrip("/").rsplit("/", 1)[-1]
 
 
 class StackLayout:
@@ -108,32 +103,30 @@ class StackLayout:
         return int(m.group(1)) if m is not None and len(m.group(1)) <= 18 else None
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
-        if local_dir(ckpt) is None:
-            return False
         if not names:
             return self.claims_empty
         return any(self.own_files.match(n) for n in names)
 
     def is_marked(self, ckpt: Storage) -> bool:
-        return local_dir(ckpt) is not None and self.examine(ckpt).status != "partial"
+        return self.examine(ckpt).status != "partial"
 
     def examine(self, ckpt: Storage) -> Examined:
-        path = local_dir(ckpt)
-        if path is None:
-            return Examined("corrupt", "only local directories are read for this layout")
         try:
-            return self.commit_state(path, _step_of_path(self, path))
-        except FileNotFoundError:
+            return self.commit_state(ckpt, self.step_in_name(name_of(ckpt)))
+        except NotFound:
             # Deleted while read (a prune, the tool's own rotation): nothing to trust or keep.
             return Examined("partial", "removed while it was being read")
-        except OSError as e:
-            raise StorageError(f"{path}: cannot read the checkpoint directory ({e.strerror or e})",
-                               hint="check its permissions and that its filesystem is mounted") from None
+
+    def step_in_name(self, name: str) -> int | None:
+        """The step this layout reads in a checkpoint's name, or None."""
+        m = self.pattern.match(name)
+        return int(m.group(1)) if m is not None and len(m.group(1)) <= 18 else None
 
     # --- what subclasses say -------------------------------------------------------------
 
-    def commit_state(self, path: str, step: int | None) -> Examined:
-        """The stack's commit rule for the checkpoint directory ``path``."""
+    def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
+        """The stack's commit rule for the checkpoint ``ckpt`` (its directory's storage; for a
+        layout whose checkpoints are files, a storage rooted at the file: key "")."""
         raise NotImplementedError
 
     def kind_of(self, rel: str) -> FileKind:
@@ -148,7 +141,7 @@ class StackLayout:
             return "distcp"
         return "other"
 
-    def extra_checks(self, path: str, files: Sequence[str], level: Level, out: Checked) -> None:
+    def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
         """Stack-specific checks (required files, sidecars, checksums)."""
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -165,37 +158,29 @@ class StackLayout:
         """Every file of the checkpoint at ``level``; problems go in the result, nothing
         raises for them. Each level includes the ones before."""
         out = Checked()
-        path = local_dir(ckpt)
-        if path is None:
-            out.problems.append(Finding(f"{ckpt.url}: only local directories are read for the {self.name} layout",
-                                        hint="copy it to a local directory first"))
-            return out
-        out.step = _step_of_path(self, path)
+        out.step = self.step_in_name(name_of(ckpt))
         try:
-            self._check_dir(path, level, out)
-        except FileNotFoundError as e:
-            out.problems.append(Finding(f"removed while it was being verified ({e.filename})",
+            self._check_dir(ckpt, level, out)
+        except NotFound as e:
+            out.problems.append(Finding(f"removed while it was being verified ({e})",
                                         hint="another process is deleting it; do not resume from it"))
-        except OSError as e:
-            raise StorageError(f"{path}: cannot read ({e.strerror or e})",
-                               hint="check its permissions and that its filesystem is mounted") from None
         return out
 
-    def _check_dir(self, path: str, level: Level, out: Checked) -> None:
-        seen = self.commit_state(path, out.step)
+    def _check_dir(self, ckpt: Storage, level: Level, out: Checked) -> None:
+        seen = self.commit_state(ckpt, out.step)
         if seen.status != "committed":
             out.problems.append(Finding(seen.reason or seen.status,
                                         hint="it is not a complete checkpoint; use an older one"))
-        single = self.files_are_checkpoints and os.path.isfile(path)
         # The seal (``ckptctl seal``) is ckptctl's sidecar, not one of the stack's files; it is
-        # checked against by ``ops.layout_verify``.
-        base, files = ((os.path.dirname(path), [os.path.basename(path)]) if single
-                       else (path, [f for f in files_below(path) if f != SEAL]))
+        # checked against by ``ops.layout_verify``. A checkpoint that is one file is key "".
+        listed = ([ObjectInfo("", 0, 0.0)] if self.files_are_checkpoints
+                  else [f for f in files_below(ckpt) if f.key != SEAL])
+        files = [f.key for f in listed]
         out.files = len(files)
         unchecksummed: set[str] = set()
-        for rel in files:
-            full = os.path.join(base, rel)
-            size = safe_load.regular_size(full)
+        for info in listed:
+            rel = info.key
+            size = None if info.kind != "file" else safe_load.regular_size(ckpt, rel)
             if size is None:
                 out.problems.append(Finding("not a regular file (a symlink, FIFO or device); never followed", file=rel,
                                             hint="the checkpoint layout was altered; treat it as untrusted"))
@@ -205,47 +190,49 @@ class StackLayout:
                 out.problems.append(Finding("0 bytes: the write never finished", file=rel,
                                             hint="the save was cut short (power loss?); use an older checkpoint"))
                 continue
-            self._check_file(full, rel, kind, level, out, unchecksummed)
-        self.extra_checks(path, files, level, out)
+            self._check_file(ckpt, rel, kind, level, out, unchecksummed)
+        self.extra_checks(ckpt, files, level, out)
         if level != "quick" and unchecksummed:
             out.notes.append(NO_CHECKSUMS.format(what=", ".join(sorted(unchecksummed))))
 
-    def _check_file(self, full: str, rel: str, kind: FileKind, level: Level, out: Checked, unsummed: set[str]) -> None:
+    def _check_file(self, ckpt: Storage, rel: str, kind: FileKind, level: Level, out: Checked,
+                    unsummed: set[str]) -> None:
+        shown = rel or name_of(ckpt)
         if kind == "pickle":
             if level != "load":
                 out.not_loaded.append(f"{rel}: presence and size only (a pickle of a class; never unpickled)")
                 return
-            not_decoded, structural = safe_load.pickle_file(full, self.name, self.allowed)
-            (out.not_loaded if not_decoded else out.structural).append(f"{rel}: {not_decoded or structural}")
+            not_decoded, structural = safe_load.pickle_file(ckpt, rel, self.name, self.allowed)
+            (out.not_loaded if not_decoded else out.structural).append(f"{shown}: {not_decoded or structural}")
             return
         problem: str | None = None
         if kind == "torch":
-            problem = _zip_central_directory(full)
-            legacy = problem is None and _legacy_torch(full)
+            problem = safe_load.zip_structure(ckpt, rel)
+            legacy = problem is None and _legacy_torch(ckpt, rel)
             if legacy and level != "quick":
                 unsummed.add("legacy (pre-zip) torch.save files")
             elif problem is None and level != "quick":
-                problem, n = safe_load.zip_crc(full)
+                problem, n = safe_load.zip_crc(ckpt, rel)
                 out.bytes_read += n
             if problem is None and level == "load":
-                problem, not_decoded, structural = safe_load.torch_file(full, self.allowed, self.name)
+                problem, not_decoded, structural = safe_load.torch_file(ckpt, rel, self.allowed, self.name)
                 if not_decoded:
-                    out.not_loaded.append(f"{rel}: {not_decoded}")
+                    out.not_loaded.append(f"{shown}: {not_decoded}")
                 elif structural:
-                    out.structural.append(f"{rel}: {structural}")
+                    out.structural.append(f"{shown}: {structural}")
         elif kind == "safetensors":
-            problem = safe_load.safetensors_header(full)
+            problem = safe_load.safetensors_header(ckpt, rel)
             if problem is None and level != "quick":
                 unsummed.add("*.safetensors")
             if problem is None and level == "load":
-                problem, n = safe_load.safetensors_file(full)
+                problem, n = safe_load.safetensors_file(ckpt, rel)
                 out.bytes_read += n
         elif kind == "json":
-            _doc, problem = safe_load.json_file(full)
+            _doc, problem = safe_load.json_file(ckpt, rel)
         elif kind == "distcp" and level != "quick":
             unsummed.add("*.distcp")  # their records are checked and loaded from .metadata
         if problem is not None:
-            out.problems.append(Finding(problem, file=rel))
+            out.problems.append(Finding(problem, file=shown))
 
     def removal_order(self, keys: Iterable[str]) -> list[str]:
         """Keys in the order a delete takes them: the commit files first, so that a delete
@@ -279,20 +266,9 @@ class StackLayout:
         return self
 
 
-def _zip_central_directory(path: str) -> str | None:
-    """A ``torch.save`` archive's layout checks out from its headers (``safe_load.zip_structure``:
-    cheap, no data read); a truncated, padded or unreadable archive fails here."""
-    return safe_load.zip_structure(path)
-
-
-def _legacy_torch(path: str) -> bool:
-    f = safe_load.open_plain(path)  # never blocks on a FIFO swapped in meanwhile
+def _legacy_torch(ckpt: Storage, key: str) -> bool:
+    f = open_file(ckpt, key)  # never blocks on a FIFO swapped in meanwhile
     if f is None:
         return False
     with f:
         return f.read(2) == b"\x80\x02"  # a bare pickle: torch.save(_use_new_zipfile_serialization=False)
-
-
-def _step_of_path(layout: StackLayout, path: str) -> int | None:
-    m = layout.pattern.match(os.path.basename(os.path.abspath(path)))
-    return int(m.group(1)) if m is not None else None

@@ -51,7 +51,7 @@ def verify_stack_detail(ckpt: Storage, layout: StackLayout, level: Level = "chec
     seal that matches stands for ``load`` too: the checkpoint was test-loaded when sealed and
     not one byte differs since."""
     t0 = time.perf_counter()
-    seal, bad_seal = (None, None) if _single_file(ckpt) else seal_problem(ckpt)
+    seal, bad_seal = (None, None) if _single_file(ckpt, layout) else seal_problem(ckpt)
     stack_level: Level = level
     if seal is not None and (level == "checksums" or (trust_seal and level == "load" and decoded_when_sealed(seal))):
         stack_level = "quick"  # the seal vouches for the bytes; the stack's rule and files still checked
@@ -95,10 +95,9 @@ def decoded_when_sealed(seal: Seal) -> bool:
     return all(STRUCTURAL_MARK in entry for entry in seal.not_loaded)
 
 
-def _single_file(ckpt: Storage) -> bool:
+def _single_file(ckpt: Storage, layout: StackLayout) -> bool:
     """A checkpoint that is one file (Lightning's ``*.ckpt``): it has no directory for a seal."""
-    path = ckpt.local_path()
-    return path is not None and os.path.isfile(path)
+    return layout.files_are_checkpoints
 
 
 def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",
@@ -185,24 +184,33 @@ def latest_checkpoint(root: Storage, level: Level = "checksums", *, formats: Seq
 
 
 def stack_checkpoint_at(path: str) -> tuple[StackLayout, Storage] | None:
-    """When the local directory ``path`` is one checkpoint of another stack's layout (by its
-    name under its parent and its files: ``checkpoint-N`` of the Trainer, ``iter_N``,
+    """When ``path`` (a local path or a URL) is one checkpoint of another stack's layout (by
+    its name under its parent and its files: ``checkpoint-N`` of the Trainer, ``iter_N``,
     ``global_stepN``, torchtitan's ``step-N``; or a Lightning ``*step=N*.ckpt`` file), that
-    layout bound to the parent and the
-    checkpoint's storage; None otherwise (ckptctl's own claims first)."""
+    layout bound to the parent and the checkpoint's storage; None otherwise (ckptctl's own
+    claims first)."""
     from ckptctl.layouts.catalog import LAYOUTS
     from ckptctl.storage import open_storage
     from ckptctl.storage.base import ObjectInfo
 
-    if "://" in path or os.path.islink(path) or not os.path.exists(path):
-        return None
-    full = os.path.abspath(path)
-    parent, name = os.path.dirname(full), os.path.basename(full)
+    if "://" in path:
+        parent, _, name = path.rstrip("/").rpartition("/")
+        if "://" not in parent or parent.endswith(":/"):
+            return None  # a bucket alone is no checkpoint
+    else:
+        if os.path.islink(path) or not os.path.exists(path):
+            return None
+        full = os.path.abspath(path)
+        parent, name = os.path.dirname(full), os.path.basename(full)
     root = open_storage(parent)
     ckpt = root.sub(name)
-    is_dir = os.path.isdir(full)
-    names = frozenset(os.listdir(full)) if is_dir else frozenset()
-    child = ObjectInfo(name, 0, 0.0, "dir" if is_dir else "file")
+    info = root.stat(name)
+    if info is not None and info.kind == "link":
+        return None
+    names = frozenset(c.key for c in ckpt.children()) if info is None or info.kind == "dir" else frozenset()
+    if info is None and not names:
+        return None  # nothing there
+    child = ObjectInfo(name, 0, 0.0, "file" if info is not None and info.kind == "file" else "dir")
     for layout in LAYOUTS:
         bound = layout.for_root(root)
         if bound.step_of(child) is not None and bound.claims(ckpt, names):

@@ -94,21 +94,20 @@ def checkpoint_kind(root: Storage) -> str | None:
     names = {info.key.rsplit("/", 1)[-1] for info in root.children()}
     if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
         return "a ckptctl checkpoint"
-    if local is None:
-        return None
     from ckptctl.interop.detect import foreign_format
     from ckptctl.ops.layout_verify import stack_checkpoint_at
 
     try:
-        found = stack_checkpoint_at(local)
-        fmt = foreign_format(local) if found is None else None
+        found = stack_checkpoint_at(local or root.url)
+        # Single-file formats (safetensors, torch.save) are told apart by their local headers.
+        fmt = foreign_format(local) if found is None and local is not None else None
     except CkptError:  # a file that cannot be read or judged: no hint, and the listing stands
         return None
     if found is not None:
         return f"a {found[0].name} checkpoint"
     if fmt is not None:
         return f"a {fmt} checkpoint"
-    if not names and parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
+    if not names and local is not None and parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
         return "an empty ckptctl checkpoint directory"
     return None
 

@@ -13,13 +13,12 @@ what was judged (a training job that saved meanwhile wins; nothing is overwritte
 
 from __future__ import annotations
 
-import os
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ckptctl.errors import RefusedForSafety, UsageError
-from ckptctl.layouts import safe_load
+from ckptctl.storage.stored_file import open_file
 from ckptctl.layouts.catalog import FORMATS, layouts_named, list_checkpoints, newest_marked
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.layout_verify import bound_layout, verify_entry
@@ -70,14 +69,14 @@ def _pointer_layouts(root: Storage, formats: Sequence[str] | None) -> list[Stack
     for layout in layouts:
         if not isinstance(layout, StackLayout) or layout.pointer_file is None:
             continue
-        if root.local_path() is None or root.stat(layout.pointer_file) is None:
-            continue  # other stacks' checkpoints are read on local roots only (layouts.stack)
+        if root.stat(layout.pointer_file) is None:
+            continue
         out.append(bound_layout(layout.name, root))
     return out
 
 
 def _raw_pointer(root: Storage, key: str) -> bytes | None:
-    f = safe_load.open_plain(os.path.join(root.local_path() or "", key))  # no link followed, no FIFO waited on
+    f = open_file(root, key)  # no link followed, no FIFO waited on
     if f is None:
         return None
     with f:

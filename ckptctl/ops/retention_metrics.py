@@ -18,7 +18,7 @@ record no metrics ckptctl reads.
 from __future__ import annotations
 
 import math
-import os
+import posixpath
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,14 +47,11 @@ def _put(into: dict[str, float], name: Any, value: Any) -> None:
 
 
 def hf_trainer_metrics(root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
-    """Metrics of each committed Trainer checkpoint ``(name, step)`` under ``root``, by name.
-    Local roots only (as Trainer's best-checkpoint protection): on S3 none are read."""
-    base = root.local_path()
+    """Metrics of each committed Trainer checkpoint ``(name, step)`` under ``root``, by name,
+    on every backend."""
     out: dict[str, dict[str, float]] = {}
-    if base is None:
-        return out
     for name, step in sorted(checkpoints, key=lambda c: c[1]):  # oldest first: the newest best wins
-        doc, problem = safe_load.json_file(os.path.join(base, name, TRAINER_STATE))
+        doc, problem = safe_load.json_file(root, f"{name}/{TRAINER_STATE}")
         mine = out.setdefault(name, {})
         if problem is not None or not isinstance(doc, dict):
             continue
@@ -66,6 +63,6 @@ def hf_trainer_metrics(root: Storage, checkpoints: Iterable[tuple[str, int]]) ->
                         _put(mine, key, value)
         best, value = doc.get("best_model_checkpoint"), doc.get("best_metric")
         if isinstance(best, str) and best.rstrip("/") and _number(value) is not None:
-            named = os.path.basename(best.rstrip("/"))
+            named = posixpath.basename(best.rstrip("/"))
             _put(out.setdefault(named, {}), "best_metric", value)
     return out

@@ -136,8 +136,7 @@ def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | Non
     Raises InvalidCheckpoint for an incomplete or corrupt checkpoint (nothing is written)."""
     t0 = time.perf_counter()
     name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
-    path = ckpt.local_path()
-    if path is not None and os.path.isfile(path):
+    if layout.files_are_checkpoints:
         return SealResult(ckpt.url, name, layout.name, None, "skipped",
                           reason="a checkpoint that is one file (Lightning's *.ckpt) has no directory to hold a seal")
     # A seal killed between writing its temporary and linking or unlinking it left that
@@ -188,29 +187,27 @@ def seal_root(root: Storage, progress: Progress | None = None) -> list[SealResul
 
 
 def seal_path(path: str, progress: Progress | None = None) -> SealOutcome:
-    """``seal`` by path, as the CLI names it: one checkpoint of another tool (sealed, or
+    """``seal`` by path or URL, as the CLI names it: one checkpoint of another tool (sealed, or
     InvalidCheckpoint when incomplete), one of ckptctl's own (a no-op that says so), or a root
-    (every complete checkpoint not sealed yet). Only local directories: other tools'
-    checkpoints are read on a filesystem (seal them before uploading; ``cp`` carries the seal)."""
-    if "://" in path and not path.startswith("file://"):
-        raise UsageError(f"{path}: seal reads other tools' checkpoints on a local filesystem only",
-                         hint="seal the checkpoint where it was written, then `ckptctl cp` it (the seal goes along)")
-    local = path[len("file://"):] if path.startswith("file://") else path
-    if not os.path.exists(local):
+    (every complete checkpoint not sealed yet). Works on every backend: on object storage the
+    test-load streams each file to a temporary local file, so sealing where the checkpoint was
+    written (``cp`` carries the seal) reads less."""
+    st = open_storage(path)
+    local = st.local_path()
+    if local is not None and not os.path.exists(local):
         raise UsageError(f"no such file or directory: {path}", hint="check the path for a typo")
     outcome = SealOutcome(path)
-    stack = stack_checkpoint_at(local)
+    stack = stack_checkpoint_at(local or path)
     if stack is not None:
         layout, ckpt = stack
         outcome.results.append(seal_checkpoint(ckpt, layout, progress))
         return outcome
-    if not os.path.isdir(local):
+    if local is not None and not os.path.isdir(local):
         raise InvalidCheckpoint(f"not a checkpoint of another tool: {path}",
                                 hint="give a checkpoint directory (checkpoint-N, step-N, iter_N, global_stepN) or its root")
-    st = open_storage(local)
-    names = set(os.listdir(local))
+    names = {c.key for c in st.children()}
     if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
-        outcome.results.append(SealResult(st.url, os.path.basename(os.path.abspath(local)), NATIVE_NAME, None,
+        outcome.results.append(SealResult(st.url, st.url.rstrip("/").rsplit("/", 1)[-1], NATIVE_NAME, None,
                                           "not needed", reason=NATIVE_NOTE))
         return outcome
     outcome.results = seal_root(st, progress)

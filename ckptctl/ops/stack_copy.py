@@ -18,9 +18,10 @@ Checking: a sealed source (``ckptctl seal``) is checked on the fly, each byte ag
 as it is copied, so a corrupt source commits nothing; this works from and to object storage.
 Without a seal there is nothing to check bytes against, so the copy is test-loaded at the
 destination (every file, as ``verify --load`` does) before its commit files stay and its
-pointer is written; that needs a local destination, so copying an unsealed checkpoint to object
-storage is refused (seal it first: the seal travels with it). On object storage other tools'
-checkpoints are recognised by their seal (layouts read only local directories).
+pointer is written; on object storage that streams each file back to a temporary local file,
+so sealing first (the seal travels with the copy, and each byte is checked on the way) saves
+that read. Layouts read through ``Storage``, so a checkpoint is recognised by its own files on
+every backend; a prefix holding only a seal of a layout is recognised by the seal.
 
 Before a byte is copied the source passes the quick level of ``verify`` (the stack's commit rule,
 each file's own header: a safetensors file with trailing bytes or a torch zip whose members do
@@ -31,7 +32,6 @@ the temporaries the killed run left (``ops.leftovers``), and the destination is 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -95,19 +95,19 @@ def _from_seal(ckpt: Storage, name: str) -> StackSource | None:
 
 
 def stack_source_at(path: str) -> StackSource | None:
-    """The other tool's checkpoint at ``path`` (a local checkpoint directory its layout claims,
-    or an object-storage prefix holding a seal), or None when it is not one."""
-    if "://" in path and not path.startswith("file://"):
-        st = open_storage(path)
-        return _from_seal(st, path.rstrip("/").rsplit("/", 1)[-1])
+    """The other tool's checkpoint at ``path`` (a local directory or an object-storage prefix
+    its layout claims, or a prefix holding a seal of a layout), or None when it is not one."""
     found = stack_checkpoint_at(path)
     if found is None:
+        if "://" in path and not path.startswith("file://"):
+            st = open_storage(path)
+            return _from_seal(st, path.rstrip("/").rsplit("/", 1)[-1])
         return None
     layout, ckpt = found
-    if layout.files_are_checkpoints and os.path.isfile(ckpt.local_path() or ""):
+    if layout.files_are_checkpoints:
         raise UsageError(f"{path}: a checkpoint that is one file; copy it as a file (cp, rsync, aws s3 cp)",
                          hint="cp and restore copy checkpoint directories")
-    name = os.path.basename(os.path.abspath(path))
+    name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
     step = layout.step_of(ObjectInfo(name, 0, 0.0, "dir"))
     assert step is not None
     seal = read_seal(ckpt)
@@ -130,14 +130,9 @@ def destination_for(src: StackSource, dst: str) -> tuple[Storage, Storage]:
 
 
 def _source_problems(src: StackSource) -> list[Problem]:
-    """The cheap checks before a byte is copied: the stack's commit rule and files (local
-    sources), the files and sizes the seal names."""
-    problems: list[Problem] = []
-    if src.storage.local_path() is not None:
-        problems += verify_stack(src.storage, src.layout, "quick").problems
-    elif src.seal is not None:
-        problems += check_against_seal(src.storage, src.seal, "quick")[0]
-    return problems
+    """The cheap checks before a byte is copied: the stack's commit rule and files, and the
+    files and sizes the seal names when there is one (``verify_stack`` at quick)."""
+    return list(verify_stack(src.storage, src.layout, "quick").problems)
 
 
 def _describe(problems: list[Problem], where: str) -> str:
@@ -190,9 +185,6 @@ def copy_stack_checkpoint(src: StackSource, dst: Storage, dst_root: Storage, pro
     t0 = time.perf_counter()
     result = CopyResult(src.storage.url, dst.url, src.step, "copied", layout=src.layout.name,
                         note=CHECKED_SEAL if src.seal is not None else CHECKED_LOAD)
-    if src.seal is None and dst.local_path() is None:
-        raise UsageError(f"{src.storage.url} has no seal, and a copy on object storage cannot be test-loaded",
-                         hint=f"seal it first (`ckptctl seal {src.storage.url}`): then every byte is checked on the way")
     problems = _source_problems(src)
     if problems:
         raise InvalidCheckpoint(_describe(problems, src.storage.url), hint=problems[0].hint or "copy an older checkpoint")
@@ -282,16 +274,12 @@ def _check_destination(src: StackSource, dst: Storage, dst_root: Storage) -> Non
     copy that does not verify. Unsealed: every file test-loaded (there is nothing else to check
     bytes against). Sealed: the bytes were checked against the seal on the way, so the stack's
     commit rule and files and the seal's list of files and sizes (nothing added, as a leftover
-    of a killed copy would be); on object storage, the seal's list alone (no layout reads there)."""
-    if dst.local_path() is None:
-        assert src.seal is not None, "an unsealed copy to object storage is refused before copying"
-        problems = check_against_seal(dst, src.seal, "quick")[0]
-        what = "the copy, checked against its seal"
-    else:
-        layout = bound_layout(src.layout.name, dst_root).assuming_pointer(src.name, src.step)
-        level: Level = "quick" if src.seal is not None else "load"
-        problems = verify_stack(dst, layout, level).problems
-        what = "the copy, verified" if src.seal is not None else "the copy, test-loaded"
+    of a killed copy would be). On object storage the test-load streams each file to a
+    temporary local file (``storage.stored_file.local_copy``): a sealed copy avoids that."""
+    layout = bound_layout(src.layout.name, dst_root).assuming_pointer(src.name, src.step)
+    level: Level = "quick" if src.seal is not None else "load"
+    problems = verify_stack(dst, layout, level).problems
+    what = "the copy, verified" if src.seal is not None else "the copy, test-loaded"
     if problems:
         raise InvalidCheckpoint(_describe(problems, f"{dst.url} ({what})"),
                                 hint="the source does not load either, or changed while copied; copy an older checkpoint")
@@ -321,28 +309,17 @@ def _write_pointer(src: StackSource, dst_root: Storage, result: CopyResult) -> N
 
 
 def _candidates(root: Storage, step: int | None) -> Iterator[StackSource]:
-    """Other tools' complete checkpoints under ``root``, newest first (local: by each layout's
-    commit rule; object storage: those with a seal)."""
-    if root.local_path() is not None:
-        entries = [e for e in list_checkpoints(root) if e.layout not in (NATIVE_NAME, "unknown")
-                   and e.status == "committed" and e.storage is not None and (step is None or e.step == step)]
-        for e in sorted(entries, key=lambda e: (e.step, e.name), reverse=True):
-            assert e.storage is not None
-            path = e.storage.local_path()
-            if path is None or os.path.isfile(path):
-                continue  # a one-file checkpoint (Lightning): copied as a file, not restored here
-            layout = bound_layout(e.layout, root)
-            seal = read_seal(e.storage)
-            yield StackSource(e.storage, e.name, layout, e.step, seal, e.storage.read(SEAL) if seal else None)
-        return
-    found = []
-    for child in root.children():
-        if child.kind != "dir":
-            continue
-        source = _from_seal(root.sub(child.key), child.key)
-        if source is not None and (step is None or source.step == step):
-            found.append(source)
-    yield from sorted(found, key=lambda s: (s.step, s.name), reverse=True)
+    """Other tools' complete checkpoints under ``root``, newest first, by each layout's commit
+    rule, on every backend."""
+    entries = [e for e in list_checkpoints(root) if e.layout not in (NATIVE_NAME, "unknown")
+               and e.status == "committed" and e.storage is not None and (step is None or e.step == step)]
+    for e in sorted(entries, key=lambda e: (e.step, e.name), reverse=True):
+        assert e.storage is not None
+        layout = bound_layout(e.layout, root)
+        if layout.files_are_checkpoints:
+            continue  # a one-file checkpoint (Lightning): copied as a file, not restored here
+        seal = read_seal(e.storage)
+        yield StackSource(e.storage, e.name, layout, e.step, seal, e.storage.read(SEAL) if seal else None)
 
 
 def wants_stack_restore(src_root: Storage) -> bool:
@@ -351,7 +328,7 @@ def wants_stack_restore(src_root: Storage) -> bool:
     if src_root.stat(MARKER) is not None or next(newest_marked(src_root, layouts=NATIVE), None) is not None:
         return False  # a ckptctl checkpoint (or a root with one): ops.transfer restores it
     return next(_candidates(src_root, None), None) is not None or (
-        src_root.local_path() is not None and stack_checkpoint_at(src_root.local_path() or "") is not None)
+        stack_checkpoint_at(src_root.local_path() or src_root.url) is not None)
 
 
 def restore_stack(src_root: Storage, dst_root: Storage, step: int | None = None, progress: Progress | None = None, *,
@@ -360,8 +337,7 @@ def restore_stack(src_root: Storage, dst_root: Storage, step: int | None = None,
     into ``dst_root`` under its own name, checked as ``copy_stack_checkpoint`` does; one that
     does not check out is reported through ``on_skip`` and the next newest is tried (with
     ``step`` pinned, it raises instead). ``src_root`` may name one checkpoint directly."""
-    local = src_root.local_path()
-    one = stack_source_at(local) if local is not None else None
+    one = stack_source_at(src_root.local_path() or src_root.url)
     cands = iter([one]) if one is not None else _candidates(src_root, step)
     skipped: list[Skipped] = []
     for src in cands:

@@ -51,6 +51,11 @@ class Reader(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def local_fd(self) -> int | None:
+        """The open local file descriptor behind this reader (for readers that need a path:
+        ``/proc/self/fd/N``), or None on object storage."""
+        return None
+
     def __enter__(self) -> "Reader":
         return self
 
@@ -124,6 +129,11 @@ class Storage(ABC):
     def open_reader(self, key: str) -> Reader:
         """Open ``key`` for ranged reads. Raises NotFound if absent; a symlink (or a path
         through one) is refused with InvalidCheckpoint."""
+
+    @abstractmethod
+    def open_root_reader(self) -> Reader:
+        """Open the object this storage is rooted at, for a storage rooted at one file (a
+        Lightning ``.ckpt``, a checkpoint that is a single file). Refuses as ``open_reader``."""
 
     def read(self, key: str, *, max_size: int = 64 << 20) -> bytes:
         """The whole (small) object. ``max_size`` guards against a hostile huge file."""

@@ -207,6 +207,21 @@ class LocalStorage(Storage):
         shown = self._shown(self._parts(key))
         with mapped(shown):
             fd, name = self._open_parent(key, create=False)
+        return self._open_file(fd, name, shown)
+
+    def open_root_reader(self) -> LocalReader:
+        shown = self._shown(self._prefix)
+        with mapped(shown):
+            if not self._prefix:  # the user named the file itself (``verify epoch=3-step=9.ckpt``)
+                head, name = os.path.split(self._base)
+                fd = os.open(head or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            else:
+                fd, name = self._open_dir(self._prefix[:-1], create=False), self._prefix[-1]
+        return self._open_file(fd, name, shown)
+
+    def _open_file(self, fd: int, name: str, shown: str) -> LocalReader:
+        """Open the regular file ``name`` in the directory ``fd`` (closed here) for reading."""
+        with mapped(shown):
             try:
                 file_fd = os.open(name, READ_FLAGS, dir_fd=fd)
             finally:

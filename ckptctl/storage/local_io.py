@@ -97,6 +97,9 @@ class LocalReader(Reader):
         fd, self._fd = self._fd, None
         close_fd(fd)
 
+    def local_fd(self) -> int | None:
+        return self._fd
+
     def _require_open(self) -> int:
         if self._fd is None:
             raise ValueError(f"reader for {self._shown} is closed")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Collection, Iterator
 
 from botocore.exceptions import ClientError
 
-from ckptctl.errors import InvalidCheckpoint, UsageError
+from ckptctl.errors import InvalidCheckpoint, NotFound, UsageError
 from ckptctl.storage.base import ObjectInfo, Storage, check_key
 from ckptctl.storage.s3_bucket import Bucket
 from ckptctl.storage.s3_client import Client
@@ -201,6 +201,13 @@ class S3Storage(Storage):
         with self._bucket.errors(shown):
             head = self._client.s3.head_object(Bucket=self._bucket.name, Key=obj)
         return S3Reader(self._bucket, self._opts, obj, shown, head["ContentLength"], head.get("ETag"))
+
+    def open_root_reader(self) -> S3Reader:
+        if not self._prefix:
+            raise NotFound(f"{self.url}: a bucket is not an object")
+        with self._bucket.errors(self.url):
+            head = self._client.s3.head_object(Bucket=self._bucket.name, Key=self._prefix)
+        return S3Reader(self._bucket, self._opts, self._prefix, self.url, head["ContentLength"], head.get("ETag"))
 
     def open_writer(self, key: str) -> S3Writer:
         key = check_key(key)
