@@ -159,7 +159,6 @@ LAYOUT_NAME_OFFENDERS = frozenset({
     "ckptctl/ops/rm.py:_mark_anchor",
     "ckptctl/ops/rm.py:_survey",
     "ckptctl/ops/seal.py:seal_root",
-    "ckptctl/ops/stack_copy.py:_candidates",
     "ckptctl/ops/stack_copy.py:_stack_named",
 })
 

@@ -123,6 +123,13 @@ def list_checkpoints(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> l
     return [_entry(root, f) for f in _scan(root, layouts)]
 
 
+def other_tools_committed(root: Storage) -> list[Checkpoint]:
+    """The committed checkpoints under ``root`` of other tools' layouts (not ckptctl's own,
+    never an unknown directory or a link), oldest first."""
+    return [e for e in list_checkpoints(root) if e.layout not in (NATIVE_NAME, UNKNOWN)
+            and e.status == "committed" and e.storage is not None]
+
+
 def newest_marked(root: Storage, *, step: int | None = None, layouts: Sequence[Layout] = LAYOUTS) -> Iterator[Checkpoint]:
     """Directories that claim to be committed, newest first, lazily: committed, or corrupt
     (claiming to be committed). With ``step``, only directories of that step. Symlinks are

@@ -41,8 +41,7 @@ from typing import Callable, Iterator
 from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety, UsageError
 from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL, Seal
-from ckptctl.layouts.catalog import LAYOUTS, NATIVE, list_checkpoints, newest_marked
-from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.catalog import LAYOUTS, NATIVE, newest_marked, other_tools_committed
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack
 from ckptctl.ops.leftovers import remove_temporaries
@@ -309,14 +308,20 @@ def _write_pointer(src: StackSource, dst_root: Storage, result: CopyResult) -> N
 
 
 def _candidates(root: Storage, step: int | None) -> Iterator[StackSource]:
+    """Other tools' complete checkpoint directories under ``root``, newest first."""
+    return stack_sources(root, step)
+
+
+def stack_sources(root: Storage, step: int | None = None, *, with_files: bool = False) -> Iterator[StackSource]:
     """Other tools' complete checkpoints under ``root``, newest first, by each layout's commit
-    rule, on every backend."""
-    entries = [e for e in list_checkpoints(root) if e.layout not in (NATIVE_NAME, "unknown")
-               and e.status == "committed" and e.storage is not None and (step is None or e.step == step)]
+    rule, on every backend; one-file checkpoints (Lightning's) only ``with_files``."""
+    entries = [e for e in other_tools_committed(root) if step is None or e.step == step]
     for e in sorted(entries, key=lambda e: (e.step, e.name), reverse=True):
         assert e.storage is not None
         layout = bound_layout(e.layout, root)
         if layout.files_are_checkpoints:
+            if with_files:
+                yield StackSource(e.storage, e.name, layout, e.step, None)
             continue  # a one-file checkpoint (Lightning): copied as a file, not restored here
         seal = read_seal(e.storage)
         yield StackSource(e.storage, e.name, layout, e.step, seal, e.storage.read(SEAL) if seal else None)

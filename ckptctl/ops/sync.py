@@ -10,6 +10,10 @@ copy is not downloaded again on every run; a copy this command made is recorded 
 written, having been checked on the way). A damaged copy is uncommitted (marker first) and
 copied again.
 
+Other tools' complete checkpoints (Trainer, DCP, Megatron, DeepSpeed, Lightning) are mirrored
+too, after ckptctl's own, by ``ops.stack_sync``: their commit files and pointers written last,
+a pointer never moved backwards; ``delete`` never removes them.
+
 Resumable: a sync killed at any point leaves DST's copy in progress without a marker (never
 mistaken for a checkpoint); the next run copies it again, keeping on a filesystem the files
 whose bytes already verify, and breaks the lock of the dead run (``ops.lock``).
@@ -38,6 +42,7 @@ from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.targets import open_root
 from ckptctl.ops.transfer import copy_checkpoint
 from ckptctl.ops import uploads
+from ckptctl.ops.stack_sync import has_stack_checkpoints, sync_stacks
 from ckptctl.ops.uploads import UPLOAD_IDLE_S
 from ckptctl.ops.verify import VerifyReport
 from ckptctl.ops.verify_cache import VerifyCache, fingerprint, verify_cached
@@ -59,10 +64,11 @@ class SyncItem:
     action: SyncAction
     bytes: int = 0  # copied (or to copy, on a dry run), or freed
     detail: str | None = None
+    layout: str = "ckptctl"  # whose checkpoint (another stack's: ``ops.stack_sync``)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "name": self.name, "url": self.url, "action": self.action, "bytes": self.bytes,
-                "detail": self.detail}
+                "detail": self.detail, "layout": self.layout}
 
 
 @dataclass
@@ -114,7 +120,7 @@ def sync(
     """
     t0 = time.perf_counter()
     result = SyncResult(src.url, dst.url, dry_run)
-    if delete and not allow_empty_source and not _committed(src):
+    if delete and not allow_empty_source and not _committed(src) and not has_stack_checkpoints(src):
         # An unmounted volume or a mistyped path reads as an empty root: mirroring it would
         # delete every checkpoint of DST but its newest.
         raise RefusedForSafety(
@@ -136,6 +142,11 @@ def sync(
             if lock is not None:
                 lock.refresh()
             result.items.append(_one(entry, dst, have.get(entry.name), cache, dry_run, progress))
+        for done in sync_stacks(src, dst, dry_run=dry_run, progress=progress):  # other tools' checkpoints
+            if lock is not None:
+                lock.refresh()
+            result.items.append(SyncItem(done.step, done.name, done.url, done.action, done.bytes,  # type: ignore[arg-type]
+                                         done.detail, done.layout))
         if delete:
             _delete_extra(src, dst, sources, cache, result, lock)
         # Uploads a killed sync (or save) left open in DST's checkpoints (ops.uploads).
