@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptctl.format import parse
 from ckptctl.format.manifest import FileEntry
 
 
@@ -56,6 +57,13 @@ def pack(doc: object, size: int, *, shorten: object) -> torch.Tensor:
     return out
 
 
+MAX_MESSAGE_DEPTH = 8  # a report nests three levels (report -> file entry -> chunk digests)
+
+
 def unpack(t: torch.Tensor) -> object:
+    """The document ``pack`` put in ``t``, through the one bounded parser every JSON read takes
+    (``format.parse``: size, nesting, finite numbers): a message garbled on the wire is a
+    clear ``InvalidCheckpoint`` naming it, never a ``RecursionError`` in the middle of a save."""
     raw = bytes(t.numpy().tobytes()).rstrip(b"\0")
-    return json.loads(raw)
+    return parse.load_json(raw, "", "inter-rank save message", max_bytes=t.numel(), max_depth=MAX_MESSAGE_DEPTH,
+                           allow_nonfinite=True)
