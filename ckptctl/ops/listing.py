@@ -169,7 +169,7 @@ def nothing_to_restore(root: Storage) -> CkptError:
         return UsageError(
             f"{root.url} holds {n} Lightning checkpoint{'' if n == 1 else 's'} (one .ckpt file each); "
             "restore copies checkpoint directories only, not one-file checkpoints",
-            hint="copy the newest good one as a file: cp \"$(ckptctl latest SRC --format lightning)\" DST/")
+            hint="copy the newest good one as a file: ckptctl cp \"$(ckptctl latest SRC --format lightning)\" DST")
     if rows:
         counts: dict[str, int] = {}
         for e in rows:

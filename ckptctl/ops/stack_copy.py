@@ -53,6 +53,7 @@ from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import ObjectInfo, Storage
+from ckptctl.storage.stored_file import StoredFile, open_file
 
 CHECKED_SEAL = "every byte checked against the source's seal on the fly"
 CHECKED_LOAD = "no seal: copied, then every file test-loaded at the destination (no checksums to check bytes against)"
@@ -103,10 +104,11 @@ def stack_source_at(path: str) -> StackSource | None:
             return _from_seal(st, path.rstrip("/").rsplit("/", 1)[-1])
         return None
     layout, ckpt = found
-    if layout.files_are_checkpoints:
-        raise UsageError(f"{path}: a checkpoint that is one file; copy it as a file (cp, rsync, aws s3 cp)",
-                         hint="cp and restore copy checkpoint directories")
     name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
+    if layout.files_are_checkpoints:
+        step = layout.step_in_name(name)
+        assert step is not None
+        return StackSource(ckpt, name, layout, step, None)  # copied whole: ``copy_stack_file``
     step = layout.step_of(ObjectInfo(name, 0, 0.0, "dir"))
     assert step is not None
     seal = read_seal(ckpt)
@@ -126,6 +128,67 @@ def destination_for(src: StackSource, dst: str) -> tuple[Storage, Storage]:
     if src.layout.step_of(ObjectInfo(last, 0, 0.0, "dir")) is not None:
         return st, _parent(st)
     return st.sub(src.name), st
+
+
+def copy_stack_file(src: StackSource, dst_root: Storage, progress: Progress | None = None) -> CopyResult:
+    """Copy a checkpoint that is one file (Lightning's ``.ckpt``) under ``dst_root``, whole,
+    through one atomic writer (a copy cut short is never a file at DST), then check it there as
+    ``verify`` will (its zip records' CRC-32s). A file of that name already at DST is left as
+    is: "already present" when it has the same bytes, else RefusedForSafety."""
+    t0 = time.perf_counter()
+    result = CopyResult(src.storage.url, dst_root.url_of(src.name), src.step, "copied", layout=src.layout.name,
+                        note="copied whole, then its zip records' CRC-32s checked at the destination")
+    problems = _source_problems(src)
+    if problems:
+        raise InvalidCheckpoint(_describe(problems, src.storage.url), hint=problems[0].hint or "copy an older checkpoint")
+    source = open_file(src.storage, "")
+    if source is None:
+        raise NotFound(f"{src.storage.url} is gone", hint="it was deleted while being copied")
+    with source:
+        there = dst_root.stat(src.name)
+        if there is not None:
+            if there.kind == "file" and _same_bytes(source, dst_root, src.name):
+                result.status, result.files = "already present", 1
+                result.seconds = time.perf_counter() - t0
+                return result
+            raise RefusedForSafety(f"{result.dst} already holds another file under this checkpoint's name",
+                                   hint="choose another destination, or delete that file first")
+        writer = dst_root.open_writer(src.name)
+        try:
+            source.seek(0)
+            while piece := source.read(64 << 20):
+                writer.write(piece)
+                result.bytes_copied += len(piece)
+                if progress is not None:
+                    progress(len(piece))
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
+    result.files = 1
+    copy = dst_root.sub(src.name)
+    problems = verify_stack(copy, bound_layout(src.layout.name, dst_root), "checksums").problems
+    if problems:
+        dst_root.delete(src.name)
+        raise InvalidCheckpoint(_describe(problems, f"{result.dst} (the copy, verified)"),
+                                hint="the source changed while it was copied, or does not verify either")
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _same_bytes(source: StoredFile, dst_root: Storage, name: str) -> bool:
+    """Whether ``dst_root``'s file ``name`` holds exactly ``source``'s bytes (both read)."""
+    other = open_file(dst_root, name)
+    if other is None:
+        return False
+    with other:
+        if other.size != source.size:
+            return False
+        source.seek(0)
+        while piece := source.read(8 << 20):
+            if other.read(len(piece)) != piece:
+                return False
+    return True
 
 
 def _source_problems(src: StackSource) -> list[Problem]:

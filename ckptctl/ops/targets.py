@@ -349,11 +349,14 @@ class CopyOutcome:
 def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
     it under), checked on the fly (``ops.transfer.copy_checkpoint``)."""
-    from ckptctl.ops.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
+    from ckptctl.ops.stack_copy import copy_stack_checkpoint, copy_stack_file, destination_for, stack_source_at
     from ckptctl.ops.transfer import checkpoint_dir_for, copy_checkpoint
 
     _open_existing(src)
     stack = stack_source_at(src)
+    if stack is not None and stack.layout.files_are_checkpoints:  # one file (Lightning's .ckpt), into DST
+        done = copy_stack_file(stack, open_storage(dst), progress)
+        return CopyOutcome(open_storage(dst).local_path(stack.name) or done.dst, done)
     if stack is not None:  # another tool's checkpoint (ops.stack_copy)
         dest, dest_root = destination_for(stack, dst)
         done = copy_stack_checkpoint(stack, dest, dest_root, progress)
