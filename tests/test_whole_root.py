@@ -117,6 +117,14 @@ def test_du_sizes_total_and_what_prune_would_free(tmp_path):
     doc = r.json()
     assert doc["schema"] == 1 and doc["bytes"] == sum(sizes.values()) and doc["bytes_freed"] is None
     assert {c["step"]: c["bytes"] for c in doc["checkpoints"] if c["status"] == "committed"} == sizes
+    # A partial entry says why it is not committed, as ls says it (a DCP save without .metadata).
+    from test_layouts import dcp_step
+
+    dcp_step(root, 6, complete=False)
+    doc = cli("du", root, "--json").json()
+    partial = next(c for c in doc["checkpoints"] if c["step"] == 6)
+    listed = next(c for c in cli("ls", root, "--json").json()["checkpoints"] if c["step"] == 6)
+    assert partial["status"] == "partial" and ".metadata" in partial["reason"] and partial["reason"] == listed["reason"]
     before = sorted(os.listdir(root))
     r = cli("du", root, "--keep-last", "2", "--json")
     assert r.exit_code == 0, r.stderr

@@ -29,7 +29,7 @@ class DuEntry:
     layout: str
     bytes: int
     prune: str | None = None  # with a policy: keep, delete or skip
-    reason: str | None = None  # why (the prune plan's reason)
+    reason: str | None = None  # why it is not committed (as ls says), or, with a policy, the prune plan's reason
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "name": self.name, "url": self.url, "status": self.status, "layout": self.layout,
@@ -75,7 +75,8 @@ def disk_usage(
     Writes nothing."""
     storage = open_root(root)
     listed: list[Listed] = list_checkpoints(storage)
-    report = DuReport(storage.url, [DuEntry(e.step, e.name, e.url, e.status, e.layout, e.size) for e in listed])
+    report = DuReport(storage.url, [DuEntry(e.step, e.name, e.url, e.status, e.layout, e.size, reason=e.reason)
+                                    for e in listed])
     if policy is None:
         return report
     p: PrunePlan = plan(storage, policy, partial_after_s=partial_after_s, delete_broken=delete_broken,
@@ -85,5 +86,5 @@ def disk_usage(
     for e in report.entries:
         item = by_name.get(e.name)
         if item is not None:
-            e.prune, e.reason = item.action, item.reason
+            e.prune, e.reason = item.action, item.reason or e.reason
     return report
