@@ -29,10 +29,11 @@ def cp(
 
     Another tool's checkpoint (checkpoint-N, step-N, iter_N, global_stepN) is copied file by
     file: checked on the fly against its seal when it has one (`ckptctl seal`; the seal goes
-    along), otherwise test-loaded at the destination (a local one only: seal it before copying
-    to object storage). The file its stack's commit rule reads is written last, and a DeepSpeed
-    `latest` or Megatron tracker at the destination root after it, only when none is there or it
-    names an older step.
+    along), otherwise test-loaded at the destination (on object storage each file is read back
+    for that: sealing first saves it). The file its stack's commit rule reads is written last,
+    and a DeepSpeed `latest` or Megatron tracker at the destination root after it, only when
+    none is there or it names an older step. A checkpoint that is one file (Lightning's
+    *.ckpt) is copied whole into DST, then its zip records' CRC-32s are checked there.
     """
     with byte_progress("cp", quiet=quiet) as progress:
         outcome = copy_to(src, dst, progress)

@@ -33,6 +33,12 @@ def sync(
     refuses (exit 1, nothing copied or deleted) when SRC_ROOT holds no committed checkpoint at
     all, as an unmounted volume does, unless --allow-empty-source.
 
+    Other tools' complete checkpoints (Trainer, torchtitan/DCP, Megatron-LM, DeepSpeed,
+    Lightning) are mirrored too, as `ckptctl cp` copies them: the file their stack's commit rule
+    reads last, then a DeepSpeed `latest` or Megatron tracker (never moved to an older step);
+    checked against their seal when sealed (`ckptctl seal SRC_ROOT` first saves reading them
+    back), else test-loaded at DST_ROOT. --delete never removes them.
+
     Exit status: 0 in sync; 1 a checkpoint could not be mirrored (corrupt source, DST_ROOT holds
     a different checkpoint under that name) or --delete refused an empty SRC_ROOT; 2 usage error; 3 lock held or storage error.
 
