@@ -130,10 +130,14 @@ class Storage(ABC):
         """Open ``key`` for ranged reads. Raises NotFound if absent; a symlink (or a path
         through one) is refused with InvalidCheckpoint."""
 
-    @abstractmethod
     def open_root_reader(self) -> Reader:
         """Open the object this storage is rooted at, for a storage rooted at one file (a
-        Lightning ``.ckpt``, a checkpoint that is a single file). Refuses as ``open_reader``."""
+        Lightning ``.ckpt``, a checkpoint that is a single file). Refuses as ``open_reader``. A
+        backend without single-file roots keeps this default: nothing is there."""
+        from ckptctl.errors import NotFound
+
+        raise NotFound(f"{self.url}: this storage does not open the object it is rooted at",
+                       hint="copy the file to a local path or s3:// first")
 
     def read(self, key: str, *, max_size: int = 64 << 20) -> bytes:
         """The whole (small) object. ``max_size`` guards against a hostile huge file."""

@@ -25,7 +25,7 @@ import os
 import stat
 from typing import Iterator
 
-from ckptctl.errors import InvalidCheckpoint, StorageError
+from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError
 from ckptctl.storage.base import ObjectInfo, Storage, check_key
 from ckptctl.storage.local_errors import LINK_HINT, LINK_REFUSED, MISSING, mapped, os_error
 from ckptctl.storage.local_fs import (
@@ -206,7 +206,11 @@ class LocalStorage(Storage):
     def open_reader(self, key: str) -> LocalReader:
         shown = self._shown(self._parts(key))
         with mapped(shown):
-            fd, name = self._open_parent(key, create=False)
+            try:
+                fd, name = self._open_parent(key, create=False)
+            except NotADirectoryError:  # a parent is a file: no such key, as stat() says
+                raise NotFound(f"{shown}: no such file (a directory on its path is a file)",
+                               hint="check the path") from None
         return self._open_file(fd, name, shown)
 
     def open_root_reader(self) -> LocalReader:
