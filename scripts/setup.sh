@@ -8,6 +8,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0'
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# A layout plugin as a separate distribution registers one (tests/test_layout_conformance.py).
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e tests/plugins/ckptctl-toy-layout
 # Other tools' checkpoints are tested as those tools write them (tests/test_frameworks.py skips,
 # naming the package, without them). torch==2.13.0 is pinned in the extra so pip never replaces it.
 .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[frameworks]'

@@ -145,9 +145,7 @@ LAYOUT_NAME_OFFENDERS = frozenset({
     "ckptctl/ops/layout_verify.py:verify_entry",
     "ckptctl/ops/layout_verify.py:verify_stack_detail",
     "ckptctl/ops/listing.py:nothing_to_restore",
-    "ckptctl/ops/prune_execute.py:_delete",
     "ckptctl/ops/prune_execute.py:_execute",
-    "ckptctl/ops/prune_execute.py:_remove_stack",
     "ckptctl/ops/prune_plan.py:_apply_policy",
     "ckptctl/ops/prune_plan.py:_attach_metrics",
     "ckptctl/ops/prune_plan.py:_choose_anchor",
@@ -158,7 +156,6 @@ LAYOUT_NAME_OFFENDERS = frozenset({
     "ckptctl/ops/repoint.py:_pointer_layouts",
     "ckptctl/ops/rm.py:_mark_anchor",
     "ckptctl/ops/rm.py:_survey",
-    "ckptctl/ops/seal.py:seal_root",
     "ckptctl/ops/stack_copy.py:_stack_named",
 })
 

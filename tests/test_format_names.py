@@ -14,7 +14,9 @@ from ckptctl.layouts import catalog
 
 
 def test_the_catalog_and_detection_draw_their_names_from_the_vocabulary() -> None:
-    assert catalog.FORMATS == formats.LAYOUT_NAMES  # each layout's own name, in catalog order
+    # each built-in layout's own name, in catalog order; plugin layouts' names come after them
+    assert tuple(layout.name for layout in catalog.BUILTIN) == formats.LAYOUT_NAMES
+    assert catalog.FORMATS[:len(formats.LAYOUT_NAMES)] == formats.LAYOUT_NAMES
     assert detect.FORMATS == formats.FILE_FORMATS
     assert set(formats.ALIASES.values()) <= set(formats.NAMES)
     assert not set(formats.ALIASES) & set(formats.NAMES), "an alias may not shadow a name"

@@ -705,7 +705,9 @@ def _megatron_dist(root: str, it: int) -> str:
     path = os.path.join(root, f"iter_{it:07d}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": {"w": torch.full((4,), float(it))}}, checkpoint_id=path)
+        # Megatron saves the optimizer's sharded state under optimizer.* (a resumable iteration)
+        dcp.save({"model": {"w": torch.full((4,), float(it))}, "optimizer": {"state": {"w": torch.zeros(4)}}},
+                 checkpoint_id=path)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(SIDECAR_DOCS["metadata.json"], f)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:

@@ -140,9 +140,10 @@ def test_dcp_root_ls_latest_verify(tmp_path):
 # --- Hugging Face Trainer (transformers/trainer.py, Trainer._save_checkpoint) ---------------
 
 
-def hf_checkpoint(root: str, step: int, *, best: str | None = None, state: bool = True) -> str:
+def hf_checkpoint(root: str, step: int, *, best: str | None = None, state: bool = True, optimizer: bool = True) -> str:
     """``checkpoint-{global_step}`` as ``_save_checkpoint`` writes it: model, training args,
-    optimizer and scheduler, RNG state (numpy's included), and ``trainer_state.json`` last."""
+    optimizer and scheduler, RNG state (numpy's included), and ``trainer_state.json`` last.
+    ``optimizer=False``: as with ``save_only_model=True`` (no optimizer, scheduler or RNG state)."""
     import numpy as np
     from safetensors.torch import save_file
 
@@ -152,11 +153,12 @@ def hf_checkpoint(root: str, step: int, *, best: str | None = None, state: bool 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"model_type": "gpt2"}, f)
     torch.save(argparse.Namespace(lr=1.0), os.path.join(path, "training_args.bin"))  # a pickle of a class
-    torch.save({"state": {0: {"exp_avg": torch.zeros(8)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
-               os.path.join(path, "optimizer.pt"))
-    torch.save({"last_epoch": step, "_last_lr": [1e-3]}, os.path.join(path, "scheduler.pt"))
-    torch.save({"python": (3, tuple(range(5)), None), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()},
-               os.path.join(path, "rng_state.pth"))
+    if optimizer:
+        torch.save({"state": {0: {"exp_avg": torch.zeros(8)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
+                   os.path.join(path, "optimizer.pt"))
+        torch.save({"last_epoch": step, "_last_lr": [1e-3]}, os.path.join(path, "scheduler.pt"))
+        torch.save({"python": (3, tuple(range(5)), None), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()},
+                   os.path.join(path, "rng_state.pth"))
     if state:
         with open(os.path.join(path, "trainer_state.json"), "w") as f:
             json.dump({"global_step": step, "best_model_checkpoint": best, "log_history": []}, f)
@@ -198,16 +200,19 @@ def test_hf_global_step_must_agree(tmp_path):
 # --- Megatron-LM (megatron/training/checkpointing.py, save_checkpoint) -----------------------
 
 
-def megatron_iter(root: str, it: int, *, tracker: bool = True) -> str:
+def megatron_iter(root: str, it: int, *, tracker: bool = True, optimizer: bool = True) -> str:
     """Legacy layout: ``iter_{:07d}/mp_rank_00/model_optim_rng.pt`` (with ``args``, an
-    argparse.Namespace), then rank 0 writes the tracker after the barrier."""
+    argparse.Namespace, and ``optimizer`` unless ``--no-save-optim``: ``optimizer=False``),
+    then rank 0 writes the tracker after the barrier."""
     import numpy as np
 
     path = os.path.join(root, f"iter_{it:07d}", "mp_rank_00")
     os.makedirs(path)
-    torch.save({"args": argparse.Namespace(hidden_size=8), "iteration": it, "checkpoint_version": 3.0,
-                "model": {"w": torch.ones(4)}, "rng_state": [{"np_rng_state": np.random.get_state()}]},
-               os.path.join(path, "model_optim_rng.pt"))
+    doc = {"args": argparse.Namespace(hidden_size=8), "iteration": it, "checkpoint_version": 3.0,
+           "model": {"w": torch.ones(4)}, "rng_state": [{"np_rng_state": np.random.get_state()}]}
+    if optimizer:
+        doc["optimizer"] = {"state": {0: {"exp_avg": torch.zeros(4)}}, "param_groups": [{"lr": 1e-4, "params": [0]}]}
+    torch.save(doc, os.path.join(path, "model_optim_rng.pt"))
     if tracker:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(it))
@@ -308,7 +313,7 @@ def test_man_page_names_every_layout_and_its_source():
     sources = {"dcp": "torch/distributed/checkpoint/filesystem.py", "hf-trainer": "transformers/trainer.py",
                "megatron": "megatron/training/checkpointing.py", "deepspeed": "deepspeed/runtime/engine.py",
                "lightning": "lightning/pytorch/callbacks/model_checkpoint.py"}
-    for fmt in catalog.FORMATS:
+    for fmt in (layout.name for layout in catalog.BUILTIN):  # a plugin's layout is its own package's to document
         assert f"\n{fmt} " in page or f"\n.B {fmt}\n" in page, fmt
     for fmt, source in sources.items():
         assert source in page, (fmt, source)

@@ -20,7 +20,11 @@ def inspect(
     json: JsonOpt = False,
 ) -> None:
     """Show what a committed checkpoint holds: step, time, world size, bytes by group (model,
-    optimizer, other), non-tensor state keys and save statistics. Reads only the manifest."""
+    optimizer, other), non-tensor state keys and save statistics. Reads only the manifest.
+
+    content says whether it is resumable or an export (model weights only, no optimizer
+    state), which `ckptctl latest` and prune's anchor pass over.
+    """
     r = inspect_path(ckpt, tensors=tensors)
     if json:
         doc = r.to_dict()
@@ -39,6 +43,7 @@ def _print(r: "InspectResult", tensors: bool) -> None:
     say(f"created     {dt.datetime.fromtimestamp(r.created).isoformat(timespec='seconds')}")
     say(f"world size  {r.world_size}   files {len(r.files)}   tensors {r.tensor_count}   on storage {human_bytes(r.total_bytes)}")
     _print_groups(r.bytes_by_group, r.state_keys)
+    _print_content(r.content, r.content_reason)
     if r.stats:
         s = r.stats
         say(
@@ -55,10 +60,17 @@ def _print_foreign(r: "ForeignInspect", tensors: bool) -> None:
     say(f"step        {r.step if r.step is not None else '-'}")
     say(f"tensors     {r.tensor_count}   on disk {human_bytes(r.total_bytes)}")
     _print_groups(r.bytes_by_group, r.state_keys)
+    _print_content(r.content, r.content_reason)
     for d in r.dropped:
         say(f"unreadable  {d}")
     if tensors:
         _print_tensors([(t["name"], t["dtype"], t["shape"], t["bytes"], None, t["group"]) for t in r.tensors])
+
+
+def _print_content(content: str | None, reason: str | None) -> None:
+    """resumable, or export (model only: `latest` and prune's anchor pass over it)."""
+    if content is not None:
+        say(f"content     {content}: {reason}" + ("  (`ckptctl latest` skips it unless --any)" if content == "export" else ""))
 
 
 def _print_groups(bytes_by_group: dict[str, int], state_keys: list[str]) -> None:

@@ -10,6 +10,12 @@ from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT
 from ckptctl.ops.targets import latest_for
 
+# Shared with `verify --latest`: the same choice, the same words.
+AnyOpt = Annotated[bool, typer.Option(
+    "--any", help="Count model-only exports too (a checkpoint without the optimizer state its stack resumes from: "
+                  "torchtitan's last step, save_only_model, save_weights_only); by default they are skipped, "
+                  "each named on stderr.")]
+
 
 @command
 def latest(
@@ -21,12 +27,16 @@ def latest(
     resume_args: Annotated[bool, typer.Option(
         "--resume-args", help="Print the stack's resume arguments for exactly this checkpoint, shell-quoted on one "
                               "line (e.g. --load ROOT --ckpt-step 25), instead of a path.")] = False,
+    any_: AnyOpt = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Print the newest committed checkpoint that passes verification: the pre-resume check.
 
     Newer checkpoints that fail are reported on stderr and skipped. Exit 1 when none passes.
+    Only resumable checkpoints count: a model-only export (no optimizer state: torchtitan's
+    model-only last step, the Trainer's save_only_model, Lightning's save_weights_only, a
+    ckptctl save without an optimizer) is skipped and named on stderr, unless --any.
     Other tools' checkpoints (torchtitan/DCP, Hugging Face Trainer, Megatron-LM, DeepSpeed,
     Lightning) count by their own commit rule and pointer. The path printed is one that the
     stack's default resume loads as exactly this checkpoint (Megatron, DeepSpeed: the root,
@@ -42,14 +52,17 @@ def latest(
     Example: CKPT=$(ckptctl latest /ckpt) && torchrun train.py --resume "$CKPT"
     """
     with byte_progress("verify", quiet=quiet) as progress:
-        found = latest_for(root, level, format, progress)
+        found = latest_for(root, level, format, progress, any_=any_)
     good, bad = found.report, found.skipped
+    for e in found.exports:
+        say(str(e), console=err)
     for r in bad:
         say(f"skipped {r.url}: {r.problems[0]}" + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""), console=err)
     resume = found.resume
     if json:
         emit_json({"url": good.url, "step": found.step, "level": level, "format": found.layout,
-                   "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad]})
+                   "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad], **found.kind.to_dict(),
+                   "skipped_exports": [e.to_dict() for e in found.exports]})
     elif resume_args:
         say(shlex.join(resume.argv))
     elif resume.exact:

@@ -15,7 +15,8 @@ def ls(
     json: Annotated[bool, typer.Option(
         "--json",
         help='Print one JSON object on stdout: {"url", "checkpoints": [{step, name, url, status, bytes, created, '
-             'age_s, reason, layout}, ...], "counts", "bytes", "schema": 1} (ckptctl-json(7)). A failure prints '
+             'age_s, reason, layout, content, content_reason}, ...], "counts", "bytes", "schema": 1} (ckptctl-json(7)); '
+             'content is "resumable" or "export" (model only) for a committed checkpoint, else null. A failure prints '
              '{"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
     )] = False,
 ) -> None:
@@ -27,6 +28,12 @@ def ls(
     FORMAT is the layout: ckptctl, or another tool's (dcp, hf-trainer, megatron, deepspeed, lightning),
     whose status follows that tool's own commit rule; unknown: named like a checkpoint but no
     layout recognises its files (never deleted).
+
+    CONTENT, for a committed checkpoint: resumable (it holds the optimizer state, and loader or
+    train state where its stack saves them) or export (model weights only: torchtitan's
+    model-only last step, the Trainer's save_only_model, Lightning's save_weights_only, a
+    ckptctl save without an optimizer), which `latest` and prune's anchor pass over; - otherwise.
+    The column is shown when the root holds an export (--json always has the field).
 
     ROOT must be a root, not one checkpoint: a checkpoint (a step directory, another tool's
     checkpoint, a Lightning .ckpt file) is a usage error (exit 2) pointing at `ckptctl inspect`
@@ -46,13 +53,18 @@ def ls(
     # Reasons (why a checkpoint is corrupt) can be long: their own column, last, and only when
     # there is one, so that the other columns stay aligned and easy to cut.
     with_reason = any(r.reason for r in rows)
+    with_export = any(r.content == "export" for r in rows)  # a root of resumable ones keeps its columns
     print_table(
-        ("STEP", "FORMAT", "STATUS", "SIZE", "AGE", "PATH") + (("REASON",) if with_reason else ()),
-        [(str(r.step), r.layout, r.status, human_bytes(r.size), format_duration(r.age_s), r.url) + ((r.reason or "-",) if with_reason else ())
+        ("STEP", "FORMAT", "STATUS") + (("CONTENT",) if with_export else ()) + ("SIZE", "AGE", "PATH")
+        + (("REASON",) if with_reason else ()),
+        [(str(r.step), r.layout, r.status) + ((r.content or "-",) if with_export else ())
+         + (human_bytes(r.size), format_duration(r.age_s), r.url) + ((r.reason or "-",) if with_reason else ())
          for r in rows],
         right=("STEP", "SIZE", "AGE"),
     )
+    exports = sum(r.content == "export" for r in rows)
     say(f"{len(rows)} checkpoints: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n or status == "committed")
+        + (f" ({exports} of them model-only export{'' if exports == 1 else 's'})" if exports else "")
         + f"; total {human_bytes(sum(r.size for r in rows))}", console=err)
     if listing.hint:  # none here, but a subdirectory holds some
         say(f"hint: {listing.hint}", console=err)

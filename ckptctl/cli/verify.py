@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
+from ckptctl.cli.latest import AnyOpt
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT, UsageError
 from ckptctl.ops.targets import verify_path
@@ -21,6 +22,7 @@ def verify(
     load: Annotated[bool, typer.Option("--load", help="Also decode every tensor and check its chunks tile it exactly.")] = False,
     latest: Annotated[bool, typer.Option("--latest", help="PATH is a root: verify newest first until one passes.")] = False,
     all_: Annotated[bool, typer.Option("--all", help="PATH is a root: verify every checkpoint with a marker, oldest first (as ls lists them), then a summary line on stderr.")] = False,
+    any_: AnyOpt = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -34,14 +36,19 @@ def verify(
     latest_checkpointed_iteration.txt) is checked too: its target is what that stack's default
     resume loads, so a target that does not verify is exit 1, naming the pointer, the target,
     the checkpoint that does verify and the `ckptctl repoint` command that moves it back.
+    --latest considers resumable checkpoints only, as `ckptctl latest` does: a newer model-only
+    export is skipped and named in a note, unless --any.
     """
     if quick and load:
         raise UsageError("--quick and --load are exclusive", hint="pick one verification level")
     if latest and all_:
         raise UsageError("--latest and --all are exclusive", hint="pick one")
+    if any_ and not latest:
+        raise UsageError("--any goes with --latest", hint="`ckptctl verify ROOT --latest --any`")
     level = "quick" if quick else "load" if load else "checksums"
     with byte_progress("verify", quiet=quiet) as progress:
-        outcome = verify_path(path, level, which="latest" if latest else "all" if all_ else "one", progress=progress)
+        outcome = verify_path(path, level, which="latest" if latest else "all" if all_ else "one", progress=progress,
+                              any_=any_)
     if json:
         emit_json(outcome.to_dict())
     elif not quiet or not outcome.ok or not all(r.ok for r in outcome.reports):  # -q: only on trouble

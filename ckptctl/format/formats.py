@@ -24,9 +24,15 @@ HF_TRAINER = "hf-trainer"
 MEGATRON = "megatron"
 DEEPSPEED = "deepspeed"
 LIGHTNING = "lightning"
+ACCELERATE = "accelerate"  # Hugging Face Accelerate save_state directories
+COMPOSER = "composer"  # MosaicML Composer ep{E}-ba{B}-rank{R}.pt files
+NEMO = "nemo"  # NVIDIA NeMo checkpoint directories and .nemo files
 
-# In the order listings and messages show them (ckptctl's own first).
-LAYOUT_NAMES: tuple[str, ...] = (CKPTCTL, DCP, HF_TRAINER, MEGATRON, DEEPSPEED, LIGHTNING)
+# The built-in layouts, in the order listings and messages show them (ckptctl's own first).
+# Third-party layouts (``layouts.registry``) add their own names after these: the full list is
+# the caller's (``layouts.catalog.FORMATS``), passed here as ``among``.
+LAYOUT_NAMES: tuple[str, ...] = (CKPTCTL, DCP, HF_TRAINER, MEGATRON, DEEPSPEED, LIGHTNING, ACCELERATE, COMPOSER,
+                                  NEMO)
 FILE_FORMATS: tuple[str, ...] = (CKPTCTL, DCP, SAFETENSORS, TORCH)
 NAMES: tuple[str, ...] = tuple(dict.fromkeys(LAYOUT_NAMES + FILE_FORMATS))
 
@@ -42,25 +48,26 @@ ALIASES: dict[str, str] = {
 }
 
 
-
 def _kind(name: str) -> str:
     return "a file format" if name in FILE_FORMATS else "a layout of a root"
 
 
-def canonical(name: str) -> str | None:
-    """The canonical name ``name`` stands for (any case, an alias or the name itself), or None."""
+def canonical(name: str, among: Iterable[str] = ()) -> str | None:
+    """The canonical name ``name`` stands for (any case, an alias or the name itself), or None.
+    A name of ``among`` that the vocabulary does not know (a plugin layout's) stands for itself."""
     key = name.strip().lower()
-    return key if key in NAMES else ALIASES.get(key)
+    return key if key in NAMES or key in among else ALIASES.get(key)
 
 
 def names_among(names: Iterable[str], among: tuple[str, ...]) -> tuple[str, ...]:
-    """``names`` as canonical names, each of which must be one of ``among`` (``LAYOUT_NAMES``
-    or ``FILE_FORMATS``); duplicates dropped, order kept. Raises ValueError naming every name
-    that is unknown, or known but of the other kind, and what is accepted."""
+    """``names`` as canonical names, each of which must be one of ``among`` (the layouts'
+    names, ``LAYOUT_NAMES`` and any plugin's, or ``FILE_FORMATS``); duplicates dropped, order
+    kept. Raises ValueError naming every name that is unknown, or known but of the other kind,
+    and what is accepted."""
     out: list[str] = []
     bad: list[str] = []
     for name in names:
-        found = canonical(name)
+        found = canonical(name, among)
         if found is None:
             bad.append(f"unknown format {name!r}")
         elif found not in among:  # a name of the other kind (ckptctl and dcp are both, never here)

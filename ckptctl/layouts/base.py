@@ -15,8 +15,9 @@ deleted by anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Iterable, Literal, Protocol
 
+from ckptctl.errors import CheckpointError
 from ckptctl.format.manifest import Manifest
 from ckptctl.storage.base import ObjectInfo, Storage
 
@@ -57,6 +58,44 @@ class Examined:
     manifest: Manifest | None = None
 
 
+# resumable: holds what its stack's resume reads besides the weights (optimizer state, and
+# loader/train state where that stack saves them); export: model weights only (torchtitan's
+# model-only last step, the Trainer's save_only_model, Lightning's save_weights_only).
+Content = Literal["resumable", "export"]
+
+
+@dataclass(frozen=True)
+class CheckpointKind:
+    """Whether a checkpoint can resume training, as its layout tells from names and headers,
+    and why (one line naming the file or key that showed it)."""
+
+    kind: Content
+    reason: str
+
+    @property
+    def resumable(self) -> bool:
+        return self.kind == "resumable"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"content": self.kind, "content_reason": self.reason}
+
+
+# A layout that does not tell exports apart (a third-party one) never hides a checkpoint.
+NOT_TOLD = CheckpointKind("resumable", "its layout does not tell model-only exports apart")
+
+
+def kind_of_checkpoint(layout: object, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+    """``layout.kind_of_checkpoint(ckpt, manifest)``; ``NOT_TOLD`` for a layout without it
+    (a plugin written before the method existed): such checkpoints stay candidates."""
+    method = getattr(layout, "kind_of_checkpoint", None)
+    if method is None:
+        return NOT_TOLD
+    try:
+        return method(ckpt, manifest)
+    except CheckpointError as e:  # deleted or damaged while read: verify says what is wrong
+        return CheckpointKind("resumable", f"not told apart: {str(e)[:160]}; verify judges it")
+
+
 @dataclass(frozen=True)
 class Finding:
     """One problem a layout's check found in a checkpoint, naming the file when it is one."""
@@ -83,6 +122,8 @@ class Layout(Protocol):
     """One tool's directory layout, as the catalog uses it."""
 
     name: str
+    files_are_checkpoints: bool  # one file per checkpoint (Lightning, Composer), not a directory
+    seal_note: str | None  # why ``seal`` leaves its checkpoints alone; None when it seals them
 
     def for_root(self, root: Storage) -> "Layout":
         """This layout as it reads ``root`` (a pointer file at the root, for some stacks)."""
@@ -99,3 +140,11 @@ class Layout(Protocol):
 
     def examine(self, ckpt: Storage) -> Examined:
         """Status from the checkpoint's own metadata; never raises for a checkpoint problem."""
+
+    def removal_order(self, keys: Iterable[str]) -> list[str]:
+        """``keys`` in the order a delete takes them: the file the commit rule reads first, so
+        that a delete cut short never leaves something that reads as complete."""
+
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        """Resumable or a model-only export, from names and headers (no tensor data); asked of
+        committed checkpoints only. ``manifest``: the one the catalog read (ckptctl's own)."""

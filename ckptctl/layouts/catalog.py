@@ -2,7 +2,7 @@
 
 A root's children are offered to each known layout (``LAYOUTS``: ckptctl's own, then
 torchtitan/DCP, the Hugging Face Trainer, Megatron-LM, DeepSpeed and Lightning's
-``*.ckpt`` files). A layout first
+``*.ckpt`` files, then any third-party layout installed by entry point). A layout first
 recognises a child by its name (``step_of``); since two layouts may share a name (``step-N``
 is ckptctl's and torchtitan's), the directory belongs to the first one whose files it holds:
 ckptctl's marker decides at once, otherwise one listing of the directory is offered to each
@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from ckptctl.format.formats import LAYOUT_NAMES, names_among
+from ckptctl.format.formats import names_among
 from ckptctl.errors import InvalidCheckpoint, StorageError
 from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
 from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout
+from ckptctl.layouts.accelerate import AccelerateLayout
+from ckptctl.layouts.composer import ComposerLayout
 from ckptctl.layouts.dcp import DcpLayout
 from ckptctl.layouts.deepspeed import DeepSpeedLayout
 from ckptctl.layouts.hf_trainer import HfTrainerLayout
@@ -36,15 +38,30 @@ from ckptctl.layouts.lightning import LightningLayout
 from ckptctl.layouts.megatron import MegatronLayout
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.native import NativeLayout
+from ckptctl.layouts.nemo import NemoLayout
+from ckptctl.layouts.registry import registered
 from ckptctl.storage.base import ObjectInfo, Storage
 
 NATIVE: tuple[Layout, ...] = (NativeLayout(),)
-# ckptctl's own first: a step-N directory with a ckptctl marker is ckptctl's, whatever else it holds.
-LAYOUTS: tuple[Layout, ...] = (*NATIVE, DcpLayout(), HfTrainerLayout(), MegatronLayout(), DeepSpeedLayout(),
-                               LightningLayout())
-# The layouts' names are the shared vocabulary's (``format.formats``: ``latest --format`` and
+# The built-in layouts, one a line (a new one is its module plus a line here), ckptctl's own
+# first: a step-N directory with a ckptctl marker is ckptctl's, whatever else it holds. Their
+# names are the shared vocabulary's (``format.formats.LAYOUT_NAMES``: ``latest --format`` and
 # ``convert --to`` speak the same names); tests/test_format_names.py checks they agree.
-FORMATS: tuple[str, ...] = tuple(layout.name for layout in LAYOUTS)
+BUILTIN: tuple[Layout, ...] = (
+    *NATIVE,
+    DcpLayout(),
+    HfTrainerLayout(),
+    MegatronLayout(),
+    DeepSpeedLayout(),
+    LightningLayout(),
+    AccelerateLayout(),
+    ComposerLayout(),
+    NemoLayout(),
+)
+# Every layout: the built-in ones, then third-party ones (entry point group ``ckptctl.layouts``,
+# ``layouts.registry``), loaded once, here; a broken plugin is skipped with a warning.
+LAYOUTS: tuple[Layout, ...] = registered(BUILTIN)
+FORMATS: tuple[str, ...] = tuple(layout.name for layout in LAYOUTS)  # what ``--format`` accepts
 
 _Found = tuple[tuple[Layout, ...], ObjectInfo, int]  # (layouts that know the name, child, step)
 
@@ -54,7 +71,7 @@ def layouts_named(formats: Sequence[str] | None) -> tuple[Layout, ...]:
     them for None. Raises ValueError naming an unknown one, or a file format that is no layout."""
     if formats is None:
         return LAYOUTS
-    wanted = names_among(formats, LAYOUT_NAMES)
+    wanted = names_among(formats, FORMATS)
     return tuple(layout for layout in LAYOUTS if layout.name in wanted)
 
 

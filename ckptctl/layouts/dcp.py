@@ -18,6 +18,14 @@ it names are present.
 records are test-loaded with ``torch.load(weights_only=True)``, one at a time; a record that
 needs a class outside the allow-list (torchtitan's ``train_state`` holds ``io.BytesIO`` values)
 is decoded structurally (``pickle_scan``), and one decoded neither way fails the load level.
+Resumable or export (``kind_of_checkpoint``): torchtitan saves ``model`` (flattened), ``optimizer``,
+``lr_scheduler``, ``dataloader`` and ``train_state`` at every step but its last, which holds
+the model only by default (``checkpoint.last_save_model_only``) and which torchtitan's own
+resume then refuses (``Missing key ... dataloader``). So a step is an export when ``.metadata``
+lists tensors only and none under an optimizer (``optimizer``/``optim``): model weights and
+nothing else; anything else a resume reads (optimizer state, or a non-tensor entry such as
+``train_state``, ``dataloader`` or a step) makes it resumable. The Hugging Face safetensors
+form of the last step is an export.
 Weakness: DCP records no checksums, so a flipped bit in a tensor that still decodes is not
 seen; ``ckptctl convert --to ckptctl`` gives a checkpoint that has them.
 """
@@ -31,13 +39,15 @@ from typing import Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import pickle_scan, safe_load
-from ckptctl.layouts.base import Checked, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout
+from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
+from ckptctl.layouts.stack import Level, Resume, StackLayout, undetermined
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file
 
 METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"
+OPTIMIZER_KEYS = frozenset({"optimizer", "optim", "optimizers"})  # the first component of a key
 MAX_NOT_LOADED = 5  # records that need a class outside the allow-list, named one by one
 
 
@@ -75,6 +85,20 @@ class DcpLayout(StackLayout):
         if level == "load":
             self._load_records(ckpt, md, out)
 
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        if safe_load.regular_size(ckpt, METADATA) is None:
+            if safe_load.regular_size(ckpt, HF_INDEX) is not None:
+                return CheckpointKind("export", f"{HF_INDEX}: Hugging Face weights only (torchtitan's last step "
+                                                "saved for inference)")
+            return undetermined(f"no {METADATA}")
+        from ckptctl.interop.dcp_io import read_metadata  # needs torch
+
+        try:
+            md = read_metadata(ckpt)
+        except InvalidCheckpoint as e:
+            return undetermined(f"{METADATA} unreadable ({str(e)[:120]})")
+        return metadata_kind(md)
+
     def _load_records(self, ckpt: Storage, md: object, out: Checked) -> None:
         load_records(ckpt, md, self.allowed, self.name, out)
 
@@ -82,6 +106,23 @@ class DcpLayout(StackLayout):
         return Resume(ckpt_path, f"torchtitan: --checkpoint.load_step {step} (with --checkpoint.folder its root); "
                                  f"torch: dcp.load(state_dict, checkpoint_id={ckpt_path!r})",
                       ("--checkpoint.load_step", str(step)))
+
+
+def metadata_kind(md: object) -> CheckpointKind:
+    """Resumable or export from a DCP ``.metadata``'s ``state_dict_metadata`` (its keys and
+    whether each entry is a tensor): see the module's docstring."""
+    entries = getattr(md, "state_dict_metadata", None) or {}
+    beyond: list[str] = []  # the first components of what is more than model weights
+    for fqn, entry in entries.items():
+        top = str(fqn).split(".", 1)[0]
+        is_tensor = type(entry).__name__ == "TensorStorageMetadata"
+        if (top in OPTIMIZER_KEYS or not is_tensor) and top not in beyond:
+            beyond.append(top)
+    if beyond:
+        return CheckpointKind("resumable", f"{METADATA} lists {', '.join(beyond[:5])}"
+                                           + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else ""))
+    return CheckpointKind("export", f"{METADATA} lists {len(entries)} model tensors and no optimizer, dataloader or "
+                                    "train_state (torchtitan's model-only last step)")
 
 
 def load_records(ckpt: Storage, md: object, allowed: Sequence[object], layout: str, out: Checked) -> None:

@@ -13,6 +13,11 @@ is complete when it is at or below the tag ``latest`` names and its model-state 
 present; a tag newer than ``latest`` is a save that did not finish. ``latest``'s target is
 never deleted by prune.
 
+Resumable or export (``kind_of_checkpoint``): ``save_checkpoint`` writes the optimizer into
+``*_optim_states.pt`` under ZeRO, into ``mp_rank_00_model_states.pt``'s ``optimizer`` otherwise;
+a tag with neither (an engine without an optimizer) is an export. A model-states file that
+cannot be read safely says nothing and counts as resumable (verify judges it).
+
 Weakness, said plainly: ``latest`` is written *before* the final barrier, so when rank 0 is
 fast and another rank dies, ``latest`` names a tag whose other files are missing or 0 bytes
 (diffusion-pipe#159). That is why every file must also be present, non-empty and pass its
@@ -31,8 +36,9 @@ import re
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of
+from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
+from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of, top_level_keys, undetermined
 from ckptctl.storage.base import Storage
 
 LATEST = "latest"
@@ -95,6 +101,21 @@ class DeepSpeedLayout(StackLayout):
                 out.problems.append(Finding(f"optimizer states of data-parallel rank(s) {missing} (mp_rank {mp}) are missing",
                                             hint="a rank's save did not finish; use an older tag"))
 
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        names = sorted(c.key for c in ckpt.children())
+        optim = [n for n in names if OPTIM.match(n)]
+        if optim:
+            return CheckpointKind("resumable", f"{optim[0]} holds the optimizer state (ZeRO)")
+        model = next((n for n in names if MODEL.match(n)), None)
+        if model is None:
+            return undetermined("no *model_states.pt")
+        keys = top_level_keys(ckpt, model, self.allowed)
+        if isinstance(keys, str):
+            return undetermined(keys)
+        if keys.get("optimizer"):
+            return CheckpointKind("resumable", f"{model} holds the optimizer state")
+        return CheckpointKind("export", f"no *_optim_states.pt and no optimizer in {model}: model weights only")
+
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {} if self.latest is None else {self.latest: f"`{LATEST}` names it (load_checkpoint resumes from it)"}
 
@@ -127,3 +148,4 @@ class DeepSpeedLayout(StackLayout):
         exact = self.latest == tag
         return Resume(root, f"engine.load_checkpoint({root!r}, tag={tag!r})", ("--load_dir", root, "--tag", tag),
                       exact, None if exact else f"{LATEST} names {self.latest!r}")
+

@@ -18,6 +18,11 @@ checkpoint ``Trainer._sorted_checkpoints`` keeps out of rotation; prune protects
 Files are test-loaded with ``torch.load(weights_only=True)``; ``rng_state*.pth`` holds numpy's
 RNG state, allowed explicitly. ``training_args.bin`` is a pickle of ``TrainingArguments``: it is
 checked for presence and size only, never unpickled, and the report says so.
+Resumable or export (``kind_of_checkpoint``, from file names only): ``_save_checkpoint`` writes the
+optimizer (``optimizer.pt``; ``optimizer.bin`` or an ``optimizer_0/`` directory under FSDP, a
+``global_stepN/`` directory under DeepSpeed), ``scheduler.pt`` and ``rng_state*.pth`` unless
+``save_only_model=True``, which keeps the weights only: without any of them the checkpoint is
+an export (``resume_from_checkpoint`` then restarts the optimizer from scratch).
 Weakness: trainer_state.json is not written atomically (a plain ``open(..., "w")``); a
 truncated one is caught here as unparsable (corrupt), never read as complete.
 """
@@ -29,13 +34,16 @@ import re
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, Examined, Finding
+from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
 from ckptctl.layouts.stack import FileKind, Level, Resume, StackLayout
 from ckptctl.storage.base import Storage
 
 STATE = "trainer_state.json"
 ARGS = "training_args.bin"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
+OPTIMIZER_FILE = re.compile(r"optimizer\.(pt|bin)\Z")
+OPTIMIZER_DIR = re.compile(r"(optimizer_[0-9]+|global_step[0-9]+)\Z")  # FSDP's sharded optimizer; DeepSpeed's tag
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -107,6 +115,13 @@ class HfTrainerLayout(StackLayout):
                 return {posixpath.basename(best.rstrip("/")): f"Trainer's best_model_checkpoint (in {name}/{STATE})"}
             return {}
         return {}
+
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        for child in ckpt.children():
+            if (child.kind == "file" and OPTIMIZER_FILE.match(child.key)) or (
+                    child.kind == "dir" and OPTIMIZER_DIR.match(child.key)):
+                return CheckpointKind("resumable", f"{child.key} holds the optimizer state")
+        return CheckpointKind("export", "no optimizer.pt: model weights only (save_only_model=True)")
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"--resume_from_checkpoint {ckpt_path} (trainer.train(resume_from_checkpoint=...))",

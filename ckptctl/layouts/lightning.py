@@ -26,6 +26,12 @@ Files are test-loaded with ``torch.load(weights_only=True)``, allowing ``pathlib
 POSIX paths (``save_hyperparameters()`` keeps a ``Path`` argument as one; building one runs no
 code of the file); anything else a LightningModule puts in ``hyper_parameters`` is reported as
 not test-loaded, never unpickled.
+Resumable or export (``kind_of_checkpoint``): ``Trainer.save_checkpoint`` (and so
+``ModelCheckpoint``) writes ``optimizer_states`` unless ``save_weights_only=True``, which keeps
+the weights, epoch and step only; ``fit(ckpt_path=...)`` of such a file restarts the optimizer.
+So a file whose top-level dict (read with ``torch.load(weights_only=True)``, tensors mapped,
+not read) has ``optimizer_states`` is resumable, one without it an export; a file that cannot
+be read safely says nothing and counts as resumable (verify judges it).
 Weakness: sharded strategies (FSDP, DeepSpeed) write a ``*.ckpt`` *directory* instead; those
 are not read here yet (not listed, so never deleted).
 """
@@ -41,8 +47,9 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Examined
-from ckptctl.layouts.stack import FileKind, Resume, StackLayout
+from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.base import CheckpointKind, Examined
+from ckptctl.layouts.stack import FileKind, Resume, StackLayout, top_level_keys, undetermined
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import local_copy, open_file
 
@@ -57,6 +64,7 @@ class LightningLayout(StackLayout):
     title = "Lightning"
     pattern = NAME_RE
     files_are_checkpoints = True
+    seal_note = "a checkpoint that is one file (Lightning's *.ckpt) has no directory to hold a seal"
 
     def step_of(self, child: ObjectInfo) -> int | None:
         if child.kind != "file":  # a symlink (save_last="link") is Lightning's own: never touched
@@ -109,6 +117,14 @@ class LightningLayout(StackLayout):
                     out.setdefault(posixpath.basename(path), f"ModelCheckpoint's {field} (in {name})")
                 return out
         return {}
+
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        keys = top_level_keys(ckpt, "", PATHS)
+        if isinstance(keys, str):
+            return undetermined(keys.strip() or "the file could not be read safely")
+        if "optimizer_states" in keys:
+            return CheckpointKind("resumable", "holds optimizer_states")
+        return CheckpointKind("export", "no optimizer_states: weights only (save_weights_only=True)")
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"trainer.fit(model, ckpt_path={ckpt_path!r})", ("--ckpt_path", ckpt_path))

@@ -20,6 +20,14 @@ Legacy files are test-loaded with ``torch.load(weights_only=True)`` allowing
 records are decoded as DCP's are (``dcp.load_records``: TransformerEngine's ``_extra_state``
 is an ``io.BytesIO``, decoded structurally). Anything else is never unpickled, and a file or
 record decoded neither way fails the load level.
+Resumable or export (``kind_of_checkpoint``): ``save_checkpoint`` leaves the optimizer out with
+``--no-save-optim``. A torch_dist iteration is resumable when ``.metadata`` lists an
+``optimizer.*`` key (the sharded optimizer state, distributed or not), else an export; a legacy
+one when ``distrib_optim.pt`` is there or ``model_optim_rng.pt`` holds ``optimizer`` (read with
+``torch.load(weights_only=True)``, tensors mapped, not read), else an export.
+Weakness: a legacy ``model_optim_rng.pt`` that cannot be read safely (a class beyond the
+allow-list in ``args``) says nothing, and counts as resumable (verify judges it); on ``s3://``
+telling a legacy iteration apart downloads that file.
 Weakness: Megatron has no keep-last-N (Megatron-LM#1354), and the tracker is rewritten in
 place (not atomically): an empty or garbled tracker makes every iteration read as corrupt
 (never complete, never deleted as abandoned: which one it named is unknown), and so does a
@@ -37,8 +45,9 @@ from typing import Iterable, Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout
+from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
+from ckptctl.layouts.stack import Level, Resume, StackLayout, top_level_keys, undetermined
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -111,6 +120,34 @@ class MegatronLayout(StackLayout):
                     load_records(ckpt, md, self.allowed, self.name, out)
         if INTEGRITY in files and level != "quick":
             _check_integrity(ckpt, out)
+
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        children = ckpt.children()
+        if any(c.key == ".metadata" for c in children):  # torch_dist
+            from ckptctl.interop.dcp_io import read_metadata  # needs torch
+
+            try:
+                md = read_metadata(ckpt)
+            except InvalidCheckpoint as e:
+                return undetermined(f".metadata unreadable ({str(e)[:120]})")
+            keys = getattr(md, "state_dict_metadata", None) or {}
+            optim = next((k for k in keys if str(k).startswith("optimizer.")), None)
+            if optim is not None:
+                return CheckpointKind("resumable", f".metadata lists the optimizer state ({optim[:80]}, ...)")
+            return CheckpointKind("export", ".metadata lists no optimizer.* key: model only (--no-save-optim)")
+        files = sorted(_legacy_files(ckpt, children))
+        dist = next((f for f in files if f.endswith("/distrib_optim.pt")), None)
+        if dist is not None:
+            return CheckpointKind("resumable", f"{dist} holds the distributed optimizer's state")
+        legacy = next((f for f in files if LEGACY.match(f)), None)
+        if legacy is None:
+            return undetermined("no model_optim_rng.pt")
+        found = top_level_keys(ckpt, legacy, self.allowed)
+        if isinstance(found, str):
+            return undetermined(found)
+        if found.get("optimizer"):
+            return CheckpointKind("resumable", f"{legacy} holds the optimizer state")
+        return CheckpointKind("export", f"{legacy} holds no optimizer: model only (--no-save-optim)")
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         if self.tracker is None and self.tracker_garbled:

@@ -33,7 +33,7 @@ from ckptctl.format.layout import MANIFEST, MARKER, MAX_STEP, attempt_name, is_m
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
-from ckptctl.layouts.base import Examined
+from ckptctl.layouts.base import CheckpointKind, Examined
 from ckptctl.layouts.removal import remove_unchanged
 from ckptctl.storage.local_io import TEMPORARY
 from ckptctl.storage.base import ObjectInfo, Storage
@@ -271,6 +271,12 @@ def uncommit(ckpt: Storage) -> None:
     ckpt.delete(MARKER)
 
 
+def removal_order(keys: Iterable[str]) -> list[str]:
+    """Keys in the order a delete takes them: the marker, then the manifest(s), then the rest,
+    so that a delete cut short leaves something that reads as partial, never as committed."""
+    return sorted(keys, key=lambda k: (0 if k == MARKER else 1 if is_manifest_name(k) else 2, k))
+
+
 def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = None) -> str | None:
     """Delete one checkpoint: the marker first, so that a removal interrupted at any point
     leaves something that reads as partial, never as committed; then the manifest, the rest
@@ -281,8 +287,7 @@ def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = 
     and the files after it stay. Returns None when everything asked for was deleted.
     """
     if expected is not None:
-        order = lambda k: (0 if k == MARKER else 1 if is_manifest_name(k) else 2, k)  # noqa: E731
-        return remove_unchanged(ckpt, sorted(expected, key=order), expected)
+        return remove_unchanged(ckpt, removal_order(expected), expected)
     uncommit(ckpt)
     for info in list(ckpt.list()):
         ckpt.delete(info.key)
@@ -329,11 +334,17 @@ class NativeLayout:
     """ckptctl's own layout for the catalog: ``step-NNNNNNNNNN`` directories with a marker."""
 
     name = NAME
+    files_are_checkpoints = False
+    # Why ``seal`` leaves these alone: the manifest already is what a seal would be.
+    seal_note: str | None = "a ckptctl checkpoint: its manifest already records a checksum for every byte; no seal needed"
 
     def step_of(self, child: ObjectInfo) -> int | None:
         if child.kind not in ("dir", "link"):
             return None
         return parse_step_dir(child.key.rsplit("/", 1)[-1])
+
+    def removal_order(self, keys: Iterable[str]) -> list[str]:
+        return removal_order(keys)
 
     def for_root(self, root: Storage) -> "NativeLayout":
         return self
@@ -359,3 +370,27 @@ class NativeLayout:
         # A partial checkpoint's reason is the absence of a marker, said by its status.
         reason = None if state.status == "partial" else str(state.error)
         return Examined(state.status, reason)
+
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        if manifest is None:
+            state = read_state(ckpt)
+            if state.committed is None:  # not committed: verify says why; nothing to tell here
+                return CheckpointKind("resumable", "not committed, so not told apart")
+            manifest = state.committed.manifest
+        return manifest_kind(manifest)
+
+
+def manifest_kind(manifest: Manifest) -> CheckpointKind:
+    """Resumable or export, from the roles the manifest records: each tensor's group says
+    whether it came from a module ("model"), an optimizer ("optimizer") or anything else."""
+    optimizers = sorted({name.split("/", 1)[0] for name, t in manifest.tensors.items() if t.group == "optimizer"})
+    # An optimizer that has not stepped yet has no tensors, only its param_groups (state/capture.py).
+    optimizers += sorted(k for k, v in manifest.state.items() if k not in optimizers and isinstance(v, dict)
+                         and isinstance(v.get("param_groups"), list) and isinstance(v.get("state"), dict))
+    if optimizers:
+        return CheckpointKind("resumable", f"holds optimizer state ({', '.join(optimizers[:3])})")
+    if any(t.group == "model" for t in manifest.tensors.values()):
+        modules = sorted({name.split("/", 1)[0] for name, t in manifest.tensors.items() if t.group == "model"})
+        return CheckpointKind("export", f"model only: {', '.join(modules[:3])} saved without an optimizer")
+    # No module at all: plain tensors and values, whose purpose the manifest does not record.
+    return CheckpointKind("resumable", "no module and no optimizer (plain tensors and values): not told apart")

@@ -29,9 +29,10 @@ from typing import Iterable, Literal, Sequence
 from ckptctl.errors import NotFound
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, Examined, Finding
+from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.base import NOT_TOLD, Checked, CheckpointKind, Examined, Finding
 from ckptctl.storage.base import ObjectInfo, Storage
-from ckptctl.storage.stored_file import open_file
+from ckptctl.storage.stored_file import local_copy, open_file
 
 Level = Literal["quick", "checksums", "load"]
 FileKind = Literal["torch", "safetensors", "json", "pickle", "distcp", "other"]
@@ -81,6 +82,7 @@ class StackLayout:
     commit_files: tuple[str, ...] = ()  # deleted first: what the commit rule reads
     pointer_file: str | None = None  # the root-level file the stack's default resume reads
     allowed: tuple[object, ...] = ()  # extra globals for torch.load(weights_only=True)
+    seal_note: str | None = None  # why ``seal`` leaves this layout's checkpoints alone (None: it seals them)
 
     def __init__(self) -> None:
         self.root: Storage | None = None
@@ -151,6 +153,12 @@ class StackLayout:
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"{ckpt_path}", (ckpt_path,))
+
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+        """Resumable or a model-only export, from file names and headers (no tensor data).
+        What cannot be read to tell counts as resumable: verify then judges the file, so a
+        damaged checkpoint is reported as damaged, never hidden as an export."""
+        return NOT_TOLD
 
     # --- checking -------------------------------------------------------------------------
 
@@ -264,6 +272,44 @@ class StackLayout:
         """This layout as if the root's pointer named ``name`` (a copy about to write it
         checks the copy first, then commits it by writing the pointer)."""
         return self
+
+
+REMOTE_KEYS_LIMIT = 64 << 20  # largest object downloaded only to read its top-level keys
+
+
+def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> dict[str, bool] | str:
+    """The top-level keys of the ``torch.save`` dict ``key``, each with whether its value is
+    not None (DeepSpeed saves ``optimizer: None`` under ZeRO), read with
+    ``torch.load(weights_only=True)`` and tensors memory-mapped (their bytes are not read);
+    a string saying why not when it cannot be read safely (never unpickled beyond ``allowed``)."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    f = open_file(ckpt, key)
+    if f is None:
+        return f"{key} is not a regular file"
+    if f.fd_path is None and f.size > REMOTE_KEYS_LIMIT:
+        # torch.load needs the whole file at hand: on object storage that is a download of
+        # every tensor only to list a dict's keys, so a large one is not read (``ls`` stays cheap).
+        f.close()
+        return f"{key} is {f.size} bytes on object storage, not downloaded to tell"
+    try:
+        with f, local_copy(f) as where, torch.serialization.safe_globals(list(allowed)):
+            doc = torch.load(where, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(where))
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError, KeyError, TypeError, IndexError,
+            AttributeError, OverflowError, RecursionError, zipfile.BadZipFile) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"{key} could not be read safely ({first[:120]})"
+    if not isinstance(doc, dict):
+        return f"{key} does not hold a dict"
+    return {k: v is not None for k, v in doc.items() if isinstance(k, str)}
+
+
+def undetermined(why: str) -> CheckpointKind:
+    """A checkpoint whose content could not be read: counted as resumable (verify judges it)."""
+    return CheckpointKind("resumable", f"not told apart: {why}; verify judges it")
 
 
 def _legacy_torch(ckpt: Storage, key: str) -> bool:

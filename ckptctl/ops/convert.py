@@ -147,7 +147,12 @@ def open_source(path: str, fmt: Format | None = None) -> Source:
         from ckptctl.interop.hf_trainer_io import HfTrainerSource, is_trainer_checkpoint
         from ckptctl.interop.safetensors_io import SafetensorsSource
 
-        src = HfTrainerSource(path) if is_trainer_checkpoint(path) else SafetensorsSource(path)
+        from ckptctl.interop.accelerate_io import AccelerateSource, is_accelerate_checkpoint
+
+        if is_trainer_checkpoint(path):
+            src = HfTrainerSource(path)
+        else:  # an accelerate save_state directory carries (or lists as dropped) its training state
+            src = AccelerateSource(path) if is_accelerate_checkpoint(path) else SafetensorsSource(path)
     else:
         from ckptctl.interop.torch_io import TorchSource
 

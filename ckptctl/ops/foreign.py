@@ -40,6 +40,8 @@ class ForeignInspect:
     dropped: list[str]
     checksums: bool = False
     tensors: list[dict] = field(default_factory=list)
+    content: str | None = None  # "resumable" or "export" when a stack's layout tells (ops.inspect.stack_content)
+    content_reason: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,10 +1,12 @@
-"""``inspect``: what a checkpoint holds, from its manifest (no tensor data is read)."""
+"""``inspect``: what a checkpoint holds, from its manifest (no tensor data is read), and whether
+it is resumable or a model-only export (``content``: its layout's ``kind_of_checkpoint``)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ckptctl.layouts.native import read_committed
+from ckptctl.layouts.base import CheckpointKind, kind_of_checkpoint
+from ckptctl.layouts.native import manifest_kind, read_committed
 from ckptctl.storage.base import Storage
 
 
@@ -32,6 +34,8 @@ class InspectResult:
     tool: dict[str, str]
     files: list[dict]
     tensors: list[TensorInfo] = field(default_factory=list)
+    content: str = "resumable"  # or "export": model weights only, no optimizer (``manifest_kind``)
+    content_reason: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -40,6 +44,7 @@ class InspectResult:
 def inspect_checkpoint(ckpt: Storage, *, tensors: bool = False) -> InspectResult:
     """What the committed checkpoint ``ckpt`` holds, from its manifest; ``tensors`` lists each."""
     m, _ = read_committed(ckpt)
+    kind = manifest_kind(m)
     groups: dict[str, int] = {"model": 0, "optimizer": 0, "other": 0}
     for t in m.tensors.values():
         groups[t.group] = groups.get(t.group, 0) + t.nbytes
@@ -56,4 +61,16 @@ def inspect_checkpoint(ckpt: Storage, *, tensors: bool = False) -> InspectResult
         tool=m.tool,
         files=[asdict(f) for f in m.files],
         tensors=[TensorInfo(n, t.dtype, t.shape, t.nbytes, t.chunks, t.group) for n, t in m.tensors.items()] if tensors else [],
+        content=kind.kind,
+        content_reason=kind.reason,
     )
+
+
+def stack_content(path: str) -> CheckpointKind | None:
+    """Resumable or export, for ``path`` when it is one checkpoint of another stack's layout
+    (torchtitan's ``step-N``, ``checkpoint-N``, ``iter_N``, ``global_stepN``, a Lightning
+    ``.ckpt``); None for anything else (a bare DCP directory or file says nothing of it)."""
+    from ckptctl.ops.layout_verify import stack_checkpoint_at
+
+    found = stack_checkpoint_at(path)
+    return None if found is None else kind_of_checkpoint(found[0], found[1])

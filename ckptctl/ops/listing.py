@@ -6,7 +6,8 @@ written, or abandoned), ``corrupt`` (claims to be committed but is not self-cons
 ``link`` (a symlink, which ckptctl never follows) or ``unknown`` (named like a checkpoint, but
 no layout recognises its files; never deleted). ``verify`` finds the rest. This module adds
 what ``ls`` prints beside it: the layout (FORMAT: ckptctl, dcp, hf-trainer, megatron,
-deepspeed, lightning), size and age.
+deepspeed, lightning), size, age, and whether a committed checkpoint is resumable or a
+model-only export (its layout's ``kind_of_checkpoint``: names and headers, no tensor data).
 
 It also says what a root that holds no checkpoint is instead (``wrong_level``): one checkpoint
 (``ls`` named a checkpoint, not its root), or the parent of directories that hold checkpoints
@@ -24,6 +25,7 @@ from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
 from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir
 from ckptctl.interop.detect import CKPTCTL_SHARD
 from ckptctl.layouts import catalog
+from ckptctl.layouts.base import Layout, kind_of_checkpoint
 from ckptctl.layouts.native import total_size
 from ckptctl.storage.base import Storage
 
@@ -43,6 +45,8 @@ class Listed:
     age_s: float
     reason: str | None = None  # why it is not committed: the layout's completeness rule
     layout: str = "ckptctl"  # the FORMAT column: which layout's checkpoint it is
+    content: str | None = None  # committed: "resumable" or "export" (model only); else None
+    content_reason: str | None = None  # what its layout saw
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +56,7 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
     """Every checkpoint under ``root``, oldest first, with its size and age."""
     now = time.time() if now is None else now
     out = []
+    bound: dict[str, Layout] = {}  # one layout per name, its root's pointer read once
     for e in catalog.list_checkpoints(root):
         if e.storage is None:  # a link: nothing behind it is looked at
             out.append(Listed(e.step, e.name, e.url, e.status, 0, 0.0, 0.0, e.reason, e.layout))
@@ -66,7 +71,13 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
             created = e.manifest.created
         elif not created and info is not None and info.mtime:
             created = info.mtime  # nothing inside (an empty partial): its directory's time, never the epoch
-        out.append(Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout))
+        content = reason = None
+        if e.status == "committed":
+            told = bound.setdefault(e.layout, catalog.layout_named(e.layout, root))
+            kind = kind_of_checkpoint(told, e.storage, e.manifest)
+            content, reason = kind.kind, kind.reason
+        out.append(Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout,
+                          content, reason))
     return out
 
 

@@ -11,9 +11,7 @@ from typing import Any, Literal
 from ckptctl.errors import CkptError, RefusedForSafety
 from ckptctl.layouts.catalog import layout_named
 from ckptctl.layouts.native import NAME as NATIVE_NAME
-from ckptctl.layouts.native import remove
 from ckptctl.layouts.removal import remove_unchanged
-from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.lock import RootLock
 from ckptctl.ops.prune_plan import Action, PlanItem, PrunePlan, entry_snapshot, raise_if_refused
 from ckptctl.ops.verify_cache import fingerprint
@@ -140,9 +138,8 @@ def _changed_since_plan(plan: PrunePlan, item: PlanItem) -> str | None:
 
 
 def _delete(root: Storage, item: PlanItem) -> None:
-    """Commit file first (``layouts.native.remove`` for ckptctl's own; the stack's
-    ``removal_order`` for others), only the files the plan saw, each only while unchanged; then
-    the directory, when empty."""
+    """Commit file first (the layout's ``removal_order``), only the files the plan saw, each
+    only while unchanged; then the directory, when empty."""
     if item.kind == "link":
         root.delete(item.name)
         return
@@ -154,20 +151,11 @@ def _delete(root: Storage, item: PlanItem) -> None:
         if now is not None:
             root.delete(item.name)
         return
-    if item.layout == NATIVE_NAME:
-        changed = remove(root.sub(item.name), expected=expected)
-    else:
-        changed = _remove_stack(root.sub(item.name), layout_named(item.layout, root), expected)
+    # The entry's own layout says which file un-commits it: that one goes first.
+    order = layout_named(item.layout, root).removal_order(expected)
+    changed = remove_unchanged(root.sub(item.name), order, expected)
     if changed is not None:
         raise _Changed(f"{changed} changed while deleting; the rest is left in place")
-
-
-def _remove_stack(ckpt: Storage, layout: object, expected: dict[str, tuple[int, float]]) -> str | None:
-    """Another stack's checkpoint: the file its commit rule reads first (``.metadata``,
-    ``trainer_state.json``, ...), then the rest, each only while unchanged, then the empty
-    directories. Returns the URL of the first file that changed, or None."""
-    order = layout.removal_order(expected) if isinstance(layout, StackLayout) else sorted(expected)
-    return remove_unchanged(ckpt, order, expected)
 
 
 def _left_over(root: Storage, item: PlanItem) -> str | None:

@@ -22,7 +22,7 @@ from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
 from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL
-from ckptctl.layouts.base import Checkpoint, Layout
+from ckptctl.layouts.base import Checkpoint, Layout, kind_of_checkpoint
 from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints, sealed_commit_time
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.protection import protected
@@ -279,13 +279,18 @@ def _summary(report: VerifyReport, cached: bool) -> dict[str, Any]:
 
 
 def _choose_anchor(p: PrunePlan, layout: str, progress: Progress | None, heartbeat: Callable[[], None] | None) -> None:
-    """The newest checkpoint of ``layout`` that passes full verification by its own rules."""
+    """The newest resumable checkpoint of ``layout`` that passes full verification by its own
+    rules: an export (model only; kept by policy) is never what a deletion relies on."""
     committed = [i for i in p.items if i.kind == "committed" and i.layout == layout]
-    bound = None if layout == NATIVE_NAME else layout_named(layout, p.root)
+    told = layout_named(layout, p.root)
+    bound = None if layout == NATIVE_NAME else told
     for item in reversed(committed):
         if heartbeat:
             heartbeat()
         ckpt = p.root.sub(item.name)
+        if not (kind := kind_of_checkpoint(told, ckpt)).resumable:
+            p.notes.append(f"{item.name}: not the anchor: an export ({kind.reason})")
+            continue
         if isinstance(bound, StackLayout):
             # A sealed checkpoint whose every byte matches its seal was test-loaded when sealed.
             report, not_loaded = verify_stack_detail(ckpt, bound, ANCHOR_LEVEL, trust_seal=True)

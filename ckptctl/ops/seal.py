@@ -28,8 +28,9 @@ from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.format.seal import CHUNK_SIZE, SEAL, Seal, SealedFile, encode_seal
 from ckptctl.interop.detect import CKPTCTL_SHARD
-from ckptctl.layouts.catalog import list_checkpoints
+from ckptctl.layouts.catalog import layout_named, list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.native import NativeLayout
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.leftovers import is_temporary, remove_temporaries
 from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack_detail
@@ -41,7 +42,7 @@ from ckptctl.storage.base import Storage
 from ckptctl.version import tool_info
 
 SealStatus = Literal["sealed", "already sealed", "not needed", "skipped", "failed"]
-NATIVE_NOTE = "a ckptctl checkpoint: its manifest already records a checksum for every byte; no seal needed"
+NATIVE_NOTE = NativeLayout.seal_note
 
 
 @dataclass
@@ -136,9 +137,8 @@ def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | Non
     Raises InvalidCheckpoint for an incomplete or corrupt checkpoint (nothing is written)."""
     t0 = time.perf_counter()
     name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
-    if layout.files_are_checkpoints:
-        return SealResult(ckpt.url, name, layout.name, None, "skipped",
-                          reason="a checkpoint that is one file (Lightning's *.ckpt) has no directory to hold a seal")
+    if layout.seal_note is not None:
+        return SealResult(ckpt.url, name, layout.name, None, "skipped", reason=layout.seal_note)
     # A seal killed between writing its temporary and linking or unlinking it left that
     # temporary: removed first, so it is neither sealed as a file of the checkpoint nor mistaken
     # for one added after sealing (a seal linked into place is complete: written, then linked).
@@ -169,10 +169,15 @@ def seal_root(root: Storage, progress: Progress | None = None) -> list[SealResul
     its test-load is reported "failed" and the others are still sealed."""
     results: list[SealResult] = []
     for entry in list_checkpoints(root):
-        if entry.layout == NATIVE_NAME or entry.status == "link" or entry.storage is None or entry.layout == "unknown":
-            why = NATIVE_NOTE if entry.layout == NATIVE_NAME else entry.reason or entry.status
+        if entry.status in ("link", "unknown") or entry.storage is None:
+            results.append(SealResult(entry.url, entry.name, entry.layout, entry.step, "skipped",
+                                      reason=entry.reason or entry.status))
+            continue
+        layout = layout_named(entry.layout, root)
+        if layout.seal_note is not None:  # ckptctl's own (the manifest is its seal), one-file checkpoints
             results.append(SealResult(entry.url, entry.name, entry.layout, entry.step,
-                                      "not needed" if entry.layout == NATIVE_NAME else "skipped", reason=why))
+                                      "skipped" if layout.files_are_checkpoints else "not needed",
+                                      reason=layout.seal_note))
             continue
         if entry.status != "committed":
             results.append(SealResult(entry.url, entry.name, entry.layout, entry.step, "skipped",

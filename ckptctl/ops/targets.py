@@ -166,8 +166,12 @@ def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | Foreig
     target = resolve_checkpoint(path, verb="inspect")
     if target.kind == "foreign":
         from ckptctl.ops.foreign import inspect_foreign  # needs torch
+        from ckptctl.ops.inspect import stack_content
 
-        return inspect_foreign(target.path, tensors=tensors)
+        found, kind = inspect_foreign(target.path, tensors=tensors), stack_content(path)
+        if kind is not None:
+            found.content, found.content_reason = kind.kind, kind.reason
+        return found
     from ckptctl.ops.inspect import inspect_checkpoint
 
     assert target.storage is not None
@@ -186,16 +190,19 @@ class VerifyOutcome:
     # ``latest``: what each stack's pointer (DeepSpeed ``latest``, Megatron's tracker) names
     # and whether it verifies: what the stack's default resume would load.
     pointers: "list[PointerCheck]" = field(default_factory=list)
+    exports: list[dict] = field(default_factory=list)  # ``latest``: model-only exports skipped
 
     def to_dict(self) -> dict:
         doc = {"ok": self.ok, "level": self.level, "checkpoints": [r.to_dict() for r in self.reports]}
+        if self.exports:
+            doc["skipped_exports"] = self.exports
         if self.pointers:
             doc["pointers"] = [p.to_dict() for p in self.pointers]
         return doc
 
 
 def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "latest", "all"] = "one",
-                progress: Progress | None = None) -> VerifyOutcome:
+                progress: Progress | None = None, any_: bool = False) -> VerifyOutcome:
     """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
@@ -206,9 +213,14 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
     if which != "one":
         root = open_root(path)
-        reports = verify_root(root, which=which, level=level, progress=progress)  # type: ignore[arg-type]
+        exports: list = []  # model-only exports --latest passed over (unless any_)
+        reports = verify_root(root, which=which, level=level, progress=progress, any_=any_,  # type: ignore[arg-type]
+                              exports=exports)
         if which == "latest":
-            return _with_pointers(root, level, reports, progress)
+            outcome = _with_pointers(root, level, reports, progress)
+            outcome.exports = [e.to_dict() for e in exports]
+            outcome.note = "; ".join(str(e) for e in exports) or None
+            return outcome
         return VerifyOutcome(all(r.ok for r in reports), level, reports[::-1])
     from ckptctl.ops.layout_verify import stack_checkpoint_at, verify_stack
 
@@ -254,7 +266,7 @@ def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | N
 
 
 def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
-               progress: Progress | None = None) -> "Latest":
+               progress: Progress | None = None, *, any_: bool = False) -> "Latest":
     """``ops.layout_verify.latest_checkpoint`` of the root at ``root``: the newest complete
     checkpoint of any layout (or of ``formats``) that verifies, and what its stack's resume
     option takes."""
@@ -263,7 +275,7 @@ def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | Non
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
-    return latest_checkpoint(open_root(root), level, formats=formats, progress=progress)  # type: ignore[arg-type]
+    return latest_checkpoint(open_root(root), level, formats=formats, progress=progress, any_=any_)  # type: ignore[arg-type]
 
 
 @dataclass
