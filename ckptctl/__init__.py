@@ -11,7 +11,10 @@ from ckptctl.version import __version__
 _RETENTION = ("AnyOf", "KeepBest", "KeepCalendar", "KeepEvery", "KeepLast", "KeepSteps", "KeepWithin",
               "Policy", "RetentionPolicy")
 
-__all__ = ["Checkpointer", "SaveHandle", "__version__", *_RETENTION]
+# Tiers: ``Checkpointer(tiers=[Tier(...), Tier(..., every=Steps(1000) | Minutes(30))])``.
+_TIERS = ("Minutes", "Steps", "Tier")
+
+__all__ = ["Checkpointer", "SaveHandle", "__version__", *_RETENTION, *_TIERS]
 
 
 def __getattr__(name: str):
@@ -24,4 +27,8 @@ def __getattr__(name: str):
         from ckptctl.ops import retention
 
         return getattr(retention, name)
+    if name in _TIERS:  # pure Python: no torch
+        from ckptctl import tiers
+
+        return getattr(tiers, name)
     raise AttributeError(name)

@@ -10,38 +10,47 @@
     ...         if step % 500 == 0:
     ...             ckpt.save(step, state)                        # returns after the host copy
 
-It composes three parts that know nothing of each other: the save path (``save.saver``), the
-load path (``load.loader``) and, when asked for, library retention (``ops.background_retention``,
-the same policy and safety checks as ``ckptctl prune``). Choosing which checkpoint to resume
-from, and agreeing on it across ranks, is done here, where the two paths meet.
+It composes parts that know nothing of each other: the save path (``save.saver``), the
+load path (``load.loader``), when asked for, library retention (``ops.background_retention``,
+the same policy and safety checks as ``ckptctl prune``) and tiers (``tiers``: commit to the
+first, promote to the next in the background). Choosing which checkpoint to resume from, and
+agreeing on it across ranks, is done here, where the two paths meet.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, StateError, UsageError
-from ckptctl.layouts.catalog import NATIVE, newest_committed
 from ckptctl.load.loader import load_checkpoint
 from ckptctl.ops.background_retention import BackgroundRetention
 from ckptctl.ops.retention import Policy, RetentionPolicy
 from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S
 from ckptctl.save.saver import SaveHandle, Saver
 from ckptctl.storage import Storage, open_storage
+from ckptctl.tiers.chain import Tiers
+from ckptctl.tiers.durability import Flushed
+from ckptctl.tiers.recovery import committed_across
+from ckptctl.tiers.spec import Tier
 
-__all__ = ["Checkpointer", "SaveHandle"]
+DEFAULT_PROMOTE_TIMEOUT_S = 600.0  # how long close() waits for the last checkpoint to reach the last tier
+
+__all__ = ["Checkpointer", "Flushed", "SaveHandle", "Tier"]
 
 log = logging.getLogger("ckptctl")
 
 
 class Checkpointer:
-    """Asynchronous checkpoints under ``root`` (a path or ``s3://bucket/prefix``)."""
+    """Asynchronous checkpoints under ``root`` (a path or ``s3://bucket/prefix``), or on
+    ``tiers``."""
 
     def __init__(
         self,
-        root: str,
+        root: str | None = None,
         *,
+        tiers: Sequence[Tier] | None = None,
+        promote_timeout_s: float = DEFAULT_PROMOTE_TIMEOUT_S,
         async_save: bool = True,
         storage: Storage | None = None,
         retention: Policy | RetentionPolicy | None = None,
@@ -90,25 +99,55 @@ class Checkpointer:
         training thread, about 0.14 s per GiB); True: every replicated tensor, module buffers
         (BatchNorm statistics under DDP ``broadcast_buffers=False`` drift apart), GPU ones too
         (each copied to the host to be hashed) and plain tensors of other keys; False: none
-        (see ``ckptctl.save.replicas``)."""
-        self.root = storage or open_storage(root)
-        background = None
-        if retention is not None or keep_last is not None or keep_every is not None:
-            # Bad values raise here, on every rank, before any group is created.
-            background = BackgroundRetention(self.root, keep_last, keep_every, retention=retention)
+        (see ``ckptctl.save.replicas``).
+
+        ``tiers`` instead of ``root``: ``[Tier("/nvme/ckpt", retention=KeepLast(2)),
+        Tier("s3://lab/run7", retention=KeepLast(3), every=Steps(1000) | Minutes(30))]``.
+        ``save`` commits to the first tier exactly as to a single root; rank 0 then promotes
+        committed checkpoints to each next tier on a thread of its own (``tiers.promoter``:
+        verified on the way, marker last; behind, it promotes the newest and skips the rest;
+        an outage is retried with backoff). Each tier prunes by its own ``retention`` and never
+        deletes a checkpoint still awaiting promotion. ``load_latest`` takes the newest
+        committed step on any tier, nearest tier first. ``close`` waits up to
+        ``promote_timeout_s`` for the last checkpoint to reach the last tier. With several
+        ranks the first tier must be shared by them (rank 0 promotes whole checkpoints)."""
+        self._tiers: Tiers | None = None
+        if tiers is not None:
+            if root is not None or storage is not None:
+                raise ValueError("give either root (one tier) or tiers, not both")
+            if retention is not None or keep_last is not None or keep_every is not None:
+                raise ValueError("with tiers, give each Tier its own retention=")
+            self._tiers = Tiers(list(tiers))  # bad tiers or rules raise here, on every rank
+            self.root = self._tiers.roots[0]
+            background = self._tiers.first_retention
+        else:
+            if root is None:
+                raise ValueError("Checkpointer needs a root (a path or s3://bucket/prefix) or tiers=")
+            self.root = storage or open_storage(root)
+            background = None
+            if retention is not None or keep_last is not None or keep_every is not None:
+                # Bad values raise here, on every rank, before any group is created.
+                background = BackgroundRetention(self.root, keep_last, keep_every, retention=retention)
+        self.promote_timeout_s = promote_timeout_s
+        self._roots = self._tiers.roots if self._tiers is not None else [self.root]
+        on_save = background.after if background is not None else None
+        if self._tiers is not None:
+            on_save = self._tiers.after_save  # promotion first, then the first tier's retention
         self._saver = Saver(
             self.root,
             async_save=async_save,
             process_group=process_group,
             timeout_s=timeout_s,
             liveness_s=liveness_s,
-            on_save=background.after if background is not None else None,
+            on_save=on_save,
             overlap_copies=overlap_copies,
             check_replicas=check_replicas,
             after_commit=background,  # every rank re-reads its own shard: retention reads no data
         )
-        self._retention = background if self._saver.rank == 0 else None
+        self._retention = background if self._saver.rank == 0 and self._tiers is None else None
         self.rank, self.world_size = self._saver.rank, self._saver.world_size
+        if self._tiers is not None and self.rank == 0:
+            self._tiers.start()
         coord = self._saver.coordinator
         if coord is not None:
             # The post-commit check is an exchange: every rank must take part, or none.
@@ -152,7 +191,14 @@ class Checkpointer:
         Across ranks, an error raised here on one rank (a state that cannot be captured) is
         reported to the others at once: their save of this step fails naming this rank.
         """
+        if self._tiers is not None:
+            self._tiers.durability.started(step)
         return self._saver.save(step, state, metrics)
+
+    def time_to_durable(self, step: int | None = None) -> dict[str, float]:
+        """Seconds from ``save(step)`` to durable on each tier it has reached so far, by URL
+        (default: the newest step recorded). Rank 0's view; empty without tiers."""
+        return self._tiers.durability.of(step) if self._tiers is not None else {}
 
     def wait(self) -> str | None:
         """Wait for every pending save; returns the last committed URL, raises if it failed."""
@@ -214,18 +260,19 @@ class Checkpointer:
     def _load_latest(self, state: dict[str, Any], strict: bool) -> int | None:
         coord = self._saver.coordinator
         if coord is None:
-            for entry in newest_committed(self.root, layouts=NATIVE):  # ckptctl's own only
+            for tier, name in committed_across(self._roots):  # ckptctl's own only; nearest tier first
+                ckpt = self._roots[tier].sub(name)
                 try:
-                    return self.load(entry.storage, state, strict=strict)
+                    return self.load(ckpt, state, strict=strict)
                 except (InvalidCheckpoint, NotFound) as e:
-                    log.warning("skipping %s: %s", entry.url, e)
+                    log.warning("skipping %s: %s", ckpt.url, e)
             return None
         # Only rank 0 lists and reads markers: the others take its list, so the listing's
         # cost does not grow with the number of ranks.
-        mine = [e.name for e in newest_committed(self.root, layouts=NATIVE)] if self.rank == 0 else []
-        names: list[str] = self._saver.collective(coord.from_rank0, mine)
-        for name in names:
-            ckpt = self.root.sub(name)
+        mine = list(committed_across(self._roots)) if self.rank == 0 else []
+        names: list[tuple[int, str]] = self._saver.collective(coord.from_rank0, mine)
+        for tier, name in names:
+            ckpt = self._roots[tier].sub(name)
             step, error = None, None
             try:
                 step = self.load(ckpt, state, strict=strict)
@@ -249,16 +296,38 @@ class Checkpointer:
 
     # --- lifetime ---------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, promote_timeout_s: float | None = None) -> Flushed | None:
         """Wait for pending saves, release the thread and buffers. Raises a failed save's
-        error if nobody has seen it."""
+        error if nobody has seen it.
+
+        With tiers (rank 0): then waits up to ``promote_timeout_s`` (default: the constructor's)
+        for the newest checkpoint to reach the last tier, and returns what it found
+        (``Flushed``: true when it got there); a warning is logged when it did not. Returns
+        None without tiers, on other ranks, and when already closed."""
         if self._saver.closed:
-            return
+            return None
+        flushed = None
         try:
             self._saver.close()
         finally:
             if self._retention is not None:
                 self._retention.close()
+            if self._tiers is not None:
+                flushed = self._close_tiers(promote_timeout_s)
+        return flushed
+
+    def _close_tiers(self, timeout_s: float | None) -> Flushed | None:
+        assert self._tiers is not None
+        try:
+            if self.rank != 0:
+                return None
+            flushed = self._tiers.flush(self.promote_timeout_s if timeout_s is None else timeout_s)
+            if not flushed:
+                log.warning("close: step %d did not reach %s: %s; it is on %s", flushed.step, flushed.missing,
+                            flushed.reason, ", ".join(flushed.tiers))
+            return flushed
+        finally:
+            self._tiers.close()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -1,0 +1,140 @@
+"""The tiers of one ``Checkpointer`` wired together: what happens after each save commits on
+the first tier, and what ``close`` waits for.
+
+After a commit on tier k (a save for k = 0, a promotion otherwise), in this order: the time to
+durable is recorded, the promoter to tier k+1 is offered the checkpoint (it chooses by its
+cadence and pins what it chose), and only then is tier k's retention asked to prune, so a
+prune never plans without the pin of the checkpoint that just committed.
+
+Only rank 0 promotes (whole checkpoints: the first tier must then be a filesystem every rank
+writes to, as a single root is); every rank lists the tiers' roots when it resumes.
+
+May import: ``ops``, ``storage``, ``tiers.spec``, ``tiers.promoter``, ``tiers.guarded``,
+``tiers.durability``, leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+
+from ckptctl.ops.transfer import CopyResult
+from ckptctl.storage.base import Storage
+from ckptctl.tiers.durability import Durability, Flushed
+from ckptctl.tiers.guarded import GuardedRetention
+from ckptctl.tiers.promoter import Promoter
+from ckptctl.tiers.spec import Tier, check_tiers
+
+log = logging.getLogger("ckptctl")
+
+
+def _name_of(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+class Tiers:
+    """``tiers[0]`` receives every save; each later tier receives from the one before it."""
+
+    def __init__(self, tiers: list[Tier]) -> None:
+        self.specs = check_tiers(tiers)
+        self.roots: list[Storage] = [t.open() for t in self.specs]
+        self.durability = Durability()
+        # Retention of each tier (bad rules raise here, on every rank, before any thread).
+        self.retentions: list[GuardedRetention | None] = [
+            GuardedRetention(root, t.retention) if t.retention is not None else None
+            for root, t in zip(self.roots, self.specs)]
+        self.promoters: list[Promoter] = []
+        self._newest: tuple[int, str] | None = None  # newest (step, name) committed on the first tier in this run
+        self._flushing = False
+
+    def start(self) -> None:
+        """Start promoting (rank 0 only: it alone learns of each commit)."""
+        for k in range(len(self.specs) - 1):
+            nxt = self.specs[k + 1]
+            p = Promoter(self.roots[k], self.roots[k + 1], every=nxt.every, retry_max_s=nxt.retry_max_s,
+                         lag_warning_s=nxt.lag_warning_s, on_promoted=self._promoted_callback(k + 1))
+            self.promoters.append(p)
+            guard = self.retentions[k]
+            if guard is not None:
+                guard.pins, guard.to = p.pins, self.roots[k + 1].url
+
+    @property
+    def first_retention(self) -> GuardedRetention | None:
+        return self.retentions[0]
+
+    # --- after each commit ----------------------------------------------------------------------
+
+    def after_save(self, step: int, save: "Future[str | None]") -> None:
+        """The saver's ``on_save`` (rank 0): chain promotion and retention to the commit."""
+        gate: Future[str | None] = Future()
+
+        def committed(f: "Future[str | None]") -> None:
+            error = f.exception()
+            url = f.result() if error is None else None
+            if url is not None:
+                try:
+                    self._newest = (step, _name_of(url))
+                    self._reached(0, step, _name_of(url))
+                except Exception as e:  # a bug here must not keep retention from running
+                    log.error("tiers: after the commit of step %d", step, exc_info=e)
+            if error is not None:  # retention runs after the pin, whatever happened above
+                gate.set_exception(error)
+            else:
+                gate.set_result(url)
+
+        save.add_done_callback(committed)
+        guard = self.retentions[0]
+        if guard is not None:
+            guard.after(step, gate)
+
+    def _promoted_callback(self, k: int):
+        def promoted(step: int, name: str, result: CopyResult) -> None:
+            self._reached(k, step, name)
+            guard = self.retentions[k]
+            if guard is not None:
+                done: Future[str | None] = Future()
+                done.set_result(self.roots[k].sub(name).url)
+                guard.after(step, done)
+
+        return promoted
+
+    def _reached(self, k: int, step: int, name: str) -> None:
+        seconds = self.durability.reached(step, self.roots[k].url)
+        if seconds is not None:
+            log.info("step %d durable on %s %.2f s after its save", step, self.roots[k].url, seconds)
+        if k < len(self.promoters):
+            final = self._flushing and self._newest is not None and step == self._newest[0]
+            self.promoters[k].offer(step, name, force=final)
+
+    # --- closing --------------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> Flushed:
+        """Wait up to ``timeout_s`` for the newest checkpoint committed on the first tier in this
+        run to reach the last tier (promoted whatever the cadence says)."""
+        t0 = time.monotonic()
+        if self._newest is None or not self.promoters:
+            step = self._newest[0] if self._newest is not None else None
+            return Flushed(True, step, (self.roots[0].url,) if step is not None else ())
+        step, name = self._newest
+        self._flushing = True
+        deadline = t0 + timeout_s
+        reached = [self.roots[0].url]
+        for k, p in enumerate(self.promoters):
+            p.offer(step, name, force=True)  # the tier before holds it now: due whatever the cadence
+            why = p.wait_for(step, deadline)
+            if why is not None:
+                return Flushed(False, step, tuple(reached), self.roots[k + 1].url, why, time.monotonic() - t0,
+                               self.durability.of(step))
+            reached.append(self.roots[k + 1].url)
+        return Flushed(True, step, tuple(reached), None, "", time.monotonic() - t0, self.durability.of(step))
+
+    def close(self, join_s: float = 5.0) -> None:
+        """Stop the promoters (a copy still running is left to its daemon thread after
+        ``join_s``: an unreachable tier must not hang the job's exit), then wait for each
+        tier's prune in progress."""
+        for p in self.promoters:
+            p.close(join_s)
+        for guard in self.retentions:
+            if guard is not None:
+                guard.close()

@@ -1,0 +1,67 @@
+"""Time to durable per tier, and what ``Checkpointer.close()`` reports about the last tier.
+
+May import: leaves only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+KEEP_STEPS = 256  # a week-long job saves thousands of times: remember the recent ones only
+
+
+class Durability:
+    """Seconds from ``save()`` to durable on each tier, per step (rank 0's view: the commit
+    on the first tier, each promotion after it). Thread-safe: the writer and the promoters
+    record, the training thread reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started: dict[int, float] = {}
+        self._durable: OrderedDict[int, dict[str, float]] = OrderedDict()
+
+    def started(self, step: int) -> None:
+        with self._lock:
+            self._started[step] = time.monotonic()
+
+    def reached(self, step: int, tier: str) -> float | None:
+        """Record that ``step`` is durable on ``tier`` now; returns the seconds since its save."""
+        with self._lock:
+            t0 = self._started.get(step)
+            if t0 is None:
+                return None  # saved before this process started (a resume promoting on)
+            seconds = time.monotonic() - t0
+            self._durable.setdefault(step, {})[tier] = seconds
+            self._durable.move_to_end(step)
+            while len(self._durable) > KEEP_STEPS:
+                old, _ = self._durable.popitem(last=False)
+                self._started.pop(old, None)
+            return seconds
+
+    def of(self, step: int | None = None) -> dict[str, float]:
+        """``{tier URL: seconds}`` for ``step`` (default: the newest step recorded)."""
+        with self._lock:
+            if step is None:
+                step = next(reversed(self._durable), None)
+            return dict(self._durable.get(step, {})) if step is not None else {}
+
+
+@dataclass(frozen=True)
+class Flushed:
+    """What ``close()`` found: whether the newest committed checkpoint (``step``) reached the
+    last tier within the wait (``complete``), the tiers it is on, and why not when it is not.
+    ``step`` None: nothing was committed in this run, so nothing was owed."""
+
+    complete: bool
+    step: int | None
+    tiers: tuple[str, ...] = ()
+    missing: str | None = None  # the first tier it did not reach
+    reason: str = ""
+    waited_s: float = 0.0
+    durable_s: dict[str, float] = field(default_factory=dict)  # time to durable per tier reached
+
+    def __bool__(self) -> bool:
+        return self.complete

@@ -1,0 +1,103 @@
+"""Worker processes for tests/test_tiers.py: real ranks on gloo (CPU) saving to tiers.
+
+Run as ``python tier_workers.py SCENARIO RANK WORLD PORT ARGS_JSON OUT``; each rank writes what
+its scenario returns as JSON to ``OUT/rankR.json``. The S3 endpoint comes from the environment
+(``AWS_ENDPOINT_URL``), as a user's job gets it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def state_for(step: int, rank: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(step)  # the same on every rank: replicated tensors agree
+    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)},
+            "extra": {"rank": rank, "step": step}}
+
+
+def save_tiers(rank: int, world: int, a: dict) -> dict:
+    from ckptctl import Checkpointer, KeepLast, Tier
+
+    ck = Checkpointer(tiers=[Tier(a["local"], retention=KeepLast(2)), Tier(a["remote"], retention=KeepLast(2))],
+                      promote_timeout_s=60)
+    for step in a["steps"]:
+        ck.save(step, state_for(step, rank)).wait()
+    flushed = ck.close()
+    return {"flushed": None if flushed is None else {"complete": flushed.complete, "step": flushed.step,
+                                                      "tiers": list(flushed.tiers)},
+            "durable": ck.time_to_durable()}
+
+
+def load_tiers(rank: int, world: int, a: dict) -> dict:
+    import torch
+
+    from ckptctl import Checkpointer, Tier
+
+    state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
+    ck = Checkpointer(tiers=[Tier(a["local"]), Tier(a["remote"])])
+    step = ck.load_latest(state, prepare=False)
+    ck.close(promote_timeout_s=1)
+    want = state_for(step, rank) if step is not None else None
+    equal = want is not None and all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b"))
+    return {"step": step, "bitwise_equal": equal, "extra": state["extra"]}
+
+
+SCENARIOS = {"save_tiers": save_tiers, "load_tiers": load_tiers}
+
+
+def launch(scenario: str, world: int, args: dict, out: str, timeout: float = 120) -> dict[int, dict]:
+    """Run ``scenario`` on ``world`` real processes (env:// rendezvous on a free port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.makedirs(out, exist_ok=True)
+    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world), str(port), json.dumps(args), out])
+             for r in range(world)]
+    deadline = time.monotonic() + timeout
+    results: dict[int, dict] = {}
+    for r, p in enumerate(procs):
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        path = os.path.join(out, f"rank{r}.json")
+        results[r] = json.load(open(path)) if os.path.exists(path) else {"exit": p.returncode}
+    return results
+
+
+def _main() -> None:
+    scenario, rank, world, port, args, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world, json.loads(args))
+    except BaseException as e:  # the test reads the failure from the result file
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
+    if rank == 0:  # the c10d store lives here: keep it up until every rank is done
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in range(world)):
+            time.sleep(0.05)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown
+
+
+if __name__ == "__main__":
+    _main()
