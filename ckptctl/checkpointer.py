@@ -152,7 +152,12 @@ class Checkpointer:
         if coord is not None:
             # The post-commit check is an exchange: every rank must take part, or none.
             mine = AGREE_OK if background is not None else AGREE_SKIP
-            if self._saver.collective(coord.agree, mine) != mine:
+            # ``agree`` is a minimum: a rank with retention learns that one lacks it, but not
+            # the reverse. The maximum too (the minimum of the flipped verdicts), so that every
+            # rank refuses at once instead of one waiting in its first save for a rank that left.
+            low = self._saver.collective(coord.agree, mine)
+            high = AGREE_OK + AGREE_SKIP - self._saver.collective(coord.agree, AGREE_OK + AGREE_SKIP - mine)
+            if low != high:
                 self._saver.close()
                 raise UsageError(
                     f"rank {self.rank}: retention (or keep_last/keep_every) is set here but not on every rank",

@@ -541,4 +541,6 @@ def test_library_retention_across_ranks_reads_only_own_shards(tmp_path):
     entry = _json.load(open(os.path.join(root, ".ckptctl-verified.json")))["entries"][step_dir(3)]
     assert entry["level"] == "load" and entry["files"] == 3
     bad = launch("retention_ranks", 2, {"root": str(tmp_path / "r2"), "only_rank0": True}, str(tmp_path / "b"), timeout=300)
-    assert "UsageError" in bad[0].get("failed", "") and "keep_last" in bad[0]["failed"], bad
+    # Refused on every rank at construction, not only where retention was asked for (the rank
+    # without it used to go on and wait out its first save for a coordinator that had left).
+    assert all("UsageError" in bad[r].get("failed", "") and "keep_last" in bad[r]["failed"] for r in (0, 1)), bad
