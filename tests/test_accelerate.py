@@ -240,3 +240,16 @@ def test_empty_checkpoint_dir_and_model_only_saves(root):
     os.unlink(os.path.join(root, "checkpoint_1", "optimizer.bin"))
     kind = layout.kind_of_checkpoint(st)
     assert kind.kind == "export" and "optimizer" in kind.reason
+
+
+def test_a_save_state_into_a_trainer_style_name_is_never_deleted_as_a_partial(root):
+    # save_state(output_dir=".../checkpoint-7"): the Trainer's name, accelerate's files. By the
+    # Trainer's rule it is a save that never wrote trainer_state.json; by accelerate's it is
+    # complete. A directory complete by any known rule is never deleted as an abandoned save.
+    os.rename(os.path.join(root, "checkpoint_2"), os.path.join(root, "checkpoint-7"))
+    listed = {c["name"]: c for c in cli("ls", root, "--json").json()["checkpoints"]}
+    entry = listed["checkpoint-7"]
+    assert entry["status"] == "unknown" and "complete by accelerate" in entry["reason"], entry
+    r = cli("prune", root, "--keep-last", "1", "--partial-after", "0s", "--yes", "--json")
+    assert r.exit_code in (0, 1), r.stdout + r.stderr
+    assert os.path.isdir(os.path.join(root, "checkpoint-7"))

@@ -131,7 +131,28 @@ def _entry(root: Storage, found: _Found, owner: Layout | None = None) -> Checkpo
         if owner is None:
             return _unknown(found, ckpt)
     seen = owner.examine(ckpt)
+    if seen.status == "partial" and child.kind == "dir":
+        other = _complete_by_another_rule(root, ckpt, owner)
+        if other is not None:
+            return Checkpoint(step, name, ckpt.url, UNKNOWN, "unknown",
+                              f"named like a {owner.name} checkpoint and not complete by its rule ({seen.reason}), "
+                              f"but complete by {other}'s; never deleted", ckpt)
     return Checkpoint(step, name, ckpt.url, owner.name, seen.status, seen.reason, ckpt, seen.manifest)
+
+
+def _complete_by_another_rule(root: Storage, ckpt: Storage, owner: Layout) -> str | None:
+    """The name of another layout that claims this directory's files and calls it complete
+    (an accelerate ``save_state`` into a directory named ``checkpoint-N`` reads as a Trainer
+    save without ``trainer_state.json``), or None. Asked of partial directories only, so a
+    directory complete by any known rule is never deleted as an abandoned save."""
+    names = frozenset(info.key.rsplit("/", 1)[-1] for info in ckpt.children())
+    for layout in LAYOUTS:
+        if layout is owner or layout.name == owner.name or layout.files_are_checkpoints:
+            continue
+        bound = layout.for_root(root)
+        if bound.claims(ckpt, names) and bound.examine(ckpt).status == "committed":
+            return layout.name
+    return None
 
 
 def list_checkpoints(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> list[Checkpoint]:
