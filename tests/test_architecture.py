@@ -144,7 +144,6 @@ LAYOUT_NAME_OFFENDERS = frozenset({
     "ckptctl/ops/layout_verify.py:stack_checkpoint_at",
     "ckptctl/ops/layout_verify.py:verify_entry",
     "ckptctl/ops/layout_verify.py:verify_stack_detail",
-    "ckptctl/ops/listing.py:nothing_to_restore",
     "ckptctl/ops/prune_execute.py:_execute",
     "ckptctl/ops/prune_plan.py:_apply_policy",
     "ckptctl/ops/prune_plan.py:_attach_metrics",
@@ -153,10 +152,8 @@ LAYOUT_NAME_OFFENDERS = frozenset({
     "ckptctl/ops/prune_plan.py:_protect",
     "ckptctl/ops/prune_plan.py:_survey",
     "ckptctl/ops/prune_plan.py:plan",
-    "ckptctl/ops/repoint.py:_pointer_layouts",
     "ckptctl/ops/rm.py:_mark_anchor",
     "ckptctl/ops/rm.py:_survey",
-    "ckptctl/ops/stack_copy.py:_stack_named",
 })
 
 

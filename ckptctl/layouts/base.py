@@ -124,6 +124,7 @@ class Layout(Protocol):
     name: str
     files_are_checkpoints: bool  # one file per checkpoint (Lightning, Composer), not a directory
     seal_note: str | None  # why ``seal`` leaves its checkpoints alone; None when it seals them
+    pointer_file: str | None  # the root-level file the stack's default resume reads (DeepSpeed, Megatron)
 
     def for_root(self, root: Storage) -> "Layout":
         """This layout as it reads ``root`` (a pointer file at the root, for some stacks)."""

@@ -335,6 +335,7 @@ class NativeLayout:
 
     name = NAME
     files_are_checkpoints = False
+    pointer_file: str | None = None  # load_latest walks the root; no pointer file names a step
     # Why ``seal`` leaves these alone: the manifest already is what a seal would be.
     seal_note: str | None = "a ckptctl checkpoint: its manifest already records a checksum for every byte; no seal needed"
 

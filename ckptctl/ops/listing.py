@@ -174,13 +174,14 @@ def nothing_to_restore(root: Storage) -> CkptError:
     (which restore does not copy: a UsageError saying so), checkpoints none of which is
     committed, one checkpoint or a parent of roots (the wrong level), or truly nothing."""
     rows = catalog.list_checkpoints(root)
-    files = [e for e in rows if e.layout == "lightning" and e.status == "committed"]
+    files = [(e, layout) for e in rows if e.status == "committed"
+             and (layout := catalog.layout_named(e.layout, root)).files_are_checkpoints]
     if files:
-        n = len(files)
+        n, layout = len(files), files[-1][1]
         return UsageError(
-            f"{root.url} holds {n} Lightning checkpoint{'' if n == 1 else 's'} (one .ckpt file each); "
-            "restore copies checkpoint directories only, not one-file checkpoints",
-            hint="copy the newest good one as a file: ckptctl cp \"$(ckptctl latest SRC --format lightning)\" DST")
+            f"{root.url} holds {n} {getattr(layout, 'title', layout.name)} checkpoint{'' if n == 1 else 's'} "
+            "(one file each); restore copies checkpoint directories only, not one-file checkpoints",
+            hint=f"copy the newest good one as a file: ckptctl cp \"$(ckptctl latest SRC --format {layout.name})\" DST")
     if rows:
         counts: dict[str, int] = {}
         for e in rows:

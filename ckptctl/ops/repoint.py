@@ -67,7 +67,7 @@ def _pointer_layouts(root: Storage, formats: Sequence[str] | None) -> list[Stack
         raise UsageError(f"--format: {e}", hint=f"use one of {', '.join(FORMATS)}") from None
     out = []
     for layout in layouts:
-        if not isinstance(layout, StackLayout) or layout.pointer_file is None:
+        if layout.pointer_file is None:  # no root-level pointer (ckptctl's own, the Trainer, DCP...)
             continue
         if root.stat(layout.pointer_file) is None:
             continue

@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety, UsageError
 from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL, Seal
-from ckptctl.layouts.catalog import LAYOUTS, NATIVE, newest_marked, other_tools_committed
+from ckptctl.layouts.catalog import NATIVE, layouts_named, newest_marked, other_tools_committed
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack
 from ckptctl.ops.leftovers import remove_temporaries
@@ -71,11 +71,14 @@ class StackSource:
     seal_raw: bytes | None = None
 
 
-def _stack_named(name: str) -> StackLayout | None:
-    for layout in LAYOUTS:
-        if layout.name == name and isinstance(layout, StackLayout):
-            return layout
-    return None
+def _sealed_layout(name: str) -> StackLayout | None:
+    """The layout a seal names, when it is one whose checkpoints take a seal; None otherwise."""
+    try:
+        found = layouts_named([name])
+    except ValueError:  # a name this ckptctl does not know
+        return None
+    layout = found[0] if found else None
+    return layout if layout is not None and layout.seal_note is None else None  # type: ignore[return-value]
 
 
 def _from_seal(ckpt: Storage, name: str) -> StackSource | None:
@@ -83,7 +86,7 @@ def _from_seal(ckpt: Storage, name: str) -> StackSource | None:
     seal = read_seal(ckpt)
     if seal is None:
         return None
-    layout = _stack_named(seal.layout)
+    layout = _sealed_layout(seal.layout)
     if layout is None:
         raise InvalidCheckpoint(f"{ckpt.url_of(SEAL)}: sealed as a {seal.layout!r} checkpoint, a layout this "
                                 "ckptctl does not know", hint="upgrade ckptctl")
