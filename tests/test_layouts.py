@@ -388,3 +388,14 @@ def test_a_delete_takes_the_commit_file_first():
 
     assert DcpLayout().removal_order(["__0_0.distcp", "z.distcp", ".metadata"])[0] == ".metadata"
     assert HfTrainerLayout().removal_order(["config.json", "trainer_state.json", "a.pt"])[0] == "trainer_state.json"
+
+
+def test_a_cut_dcp_data_file_is_named_once_with_what_to_do(tmp_path):
+    root = str(tmp_path)
+    path = dcp_step(root, 30)
+    data = next(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    problem = cli("verify", path, "--json").json()["checkpoints"][0]["problems"][0]
+    assert problem["file"] == ".metadata" and not problem["message"].startswith(path)  # the file, named once
+    assert os.path.basename(data) in problem["message"] and "cut short" in problem["hint"]

@@ -60,7 +60,12 @@ def check_metadata(md: Any, store: Storage, where: str) -> None:
         offset = parse.as_int(getattr(info, "offset", None), lo=0, hi=parse.INT64_MAX, err=lambda w: err(f"offset {w}"))
         length = parse.as_int(getattr(info, "length", None), lo=0, hi=parse.INT64_MAX, err=lambda w: err(f"length {w}"))
         if offset + length > sizes[name]:
-            raise err(f"bytes {offset}..{offset + length} lie past the end of {name} ({sizes[name]} bytes)")
+            # The metadata may be fine and the data file short: say both, and what to do.
+            raise InvalidCheckpoint(
+                f"{where}: record {fqn!r}: bytes {offset}..{offset + length} lie past the end of {name} "
+                f"({sizes[name]} bytes)",
+                hint=f"{name} was cut short (an interrupted copy or a full disk), or the metadata was altered; "
+                     "use an older checkpoint")
 
 
 def _check_tensor(fqn: str, meta: Any, where: str) -> None:

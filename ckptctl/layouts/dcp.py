@@ -41,7 +41,7 @@ from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import pickle_scan, safe_load
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, undetermined
+from ckptctl.layouts.stack import Level, Resume, StackLayout, finding_in, undetermined
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -80,7 +80,7 @@ class DcpLayout(StackLayout):
         try:
             md = read_metadata(ckpt)  # every record: a plain file here, its bytes inside it
         except InvalidCheckpoint as e:
-            out.problems.append(Finding(str(e), file=METADATA, hint=e.hint))
+            out.problems.append(finding_in(ckpt, METADATA, e, e.hint))
             return
         if level == "load":
             self._load_records(ckpt, md, out)

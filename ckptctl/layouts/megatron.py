@@ -47,7 +47,7 @@ from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, top_level_keys, undetermined
+from ckptctl.layouts.stack import Level, Resume, StackLayout, finding_in, top_level_keys, undetermined
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -112,7 +112,7 @@ class MegatronLayout(StackLayout):
             try:
                 md = read_metadata(ckpt)
             except InvalidCheckpoint as e:
-                out.problems.append(Finding(str(e), file=".metadata", hint=e.hint))
+                out.problems.append(finding_in(ckpt, ".metadata", e, e.hint))
             else:
                 if level == "load":  # torch_dist is DCP-format: every record decoded as DCP's are
                     from ckptctl.layouts.dcp import load_records

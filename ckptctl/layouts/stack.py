@@ -312,6 +312,14 @@ def undetermined(why: str) -> CheckpointKind:
     return CheckpointKind("resumable", f"not told apart: {why}; verify judges it")
 
 
+def finding_in(ckpt: Storage, key: str, e: Exception, hint: str | None = None) -> Finding:
+    """A problem a reader raised about the file ``key`` of ``ckpt``, as a ``Finding`` naming
+    that file once: the reader's own ``URL: `` prefix is dropped (the report names the file)."""
+    text = str(e)
+    prefix = f"{ckpt.url_of(key)}: "
+    return Finding(text[len(prefix):] if text.startswith(prefix) else text, file=key, hint=hint)
+
+
 def _legacy_torch(ckpt: Storage, key: str) -> bool:
     f = open_file(ckpt, key)  # never blocks on a FIFO swapped in meanwhile
     if f is None:
