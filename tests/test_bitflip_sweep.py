@@ -34,7 +34,7 @@ from bitflip_lib import Flip, apply_flip, content, fingerprint, flips, job_state
 from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.layout import step_dir
-from ckptctl.ops.targets import convert_path, copy_to, reshard_path, restore_into
+from ckptctl.ops.verbs import convert_path, copy_to, reshard_path, restore_into
 from ckptctl.ops.verify import LEVELS, verify_checkpoint
 from ckptctl.storage import open_storage
 

@@ -6,7 +6,7 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out, parse_size
 from ckptctl.cli.progress import byte_progress
-from ckptctl.ops.targets import convert_path
+from ckptctl.ops.verbs import convert_path
 
 
 @command

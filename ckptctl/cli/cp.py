@@ -6,7 +6,7 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
 from ckptctl.cli.progress import byte_progress
-from ckptctl.ops.targets import copy_to
+from ckptctl.ops.verbs import copy_to
 
 if TYPE_CHECKING:
     from ckptctl.ops.transfer import CopyResult

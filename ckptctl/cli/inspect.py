@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, print_table, say
-from ckptctl.ops.targets import inspect_path
+from ckptctl.ops.verbs import inspect_path
 
 if TYPE_CHECKING:
     from ckptctl.ops.foreign import ForeignInspect

@@ -9,7 +9,7 @@ from ckptctl.durations import format_duration, parse_duration
 from ckptctl.errors import UsageError
 from ckptctl.ops.interval import IntervalAdvice, advise
 from ckptctl.ops.save_stats import SaveStats
-from ckptctl.ops.targets import advise_for_root
+from ckptctl.ops.verbs import advise_for_root
 
 
 @command

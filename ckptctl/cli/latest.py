@@ -8,7 +8,7 @@ import typer
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, say
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT
-from ckptctl.ops.targets import latest_for
+from ckptctl.ops.verbs import latest_for
 
 # Shared with `verify --latest`: the same choice, the same words.
 AnyOpt = Annotated[bool, typer.Option(

@@ -6,7 +6,7 @@ import typer
 
 from ckptctl.cli.common import command, emit_json, err, human_bytes, print_table, say
 from ckptctl.durations import format_duration
-from ckptctl.ops.targets import list_root
+from ckptctl.ops.verbs import list_root
 
 
 @command

@@ -6,7 +6,7 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, bounded_int, command, emit_json, human_bytes, say
 from ckptctl.cli.progress import byte_progress
-from ckptctl.ops.targets import reshard_path
+from ckptctl.ops.verbs import reshard_path
 from ckptctl.settings import MAX_WORLD_SIZE
 
 

@@ -7,7 +7,7 @@ import typer
 from ckptctl.cli.common import MAX_STEP, JsonOpt, QuietOpt, bounded_int, command, emit_json, err, say
 from ckptctl.cli.cp import report_copy
 from ckptctl.cli.progress import byte_progress
-from ckptctl.ops.targets import restore_into
+from ckptctl.ops.verbs import restore_into
 from ckptctl.settings import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human
 from ckptctl.cli.latest import AnyOpt
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT, UsageError
-from ckptctl.ops.targets import verify_path
+from ckptctl.ops.verbs import verify_path
 
 if TYPE_CHECKING:
     from ckptctl.ops.repoint import PointerCheck

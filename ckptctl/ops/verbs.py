@@ -1,0 +1,325 @@
+"""The verbs by path or URL, as the CLI names them: open the storage, say what the path is, run.
+
+Every verb of the ``ckptctl`` command calls exactly one function here (or in ``ckptctl.ops``
+directly when it takes plain values), so the command line never opens storage itself. What a
+path names, and the errors for a wrong one, are ``ops.targets``'.
+
+Functions that need torch (reading other tools' formats, reshard, convert) import it when
+called: ``ckptctl ls`` and ``latest`` start without it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
+
+from ckptctl.errors import UsageError
+from ckptctl.layouts.native import read_committed
+from ckptctl.ops.targets import open_existing, open_root, resolve_checkpoint
+from ckptctl.progress import Progress
+from ckptctl.storage import Storage, open_storage
+
+if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
+    from ckptctl.ops.convert import ConvertReport
+    from ckptctl.ops.foreign import ForeignInspect
+    from ckptctl.ops.interval import IntervalAdvice
+    from ckptctl.ops.layout_verify import Latest
+    from ckptctl.ops.inspect import InspectResult
+    from ckptctl.ops.listing import Listed
+    from ckptctl.ops.prune import PruneOutcome, PrunePlan
+    from ckptctl.ops.repoint import PointerCheck, RepointResult
+    from ckptctl.ops.reshard import ReshardReport
+    from ckptctl.ops.retention import RetentionPolicy
+    from ckptctl.ops.save_stats import SaveStats
+    from ckptctl.ops.transfer import CopyResult, RestoreResult, Skipped
+    from ckptctl.ops.verify import VerifyReport
+
+
+# --- inspect and verify ---------------------------------------------------------------------
+
+
+def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | ForeignInspect":
+    """What the checkpoint at ``path`` holds: a ckptctl checkpoint from its manifest, another
+    tool's from its metadata (the result's ``format`` field tells them apart)."""
+    target = resolve_checkpoint(path, verb="inspect")
+    if target.kind == "foreign":
+        from ckptctl.ops.foreign import inspect_foreign  # needs torch
+        from ckptctl.ops.inspect import stack_content
+
+        found, kind = inspect_foreign(target.path, tensors=tensors), stack_content(path)
+        if kind is not None:
+            found.content, found.content_reason = kind.kind, kind.reason
+        return found
+    from ckptctl.ops.inspect import inspect_checkpoint
+
+    assert target.storage is not None
+    return inspect_checkpoint(target.storage, tensors=tensors)
+
+
+@dataclass
+class VerifyOutcome:
+    """The reports of one ``verify`` run and whether it passed as a whole: for ``latest``, the
+    last report (the one that verified, or the oldest that failed); otherwise all of them."""
+
+    ok: bool
+    level: str
+    reports: list["VerifyReport"]
+    note: str | None = None  # what the format could not check (another tool's checkpoint)
+    # ``latest``: what each stack's pointer (DeepSpeed ``latest``, Megatron's tracker) names
+    # and whether it verifies: what the stack's default resume would load.
+    pointers: "list[PointerCheck]" = field(default_factory=list)
+    exports: list[dict] = field(default_factory=list)  # ``latest``: model-only exports skipped
+
+    def to_dict(self) -> dict:
+        doc = {"ok": self.ok, "level": self.level, "checkpoints": [r.to_dict() for r in self.reports]}
+        if self.exports:
+            doc["skipped_exports"] = self.exports
+        if self.pointers:
+            doc["pointers"] = [p.to_dict() for p in self.pointers]
+        return doc
+
+
+def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "latest", "all"] = "one",
+                progress: Progress | None = None, any_: bool = False) -> VerifyOutcome:
+    """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
+    newest first until one passes (``latest``: the reports in that order), or all of them
+    (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
+    from ckptctl.ops.layout_verify import verify_root
+    from ckptctl.ops.verify import LEVELS, verify_checkpoint
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    if which != "one":
+        root = open_root(path)
+        exports: list = []  # model-only exports --latest passed over (unless any_)
+        reports = verify_root(root, which=which, level=level, progress=progress, any_=any_,  # type: ignore[arg-type]
+                              exports=exports)
+        if which == "latest":
+            outcome = _with_pointers(root, level, reports, progress)
+            outcome.exports = [e.to_dict() for e in exports]
+            outcome.note = "; ".join(str(e) for e in exports) or None
+            return outcome
+        return VerifyOutcome(all(r.ok for r in reports), level, reports[::-1])
+    from ckptctl.ops.layout_verify import stack_checkpoint_at, verify_stack
+
+    stack = stack_checkpoint_at(path)
+    if stack is not None:  # another stack's checkpoint directory: every file, by its own rules
+        report = verify_stack(stack[1], stack[0], level)  # type: ignore[arg-type]
+        return VerifyOutcome(report.ok, level, [report], report.note)
+    target = resolve_checkpoint(path, verb="verify")
+    if target.kind == "foreign":
+        from ckptctl.ops.foreign import verify_foreign  # needs torch
+
+        report = verify_foreign(target.path, level, progress)  # type: ignore[arg-type]
+        return VerifyOutcome(report.ok, level, [report], report.note)
+    assert target.storage is not None
+    report = verify_checkpoint(target.storage, level, progress)  # type: ignore[arg-type]
+    return VerifyOutcome(report.ok, level, [report])
+
+
+def _with_pointers(root: Storage, level: str, reports: "list[VerifyReport]", progress: Progress | None) -> VerifyOutcome:
+    """``verify --latest``: the newest checkpoint that verifies, and what each stack's pointer
+    names, which is what that stack's default resume loads: a pointer whose target does not
+    verify fails the run, whatever else verified."""
+    from ckptctl.ops.repoint import check_pointers
+
+    walk_ok = reports[-1].ok  # the newest-first walk found a checkpoint that verifies
+    known = {r.url: r for r in reports}
+    pointers = check_pointers(root, level, progress=progress, known=known)  # type: ignore[arg-type]
+    for p in pointers:  # the target's report joins the others (once), so every verdict is shown
+        if p.report is not None and all(r.url != p.report.url for r in reports):
+            reports.append(p.report)
+    return VerifyOutcome(walk_ok and all(p.ok for p in pointers), level, reports, pointers=pointers)
+
+
+def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | None = None, *,
+                 dry_run: bool = False, progress: Progress | None = None) -> "RepointResult":
+    """``ops.repoint.repoint`` of the root at ``root``."""
+    from ckptctl.ops.repoint import repoint
+    from ckptctl.ops.verify import LEVELS
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    return repoint(open_root(root), level, formats=formats, dry_run=dry_run, progress=progress)  # type: ignore[arg-type]
+
+
+def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
+               progress: Progress | None = None, *, any_: bool = False) -> "Latest":
+    """``ops.layout_verify.latest_checkpoint`` of the root at ``root``: the newest complete
+    checkpoint of any layout (or of ``formats``) that verifies, and what its stack's resume
+    option takes."""
+    from ckptctl.ops.layout_verify import latest_checkpoint
+    from ckptctl.ops.verify import LEVELS
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    return latest_checkpoint(open_root(root), level, formats=formats, progress=progress, any_=any_)  # type: ignore[arg-type]
+
+
+@dataclass
+class RootListing:
+    """``ls``'s answer: the checkpoints of a root, and, when there are none but the path's
+    subdirectories hold some (torchtitan's dump folder holds them in ``checkpoint/``), a hint
+    saying where (printed on stderr; the listing itself stays the truth about this root)."""
+
+    rows: "list[Listed]"
+    hint: str | None = None
+
+
+def _checkpoint_not_root(path: str, what: str) -> UsageError:
+    parent = listing_parent(path)
+    return UsageError(f"{path} is {what}, not a root of checkpoints",
+                      hint=f"`ckptctl inspect {path}` shows what it holds; `ckptctl ls {parent}` lists it beside the others")
+
+
+def listing_parent(path: str) -> str:
+    from ckptctl.ops.listing import parent_of
+
+    return parent_of(path)
+
+
+def list_root(root: str) -> RootListing:
+    """Every checkpoint under the root at ``root`` (``ops.listing.list_checkpoints``).
+    The wrong level is named: one checkpoint given as the root is a UsageError (exit 2: it
+    holds no checkpoints of its own, and "0 checkpoints" would read as a fresh run); a root
+    with none whose subdirectories hold some gets a hint naming them."""
+    from ckptctl.ops import listing
+
+    st = open_existing(root)
+    local = st.local_path()
+    if local is not None and os.path.isfile(local):  # a one-file checkpoint (Lightning's .ckpt)
+        what = listing.checkpoint_kind(st)
+        if what is not None:
+            raise _checkpoint_not_root(root, what)
+    rows = listing.list_checkpoints(open_root(root))
+    if rows:
+        return RootListing(rows)
+    wrong = listing.wrong_level(st)
+    if wrong is None:
+        return RootListing(rows)
+    if wrong.kind == "checkpoint":
+        raise _checkpoint_not_root(root, wrong.what)
+    first = listing.sub_path(root, wrong.below[0][0])
+    return RootListing(rows, f"{listing.below_text(root, wrong.below)}: `ckptctl ls {first}`")
+
+
+# --- prune, interval ------------------------------------------------------------------------
+
+
+def prune_root(root: str, policy: "RetentionPolicy", *, review: "Callable[[PrunePlan], bool] | None" = None,
+               progress: Progress | None = None, **options: object) -> "tuple[PrunePlan, PruneOutcome | None]":
+    """``ops.prune.prune`` of the root at ``root``; ``options`` are that function's keywords."""
+    from ckptctl.ops.prune import prune
+
+    return prune(open_root(root), policy, review=review, progress=progress, **options)  # type: ignore[arg-type]
+
+
+def advise_for_root(root: str, mtbf_s: float, *, cost_s: float | None = None) -> "tuple[IntervalAdvice, SaveStats]":
+    """``ops.save_stats.advise_from_root`` of the root at ``root``."""
+    from ckptctl.ops.save_stats import advise_from_root
+
+    return advise_from_root(open_root(root), mtbf_s, cost_s=cost_s)
+
+
+# --- cp, restore ----------------------------------------------------------------------------
+
+
+@dataclass
+class CopyOutcome:
+    """Where ``cp`` put the checkpoint (a filesystem path, or the URL on object storage) and
+    what the copy did."""
+
+    path: str
+    result: "CopyResult"
+
+    def to_dict(self) -> dict:
+        return {**self.result.to_dict(), "path": self.path}
+
+
+def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
+    """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
+    it under), checked on the fly (``ops.transfer.copy_checkpoint``)."""
+    from ckptctl.ops.stack_copy import copy_stack_checkpoint, copy_stack_file, destination_for, stack_source_at
+    from ckptctl.ops.transfer import checkpoint_dir_for, copy_checkpoint
+
+    open_existing(src)
+    stack = stack_source_at(src)
+    if stack is not None and stack.layout.files_are_checkpoints:  # one file (Lightning's .ckpt), into DST
+        done = copy_stack_file(stack, open_storage(dst), progress)
+        return CopyOutcome(open_storage(dst).local_path(stack.name) or done.dst, done)
+    if stack is not None:  # another tool's checkpoint (ops.stack_copy)
+        dest, dest_root = destination_for(stack, dst)
+        done = copy_stack_checkpoint(stack, dest, dest_root, progress)
+        return CopyOutcome(dest.local_path() or dest.url, done)
+    target = resolve_checkpoint(src, foreign=False, verb="cp")
+    assert target.storage is not None
+    manifest, _ = read_committed(target.storage)
+    dest = checkpoint_dir_for(open_storage(dst), manifest.step)
+    result = copy_checkpoint(target.storage, dest, progress)
+    return CopyOutcome(dest.local_path() or dest.url, result)
+
+
+def restore_into(src_root: str, dst_root: str, step: int | None = None, progress: Progress | None = None, *,
+                 world_size: int | None = None, on_skip: "Callable[[Skipped], None] | None" = None) -> "RestoreResult":
+    """``ops.transfer.restore_latest`` from the root at ``src_root`` (which must exist) into
+    ``dst_root`` (created when missing)."""
+    from ckptctl.ops.stack_copy import restore_stack, wants_stack_restore
+    from ckptctl.ops.transfer import restore_latest
+
+    src = open_existing(src_root)
+    local = src.local_path()
+    if local is not None and os.path.isfile(local):  # a one-file checkpoint (Lightning's .ckpt), or any file
+        from ckptctl.ops.listing import checkpoint_kind
+
+        what = checkpoint_kind(src) or "a file"
+        raise UsageError(f"{src_root} is {what}; restore copies checkpoint directories from a root of them",
+                         hint="copy the file itself (cp, rsync, aws s3 cp)")
+    if wants_stack_restore(src):  # other tools' checkpoints, and no ckptctl one (ops.stack_copy)
+        if world_size is not None:
+            raise UsageError("--world-size re-shards ckptctl checkpoints only",
+                             hint="restore without it, or `ckptctl convert --to ckptctl` first")
+        return restore_stack(src, open_storage(dst_root), step, progress, on_skip=on_skip)
+    return restore_latest(src, open_storage(dst_root), step, progress,
+                          world_size=world_size, on_skip=on_skip)
+
+
+# --- reshard, convert (torch) ---------------------------------------------------------------
+
+
+def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False,
+                 progress: Progress | None = None) -> "ReshardReport | None":
+    """Reshard the checkpoint at ``src`` into ``dst`` for ``world_size`` ranks. Under torchrun
+    the ranks share the work (``ops.torchrun.torchrun_group``); the report is returned on
+    rank 0 only (None elsewhere: rank 0 speaks for the job)."""
+    from ckptctl.interop.base import return_freed_memory
+    from ckptctl.ops.reshard import reshard
+    from ckptctl.ops.torchrun import torchrun_group
+
+    target = resolve_checkpoint(src, foreign=False, verb="reshard")
+    assert target.storage is not None
+    return_freed_memory()  # memory stays one tensor, not a heap of freed ones
+    with torchrun_group() as rank:
+        report = reshard(target.storage, open_storage(dst), world_size, overwrite=overwrite, progress=progress)
+    return report if rank == 0 else None
+
+
+def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype: str | None = None,
+                 max_shard_size: str | None = None, overwrite: bool = False,
+                 progress: Progress | None = None, step: int | None = None,
+                 strip_prefix: str | None = None) -> "ConvertReport":
+    """``ops.convert.convert`` with ``max_shard_size`` as the user wrote it (5GB, 500MiB)."""
+    from ckptctl.interop.base import return_freed_memory
+    from ckptctl.ops.convert import convert, parse_size
+
+    size = parse_size(max_shard_size) if max_shard_size is not None else None
+    open_existing(src)
+    return_freed_memory()  # memory stays one tensor, not a heap of freed ones
+    return convert(src, dst, to, only=only, dtype=dtype, max_shard_size=size, overwrite=overwrite, progress=progress,
+                   step=step, strip_prefix=strip_prefix)
+
+
+__all__ = [
+    "CopyOutcome", "RootListing", "VerifyOutcome", "advise_for_root", "convert_path", "copy_to", "inspect_path",
+    "latest_for", "list_root", "prune_root", "repoint_root", "reshard_path", "restore_into", "verify_path",
+]
