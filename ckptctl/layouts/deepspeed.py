@@ -23,8 +23,10 @@ fast and another rank dies, ``latest`` names a tag whose other files are missing
 (diffusion-pipe#159). That is why every file must also be present, non-empty and pass its
 CRC-32 checks (``verify``), and why ``latest`` (the command) checks them before answering.
 A root without ``latest`` has no commit record at all: its tags are reported as broken (never
-deleted as "abandoned"). Files hold DeepSpeed classes (``ZeroStageEnum`` and others) beyond
-the allow-list: they are reported as not test-loaded, never unpickled.
+deleted as "abandoned"). Optimizer-states files hold DeepSpeed classes (``ZeroStageEnum``,
+``LossScaler``) that torch's weights-only loader does not build: their pickles are decoded
+structurally (parsed, never run) against the allow-list, which also names ``fragment_address``
+(``FRAGMENT_ADDRESS``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import copy
 import posixpath
 import re
+import types
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
@@ -42,6 +45,15 @@ from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of, top_level
 from ckptctl.storage.base import Storage
 
 LATEST = "latest"
+# ``deepspeed.utils.tensor_fragment.fragment_address``: a two-int dataclass (``numel``,
+# ``start``), in every ZeRO-1/2 and bf16 optimizer-states file: ``state_dict()`` of
+# deepspeed/runtime/zero/stage_1_and_2.py (and runtime/bf16_optimizer.py) saves
+# ``param_slice_mappings``, one per parameter. It pickles as NEWOBJ + BUILD of a plain
+# ``__dict__`` (no ``__setstate__``, no ``__reduce__``), so nothing runs when one is built: here
+# torch's weights-only unpickler builds a ``SimpleNamespace`` in its place (attributes only),
+# and the structural decode (``pickle_scan``) accepts the name. Found on real DeepSpeed 0.19
+# files (tests/test_deepspeed_megatron.py).
+FRAGMENT_ADDRESS = ((types.SimpleNamespace, "deepspeed.utils.tensor_fragment.fragment_address"),)
 MODEL = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]{2}_model_states\.pt\Z")
 OPTIM = re.compile(r"(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]{2})_optim_states\.pt\Z")
 
@@ -64,7 +76,7 @@ class DeepSpeedLayout(StackLayout):
 
     @property
     def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
-        return (argparse.Namespace, *safe_load.numpy_rng())
+        return (argparse.Namespace, *FRAGMENT_ADDRESS, *safe_load.numpy_rng())
 
     def read_root(self, root: Storage) -> None:
         text = safe_load.read_pointer(root, LATEST, 256)
