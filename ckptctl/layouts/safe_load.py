@@ -20,18 +20,19 @@ from __future__ import annotations
 import math
 import pickle
 import zipfile
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence, TypeVar
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes, parse
 from ckptctl.interop import torch_zip
 from ckptctl.layouts import pickle_scan
 from ckptctl.storage.base import Storage
-from ckptctl.storage.stored_file import local_copy, open_file, regular_size  # noqa: F401 (regular_size: the layouts call it through here)
+from ckptctl.storage.stored_file import StoredFile, local_copy, open_file, regular_size  # noqa: F401 (regular_size: the layouts call it through here)
 
 # ``open_file`` (storage.stored_file) is how every layout opens another tool's file, on every
 # backend: a key under the checkpoint's ``Storage`` ("" for a checkpoint that is one file).
 
+T = TypeVar("T")
 Allowed = Sequence[Any]  # classes/functions, or (object, "module.name") pairs for old names
 
 CHUNK = 8 << 20
@@ -53,44 +54,51 @@ def read_pointer(store: Storage, key: str, limit: int) -> str | None:
         return f.read(limit).decode("utf-8", "replace").strip()
 
 
-def zip_structure(store: Storage, key: str) -> str | None:
+def opened(check: Callable[..., T], missing: T) -> Callable[..., T]:
+    """``check`` (a function of an open file, then other arguments) as a function of
+    ``(store, key, ...)``: the file is opened for it and closed after; ``missing`` when there
+    is no plain file under ``key``. A caller checking one file several ways opens it once and
+    calls the ``*_of`` functions directly (each ``open_file`` is a request on object storage)."""
+    def by_key(store: Storage, key: str, *args: Any) -> T:
+        f = open_file(store, key)
+        if f is None:
+            return missing
+        with f:
+            return check(f, *args)
+    by_key.__doc__ = f"``{check.__name__}`` of the file ``key`` under ``store``."
+    return by_key
+
+
+def zip_structure_of(f: StoredFile) -> str | None:
     """The cheap check of a ``torch.save`` archive (``interop.torch_zip``): its directory and
     every member's place, method, flags and name, from headers only. A pre-1.6 file (a bare
     pickle, no zip) passes here; the load level reads it. Returns the problem or None."""
-    f = open_file(store, key)
-    if f is None:
-        return NOT_PLAIN
-    with f:
-        if _legacy(f):
-            return None
-        try:
-            torch_zip.members(f, f.size)
-        except torch_zip.ZipProblem as e:
-            return f"not a complete torch.save archive: {e}"
+    if is_legacy(f):
+        return None
+    try:
+        torch_zip.members(f, f.size)
+    except torch_zip.ZipProblem as e:
+        return f"not a complete torch.save archive: {e}"
     return None
 
 
-def zip_crc(store: Storage, key: str) -> tuple[str | None, int]:
+def zip_crc_of(f: StoredFile) -> tuple[str | None, int]:
     """Check every record of a ``torch.save`` zip archive against its CRC-32, through the
     checked member table. Returns (problem or None, bytes read). Nothing is unpickled."""
-    f = open_file(store, key)
-    if f is None:
-        return NOT_PLAIN, 0
     read = 0
-    with f:
-        try:
-            found = torch_zip.members(f, f.size)
-        except torch_zip.ZipProblem as e:
-            return f"not a complete torch.save archive: {e}", 0
-        for m in found:
-            problem = torch_zip.crc_problem(f, m)
-            read += m.compressed
-            if problem is not None:
-                return problem, read
+    try:
+        found = torch_zip.members(f, f.size)
+    except torch_zip.ZipProblem as e:
+        return f"not a complete torch.save archive: {e}", 0
+    for m in found:
+        problem = torch_zip.crc_problem(f, m)
+        read += m.compressed
+        if problem is not None:
+            return problem, read
     return None, read
 
 
-def _legacy(f: BinaryIO) -> bool:
+def is_legacy(f: BinaryIO) -> bool:
     """A bare pickle: ``torch.save(_use_new_zipfile_serialization=False)`` (pre-1.6)."""
     f.seek(0)
     head = f.read(2)
@@ -98,7 +106,7 @@ def _legacy(f: BinaryIO) -> bool:
     return head == b"\x80\x02"
 
 
-def torch_file(store: Storage, key: str, allowed: Allowed = (), layout: str = "") -> tuple[str | None, str | None, str | None]:
+def torch_file_of(f: StoredFile, allowed: Allowed = (), layout: str = "") -> tuple[str | None, str | None, str | None]:
     """Test-load a ``torch.save`` file with ``weights_only=True`` and ``allowed`` as the only
     extra globals. Returns (problem, not_decoded, structural): a problem when the file is
     damaged; when it needs a class outside the allow-list, its pickle is decoded structurally
@@ -106,14 +114,11 @@ def torch_file(store: Storage, key: str, allowed: Allowed = (), layout: str = ""
     is whole and names only ``layout``'s listed classes, else a "not decoded (...)" text."""
     import torch
 
-    f = open_file(store, key)
-    if f is None:
-        return NOT_PLAIN, None, None
-    with f, local_copy(f) as where:
+    with local_copy(f) as where:
         # torch reads a path (mmap needs one): locally the descriptor's, so the file loaded is
         # the one checked to be regular, whatever the name points at by now; on object storage
         # a temporary copy streamed in pieces.
-        zipped = not _legacy(f)
+        zipped = not is_legacy(f)
         try:
             with torch.serialization.safe_globals(list(allowed)):
                 # mmap: the load maps the tensors instead of reading them (the CRC-32 pass read
@@ -136,15 +141,11 @@ def structural_text(scan: pickle_scan.Scan) -> tuple[str | None, str | None]:
     return None, f"{STRUCTURAL_MARK}, not test-loaded (pickle of {what}: opcodes parsed, never run)"
 
 
-def pickle_file(store: Storage, key: str, layout: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
+def pickle_file_of(f: StoredFile, layout: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
     """The structural decode alone of a file the layout knows to be a pickle of a class (the
     Trainer's ``training_args.bin``): never handed to any unpickler. Returns (not_decoded,
     structural) as ``structural_text``."""
-    f = open_file(store, key)
-    if f is None:
-        return f"not decoded ({NOT_PLAIN})", None
-    with f:
-        return structural_text(pickle_scan.scan_torch(f, pickle_scan.allowed_for(layout, allowed)))
+    return structural_text(pickle_scan.scan_torch(f, pickle_scan.allowed_for(layout, allowed)))
 
 
 def _first_line(e: BaseException) -> str:
@@ -152,15 +153,12 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
-def safetensors_file(store: Storage, key: str) -> tuple[str | None, int]:
+def safetensors_file_of(f: StoredFile) -> tuple[str | None, int]:
     """Read every tensor of a ``.safetensors`` file, one at a time. Returns (problem, bytes)."""
     from safetensors import SafetensorError, safe_open
 
-    f = open_file(store, key)
-    if f is None:
-        return NOT_PLAIN, 0
     total = 0
-    with f, local_copy(f) as where:
+    with local_copy(f) as where:
         try:
             with safe_open(where, framework="pt") as st:
                 for key in st.keys():
@@ -172,22 +170,19 @@ def safetensors_file(store: Storage, key: str) -> tuple[str | None, int]:
     return None, total
 
 
-def safetensors_header(store: Storage, key: str) -> str | None:
+def safetensors_header_of(f: StoredFile) -> str | None:
     """The cheap check, from the header alone: it parses (bounded, ``format.parse``), and the
     tensors it lists tile the data section exactly, so the file is 8 + header length + the end
     of the last tensor bytes long: no short file, no trailing bytes (safetensors' own rule).
     Returns the problem or None."""
-    f = open_file(store, key)
-    if f is None:
-        return NOT_PLAIN
-    with f:
-        size = f.size
-        if size < 8:
-            return f"{size} bytes: too short for a safetensors header"
-        n = int.from_bytes(f.read(8), "little")
-        if n > MAX_SAFETENSORS_HEADER or n > size - 8:
-            return f"header of {n} bytes does not fit the {size}-byte file (truncated, or not safetensors)"
-        raw = f.read(n)
+    size = f.size
+    if size < 8:
+        return f"{size} bytes: too short for a safetensors header"
+    f.seek(0)
+    n = int.from_bytes(f.read(8), "little")
+    if n > MAX_SAFETENSORS_HEADER or n > size - 8:
+        return f"header of {n} bytes does not fit the {size}-byte file (truncated, or not safetensors)"
+    raw = f.read(n)
     try:
         header = parse.load_json(raw, "", "header", max_bytes=MAX_SAFETENSORS_HEADER)
     except InvalidCheckpoint as e:
@@ -218,6 +213,14 @@ def safetensors_header(store: Storage, key: str) -> str | None:
     return None
 
 
+zip_structure = opened(zip_structure_of, NOT_PLAIN)
+zip_crc = opened(zip_crc_of, (NOT_PLAIN, 0))
+torch_file = opened(torch_file_of, (NOT_PLAIN, None, None))
+pickle_file = opened(pickle_file_of, (f"not decoded ({NOT_PLAIN})", None))
+safetensors_file = opened(safetensors_file_of, (NOT_PLAIN, 0))
+safetensors_header = opened(safetensors_header_of, NOT_PLAIN)
+
+
 def _tensor_span(name: str, entry: Any) -> tuple[str | None, tuple[int, int]]:
     """(problem, (begin, end)) of one header entry's data; the size is checked against dtype
     and shape when the dtype is one ckptctl knows (safetensors checks the others on load)."""
@@ -243,21 +246,27 @@ def _tensor_span(name: str, entry: Any) -> tuple[str | None, tuple[int, int]]:
     return None, (offs[0], offs[1])
 
 
-def json_file(store: Storage, key: str, limit: int = 64 << 20) -> tuple[Any, str | None]:
+def json_of(f: StoredFile, limit: int = 64 << 20) -> tuple[Any, str | None]:
     """Parse a small JSON sidecar through the bounded parser (``format.parse``: size, nesting,
     finite numbers; NaN and Infinity only in the documents that log them). Returns
     (document, problem); nothing raises for a hostile file."""
-    f = open_file(store, key)
-    if f is None:
-        return None, "missing or not a regular file"
-    with f:
-        raw = f.read(limit + 1)
-    name = key.rsplit("/", 1)[-1]
+    f.seek(0)
+    raw = f.read(limit + 1)
+    name = f.url.rstrip("/").rsplit("/", 1)[-1]
     try:
         return parse.load_json(raw, "", "JSON", max_bytes=limit, max_depth=JSON_DEPTH,
                                allow_nonfinite=name in LOGS_NON_FINITE), None
     except InvalidCheckpoint as e:
         return None, _own_words(e)
+
+
+def json_file(store: Storage, key: str, limit: int = 64 << 20) -> tuple[Any, str | None]:
+    """``json_of`` of the file ``key`` under ``store``; a problem when it is not a plain file."""
+    f = open_file(store, key)
+    if f is None:
+        return None, "missing or not a regular file"
+    with f:
+        return json_of(f, limit)
 
 
 def _own_words(e: InvalidCheckpoint) -> str:

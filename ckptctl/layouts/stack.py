@@ -32,7 +32,7 @@ from ckptctl.layouts import safe_load
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.base import NOT_TOLD, Checked, CheckpointKind, Examined, Finding
 from ckptctl.storage.base import ObjectInfo, Storage
-from ckptctl.storage.stored_file import local_copy, open_file
+from ckptctl.storage.stored_file import StoredFile, local_copy, open_file
 
 Level = Literal["quick", "checksums", "load"]
 FileKind = Literal["torch", "safetensors", "json", "pickle", "distcp", "other"]
@@ -188,55 +188,57 @@ class StackLayout:
         unchecksummed: set[str] = set()
         for info in listed:
             rel = info.key
-            size = None if info.kind != "file" else safe_load.regular_size(ckpt, rel)
-            if size is None:
+            # Opened once for every check of this file: on object storage each open is a request.
+            f = open_file(ckpt, rel) if info.kind == "file" else None
+            if f is None:
                 out.problems.append(Finding("not a regular file (a symlink, FIFO or device); never followed", file=rel,
                                             hint="the checkpoint layout was altered; treat it as untrusted"))
                 continue
-            kind = self.kind_of(rel)
-            if size == 0 and kind != "other":
-                out.problems.append(Finding("0 bytes: the write never finished", file=rel,
-                                            hint="the save was cut short (power loss?); use an older checkpoint"))
-                continue
-            self._check_file(ckpt, rel, kind, level, out, unchecksummed)
+            with f:
+                kind = self.kind_of(rel)
+                if f.size == 0 and kind != "other":
+                    out.problems.append(Finding("0 bytes: the write never finished", file=rel,
+                                                hint="the save was cut short (power loss?); use an older checkpoint"))
+                    continue
+                self._check_file(f, rel or name_of(ckpt), kind, level, out, unchecksummed)
         self.extra_checks(ckpt, files, level, out)
         if level != "quick" and unchecksummed:
             out.notes.append(NO_CHECKSUMS.format(what=", ".join(sorted(unchecksummed))))
 
-    def _check_file(self, ckpt: Storage, rel: str, kind: FileKind, level: Level, out: Checked,
+    def _check_file(self, f: StoredFile, shown: str, kind: FileKind, level: Level, out: Checked,
                     unsummed: set[str]) -> None:
-        shown = rel or name_of(ckpt)
+        """The checks of one open file at ``level``; ``shown`` names it in the report."""
         if kind == "pickle":
             if level != "load":
-                out.not_loaded.append(f"{rel}: presence and size only (a pickle of a class; never unpickled)")
+                out.not_loaded.append(f"{shown}: presence and size only (a pickle of a class; never unpickled)")
                 return
-            not_decoded, structural = safe_load.pickle_file(ckpt, rel, self.name, self.allowed)
+            not_decoded, structural = safe_load.pickle_file_of(f, self.name, self.allowed)
             (out.not_loaded if not_decoded else out.structural).append(f"{shown}: {not_decoded or structural}")
             return
         problem: str | None = None
         if kind == "torch":
-            problem = safe_load.zip_structure(ckpt, rel)
-            legacy = problem is None and _legacy_torch(ckpt, rel)
+            problem = safe_load.zip_structure_of(f)
+            legacy = problem is None and safe_load.is_legacy(f)
             if legacy and level != "quick":
                 unsummed.add("legacy (pre-zip) torch.save files")
             elif problem is None and level != "quick":
-                problem, n = safe_load.zip_crc(ckpt, rel)
+                problem, n = safe_load.zip_crc_of(f)
                 out.bytes_read += n
             if problem is None and level == "load":
-                problem, not_decoded, structural = safe_load.torch_file(ckpt, rel, self.allowed, self.name)
+                problem, not_decoded, structural = safe_load.torch_file_of(f, self.allowed, self.name)
                 if not_decoded:
                     out.not_loaded.append(f"{shown}: {not_decoded}")
                 elif structural:
                     out.structural.append(f"{shown}: {structural}")
         elif kind == "safetensors":
-            problem = safe_load.safetensors_header(ckpt, rel)
+            problem = safe_load.safetensors_header_of(f)
             if problem is None and level != "quick":
                 unsummed.add("*.safetensors")
             if problem is None and level == "load":
-                problem, n = safe_load.safetensors_file(ckpt, rel)
+                problem, n = safe_load.safetensors_file_of(f)
                 out.bytes_read += n
         elif kind == "json":
-            _doc, problem = safe_load.json_file(ckpt, rel)
+            _doc, problem = safe_load.json_of(f)
         elif kind == "distcp" and level != "quick":
             unsummed.add("*.distcp")  # their records are checked and loaded from .metadata
         if problem is not None:
@@ -318,11 +320,3 @@ def finding_in(ckpt: Storage, key: str, e: Exception, hint: str | None = None) -
     text = str(e)
     prefix = f"{ckpt.url_of(key)}: "
     return Finding(text[len(prefix):] if text.startswith(prefix) else text, file=key, hint=hint)
-
-
-def _legacy_torch(ckpt: Storage, key: str) -> bool:
-    f = open_file(ckpt, key)  # never blocks on a FIFO swapped in meanwhile
-    if f is None:
-        return False
-    with f:
-        return f.read(2) == b"\x80\x02"  # a bare pickle: torch.save(_use_new_zipfile_serialization=False)
