@@ -1,0 +1,38 @@
+"""Requests a verb makes on S3 (moto over HTTP), counted through botocore's event hooks: a
+layout's check opens each file of another tool's checkpoint once, whatever it checks in it
+(each open is a HEAD, and object storage bills and waits per request)."""
+
+from __future__ import annotations
+
+import os
+
+import boto3
+
+from ckptctl.storage import open_storage
+from helpers import cli
+from test_layouts import hf_checkpoint
+
+
+def test_verify_of_a_trainer_checkpoint_on_s3_opens_each_file_once(tmp_path, s3_url):
+    ckpt = hf_checkpoint(str(tmp_path), 5)
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    raw = boto3.client("s3")
+    names = sorted(os.listdir(ckpt))
+    for name in names:
+        raw.upload_file(os.path.join(ckpt, name), bucket, f"{prefix}/checkpoint-5/{name}")
+    counts: dict[str, int] = {}
+    client = open_storage(s3_url)._client.s3  # the process's shared client: every verb uses it
+
+    def count(event_name: str, **_kw: object) -> None:
+        op = event_name.rsplit(".", 1)[-1]
+        counts[op] = counts.get(op, 0) + 1
+
+    client.meta.events.register("before-call.s3", count)
+    try:
+        r = cli("verify", f"{s3_url}/checkpoint-5")
+    finally:
+        client.meta.events.unregister("before-call.s3", count)
+    assert r.exit_code == 0, r.stderr
+    # One HEAD per file for the checks, plus the commit rule's look at trainer_state.json and the
+    # classifier's: before the files were opened once, a torch file alone took four.
+    assert len(names) <= counts.get("HeadObject", 0) <= len(names) + 4, (counts, names)
