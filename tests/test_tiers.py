@@ -198,3 +198,27 @@ def test_two_ranks_promote_to_s3_and_recover_from_it(tmp_path, s3_url) -> None:
     for r, res in loaded.items():
         assert res.get("step") == 4 and res["bitwise_equal"], (r, res)
         assert res["extra"] == {"rank": r, "step": 4}  # each rank's own state, from S3
+
+
+def test_ls_with_tiers_shows_where_each_checkpoint_lives(tmp_path, s3_url) -> None:
+    local = str(tmp_path / "nvme")
+    with Checkpointer(tiers=[Tier(local, retention=KeepLast(1)), Tier(s3_url)]) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(step)).wait()
+        assert ck.close()
+    os.makedirs(os.path.join(local, step_dir(4)))  # a save in progress on the first tier only
+    r = cli("ls", local, "--tier", s3_url, "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = r.json()
+    assert doc["tiers"] == [local, s3_url]
+    where = {c["step"]: c["tiers"] for c in doc["checkpoints"]}
+    assert where[3] == {local: "committed", s3_url: "committed"}  # promoted, kept on both
+    assert where[4] == {local: "partial", s3_url: None}  # not on S3 (yet)
+    # Each column is that tier's own truth: NVMe pruned to its newest (and what awaited
+    # promotion), S3 keeps everything that reached it.
+    assert {s for s in where if where[s][local] == "committed"} == _steps(local)
+    assert {s for s in where if where[s][s3_url] == "committed"} == _s3_steps(s3_url)
+    assert len(_steps(local)) < 3 and 3 in _s3_steps(s3_url)  # NVMe pruned; S3 holds the newest
+    text = cli("ls", local, "--tier", s3_url)
+    assert text.exit_code == 0 and "TIER 1" in text.stdout and f"tier 1: {s3_url}" in text.stderr
+    assert cli("ls", local, "--tier", local).exit_code == 2  # a tier named twice

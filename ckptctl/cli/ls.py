@@ -6,6 +6,7 @@ import typer
 
 from ckptctl.cli.common import command, emit_json, err, human_bytes, print_table, say
 from ckptctl.durations import format_duration
+from ckptctl.ops.tier_listing import list_tiers
 from ckptctl.ops.verbs import list_root
 
 
@@ -17,8 +18,14 @@ def ls(
         help='Print one JSON object on stdout: {"url", "checkpoints": [{step, name, url, status, bytes, created, '
              'age_s, reason, layout, content, content_reason}, ...], "counts", "bytes", "schema": 1} (ckptctl-json(7)); '
              'content is "resumable" or "export" (model only) for a committed checkpoint, else null. A failure prints '
-             '{"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
+             '{"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead. With --tier: '
+             '{"tiers": [ROOT, URL, ...], "checkpoints": [{step, name, tiers: {URL: status or null}}, ...], "schema": 1}.',
     )] = False,
+    tier: Annotated[list[str] | None, typer.Option(
+        "--tier", metavar="URL",
+        help="Another tier of the same run (a Checkpointer(tiers=[...]) promotes ROOT's checkpoints to it; "
+             "repeat for more): list where each checkpoint lives, one STATUS column per tier, ROOT first.",
+    )] = None,
 ) -> None:
     """List every checkpoint under ROOT with its step, status, size and age, sorted by step
     (newest last), then a summary line on stderr.
@@ -40,7 +47,14 @@ def ls(
     and at its parent. A ROOT without checkpoints whose subdirectories hold some (torchtitan's
     output folder keeps them in checkpoint/) lists nothing, exit 0, with a hint on stderr
     naming them.
+
+    With --tier URL (repeatable), ROOT and each URL are the tiers of one run
+    (Checkpointer(tiers=[...]): ROOT the nearest): one row per checkpoint with its status on
+    each tier, "-" where a tier does not hold it (not promoted yet, or pruned there).
     """
+    if tier:
+        _tiers(root, tier, json)
+        return
     listing = list_root(root)
     rows = listing.rows
     counts = {status: sum(r.status == status for r in rows) for status in ("committed", "partial", "corrupt", "link", "unknown")}
@@ -68,6 +82,19 @@ def ls(
         + f"; total {human_bytes(sum(r.size for r in rows))}", console=err)
     if listing.hint:  # none here, but a subdirectory holds some
         say(f"hint: {listing.hint}", console=err)
+
+
+def _tiers(root: str, others: list[str], json: bool) -> None:
+    """``ls ROOT --tier URL ...``: one row per checkpoint, its status on each tier."""
+    listing = list_tiers([root, *others])
+    if json:
+        emit_json(listing.to_dict())
+        return
+    print_table(("STEP", "NAME", *(f"TIER {i}" for i in range(len(listing.tiers)))),
+                [(str(r.step), r.name, *(r.where[t] or "-" for t in listing.tiers)) for r in listing.rows],
+                right=("STEP",))
+    for i, url in enumerate(listing.tiers):
+        say(f"tier {i}: {url}", console=err)
 
 
 def _entry(d: dict) -> dict:

@@ -1,0 +1,49 @@
+"""``ls ROOT --tier URL``: where each checkpoint of a tiered run lives.
+
+A ``Checkpointer(tiers=[...])`` commits to its first tier and promotes to the next ones
+(``ckptctl.tiers``), so one step may be committed on NVMe only, on S3 only, on both, or partial
+on one (a promotion in progress). This lists every tier's checkpoints with the same catalog
+``ls`` uses and lines them up by checkpoint (step and name), oldest first: per tier, the
+checkpoint's status there, or None where that tier does not hold it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ckptctl.errors import UsageError
+from ckptctl.ops.listing import list_checkpoints
+from ckptctl.ops.targets import open_root
+
+
+@dataclass(frozen=True)
+class TierRow:
+    """One checkpoint (a step and its directory's name) and its status on each tier."""
+
+    step: int
+    name: str
+    where: dict[str, str | None]  # tier URL -> status there ("committed", "partial", ...) or None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "name": self.name, "tiers": dict(self.where)}
+
+
+@dataclass
+class TierListing:
+    tiers: list[str]  # the roots, nearest first, as given
+    rows: list[TierRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tiers": list(self.tiers), "checkpoints": [r.to_dict() for r in self.rows]}
+
+
+def list_tiers(roots: Sequence[str]) -> TierListing:
+    """Every checkpoint of every root in ``roots`` (nearest tier first), lined up by step and
+    name. Raises UsageError for a root named twice or one that does not exist."""
+    if len(set(roots)) != len(roots):
+        raise UsageError(f"a tier is named twice: {', '.join(roots)}", hint="give each tier's root once")
+    by_tier = {root: {(e.step, e.name): e.status for e in list_checkpoints(open_root(root))} for root in roots}
+    keys = sorted({key for listed in by_tier.values() for key in listed})
+    return TierListing(list(roots), [TierRow(step, name, {root: by_tier[root].get((step, name)) for root in roots})
+                                     for step, name in keys])
