@@ -47,7 +47,7 @@ from typing import Iterable
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined
-from ckptctl.layouts.stack import FileKind, Resume, StackLayout
+from ckptctl.layouts.stack import FileKind, Resume, StackLayout, whole_torch_file
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -97,16 +97,7 @@ class ComposerLayout(StackLayout):
         self.latest = _latest_target(root)
 
     def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
-        f = open_file(ckpt, "")
-        if f is None:
-            return Examined("partial", "removed while it was being read")
-        with f:
-            if f.size == 0:
-                return Examined("partial", "0 bytes: Composer's torch.save did not finish")
-            if not zipfile.is_zipfile(f):
-                return Examined("partial", "not a whole torch.save archive (no zip directory at its end): Composer "
-                                           "writes in place, so this save did not finish")
-        return Examined("committed")
+        return whole_torch_file(ckpt, "Composer writes in place, so this save did not finish")
 
     def kind_of(self, rel: str) -> FileKind:
         return "torch"

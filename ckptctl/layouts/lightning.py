@@ -49,7 +49,7 @@ from typing import Iterable
 from ckptctl.layouts import safe_load
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.base import CheckpointKind, Examined
-from ckptctl.layouts.stack import FileKind, Resume, StackLayout, top_level_keys, undetermined
+from ckptctl.layouts.stack import FileKind, Resume, StackLayout, whole_torch_file, top_level_keys, undetermined
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import local_copy, open_file
 
@@ -76,16 +76,7 @@ class LightningLayout(StackLayout):
         return safe_load.regular_size(ckpt, "") is not None  # never a link, a FIFO or a directory
 
     def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
-        f = open_file(ckpt, "")
-        if f is None:
-            return Examined("partial", "removed while it was being read")
-        with f:
-            if f.size == 0:
-                return Examined("partial", "0 bytes: Lightning's write did not finish")
-            if not zipfile.is_zipfile(f):
-                return Examined("partial", "not a whole torch.save archive (no zip directory at its end): "
-                                           "the write did not finish")
-        return Examined("committed")
+        return whole_torch_file(ckpt, "Lightning's write did not finish")
 
     def kind_of(self, rel: str) -> FileKind:
         return "torch"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import re
+import zipfile
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
@@ -276,6 +277,21 @@ class StackLayout:
         return self
 
 
+def whole_torch_file(ckpt: Storage, unfinished: str) -> Examined:
+    """The commit rule of a checkpoint that is one ``torch.save`` file (Lightning, Composer):
+    complete when it is a whole zip archive (its directory, written last, is at its end);
+    ``unfinished`` says why a 0-byte or cut file is that stack's own unfinished save."""
+    f = open_file(ckpt, "")
+    if f is None:
+        return Examined("partial", "removed while it was being read")
+    with f:
+        if f.size == 0:
+            return Examined("partial", f"0 bytes: {unfinished}")
+        if not zipfile.is_zipfile(f):
+            return Examined("partial", f"not a whole torch.save archive (no zip directory at its end): {unfinished}")
+    return Examined("committed")
+
+
 REMOTE_KEYS_LIMIT = 64 << 20  # largest object downloaded only to read its top-level keys
 
 
@@ -285,7 +301,6 @@ def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> d
     ``torch.load(weights_only=True)`` and tensors memory-mapped (their bytes are not read);
     a string saying why not when it cannot be read safely (never unpickled beyond ``allowed``)."""
     import pickle
-    import zipfile
 
     import torch
 

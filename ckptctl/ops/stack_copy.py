@@ -53,7 +53,6 @@ from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import ObjectInfo, Storage
-from ckptctl.storage.stored_file import StoredFile, open_file
 
 CHECKED_SEAL = "every byte checked against the source's seal on the fly"
 CHECKED_LOAD = "no seal: copied, then every file test-loaded at the destination (no checksums to check bytes against)"
@@ -111,7 +110,7 @@ def stack_source_at(path: str) -> StackSource | None:
     if layout.files_are_checkpoints:
         step = layout.step_in_name(name)
         assert step is not None
-        return StackSource(ckpt, name, layout, step, None)  # copied whole: ``copy_stack_file``
+        return StackSource(ckpt, name, layout, step, None)  # copied whole: ``file_copy.copy_stack_file``
     step = layout.step_of(ObjectInfo(name, 0, 0.0, "dir"))
     assert step is not None
     seal = read_seal(ckpt)
@@ -133,74 +132,13 @@ def destination_for(src: StackSource, dst: str) -> tuple[Storage, Storage]:
     return st.sub(src.name), st
 
 
-def copy_stack_file(src: StackSource, dst_root: Storage, progress: Progress | None = None) -> CopyResult:
-    """Copy a checkpoint that is one file (Lightning's ``.ckpt``) under ``dst_root``, whole,
-    through one atomic writer (a copy cut short is never a file at DST), then check it there as
-    ``verify`` will (its zip records' CRC-32s). A file of that name already at DST is left as
-    is: "already present" when it has the same bytes, else RefusedForSafety."""
-    t0 = time.perf_counter()
-    result = CopyResult(src.storage.url, dst_root.url_of(src.name), src.step, "copied", layout=src.layout.name,
-                        note="copied whole, then its zip records' CRC-32s checked at the destination")
-    problems = _source_problems(src)
-    if problems:
-        raise InvalidCheckpoint(_describe(problems, src.storage.url), hint=problems[0].hint or "copy an older checkpoint")
-    source = open_file(src.storage, "")
-    if source is None:
-        raise NotFound(f"{src.storage.url} is gone", hint="it was deleted while being copied")
-    with source:
-        there = dst_root.stat(src.name)
-        if there is not None:
-            if there.kind == "file" and _same_bytes(source, dst_root, src.name):
-                result.status, result.files = "already present", 1
-                result.seconds = time.perf_counter() - t0
-                return result
-            raise RefusedForSafety(f"{result.dst} already holds another file under this checkpoint's name",
-                                   hint="choose another destination, or delete that file first")
-        writer = dst_root.open_writer(src.name)
-        try:
-            source.seek(0)
-            while piece := source.read(64 << 20):
-                writer.write(piece)
-                result.bytes_copied += len(piece)
-                if progress is not None:
-                    progress(len(piece))
-        except BaseException:
-            writer.abort()
-            raise
-        writer.commit()
-    result.files = 1
-    copy = dst_root.sub(src.name)
-    problems = verify_stack(copy, bound_layout(src.layout.name, dst_root), "checksums").problems
-    if problems:
-        dst_root.delete(src.name)
-        raise InvalidCheckpoint(_describe(problems, f"{result.dst} (the copy, verified)"),
-                                hint="the source changed while it was copied, or does not verify either")
-    result.seconds = time.perf_counter() - t0
-    return result
-
-
-def _same_bytes(source: StoredFile, dst_root: Storage, name: str) -> bool:
-    """Whether ``dst_root``'s file ``name`` holds exactly ``source``'s bytes (both read)."""
-    other = open_file(dst_root, name)
-    if other is None:
-        return False
-    with other:
-        if other.size != source.size:
-            return False
-        source.seek(0)
-        while piece := source.read(8 << 20):
-            if other.read(len(piece)) != piece:
-                return False
-    return True
-
-
-def _source_problems(src: StackSource) -> list[Problem]:
+def source_problems(src: StackSource) -> list[Problem]:
     """The cheap checks before a byte is copied: the stack's commit rule and files, and the
     files and sizes the seal names when there is one (``verify_stack`` at quick)."""
     return list(verify_stack(src.storage, src.layout, "quick").problems)
 
 
-def _describe(problems: list[Problem], where: str) -> str:
+def describe(problems: list[Problem], where: str) -> str:
     first = min(problems, key=lambda p: p.byte_range is None)
     more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
     return f"{where}: {first}{more}"
@@ -250,9 +188,9 @@ def copy_stack_checkpoint(src: StackSource, dst: Storage, dst_root: Storage, pro
     t0 = time.perf_counter()
     result = CopyResult(src.storage.url, dst.url, src.step, "copied", layout=src.layout.name,
                         note=CHECKED_SEAL if src.seal is not None else CHECKED_LOAD)
-    problems = _source_problems(src)
+    problems = source_problems(src)
     if problems:
-        raise InvalidCheckpoint(_describe(problems, src.storage.url), hint=problems[0].hint or "copy an older checkpoint")
+        raise InvalidCheckpoint(describe(problems, src.storage.url), hint=problems[0].hint or "copy an older checkpoint")
     # A copy killed mid-file left temporaries here: removed before anything is decided, so a
     # rerun neither counts them as files of the copy nor leaves them for verify to trip on.
     remove_temporaries(dst)
@@ -327,7 +265,7 @@ def _copy_one(src: StackSource, dst: Storage, key: str, progress: Progress | Non
         found = compare(src.seal.by_name()[key], got, chunk)
         if found:
             writer.abort()
-            raise InvalidCheckpoint(_describe(found, src.storage.url),
+            raise InvalidCheckpoint(describe(found, src.storage.url),
                                     hint="the source changed after it was sealed; copy an older checkpoint")
     writer.commit()
     return got.size
@@ -346,7 +284,7 @@ def _check_destination(src: StackSource, dst: Storage, dst_root: Storage) -> Non
     problems = verify_stack(dst, layout, level).problems
     what = "the copy, verified" if src.seal is not None else "the copy, test-loaded"
     if problems:
-        raise InvalidCheckpoint(_describe(problems, f"{dst.url} ({what})"),
+        raise InvalidCheckpoint(describe(problems, f"{dst.url} ({what})"),
                                 hint="the source does not load either, or changed while copied; copy an older checkpoint")
 
 

@@ -5,7 +5,7 @@ ends on SRC's newest complete checkpoint. One already at DST is checked, not cop
 (``stack_copy``'s "already present": the same seal and every byte matching it, or, unsealed,
 the same files with the same bytes).
 
-Lightning's checkpoints are single files: each is copied by ``stack_copy.copy_stack_file``
+Lightning's checkpoints are single files: each is copied by ``file_copy.copy_stack_file``
 (one atomic writer, then checked at DST as ``verify`` will judge it), so a copy cut short is
 never a complete ``.ckpt``.
 
@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, RefusedForSafety
-from ckptctl.ops.stack_copy import StackSource, copy_stack_checkpoint, copy_stack_file, stack_sources
+from ckptctl.ops.file_copy import copy_stack_file
+from ckptctl.ops.stack_copy import StackSource, copy_stack_checkpoint, stack_sources
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file

@@ -240,7 +240,8 @@ class CopyOutcome:
 def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
     it under), checked on the fly (``ops.transfer.copy_checkpoint``)."""
-    from ckptctl.ops.stack_copy import copy_stack_checkpoint, copy_stack_file, destination_for, stack_source_at
+    from ckptctl.ops.file_copy import copy_stack_file
+    from ckptctl.ops.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
     from ckptctl.ops.transfer import checkpoint_dir_for, copy_checkpoint
 
     open_existing(src)
