@@ -127,7 +127,7 @@ def test_errors_are_json_on_stdout_under_json(tmp_path, root):
     r = cli("latest", str(tmp_path), "--json")
     assert r.exit_code == 1
     doc = r.json()
-    assert doc["exit"] == 1 and doc["schema"] == 1
+    assert doc["exit"] == 1 and doc["schema"] == 2
     assert doc["error"]["type"] == "NoValidCheckpoint" and "no committed checkpoint" in doc["error"]["message"]
     assert doc["error"]["hint"]
     r = cli("inspect", str(tmp_path / "typo"), "--json")
@@ -223,9 +223,9 @@ def test_every_json_object_carries_the_schema_version(root, tmp_path):
     }
     for verb, r in docs.items():
         assert r.exit_code == 0, (verb, r.stderr)
-        assert r.json()["schema"] == 1, verb
+        assert r.json()["schema"] == 2, verb
     listed = cli("ls", root, "--json").json()  # an object too, the checkpoints under "checkpoints"
-    assert listed["schema"] == 1 and isinstance(listed["checkpoints"], list)
+    assert listed["schema"] == 2 and isinstance(listed["checkpoints"], list)
 
 
 @pytest.mark.parametrize("shell, script", [("bash", "COMP_WORDS"), ("zsh", "#compdef"), ("fish", "complete --command")])

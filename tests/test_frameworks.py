@@ -83,7 +83,7 @@ def test_hf_trainer_killed_in_a_save_latest_resume_and_prune_keeps_best(tmp_path
     r = cli("latest", out, "--level", "load", "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
     got = r.json()
-    assert got["format"] == "hf-trainer" and got["url"] == os.path.join(out, "checkpoint-6"), got
+    assert got["layout"] == "hf-trainer" and got["url"] == os.path.join(out, "checkpoint-6"), got
     assert "--resume_from_checkpoint" in got["resume"]["option"]
     r = cli("ls", out, "--json")
     assert {x["name"]: x["status"] for x in r.json()["checkpoints"]}["checkpoint-8"] == "partial"

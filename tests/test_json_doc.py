@@ -3,6 +3,7 @@ the verbs print: "url" for a location, "bytes" for a size, "schema" everywhere."
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import typer.main
 from helpers import ckpt_dir, cli, make_checkpoints
 
 from ckptctl.cli.app import app
+from ckptctl.cli.json_names import RENAMED_IN_2, objects_at
 
 PAGE = (Path(__file__).resolve().parent.parent / "man" / "ckptctl-json.7").read_text()
 
@@ -41,9 +43,13 @@ FIELDS = {
     "du": ["url", "bytes", "policy", "refused", "bytes_freed", "checkpoints_freed", "notes", "checkpoints", "prune"],
     "rm": ["dry_run", "confirmed", "bytes", "notes", "checkpoints", "url", "status", "result", "detail", "anchor"],
     "sync": ["src", "dst", "dry_run", "bytes", "seconds", "notes", "counts", "checkpoints", "url", "action", "detail"],
-    "prune": ["dry_run", "plan", "root", "policy", "anchor", "refused", "items", "kind", "action", "reason", "bytes", "outcome"],
+    "prune": ["dry_run", "plan", "root", "policy", "anchor", "refused", "items", "status", "action", "reason", "bytes", "outcome"],
     "cp": ["url", "bytes", "step", "src", "dst", "status", "files", "files_reused", "seconds"],
     "verify": ["ok", "level", "checkpoints", "url", "step", "problems", "bytes_read"],
+    "latest": ["url", "step", "level", "layout", "resume", "skipped", "content", "skipped_exports"],
+    "inspect": ["url", "step", "bytes", "files", "tensors", "content"],
+    "restore": ["url", "bytes", "step", "path", "copy", "skipped"],
+    "seal": ["url", "ok", "checkpoints", "layout", "status", "bytes"],
 }
 
 
@@ -58,11 +64,15 @@ def test_documented_fields_are_printed(tmp_path) -> None:
         "prune": cli("prune", root, "--keep-last", "2", "--dry-run", "--json").json(),
         "cp": cli("cp", ckpt_dir(root, 3), str(tmp_path / "copy"), "--json").json(),
         "verify": cli("verify", root, "--all", "--json").json(),
+        "latest": cli("latest", root, "--json").json(),
+        "inspect": cli("inspect", ckpt_dir(root, 3), "--json").json(),
+        "restore": cli("restore", root, str(tmp_path / "restored"), "--json").json(),
+        "seal": cli("seal", root, "--json").json(),
     }
     paragraphs = _verb_paragraphs()
     for verb, fields in FIELDS.items():
         doc = docs[verb]
-        assert doc["schema"] == 1, verb
+        assert doc["schema"] == 2, verb
         for field in fields:
             assert field in _words(paragraphs[verb]), f"man/ckptctl-json.7 does not name {verb}'s {field!r}"
             assert field in _all_keys(doc), f"{verb} --json has no {field!r}, which man/ckptctl-json.7 names"
@@ -74,3 +84,49 @@ def _all_keys(doc: object) -> set[str]:
     if isinstance(doc, list):
         return {k for v in doc for k in _all_keys(v)}
     return set()
+
+
+def _docs_of_renamed_verbs(tmp_path) -> dict[str, dict]:
+    """One document of each verb whose names changed in schema 2, as printed now."""
+    root = str(tmp_path / "root")
+    make_checkpoints(root, [1, 2, 3])
+    return {
+        "latest": cli("latest", root, "--json").json(),
+        "prune": cli("prune", root, "--keep-last", "2", "--dry-run", "--json").json(),
+        "inspect": cli("inspect", ckpt_dir(root, 3), "--json").json(),
+        "cp": cli("cp", ckpt_dir(root, 3), str(tmp_path / f"copy{len(os.listdir(tmp_path))}"), "--json").json(),
+        "restore": cli("restore", root, str(tmp_path / f"restored{len(os.listdir(tmp_path))}"), "--json").json(),
+        "seal": cli("seal", root, "--json").json(),
+    }
+
+
+def _has(doc: dict, where: str, name: str) -> bool:
+    return any(name in obj for obj in objects_at(doc, where))
+
+
+def test_schema_2_prints_each_idea_under_one_name(tmp_path) -> None:
+    docs = _docs_of_renamed_verbs(tmp_path)
+    for verb, doc in docs.items():
+        assert doc["schema"] == 2, verb
+        for where, old, new in RENAMED_IN_2[verb]:
+            assert objects_at(doc, where), f"{verb}: nothing at {where!r} to check"
+            assert _has(doc, where, new) and not _has(doc, where, old), (verb, where, old, new)
+
+
+def test_schema_1_names_on_request(tmp_path, monkeypatch) -> None:
+    # A script written for schema 1 keeps working while it is updated: old names beside the new.
+    monkeypatch.setenv("CKPTCTL_JSON_SCHEMA", "1")
+    docs = _docs_of_renamed_verbs(tmp_path)
+    for verb, doc in docs.items():
+        assert doc["schema"] == 1, verb
+        for where, old, new in RENAMED_IN_2[verb]:
+            assert _has(doc, where, old), (verb, where, old)
+    error = cli("latest", str(tmp_path / "missing"), "--json")
+    assert error.exit_code == 2 and error.json()["schema"] == 1
+
+
+def test_a_bad_schema_request_is_a_usage_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CKPTCTL_JSON_SCHEMA", "3")
+    r = cli("ls", str(tmp_path), "--json")
+    assert r.exit_code == 2 and "CKPTCTL_JSON_SCHEMA" in r.stderr
+    assert r.json()["schema"] == 2 and r.json()["error"]["type"] == "UsageError"

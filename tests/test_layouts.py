@@ -102,7 +102,7 @@ def test_prune_cli_never_deletes_complete_dcp_or_unrecognised_dirs_as_partial(tm
     assert r.exit_code == 0, r.stdout + r.stderr
     plan = {i["name"]: i for i in r.json()["plan"]["items"]}
     assert plan["step-200"]["action"] == "keep" and plan["step-200"]["layout"] == "dcp"
-    assert plan["step-300"]["action"] == "skip" and plan["step-300"]["kind"] == "unknown"
+    assert plan["step-300"]["action"] == "skip" and plan["step-300"]["status"] == "unknown"
     assert plan["step-250"]["action"] == "delete" and "abandoned" in plan["step-250"]["reason"]
     assert "abandoned" not in plan["step-100"]["reason"]  # older: by policy, within its own layout
     names = tree_names(root)

@@ -80,7 +80,7 @@ def test_a_plugin_layout_name_is_accepted_by_format(tmp_path) -> None:
     fix.build(root, 5)
     make_checkpoints(root, [9], size=8, tensors=1)  # newer, but not a toy checkpoint
     latest = cli("latest", root, "--format", "TOY", "--json")
-    assert latest.exit_code == 0 and latest.json()["step"] == 5 and latest.json()["format"] == "toy", latest.stdout
+    assert latest.exit_code == 0 and latest.json()["step"] == 5 and latest.json()["layout"] == "toy", latest.stdout
     unknown = cli("latest", root, "--format", "nope")
     assert unknown.exit_code == 2 and "toy" in unknown.stderr  # the known names include the plugin's
 

@@ -273,7 +273,7 @@ def view_latest(root: str) -> dict:
     if "error" in doc:
         return {"exit": r.exit_code, "error": doc["error"]["type"]}
     resume = _sub(doc.get("resume") or {}, root)
-    return {"exit": r.exit_code, "name": _name(doc.get("url")), "step": doc.get("step"), "format": doc.get("format"),
+    return {"exit": r.exit_code, "name": _name(doc.get("url")), "step": doc.get("step"), "layout": doc.get("layout"),
             "level": doc.get("level"), "resume": {k: resume.get(k) for k in ("path", "argv", "exact")},
             "skipped": [(_name(s["url"]), s["step"], s["ok"]) for s in doc.get("skipped", [])]}
 
@@ -315,7 +315,7 @@ def view_prune(root: str, *args: str) -> dict:
         return {"exit": r.exit_code, "error": doc["error"]["type"]}
     plan = doc["plan"]
     return {"exit": r.exit_code, "anchor": (plan.get("anchor") or {}).get("step"), "refused": plan.get("refused") is not None,
-            "items": [(i["name"], i["step"], i["kind"], i["layout"], i["action"]) for i in plan["items"]]}
+            "items": [(i["name"], i["step"], i["status"], i["layout"], i["action"]) for i in plan["items"]]}
 
 
 def _cmp(view: dict) -> dict:

@@ -37,7 +37,7 @@ def test_seal_then_a_flipped_byte_is_named_with_its_range(tmp_path):
     r = cli("seal", ckpt, "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
     doc = r.json()
-    assert doc["schema"] == 1 and doc["ok"] is True
+    assert doc["schema"] == 2 and doc["ok"] is True
     (res,) = doc["checkpoints"]
     assert res["status"] == "sealed" and res["layout"] == "hf-trainer" and res["step"] == 100
     assert [n for n in res["not_loaded"] if "training_args.bin" in n][0].endswith("opcodes parsed, never run)")
@@ -157,7 +157,7 @@ def test_prune_trusts_a_sealed_anchor_and_seal_seals_what_it_verified(tmp_path):
     flip(os.path.join(root, "checkpoint-300", "model.safetensors"), 200)
     r = cli("prune", root, "--keep-last", "1", "--yes", "--json")
     items = {i["name"]: i for i in r.json()["plan"]["items"]}
-    assert items["checkpoint-300"]["kind"] == "broken" and items["checkpoint-200"]["action"] == "keep"
+    assert items["checkpoint-300"]["status"] == "broken" and items["checkpoint-200"]["action"] == "keep"
     assert os.path.isdir(os.path.join(root, "checkpoint-300"))
 
 

@@ -63,7 +63,7 @@ def test_rm_dry_run_writes_nothing_and_json_and_usage_errors(tmp_path):
     r = cli("rm", ckpt_dir(root, 1), "--dry-run", "--json")
     assert r.exit_code == 0, r.stderr
     doc = r.json()
-    assert doc["schema"] == 1 and doc["dry_run"] and doc["checkpoints"][0]["result"] == "planned"
+    assert doc["schema"] == 2 and doc["dry_run"] and doc["checkpoints"][0]["result"] == "planned"
     assert doc["checkpoints"][0]["bytes"] > 0 and doc["checkpoints"][0]["url"].endswith(step_dir(1))
     assert sorted(os.listdir(root)) == before  # no lock, no verification record
     assert cli("rm", ckpt_dir(root, 1)).exit_code == 2  # no terminal to confirm on
@@ -115,7 +115,7 @@ def test_du_sizes_total_and_what_prune_would_free(tmp_path):
     r = cli("du", root, "--json")
     assert r.exit_code == 0, r.stderr
     doc = r.json()
-    assert doc["schema"] == 1 and doc["bytes"] == sum(sizes.values()) and doc["bytes_freed"] is None
+    assert doc["schema"] == 2 and doc["bytes"] == sum(sizes.values()) and doc["bytes_freed"] is None
     assert {c["step"]: c["bytes"] for c in doc["checkpoints"] if c["status"] == "committed"} == sizes
     # A partial entry says why it is not committed, as ls says it (a DCP save without .metadata).
     from test_layouts import dcp_step
@@ -147,7 +147,7 @@ def test_sync_local_to_s3_and_back_skips_verified_copies_and_recopies_damaged_on
     r = cli("sync", src, s3_url, "--json")
     assert r.exit_code == 0, r.stderr
     doc = r.json()
-    assert doc["schema"] == 1 and doc["counts"]["copied"] == 3 and doc["bytes"] > 0
+    assert doc["schema"] == 2 and doc["counts"]["copied"] == 3 and doc["bytes"] > 0
     assert [c["step"] for c in doc["checkpoints"]] == [1, 2, 3]  # step order
     assert cli("verify", s3_url, "--all").exit_code == 0
     # Nothing to do the second time; the copies are checked, not just seen.

@@ -2,7 +2,7 @@
 stderr), and running a command so that it behaves like a well-made Unix tool in scripts:
 
 - an expected failure (a CkptError) prints one line and exits with the documented code; under
-  ``--json`` it is also a JSON document on stdout: ``{"error": {...}, "exit": N, "schema": 1}``;
+  ``--json`` it is also a JSON document on stdout: ``{"error": {...}, "exit": N, "schema": 2}``;
 - any other exception is a bug or an environment failure: one line, exit 3 (the traceback only
   with ``--debug`` or CKPTCTL_DEBUG=1);
 - a closed stdout pipe (``ckptctl ls ROOT | head -1``) stops the command quietly with exit 0,
@@ -31,11 +31,9 @@ from typer.exceptions import TyperException
 from rich.table import Table
 
 from ckptctl.cli.errors import describe
+from ckptctl.cli.json_names import SCHEMA, named, requested_schema
 from ckptctl.cli.locations import check_locations
 from ckptctl.errors import EXIT_OPERATIONAL, CkptError, UsageError
-
-JSON_SCHEMA = 1  # the "schema" field of every JSON document the CLI prints
-
 
 
 class _Console(Console):
@@ -52,8 +50,9 @@ err = _Console(stderr=True, soft_wrap=True)  # diagnostics, progress
 
 JsonOpt = Annotated[bool, typer.Option(
     "--json",
-    help='Print one JSON document on stdout, with "schema": 1 (bumped when a field changes meaning; the fields '
-         'are in ckptctl-json(7)). A failure prints {"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead.',
+    help='Print one JSON document on stdout, with "schema": 2 (bumped when a field changes meaning or name; the '
+         'fields are in ckptctl-json(7); CKPTCTL_JSON_SCHEMA=1 prints the names of schema 1). A failure prints '
+         '{"error": {"message", "hint", "type"}, "exit": N, "schema": 2} instead.',
 )]
 # -q is for cron, which mails whatever a job prints: on success nothing is printed but the
 # answer a script captures (the JSON document; the path latest, restore and cp print), so that
@@ -69,6 +68,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _debug_option = False  # set by the app's --debug for the current invocation
 _emitted_json = False  # whether the running verb already printed its JSON document
+_verb = ""  # the running verb's name: which of its JSON names changed (cli.json_names)
 
 
 def set_debug(on: bool) -> None:
@@ -88,6 +88,7 @@ def check_environment() -> None:
     own error handling could report it."""
     try:
         import ckptctl.settings  # noqa: F401  (imported for its checks)
+        requested_schema()
     except CkptError as e:
         text, code = describe(e)
         sys.stderr.write(text + "\n")
@@ -100,11 +101,13 @@ def command(fn: F) -> F:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        global _emitted_json
-        _emitted_json = False
+        global _emitted_json, _verb
+        _emitted_json, _verb = False, fn.__name__
         as_json = bool(kwargs.get("json"))
         _pass_undecodable_bytes()
         try:
+            if as_json:
+                requested_schema()  # a bad CKPTCTL_JSON_SCHEMA is a usage error before any work
             check_locations(fn.__name__, kwargs)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, TyperException):
@@ -145,10 +148,13 @@ def _fail(text: str, code: int, e: BaseException, as_json: bool) -> None:
         doc = {
             "error": {"message": str(e), "hint": getattr(e, "hint", None), "type": type(e).__name__},
             "exit": code,
-            "schema": JSON_SCHEMA,
         }
         try:
-            emit_json(doc)
+            schema = requested_schema()
+        except UsageError:  # the bad value itself is what is being reported
+            schema = SCHEMA
+        try:
+            emit_json(doc, schema=schema)
         except OSError:
             _silence_stdout()
     raise typer.Exit(code) from None
@@ -183,13 +189,15 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def emit_json(doc: Any) -> None:
+def emit_json(doc: Any, *, schema: int | None = None) -> None:
     """Print ``doc`` as the verb's one JSON document on stdout; an object gets the
-    ``"schema"`` field (every verb prints an object; the fields are in man/ckptctl-json.7)."""
+    ``"schema"`` field and the names of that schema (every verb prints an object; the fields
+    are in man/ckptctl-json.7)."""
     global _emitted_json
     _emitted_json = True
     if isinstance(doc, dict) and "schema" not in doc:
-        doc = {**doc, "schema": JSON_SCHEMA}
+        schema = requested_schema() if schema is None else schema
+        doc = {**named(_verb, dict(doc), schema), "schema": schema}
     sys.stdout.write(json.dumps(doc, indent=2, default=_default) + "\n")
     sys.stdout.flush()
 

@@ -22,7 +22,8 @@ def latest(
     root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.")],
     level: Annotated[str, typer.Option("--level", help="How hard to check: quick, checksums or load.")] = "checksums",
     format: Annotated[Optional[list[str]], typer.Option(
-        "--format", help="Only checkpoints of this layout: ckptctl, dcp, hf-trainer, megatron, deepspeed, lightning (repeatable).",
+        "--format", "--layout", help="Only checkpoints of this layout (repeatable): a name from ckptctl-layouts(7), such as "
+                                     "ckptctl, dcp, hf-trainer, megatron, deepspeed, lightning, accelerate.",
         metavar="FORMAT")] = None,
     resume_args: Annotated[bool, typer.Option(
         "--resume-args", help="Print the stack's resume arguments for exactly this checkpoint, shell-quoted on one "
@@ -60,7 +61,7 @@ def latest(
         say(f"skipped {r.url}: {r.problems[0]}" + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""), console=err)
     resume = found.resume
     if json:
-        emit_json({"url": good.url, "step": found.step, "level": level, "format": found.layout,
+        emit_json({"url": good.url, "step": found.step, "level": level, "layout": found.layout,
                    "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad], **found.kind.to_dict(),
                    "skipped_exports": [e.to_dict() for e in found.exports]})
     elif resume_args:

@@ -16,10 +16,10 @@ def ls(
     json: Annotated[bool, typer.Option(
         "--json",
         help='Print one JSON object on stdout: {"url", "checkpoints": [{step, name, url, status, bytes, created, '
-             'age_s, reason, layout, content, content_reason}, ...], "counts", "bytes", "schema": 1} (ckptctl-json(7)); '
+             'age_s, reason, layout, content, content_reason}, ...], "counts", "bytes", "schema": 2} (ckptctl-json(7)); '
              'content is "resumable" or "export" (model only) for a committed checkpoint, else null. A failure prints '
-             '{"error": {"message", "hint", "type"}, "exit": N, "schema": 1} instead. With --tier: '
-             '{"tiers": [ROOT, URL, ...], "checkpoints": [{step, name, tiers: {URL: status or null}}, ...], "schema": 1}.',
+             '{"error": {"message", "hint", "type"}, "exit": N, "schema": 2} instead. With --tier: '
+             '{"tiers": [ROOT, URL, ...], "checkpoints": [{step, name, tiers: {URL: status or null}}, ...], "schema": 2}.',
     )] = False,
     tier: Annotated[list[str] | None, typer.Option(
         "--tier", metavar="URL",

@@ -14,7 +14,7 @@ def repoint(
     root: Annotated[str, typer.Argument(help="The root holding DeepSpeed's `latest` or Megatron's tracker.")],
     level: Annotated[str, typer.Option("--level", help="How hard to check: quick, checksums or load.")] = "checksums",
     format: Annotated[Optional[list[str]], typer.Option(
-        "--format", help="The stack whose pointer to move when the root holds several: megatron or deepspeed.",
+        "--format", "--layout", help="The stack whose pointer to move when the root holds several: megatron or deepspeed.",
         metavar="FORMAT")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be written; write nothing, take no lock.")] = False,
     json: JsonOpt = False,
