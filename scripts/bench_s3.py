@@ -120,7 +120,7 @@ def main() -> None:
         local = os.path.join(work, "local")
         src = os.path.join(local, step_dir(1))
         if args.files > 1:
-            from ckptctl.ops.reshard import reshard
+            from ckptctl.ops.transform.reshard import reshard
 
             reshard(open_storage(os.path.join(one, step_dir(1))), open_storage(src), args.files)
         else:

@@ -229,7 +229,7 @@ def _gate_sweep(ckpt: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_every_byte_of_marker_manifest_and_headers_is_bound(tmp_path):
-    from ckptctl.ops.reshard import reshard
+    from ckptctl.ops.transform.reshard import reshard
 
     state = job_state("plain", 1)
     with Checkpointer(str(tmp_path / "root")) as ck:

@@ -53,5 +53,5 @@ def test_the_checks_catch_what_they_should() -> None:
     assert citations_outside("`docs/protocol.md`, `docs/architecture.md`, step 4, page 2") == []
     assert [w for _, w in citations_outside("../shared/ARCHITECTURE.md; Issue #12")] \
         == ["../shared/", "Issue #12"]
-    assert CITED_PATH.findall("`ckptctl/ops/reshard.py:63-66` and `save/saver.py`, not `x`") \
-        == ["ckptctl/ops/reshard.py", "save/saver.py"]
+    assert CITED_PATH.findall("`ckptctl/ops/transform/reshard.py:63-66` and `save/saver.py`, not `x`") \
+        == ["ckptctl/ops/transform/reshard.py", "save/saver.py"]

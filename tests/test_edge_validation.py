@@ -18,7 +18,7 @@ import pytest
 
 from ckptctl.errors import UsageError
 from ckptctl.format.manifest import Manifest
-from ckptctl.ops.reshard import plan_layout
+from ckptctl.ops.transform.reshard import plan_layout
 from ckptctl.ops.transfer import restore_latest
 from ckptctl.settings import MAX_WORLD_SIZE
 from ckptctl.storage import open_storage

@@ -18,7 +18,7 @@ import torch
 from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.layout import shard_name
-from ckptctl.ops.reshard import reshard
+from ckptctl.ops.transform.reshard import reshard
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli
 

@@ -99,7 +99,7 @@ def test_stream_chunk_checks_after_the_last_piece(tmp_path):
 @pytest.fixture(scope="module")
 def three_rank(tmp_path_factory):
     """A checkpoint of ``w`` resharded to 3 ranks: 3 row chunks (22, 21, 21 rows)."""
-    from ckptctl.ops.reshard import reshard
+    from ckptctl.ops.transform.reshard import reshard
 
     base = tmp_path_factory.mktemp("three")
     (src,) = save_steps(str(base / "root"), [1])
@@ -170,7 +170,7 @@ def test_shard_copied_from_another_save_is_refused_and_load_latest_falls_back(tm
 
 
 def test_two_rank_checkpoint_that_lost_a_shard_entry_fails_default_verify_and_latest_skips_it(tmp_path):
-    from ckptctl.ops.reshard import reshard
+    from ckptctl.ops.transform.reshard import reshard
 
     root = str(tmp_path / "root")
     save_steps(root, [1])

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ckptctl.errors import StorageError, UsageError
-from ckptctl.ops.convert import convert
+from ckptctl.ops.transform.convert import convert
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
 

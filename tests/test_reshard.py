@@ -13,7 +13,7 @@ import torch
 from ckptctl import Checkpointer
 from ckptctl.format.layout import MARKER, shard_name
 from ckptctl.load.reader import CheckpointReader
-from ckptctl.ops.reshard import plan_layout
+from ckptctl.ops.transform.reshard import plan_layout
 from ckptctl.format.manifest import Manifest, TensorEntry
 from ckptctl.storage import open_storage
 from helpers import cli
@@ -162,8 +162,8 @@ def test_pass1_checksums_match_a_plain_hash_of_each_target_chunk(tmp_path):
     """``checked_source_checksums`` (one read for row splits, two for column splits and 0-d)
     gives each target chunk the checksum of its bytes."""
     from ckptctl.format.checksum import digest
-    from ckptctl.ops.reshard import sharded_dims
-    from ckptctl.ops.reshard_source import checked_source_checksums
+    from ckptctl.ops.transform.reshard import sharded_dims
+    from ckptctl.ops.transform.reshard_source import checked_source_checksums
 
     src, _, _ = saved(tmp_path)
     whole = tensors_of(src)
@@ -242,7 +242,7 @@ def baseline_mib(more_imports: str = "") -> float:
     # What the CLI costs before touching any checkpoint: interpreter, torch, the app, and the
     # ops modules that `reshard` and `convert` import when they start (the app itself no
     # longer imports them, so that torch-free commands start fast).
-    return peak_rss_mib(["-c", "import torch, ckptctl.cli.app, ckptctl.ops.convert, ckptctl.ops.reshard, "
+    return peak_rss_mib(["-c", "import torch, ckptctl.cli.app, ckptctl.ops.transform.convert, ckptctl.ops.transform.reshard, "
                                "ckptctl.ops.verify, safetensors" + more_imports])
 
 
@@ -327,7 +327,7 @@ def test_column_sharded_tensors_stay_column_sharded(tmp_path):
 
     from ckptctl.format.manifest import Manifest, TensorEntry
     from ckptctl.layouts.native import commit, read_header
-    from ckptctl.ops.stream_shard import ChunkSpec, write_shard_streaming
+    from ckptctl.ops.transform.stream_shard import ChunkSpec, write_shard_streaming
 
     w = torch.arange(6 * 10, dtype=torch.float32).view(6, 10)
     b = torch.arange(6, dtype=torch.float32)

@@ -16,7 +16,7 @@ from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.native import commit, read_committed
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.ops.reshard import reshard
+from ckptctl.ops.transform.reshard import reshard
 from ckptctl.storage import open_storage
 
 W = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)

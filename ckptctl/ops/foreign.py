@@ -18,7 +18,7 @@ from ckptctl.errors import CkptError
 from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.interop.base import Source
 from ckptctl.interop.detect import foreign_format
-from ckptctl.ops.convert import open_source
+from ckptctl.ops.transform.convert import open_source
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.ops.verify import Level, Problem, VerifyReport
 from ckptctl.progress import Progress

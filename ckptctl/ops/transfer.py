@@ -277,11 +277,11 @@ def restore_latest(
 
     ``world_size`` different from the saved one: the checkpoint is copied (and checked) into a
     hidden staging directory under ``dst_root``, re-sharded from there into the step directory
-    by ``ops.reshard`` (which verifies its result), and the staging copy is removed. So the
+    by ``ops.transform.reshard`` (which verifies its result), and the staging copy is removed. So the
     source is read once, over the network, and the fallback past corruption works the same.
     """
     if world_size is not None:  # before a byte is copied: a bad one would fail only after the copy
-        from ckptctl.ops.reshard import check_world_size
+        from ckptctl.ops.transform.reshard import check_world_size
 
         check_world_size(world_size)
     skipped: list[Skipped] = []
@@ -366,7 +366,7 @@ def _resharded_present(dst: Storage, source: Committed, world_size: int) -> bool
 
 def _reshard_staged(staging: Storage, dst: Storage, world_size: int, copied: CopyResult, progress: Progress | None) -> CopyResult:
     # Imported here: only a re-sharding restore needs the reshard machinery (and torch's).
-    from ckptctl.ops.reshard import reshard
+    from ckptctl.ops.transform.reshard import reshard
 
     # Leftovers of an interrupted restore (no marker) may be replaced; a committed dst was
     # handled by _resharded_present and never reaches this point.

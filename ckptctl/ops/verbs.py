@@ -21,7 +21,7 @@ from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage
 
 if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
-    from ckptctl.ops.convert import ConvertReport
+    from ckptctl.ops.transform.convert import ConvertReport
     from ckptctl.ops.foreign import ForeignInspect
     from ckptctl.ops.interval import IntervalAdvice
     from ckptctl.ops.layout_verify import Latest
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
     from ckptctl.ops.listing import Listed
     from ckptctl.ops.prune import PruneOutcome, PrunePlan
     from ckptctl.ops.repoint import PointerCheck, RepointResult
-    from ckptctl.ops.reshard import ReshardReport
+    from ckptctl.ops.transform.reshard import ReshardReport
     from ckptctl.ops.retention import RetentionPolicy
     from ckptctl.ops.save_stats import SaveStats
     from ckptctl.ops.transfer import CopyResult, RestoreResult, Skipped
@@ -294,7 +294,7 @@ def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False
     the ranks share the work (``ops.torchrun.torchrun_group``); the report is returned on
     rank 0 only (None elsewhere: rank 0 speaks for the job)."""
     from ckptctl.interop.base import return_freed_memory
-    from ckptctl.ops.reshard import reshard
+    from ckptctl.ops.transform.reshard import reshard
     from ckptctl.ops.torchrun import torchrun_group
 
     target = resolve_checkpoint(src, foreign=False, verb="reshard")
@@ -309,9 +309,9 @@ def convert_path(src: str, dst: str, to: str, *, only: Sequence[str] = (), dtype
                  max_shard_size: str | None = None, overwrite: bool = False,
                  progress: Progress | None = None, step: int | None = None,
                  strip_prefix: str | None = None) -> "ConvertReport":
-    """``ops.convert.convert`` with ``max_shard_size`` as the user wrote it (5GB, 500MiB)."""
+    """``ops.transform.convert.convert`` with ``max_shard_size`` as the user wrote it (5GB, 500MiB)."""
     from ckptctl.interop.base import return_freed_memory
-    from ckptctl.ops.convert import convert, parse_size
+    from ckptctl.ops.transform.convert import convert, parse_size
 
     size = parse_size(max_shard_size) if max_shard_size is not None else None
     open_existing(src)

@@ -22,7 +22,7 @@ on every backend. Each chunk streams through one small buffer in pieces of whole
 (``settings.STREAM_PIECE``, sized to stay in the CPU cache between copying and hashing), so
 memory is that buffer, not even a whole tensor. Re-reads are cheap when the source sits in the
 page cache; ``scripts/bench_reshard.py`` measures the cost. Reshard's pass 1, which also
-checks the source chunks it reads, is ``ops.reshard_source.checked_source_checksums``.
+checks the source chunks it reads, is ``ops.transform.reshard_source.checked_source_checksums``.
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.layouts.native import check_target_name, commit, read_committed, remove, uncommit
 from ckptctl.format.checksum import file_checksum
-from ckptctl.ops.reshard_source import checked_source_checksums
-from ckptctl.ops.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
+from ckptctl.ops.transform.reshard_source import checked_source_checksums
+from ckptctl.ops.transform.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
 from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.settings import MAX_WORLD_SIZE, STREAM_PIECE

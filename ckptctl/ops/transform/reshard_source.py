@@ -1,7 +1,7 @@
 """Reshard's pass 1 folded with its source check: the checksum of every target chunk, hashed
 from source chunks that are each read whole and checked against their own checksum.
 
-``ops.stream_shard`` writes a shard in two passes (checksums first, then header and data).
+``ops.transform.stream_shard`` writes a shard in two passes (checksums first, then header and data).
 For reshard, pass 1 reads the source anyway, so it is also where the source is verified: every
 source chunk that overlaps a target chunk lacking a checksum is streamed whole through the
 reader (``CheckpointReader.stream_chunk``, which checks it), and the target checksums are fed
@@ -21,7 +21,7 @@ from ckptctl.format import dtypes
 from ckptctl.format.checksum import Hasher
 from ckptctl.format.geometry import Box, intersection
 from ckptctl.load.reader import CheckpointReader, Located, ReadJob
-from ckptctl.ops.stream_shard import ChunkSpec, pieces
+from ckptctl.ops.transform.stream_shard import ChunkSpec, pieces
 from ckptctl.progress import Progress
 from ckptctl.settings import STREAM_PIECE, STREAM_THREADS
 from ckptctl.state.buffers import TensorBuffer, tensor_bytes

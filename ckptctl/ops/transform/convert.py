@@ -37,7 +37,7 @@ A Hugging Face Trainer checkpoint comes with its training state (``interop.hf_tr
 A ckptctl -> ckptctl conversion keeps every rank's per-rank state (RNG generators) in shard
 headers of their own, unless ``--only`` or ``--strip-prefix`` reshapes the state.
 
-``--strip-prefix``: ``ops.convert_tree``.
+``--strip-prefix``: ``ops.transform.convert_tree``.
 
 Memory: one buffer of the largest tensor, plus one more of it when ``--dtype`` casts, plus the
 source format's own temporaries (a DCP read holds one serialized tensor record).
@@ -62,9 +62,9 @@ from ckptctl.interop.detect import Format, detect, format_named
 from ckptctl.interop.steps import StepClue
 from ckptctl.layouts.native import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.ops.convert_tree import filter_tree, strip_names, strip_tree, tree_of
-from ckptctl.ops.reshard import prepare_target, require_verified, same_place
-from ckptctl.ops.stream_shard import ChunkSpec, write_shard_streaming
+from ckptctl.ops.transform.convert_tree import filter_tree, strip_names, strip_tree, tree_of
+from ckptctl.ops.transform.reshard import prepare_target, require_verified, same_place
+from ckptctl.ops.transform.stream_shard import ChunkSpec, write_shard_streaming
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage import Storage, open_storage
 from ckptctl.progress import Progress
@@ -186,7 +186,7 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
     ``step``: the step to record; it wins over what the source says (the report notes any
     difference). Without it, the source's own records must agree on one step, and a ckptctl
     target refuses a source that records none (UsageError: pass ``step``). ``strip_prefix``:
-    see ``ops.convert_tree``; ``only`` prefixes match the names before stripping."""
+    see ``ops.transform.convert_tree``; ``only`` prefixes match the names before stripping."""
     t0 = time.perf_counter()
     to = format_named(to)  # the shared vocabulary: a name or an alias (format.formats)
     cast = None

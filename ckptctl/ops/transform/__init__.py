@@ -1,0 +1,12 @@
+"""Transforms: a checkpoint rewritten into another shape, streaming, every byte checked.
+
+* ``reshard``: the same checkpoint for another world size (``ckptctl reshard``);
+* ``convert``: into another file format, or from another tool's (``ckptctl convert``), with
+  ``convert_tree`` for the state tree's names (``--only``, ``--strip-prefix``);
+* ``stream_shard``: writing one shard in two passes with bounded memory, and
+  ``reshard_source``: checking the source chunks as they are read.
+
+May import: ``format``, ``storage``, ``load``, ``state``, ``interop``, ``layouts.native``,
+``ops.verify`` (a source is verified before it is read) and the leaves; never ``cli`` nor the
+rest of ``ops`` (docs/architecture.md).
+"""
