@@ -97,6 +97,24 @@ def kind_of_checkpoint(layout: object, ckpt: Storage, manifest: Manifest | None 
 
 
 @dataclass(frozen=True)
+class Resume:
+    """What a stack's resume takes for one checkpoint: the path its default resume takes, and
+    the arguments that resume exactly this checkpoint (``latest --resume-args``)."""
+
+    path: str  # the path to hand over (a checkpoint directory, or the root for pointer stacks)
+    option: str  # how the stack takes it, in words, e.g. "--resume_from_checkpoint PATH"
+    argv: tuple[str, ...] = ()  # argv-ready arguments naming exactly this checkpoint
+    # Whether ``path`` with the stack's default resume loads exactly this checkpoint: False
+    # when the root's pointer (Megatron's tracker, DeepSpeed's ``latest``) names another one.
+    exact: bool = True
+    pointer: str | None = None  # the pointer file that makes ``path`` inexact, and what it names
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "option": self.option, "argv": list(self.argv), "exact": self.exact,
+                "pointer": self.pointer}
+
+
+@dataclass(frozen=True)
 class Finding:
     """One problem a layout's check found in a checkpoint, naming the file when it is one."""
 
@@ -125,6 +143,19 @@ class Layout(Protocol):
     files_are_checkpoints: bool  # one file per checkpoint (Lightning, Composer), not a directory
     seal_note: str | None  # why ``seal`` leaves its checkpoints alone; None when it seals them
     pointer_file: str | None  # the root-level file the stack's default resume reads (DeepSpeed, Megatron)
+    # Its committed checkpoints carry a manifest that records a checksum for every byte: verify
+    # checks them against it (``ops.verify``) and the verification record remembers a success
+    # by the manifest's digest (``ops.verify_cache``). False: the layout's own ``check`` judges
+    # them, and a seal (``ckptctl seal``) is what vouches for their bytes.
+    verified_by_manifest: bool
+    # ckptctl itself writes, commits and deletes these checkpoints (``Checkpointer``): ``rm``
+    # deletes them, and their anchor is the one a prune reports first. False: another tool
+    # writes them; they are read, and pruned by that tool's own rules only.
+    written_by_ckptctl: bool
+    # The one file whose presence alone makes a checkpoint more than partial (committed, or
+    # corrupt when what it commits does not hold), so a file listing tells partial apart; None
+    # when the commit rule reads more than a listing shows (a file's content, a root pointer).
+    commit_marker: str | None
 
     def for_root(self, root: Storage) -> "Layout":
         """This layout as it reads ``root`` (a pointer file at the root, for some stacks)."""
@@ -149,3 +180,12 @@ class Layout(Protocol):
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
         """Resumable or a model-only export, from names and headers (no tensor data); asked of
         committed checkpoints only. ``manifest``: the one the catalog read (ckptctl's own)."""
+
+    def resume(self, ckpt_path: str, step: int) -> Resume:
+        """What resumes exactly the checkpoint at ``ckpt_path`` (of step ``step``) in the tool
+        that wrote it (``latest``)."""
+
+    def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        """Metrics the tool recorded for its committed checkpoints ``(name, step)`` under
+        ``root``, by checkpoint name, read without loading any data (what ``KeepBest`` ranks
+        by); empty when it records none ckptctl reads beside the manifest's own."""

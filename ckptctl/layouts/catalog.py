@@ -23,7 +23,7 @@ stays cheap.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from ckptctl.format.formats import names_among
 from ckptctl.errors import InvalidCheckpoint, StorageError
@@ -81,6 +81,12 @@ def layout_named(name: str, root: Storage) -> Layout:
         if layout.name == name:
             return layout.for_root(root)
     raise KeyError(name)
+
+
+def layout_called(name: str) -> Layout | None:
+    """The layout called ``name`` as a kind (what it does, not bound to a root: no pointer file
+    read); None for ``unknown`` or any other name no layout has."""
+    return next((layout for layout in LAYOUTS if layout.name == name), None)
 
 
 def _scan(root: Storage, layouts: Sequence[Layout]) -> list[_Found]:
@@ -210,3 +216,25 @@ def sealed_commit_time(entry: Checkpoint) -> float | None:
     if seal.committed is None or seal.layout != entry.layout or seal.step not in (None, entry.step):
         return None
     return seal.committed
+
+
+def recorded_metrics(root: Storage, entries: Iterable[Checkpoint]) -> dict[str, dict[str, float]]:
+    """The metrics of each committed entry of ``root``, by name, read without loading data
+    (what ``KeepBest`` ranks by): what its save recorded in its manifest, else what its own
+    layout reads where its tool records them (``recorded_metrics``: the Trainer's state file).
+    A layout reads only its own entries: a Trainer's ``best_model_checkpoint`` never gives a
+    metric to another layout's checkpoint of that name."""
+    out: dict[str, dict[str, float]] = {}
+    asked: dict[str, list[Checkpoint]] = {}
+    for entry in entries:
+        if entry.status != "committed":
+            continue
+        if entry.manifest is not None:
+            out[entry.name] = dict(entry.manifest.metrics)
+        else:
+            asked.setdefault(entry.layout, []).append(entry)
+    for name, own in asked.items():
+        layout = layout_called(name)
+        found = layout.recorded_metrics(root, [(e.name, e.step) for e in own]) if layout is not None else {}
+        out.update({e.name: found.get(e.name, {}) for e in own})
+    return out

@@ -29,12 +29,13 @@ truncated one is caught here as unparsable (corrupt), never read as complete.
 
 from __future__ import annotations
 
+import math
 import posixpath
 import re
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
-from ckptctl.format.manifest import Manifest
+from ckptctl.format.manifest import MAX_METRIC_NAME, MAX_METRICS, Manifest
 from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
 from ckptctl.layouts.stack import FileKind, Level, Resume, StackLayout
 from ckptctl.storage.base import Storage
@@ -126,3 +127,43 @@ class HfTrainerLayout(StackLayout):
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"--resume_from_checkpoint {ckpt_path} (trainer.train(resume_from_checkpoint=...))",
                       ("--resume_from_checkpoint", ckpt_path))
+
+    def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        """From each checkpoint's own ``trainer_state.json``: every number Trainer logged at its
+        ``global_step`` (``log_history``: ``eval_loss``, ``loss``, ...), and ``best_metric``
+        given to the checkpoint its ``best_model_checkpoint`` names (the newest such file wins),
+        so ``--metric best_metric`` ranks the checkpoints Trainer once called its best. A file
+        that cannot be read, or a value that is no finite number, gives no metric."""
+        out: dict[str, dict[str, float]] = {}
+        for name, step in sorted(checkpoints, key=lambda c: c[1]):  # oldest first: the newest best wins
+            doc, problem = safe_load.json_file(root, f"{name}/{STATE}")
+            mine = out.setdefault(name, {})
+            if problem is not None or not isinstance(doc, dict):
+                continue
+            history = doc.get("log_history")
+            for entry in history if isinstance(history, list) else ():
+                if isinstance(entry, dict) and entry.get("step") == step:
+                    for key, value in entry.items():
+                        if key != "step":
+                            _put_metric(mine, key, value)
+            best, value = doc.get("best_model_checkpoint"), doc.get("best_metric")
+            if isinstance(best, str) and best.rstrip("/") and _finite(value) is not None:
+                _put_metric(out.setdefault(posixpath.basename(best.rstrip("/")), {}), "best_metric", value)
+        return out
+
+
+def _finite(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _put_metric(into: dict[str, float], name: object, value: object) -> None:
+    # The manifest's bounds on metrics (format.manifest) hold for a Trainer's too: a hostile
+    # trainer_state.json cannot make a prune keep thousands of names.
+    f = _finite(value)
+    if f is None or not isinstance(name, str) or not 0 < len(name) <= MAX_METRIC_NAME or not name.isprintable():
+        return
+    if name in into or len(into) < MAX_METRICS:
+        into[name] = f

@@ -33,7 +33,7 @@ from ckptctl.format.layout import MANIFEST, MARKER, MAX_STEP, attempt_name, is_m
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
-from ckptctl.layouts.base import CheckpointKind, Examined
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.removal import remove_unchanged
 from ckptctl.storage.local_io import TEMPORARY
 from ckptctl.storage.base import ObjectInfo, Storage
@@ -338,6 +338,16 @@ class NativeLayout:
     pointer_file: str | None = None  # load_latest walks the root; no pointer file names a step
     # Why ``seal`` leaves these alone: the manifest already is what a seal would be.
     seal_note: str | None = "a ckptctl checkpoint: its manifest already records a checksum for every byte; no seal needed"
+    verified_by_manifest = True
+    written_by_ckptctl = True
+    commit_marker: str | None = MARKER  # no marker: partial; a marker: committed or corrupt
+
+    def resume(self, ckpt_path: str, step: int) -> Resume:
+        return Resume(ckpt_path, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)",
+                      (ckpt_path,))
+
+    def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        return {}  # a save's metrics are in its manifest, which the catalog has read already
 
     def step_of(self, child: ObjectInfo) -> int | None:
         if child.kind not in ("dir", "link"):

@@ -12,6 +12,8 @@ from typing import Iterable, Mapping
 
 from ckptctl.storage.base import Storage
 
+Snapshot = tuple[tuple[str, int, float, str], ...]  # (key, size, mtime, kind) of every file
+
 
 def remove_unchanged(ckpt: Storage, order: Iterable[str], expected: Mapping[str, tuple[int, float]]) -> str | None:
     """Delete the files of ``order`` (keys of ``expected``: key -> (size, mtime) as planned),
@@ -26,3 +28,17 @@ def remove_unchanged(ckpt: Storage, order: Iterable[str], expected: Mapping[str,
         ckpt.delete(key)
     ckpt.remove_dir("")
     return None
+
+
+def snapshot_of(ckpt: Storage) -> Snapshot:
+    """Every file below ``ckpt`` as (key, size, mtime, kind): what a deletion checks against."""
+    return tuple(sorted((i.key, i.size, i.mtime, i.kind) for i in ckpt.list()))
+
+
+def entry_snapshot(root: Storage, name: str) -> Snapshot:
+    """``snapshot_of`` the entry ``name`` under ``root``; a checkpoint that is one file
+    (Lightning's ``*.ckpt``) is that file, under the key ``""``."""
+    info = root.stat(name)
+    if info is not None and info.kind == "file":
+        return (("", info.size, info.mtime, "file"),)
+    return snapshot_of(root.sub(name))

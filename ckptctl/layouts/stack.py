@@ -24,14 +24,13 @@ from __future__ import annotations
 import copy
 import re
 import zipfile
-from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
 from ckptctl.errors import NotFound
-from ckptctl.format.seal import SEAL
+from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts import safe_load
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.base import NOT_TOLD, Checked, CheckpointKind, Examined, Finding
+from ckptctl.layouts.base import NOT_TOLD, Checked, CheckpointKind, Examined, Finding, Resume
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import StoredFile, local_copy, open_file
 
@@ -39,24 +38,6 @@ Level = Literal["quick", "checksums", "load"]
 FileKind = Literal["torch", "safetensors", "json", "pickle", "distcp", "other"]
 
 NO_CHECKSUMS = ("{what} record no checksums: corruption that still decodes cannot be detected there")
-
-
-@dataclass(frozen=True)
-class Resume:
-    """What a stack's resume takes for one checkpoint: the path its default resume takes, and
-    the arguments that resume exactly this checkpoint (``latest --resume-args``)."""
-
-    path: str  # the path to hand over (a checkpoint directory, or the root for pointer stacks)
-    option: str  # how the stack takes it, in words, e.g. "--resume_from_checkpoint PATH"
-    argv: tuple[str, ...] = ()  # argv-ready arguments naming exactly this checkpoint
-    # Whether ``path`` with the stack's default resume loads exactly this checkpoint: False
-    # when the root's pointer (Megatron's tracker, DeepSpeed's ``latest``) names another one.
-    exact: bool = True
-    pointer: str | None = None  # the pointer file that makes ``path`` inexact, and what it names
-
-    def to_dict(self) -> dict[str, object]:
-        return {"path": self.path, "option": self.option, "argv": list(self.argv), "exact": self.exact,
-                "pointer": self.pointer}
 
 
 def files_below(ckpt: Storage) -> list[ObjectInfo]:
@@ -84,6 +65,11 @@ class StackLayout:
     pointer_file: str | None = None  # the root-level file the stack's default resume reads
     allowed: tuple[object, ...] = ()  # extra globals for torch.load(weights_only=True)
     seal_note: str | None = None  # why ``seal`` leaves this layout's checkpoints alone (None: it seals them)
+    # Another tool's checkpoints: judged by ``check`` (no manifest of every byte), never written
+    # or deleted by ``rm``, and partial by ``commit_state`` rather than by one file's presence.
+    verified_by_manifest = False
+    written_by_ckptctl = False
+    commit_marker: str | None = None
 
     def __init__(self) -> None:
         self.root: Storage | None = None
@@ -154,6 +140,16 @@ class StackLayout:
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"{ckpt_path}", (ckpt_path,))
+
+    def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        """Metrics the stack recorded for its checkpoints ``(name, step)``, by name (the
+        Trainer's ``trainer_state.json``); most stacks record none ckptctl reads."""
+        return {}
+
+    def sealed_as_another(self, seal: Seal) -> str | None:
+        """Why ``seal`` is not this layout's: it was made when the directory read as another
+        layout's checkpoint (its files changed since); None when it is this layout's."""
+        return None if seal.layout == self.name else f"sealed as a {seal.layout} checkpoint, now read as {self.name}"
 
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
         """Resumable or a model-only export, from file names and headers (no tensor data).

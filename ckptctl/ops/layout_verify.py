@@ -1,9 +1,10 @@
-"""``verify`` and ``latest`` for every layout the catalog knows: ckptctl's own checkpoints go to
-``ops.verify.verify_checkpoint``; other tools' (torchtitan/DCP, Hugging Face Trainer,
-Megatron-LM, DeepSpeed) to their layout's ``check`` (``layouts.stack``), at the same three
-levels: quick (the stack's commit rule, every file present, regular, non-empty, headers and
-sizes), checksums (+ the checksums that exist: CRC-32 of every ``torch.save`` record, Megatron
-``integrity.json``), load (+ every file test-loaded without unpickling anything).
+"""``verify`` and ``latest`` for every layout the catalog knows: checkpoints whose layout is
+``verified_by_manifest`` (ckptctl's own) go to ``ops.verify.verify_checkpoint``; other tools'
+(torchtitan/DCP, Hugging Face Trainer, Megatron-LM, DeepSpeed) to their layout's ``check``
+(``layouts.stack``), at the same three levels: quick (the stack's commit rule, every file
+present, regular, non-empty, headers and sizes), checksums (+ the checksums that exist: CRC-32
+of every ``torch.save`` record, Megatron ``integrity.json``), load (+ every file test-loaded
+without unpickling anything).
 
 ``verify_root(root, which=...)`` verifies a root's checkpoints of every layout (``verify --latest``
 and ``--all``); ``latest_checkpoint(root, level, formats=...)`` is the pre-resume check for every stack: the
@@ -21,12 +22,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Sequence, cast
 
 from ckptctl.errors import NoValidCheckpoint, UsageError
 from ckptctl.layouts.base import NOT_TOLD, Checkpoint, CheckpointKind, Layout, kind_of_checkpoint
 from ckptctl.layouts.catalog import FORMATS, layout_named, layouts_named, newest_marked
-from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.stack import Resume, StackLayout
 from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts.safe_load import STRUCTURAL_MARK
@@ -68,9 +68,9 @@ def verify_stack_detail(ckpt: Storage, layout: StackLayout, level: Level = "chec
         report.problems.append(bad_seal)
     if seal is not None:
         seal_level: SealLevel = "quick" if level == "quick" else "checksums"
-        if seal.layout != layout.name:
-            report.problems.append(Problem(f"sealed as a {seal.layout} checkpoint, now read as {layout.name}",
-                                           file=SEAL, hint="the directory changed after sealing; do not trust it"))
+        mismatch = layout.sealed_as_another(seal)
+        if mismatch is not None:
+            report.problems.append(Problem(mismatch, file=SEAL, hint="the directory changed after sealing; do not trust it"))
         found, n = check_against_seal(ckpt, seal, seal_level)
         report.problems.extend(found)
         report.bytes_read += n
@@ -109,10 +109,10 @@ def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",
                  progress: Progress | None = None) -> VerifyReport:
     """Verify one catalog entry of ``root`` by its own layout's rules."""
     assert entry.storage is not None, "a symlink is never verified"
-    if entry.layout == NATIVE_NAME:
+    layout = layout_named(entry.layout, root)
+    if layout.verified_by_manifest:
         return verify_checkpoint(entry.storage, level, progress)
-    layout = bound_layout(entry.layout, root)
-    return verify_stack(entry.storage, layout, level)
+    return verify_stack(entry.storage, cast(StackLayout, layout), level)
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,9 @@ def bound_layout(name: str, root: Storage) -> StackLayout:
     """The stack layout called ``name``, bound to ``root`` (its pointer file read)."""
     for layout in layouts_named([name]):
         bound = layout.for_root(root)
-        assert isinstance(bound, StackLayout)
-        return bound
+        # Callers ask its ``check``; a checkpoint verified by its manifest has none (verify_entry).
+        assert not bound.verified_by_manifest, f"{name} checkpoints are verified by their manifest"
+        return cast(StackLayout, bound)
     raise KeyError(name)
 
 
@@ -229,11 +230,7 @@ def latest_checkpoint(root: Storage, level: Level = "checksums", *, formats: Seq
         if not report.ok:
             skipped.append(report)
             continue
-        if entry.layout == NATIVE_NAME:
-            resume = Resume(entry.url, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)",
-                            (entry.url,))
-        else:
-            resume = bound_layout(entry.layout, root).resume(entry.url, entry.step)
+        resume = layout_named(entry.layout, root).resume(entry.url, entry.step)
         return Latest(report, entry.layout, entry.step, resume, skipped, kind, exports)
     what = "committed checkpoint" if formats is None else f"complete {'/'.join(formats)} checkpoint"
     if exports and not skipped:
@@ -276,5 +273,5 @@ def stack_checkpoint_at(path: str) -> tuple[StackLayout, Storage] | None:
     for layout in LAYOUTS:
         bound = layout.for_root(root)
         if bound.step_of(child) is not None and bound.claims(ckpt, names):
-            return (bound, ckpt) if isinstance(bound, StackLayout) else None
+            return None if bound.verified_by_manifest else (cast(StackLayout, bound), ckpt)
     return None

@@ -10,10 +10,9 @@ from typing import Any, Literal
 
 from ckptctl.errors import CkptError, RefusedForSafety
 from ckptctl.layouts.catalog import layout_named
-from ckptctl.layouts.native import NAME as NATIVE_NAME
-from ckptctl.layouts.removal import remove_unchanged
+from ckptctl.layouts.removal import entry_snapshot, remove_unchanged
 from ckptctl.ops.lock import RootLock
-from ckptctl.ops.prune_plan import Action, PlanItem, PrunePlan, entry_snapshot, raise_if_refused
+from ckptctl.ops.prune_plan import Action, PlanItem, PrunePlan, cached_names, raise_if_refused
 from ckptctl.ops.verify_cache import fingerprint
 from ckptctl.storage.base import Storage
 
@@ -87,9 +86,10 @@ def execute(plan: PrunePlan, *, lock: RootLock | None = None) -> PruneOutcome:
 
 def _execute(plan: PrunePlan, lock: RootLock) -> PruneOutcome:
     assert plan.anchor is not None
-    for layout, item in plan.anchors.items():
+    for name, item in plan.anchors.items():
         anchor = plan.root.sub(item.name)
-        same = (fingerprint(anchor) == plan.anchor_fingerprint if layout == NATIVE_NAME
+        # By what vouched for it when planned: its manifest's digest, else the files as planned.
+        same = (fingerprint(anchor) == plan.anchor_fingerprint if plan.managed[name].verified_by_manifest
                 else entry_snapshot(plan.root, item.name) == item.snapshot)
         if not same:
             raise RefusedForSafety(
@@ -117,8 +117,7 @@ def _execute(plan: PrunePlan, lock: RootLock) -> PruneOutcome:
             outcome.items.append(ItemOutcome(item.step, item.name, "delete", "failed", str(e)))
             log.warning("prune: could not delete %s: %s", item.url, e)
     if plan.cache is not None:
-        plan.cache.retain({i.name for i in plan.items if i.kind in ("committed", "broken") and i.layout == NATIVE_NAME}
-                          - {o.name for o in outcome.deleted})
+        plan.cache.retain(cached_names(plan) - {o.name for o in outcome.deleted})
         plan.cache.save()
         outcome.notes.extend(n for n in plan.cache.notes if n not in plan.notes)
     return outcome

@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, cast
 
 from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
-from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout, kind_of_checkpoint
-from ckptctl.layouts.catalog import LAYOUTS, layout_named, list_checkpoints, sealed_commit_time
+from ckptctl.layouts.catalog import LAYOUTS, layout_called, layout_named, list_checkpoints, recorded_metrics, sealed_commit_time
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.protection import protected
+from ckptctl.layouts.removal import Snapshot, entry_snapshot
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.layout_verify import verify_stack_detail
 from ckptctl.ops.seal import write_seal
 from ckptctl.ops.retention import Candidate, KeepSteps, RetentionPolicy
-from ckptctl.ops.retention_metrics import hf_trainer_metrics
 from ckptctl.ops.verify import Level, VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.ops.verify_cache import Fingerprint, VerifyCache, verify_cached
@@ -41,7 +40,6 @@ ANCHOR_LEVEL: Level = "load"
 
 Action = Literal["keep", "delete", "skip"]
 Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown"]
-Snapshot = tuple[tuple[str, int, float, str], ...]  # (key, size, mtime, kind) of every file
 
 
 @dataclass
@@ -89,6 +87,11 @@ class PrunePlan:
     seal: bool = False  # seal the other stacks' anchors it verified (``prune --seal``)
     record: bool = True  # False for a dry run: nothing is written, no seal either
     uploads: list[str] = field(default_factory=list)  # unfinished S3 uploads it aborts (ops.uploads)
+    managed: dict[str, Layout] = field(default_factory=dict)  # by name: the layouts it may delete from
+
+    def layout_of(self, item: PlanItem) -> Layout | None:
+        """``item``'s layout when this plan manages it; None when it is left alone."""
+        return self.managed.get(item.layout)
 
     @property
     def deletions(self) -> list[PlanItem]:
@@ -149,25 +152,27 @@ def plan(
     its seal, without test-loading it again.
     """
     p = PrunePlan(root, policy, partial_after_s, delete_broken, reverify, time.time() if now is None else now,
-                  seal=seal, record=record)
+                  seal=seal, record=record, managed={layout.name: layout for layout in layouts})
     p.cache = VerifyCache.load(root, read_only=not record)  # record=False: a dry run writes nothing
-    ours = {layout.name for layout in layouts}
     entries = list_checkpoints(root)
     p.items = [_survey(root, e, p.now, partial_after_s) for e in entries]
     _attach_metrics(root, entries, p.items)
     for item in p.items:
         # A symlink under another stack's name is that stack's too (DeepSpeed's `latest` may
         # name it): library retention leaves it alone like the stack's directories.
-        if item.layout not in ours and item.kind != "unknown":
+        if p.layout_of(item) is None and item.kind != "unknown":
             item.kind, item.action = "unknown", "skip"
-            item.reason = f"a {item.layout} checkpoint; this prune manages {', '.join(sorted(ours))} only"
+            item.reason = f"a {item.layout} checkpoint; this prune manages {', '.join(sorted(p.managed))} only"
     _mark_duplicates(p.items)
+    members: dict[str, list[PlanItem]] = {}  # by layout, in plan order
+    for item in p.items:
+        members.setdefault(item.layout, []).append(item)
     groups = sorted({i.layout for i in p.items if i.kind in ("committed", "broken", "partial")})
     for name in groups:
-        _choose_anchor(p, name, progress, heartbeat)
-    _pick_primary_anchor(p, groups)
+        _choose_anchor(p, name, members[name], progress, heartbeat)
+    _pick_primary_anchor(p, groups, members)
     for name in groups:
-        _apply_policy(p, name)
+        _apply_policy(p, name, members[name])
     committed = [Candidate(i.step, 0.0) for i in p.items if i.kind == "committed"]
     for pol in p.policy.policies:
         if isinstance(pol, KeepSteps):
@@ -177,30 +182,22 @@ def plan(
         if item.kind == "broken":
             _decide_broken(p, item)
     for item in p.deletions:
-        if item.kind != "link" and item.layout not in p.anchors:
+        if item.kind != "link" and p.anchors.get(item.layout) is None:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no {item.layout} checkpoint verifies"
-    _protect(p, root, ours)
+    _protect(p, root)
     if p.refused is not None:
         for item in p.deletions:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no checkpoint verifies"
-    p.cache.retain({i.name for i in p.items if i.kind in ("committed", "broken") and i.layout == NATIVE_NAME})
+    p.cache.retain(cached_names(p))
     p.cache.save()
     p.notes.extend(p.cache.notes)
     return p
 
 
-def snapshot_of(ckpt: Storage) -> Snapshot:
-    """Every file below ``ckpt`` as (key, size, mtime, kind): what a deletion checks against."""
-    return tuple(sorted((i.key, i.size, i.mtime, i.kind) for i in ckpt.list()))
-
-
-def entry_snapshot(root: Storage, name: str) -> Snapshot:
-    """``snapshot_of`` the entry ``name`` under ``root``; a checkpoint that is one file
-    (Lightning's ``*.ckpt``) is that file, under the key ``""``."""
-    info = root.stat(name)
-    if info is not None and info.kind == "file":
-        return (("", info.size, info.mtime, "file"),)
-    return snapshot_of(root.sub(name))
+def cached_names(p: PrunePlan) -> set[str]:
+    """The checkpoints whose verification the record keeps."""
+    return {i.name for i in p.items if i.kind in ("committed", "broken")
+            and (layout := p.layout_of(i)) is not None and layout.verified_by_manifest}
 
 
 def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float) -> PlanItem:
@@ -214,12 +211,15 @@ def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float
     snap = entry_snapshot(root, name)
     item = PlanItem(step, name, url, "partial", size=sum(s[1] for s in snap if s[3] == "file"), snapshot=snap,
                     layout=entry.layout)
-    native = entry.layout == NATIVE_NAME
-    if (native and not any(key == MARKER for key, *_ in snap)) or (not native and entry.status == "partial"):
+    layout = layout_called(entry.layout)
+    assert layout is not None, "the catalog lists a checkpoint under its layout's name"
+    # From the snapshot execute deletes by: a marker newer than the catalog's look is a commit.
+    marker = layout.commit_marker
+    if (marker is not None and not any(key == marker for key, *_ in snap)) or (marker is None and entry.status == "partial"):
         own = root.stat(name)
         item.modified = max([s[2] for s in snap] + [own.mtime if own else 0.0])
         idle = now - item.modified
-        why = "no marker" if native else f"incomplete {entry.layout} checkpoint ({entry.reason})"
+        why = "no marker" if marker is not None else f"incomplete {entry.layout} checkpoint ({entry.reason})"
         if idle >= partial_after_s:
             item.action = "delete"
             item.reason = (f"abandoned: {why}, and nothing modified for {format_duration(idle)} "
@@ -232,7 +232,7 @@ def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float
         # Committed between the catalog's look and the snapshot: judged on the next run.
         item.reason = "committed while this plan was made; left alone until the next prune"
         return item
-    if entry.status != "committed" or (native and entry.manifest is None):
+    if entry.status != "committed" or (layout.verified_by_manifest and entry.manifest is None):
         item.kind, item.reason = "broken", entry.reason or entry.status
         return item
     item.kind = "committed"
@@ -245,15 +245,11 @@ def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float
 
 
 def _attach_metrics(root: Storage, entries: list[Checkpoint], items: list[PlanItem]) -> None:
-    """What ``KeepBest`` ranks by (``ops.retention_metrics``)."""
-    trainer = hf_trainer_metrics(root, [(i.name, i.step) for i in items if i.kind == "committed" and i.layout == "hf-trainer"])
-    for entry, item in zip(entries, items):
-        if item.kind != "committed":
-            continue
-        if entry.manifest is not None:
-            item.metrics = dict(entry.manifest.metrics)
-        elif item.layout == "hf-trainer":
-            item.metrics = trainer.get(item.name, {})
+    """What ``KeepBest`` ranks by (``catalog.recorded_metrics``)."""
+    metrics = recorded_metrics(root, entries)
+    for item in items:
+        if item.kind == "committed":
+            item.metrics = metrics.get(item.name, {})
 
 
 def _mark_duplicates(items: list[PlanItem]) -> None:
@@ -278,12 +274,12 @@ def _summary(report: VerifyReport, cached: bool) -> dict[str, Any]:
     }
 
 
-def _choose_anchor(p: PrunePlan, layout: str, progress: Progress | None, heartbeat: Callable[[], None] | None) -> None:
-    """The newest resumable checkpoint of ``layout`` that passes full verification by its own
-    rules: an export (model only; kept by policy) is never what a deletion relies on."""
-    committed = [i for i in p.items if i.kind == "committed" and i.layout == layout]
+def _choose_anchor(p: PrunePlan, layout: str, members: list[PlanItem], progress: Progress | None,
+                   heartbeat: Callable[[], None] | None) -> None:
+    """The newest resumable checkpoint of ``layout`` (of ``members``) that passes full verification
+    by its own rules: an export (model only; kept by policy) is never what a deletion relies on."""
+    committed = [i for i in members if i.kind == "committed"]
     told = layout_named(layout, p.root)
-    bound = None if layout == NATIVE_NAME else told
     for item in reversed(committed):
         if heartbeat:
             heartbeat()
@@ -291,20 +287,21 @@ def _choose_anchor(p: PrunePlan, layout: str, progress: Progress | None, heartbe
         if not (kind := kind_of_checkpoint(told, ckpt)).resumable:
             p.notes.append(f"{item.name}: not the anchor: an export ({kind.reason})")
             continue
-        if isinstance(bound, StackLayout):
+        if told.verified_by_manifest:
+            report, cached, fp = verify_cached(ckpt, item.name, p.cache, level=ANCHOR_LEVEL,
+                                               reverify=p.reverify, progress=progress)
+            vouched = fp is not None
+        else:
+            bound = cast(StackLayout, told)
             # A sealed checkpoint whose every byte matches its seal was test-loaded when sealed.
             report, not_loaded = verify_stack_detail(ckpt, bound, ANCHOR_LEVEL, trust_seal=True)
             cached, vouched = False, report.ok and entry_snapshot(p.root, item.name) == item.snapshot
             if vouched and p.seal:
                 _seal_anchor(p, item, ckpt, bound, report, not_loaded)
-        else:
-            report, cached, fp = verify_cached(ckpt, item.name, p.cache, level=ANCHOR_LEVEL,
-                                               reverify=p.reverify, progress=progress)
-            vouched = fp is not None
         item.verification = _summary(report, cached)
         if report.ok and vouched:
             p.anchors[layout] = item
-            if layout == NATIVE_NAME:
+            if told.verified_by_manifest:  # execute checks this digest before deleting
                 p.anchor_fingerprint = fp
             return
         item.kind = "broken"
@@ -333,13 +330,14 @@ def _seal_anchor(p: PrunePlan, item: PlanItem, ckpt: Storage, layout: StackLayou
     p.notes.append(f"{item.name}: {done.status} ({done.files} files, test-loaded by this prune)")
 
 
-def _pick_primary_anchor(p: PrunePlan, groups: list[str]) -> None:
+def _pick_primary_anchor(p: PrunePlan, groups: list[str], members: dict[str, list[PlanItem]]) -> None:
     """``anchor`` is ckptctl's own anchor when there is one, else the newest of the others';
     ``refused`` is set when no layout has one (then nothing at all is deleted)."""
     if p.anchors:
-        p.anchor = p.anchors.get(NATIVE_NAME) or max(p.anchors.values(), key=lambda a: a.step)
+        own = [a for name, a in p.anchors.items() if p.managed[name].written_by_ckptctl]
+        p.anchor = own[0] if own else max(p.anchors.values(), key=lambda a: a.step)
         for name in groups:
-            if name not in p.anchors and any(i.layout == name and i.kind in ("committed", "broken") for i in p.items):
+            if name not in p.anchors and any(i.kind in ("committed", "broken") for i in members[name]):
                 p.notes.append(f"no {name} checkpoint passes full verification: none of them is deleted")
         return
     marked = [i for i in p.items if i.kind == "broken"]
@@ -350,11 +348,11 @@ def _pick_primary_anchor(p: PrunePlan, groups: list[str]) -> None:
         p.refused = f"{p.root.url}: no committed checkpoint; nothing is deleted"
 
 
-def _apply_policy(p: PrunePlan, layout: str) -> None:
-    """Committed checkpoints of ``layout`` up to its anchor go to the policies; the anchor is
-    always kept."""
+def _apply_policy(p: PrunePlan, layout: str, members: list[PlanItem]) -> None:
+    """Committed checkpoints of ``layout`` (``members``) up to its anchor go to the policies; the
+    anchor is always kept."""
     own = p.anchors.get(layout)
-    cands = [i for i in p.items if i.kind == "committed" and i.layout == layout and (own is None or i.step <= own.step)]
+    cands = [i for i in members if i.kind == "committed" and (own is None or i.step <= own.step)]
     by_step = {i.step: i for i in cands}
     anchor = own.step if own is not None else None
     decisions = p.policy.decide([Candidate(i.step, float(i.created or 0.0), i.metrics) for i in cands], anchor, now=p.now)
@@ -381,16 +379,16 @@ def _decide_broken(p: PrunePlan, item: PlanItem) -> None:
         item.reason = f"broken ({where}), reported, not deleted (--delete-broken removes it): {item.reason}"
 
 
-def _protect(p: PrunePlan, root: Storage, ours: set[str]) -> None:
+def _protect(p: PrunePlan, root: Storage) -> None:
     """What other stacks' pointers name (DeepSpeed ``latest``, Megatron's tracker), Trainer's
     ``best_model_checkpoint`` and every Lightning ``ModelCheckpoint``'s best are kept whatever
     the policies say, as those stacks do; a pointer that cannot be read keeps all it might name,
     and a symlink it names is kept (``layouts.protection``). Only the layouts this prune
     manages are asked: the others' entries are left alone anyway."""
-    entries = [(i.layout, i.name, i.kind) for i in p.items if i.layout in ours]
+    entries = [(i.layout, i.name, i.kind) for i in p.items if p.layout_of(i) is not None]
     for target, why in protected(root, entries).items():
         for item in p.items:
-            if item.name == target and item.layout in ours:
+            if item.name == target and p.layout_of(item) is not None:
                 if item.action == "delete":
                     item.action, item.reason = "keep", f"protected: {why}"
                 elif item.action == "keep":

@@ -3,7 +3,7 @@
 The metric is what the save recorded (``Checkpointer.save(step, state, metrics={"val_loss":
 ...})``, the manifest's ``metrics``) or, under a Hugging Face Trainer root, what the Trainer
 logged for that step (``eval_loss``, ...) and its own ``best_metric``
-(``ops.retention_metrics``).
+(each layout's ``recorded_metrics``, gathered by ``layouts.catalog.recorded_metrics``).
 
 What it decides, and why:
 

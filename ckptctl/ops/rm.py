@@ -25,8 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ckptctl.errors import CkptError, RefusedForSafety, UsageError
 from ckptctl.layouts.base import Checkpoint
-from ckptctl.layouts.catalog import LAYOUTS, list_checkpoints
-from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.catalog import LAYOUTS, layout_called, list_checkpoints
 from ckptctl.layouts.native import remove, total_size
 from ckptctl.layouts.protection import protected
 from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
@@ -109,7 +108,7 @@ def _survey(paths: Sequence[str]) -> list[_Root]:
         if entry is None:
             raise UsageError(f"no such checkpoint: {path}",
                              hint=f"list the checkpoints with `ckptctl ls {root_path}`")
-        if entry.layout != NATIVE_NAME and entry.status != "link":
+        if not _deletes(entry) and entry.status != "link":
             raise UsageError(f"{path} is a {entry.layout} checkpoint; rm deletes ckptctl checkpoints only",
                              hint="`ckptctl prune` manages other tools' checkpoints by their own rules")
         if any(i.name == name for i in root.items):
@@ -119,6 +118,12 @@ def _survey(paths: Sequence[str]) -> list[_Root]:
     return list(roots.values())
 
 
+def _deletes(entry: Checkpoint) -> bool:
+    """Whether ``rm`` deletes ``entry``: only checkpoints ckptctl writes (``native.remove``)."""
+    layout = layout_called(entry.layout)
+    return layout is not None and layout.written_by_ckptctl
+
+
 def _mark_anchor(root: _Root, cache: VerifyCache, progress: Progress | None) -> None:
     """Flag the target that is the root's newest checkpoint passing full verification, if any.
     Verifies newest first, and stops as soon as the answer is known."""
@@ -126,7 +131,7 @@ def _mark_anchor(root: _Root, cache: VerifyCache, progress: Progress | None) -> 
     if not targets:
         return
     lowest = min(i.step for i in targets.values())
-    committed = [e for e in root.entries.values() if e.status == "committed" and e.layout == NATIVE_NAME]
+    committed = [e for e in root.entries.values() if e.status == "committed" and _deletes(e)]
     for e in sorted(committed, key=lambda e: (e.step, e.name), reverse=True):
         if e.step < lowest:
             return  # the anchor, if any, is older than every target
