@@ -28,9 +28,16 @@ def committed_across(roots: list[Storage]) -> Iterator[tuple[int, str]]:
     if len(roots) == 1:
         yield from ((0, e.name) for e in newest_committed(roots[0], layouts=NATIVE))
         return
-    streams = [((-e.step, i, e.name) for e in _listed(root)) for i, root in enumerate(roots)]
+    streams = [_tagged(i, root) for i, root in enumerate(roots)]
     for _, i, name in heapq.merge(*streams):
         yield i, name
+
+
+def _tagged(i: int, root: Storage) -> Iterator[tuple[int, int, str]]:
+    # A function, not a generator expression in the list above: that would read ``i`` when
+    # first advanced, after the loop ended, and tag every tier's checkpoints with the last
+    # tier's index, so a resume would read S3 while the same step sat on local disk.
+    return ((-e.step, i, e.name) for e in _listed(root))
 
 
 def _listed(root: Storage) -> Iterator:
