@@ -147,3 +147,34 @@ def write_phases(ranks: int, nbytes: int, rounds: int, work: str) -> list[tuple]
         for p in procs:
             p.join()
     return sorted(rows, key=lambda x: (x[0] != "plain", x[1], x[2]))
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) used so far by process ``pid``, or None
+    where /proc cannot tell (another platform, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces: count the fields after its ')'.
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wait_quiet(pids: list[int], window_s: float = 0.3, busy: float = 0.05, timeout_s: float = 120.0) -> float:
+    """Wait until the processes ``pids`` (this one included, when its own background threads
+    matter) together use less than ``busy`` of a CPU over ``window_s``: the background work a
+    tool left behind (a prune, a re-read, a server still serving) is over before the next
+    timed section. Returns the seconds waited (``timeout_s`` at most: then it gives up)."""
+    import time
+
+    t0 = time.perf_counter()
+    before = [process_cpu_s(p) for p in pids]
+    while True:
+        time.sleep(window_s)
+        now = [process_cpu_s(p) for p in pids]
+        used = sum(b - a for a, b in zip(before, now) if a is not None and b is not None)
+        waited = time.perf_counter() - t0
+        if used < busy * window_s or waited >= timeout_s:
+            return waited
+        before = now
