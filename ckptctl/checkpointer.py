@@ -20,7 +20,7 @@ agreeing on it across ranks, is done here, where the two paths meet.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, StateError, UsageError
 from ckptctl.load.loader import load_checkpoint
@@ -31,10 +31,12 @@ from ckptctl.save.saver import SaveHandle, Saver
 from ckptctl.storage import Storage, open_storage
 from ckptctl.tiers.chain import Tiers
 from ckptctl.tiers.durability import Flushed
+from ckptctl.tiers.node_chain import make_tiers
 from ckptctl.tiers.recovery import committed_across
 from ckptctl.tiers.spec import Tier
 
 DEFAULT_PROMOTE_TIMEOUT_S = 600.0  # how long close() waits for the last checkpoint to reach the last tier
+RELEASE_MARGIN_S = 30.0  # other ranks wait this much longer than rank 0's flush for its stop
 
 __all__ = ["Checkpointer", "Flushed", "SaveHandle", "Tier"]
 
@@ -110,14 +112,15 @@ class Checkpointer:
         deletes a checkpoint still awaiting promotion. ``load_latest`` takes the newest
         committed step on any tier, nearest tier first. ``close`` waits up to
         ``promote_timeout_s`` for the last checkpoint to reach the last tier. With several
-        ranks the first tier must be shared by them (rank 0 promotes whole checkpoints)."""
+        ranks the first tier must be shared by them, or be ``node_local=True`` (each node's own
+        disk; every rank uploads its shards: ``tiers.node_chain``)."""
         self._tiers: Tiers | None = None
         if tiers is not None:
             if root is not None or storage is not None:
                 raise ValueError("give either root (one tier) or tiers, not both")
             if retention is not None or keep_last is not None or keep_every is not None:
                 raise ValueError("with tiers, give each Tier its own retention=")
-            self._tiers = Tiers(list(tiers))  # bad tiers or rules raise here, on every rank
+            self._tiers = make_tiers(list(tiers))  # bad tiers or rules raise here, on every rank
             self.root = self._tiers.roots[0]
             background = self._tiers.first_retention
         else:
@@ -146,9 +149,9 @@ class Checkpointer:
         )
         self._retention = background if self._saver.rank == 0 and self._tiers is None else None
         self.rank, self.world_size = self._saver.rank, self._saver.world_size
-        if self._tiers is not None and self.rank == 0:
-            self._tiers.start()
         coord = self._saver.coordinator
+        if self._tiers is not None:  # every rank: a node-local first tier exchanges nodes here
+            self._tiers.begin(self.rank, self.world_size, coord.group.group_name if coord is not None else None, timeout_s)
         if coord is not None:
             # The post-commit check is an exchange: every rank must take part, or none.
             mine = AGREE_OK if background is not None else AGREE_SKIP
@@ -265,8 +268,8 @@ class Checkpointer:
     def _load_latest(self, state: dict[str, Any], strict: bool) -> int | None:
         coord = self._saver.coordinator
         if coord is None:
-            for tier, name in committed_across(self._roots):  # ckptctl's own only; nearest tier first
-                ckpt = self._roots[tier].sub(name)
+            for tier, name in self._candidates():  # ckptctl's own only; nearest tier first
+                ckpt = self._at(tier, name)
                 try:
                     return self.load(ckpt, state, strict=strict)
                 except (InvalidCheckpoint, NotFound) as e:
@@ -274,10 +277,10 @@ class Checkpointer:
             return None
         # Only rank 0 lists and reads markers: the others take its list, so the listing's
         # cost does not grow with the number of ranks.
-        mine = list(committed_across(self._roots)) if self.rank == 0 else []
+        mine = list(self._candidates()) if self.rank == 0 else []
         names: list[tuple[int, str]] = self._saver.collective(coord.from_rank0, mine)
         for tier, name in names:
-            ckpt = self._roots[tier].sub(name)
+            ckpt = self._at(tier, name)
             step, error = None, None
             try:
                 step = self.load(ckpt, state, strict=strict)
@@ -298,6 +301,13 @@ class Checkpointer:
                 )
             log.warning("skipping %s: %s", ckpt.url, error or "another rank found its part of it corrupt or missing")
         return None
+
+    def _candidates(self) -> Iterator[tuple[int, str]]:
+        return self._tiers.candidates() if self._tiers is not None else committed_across(self._roots)
+
+    def _at(self, tier: int, name: str) -> Storage:
+        # A node-local first tier reads each file from the nearest tier holding it.
+        return self._tiers.checkpoint(tier, name) if self._tiers is not None else self._roots[tier].sub(name)
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -323,10 +333,12 @@ class Checkpointer:
 
     def _close_tiers(self, timeout_s: float | None) -> Flushed | None:
         assert self._tiers is not None
+        timeout = self.promote_timeout_s if timeout_s is None else timeout_s
         try:
             if self.rank != 0:
+                self._tiers.release(timeout + RELEASE_MARGIN_S)  # node-local: serve rank 0's last round
                 return None
-            flushed = self._tiers.flush(self.promote_timeout_s if timeout_s is None else timeout_s)
+            flushed = self._tiers.flush(timeout)
             if not flushed:
                 log.warning("close: step %d did not reach %s: %s; it is on %s", flushed.step, flushed.missing,
                             flushed.reason, ", ".join(flushed.tiers))

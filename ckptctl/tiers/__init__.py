@@ -11,7 +11,18 @@ retention=KeepLast(3), every=Steps(1000) | Minutes(30))])``. One concept per mod
 * ``recovery``: the candidates ``load_latest`` tries, newest step first, nearest tier first;
 * ``chain``: the tiers of one ``Checkpointer`` wired together.
 
-May import: ``ops``, ``layouts``, ``storage`` and the leaves (see docs/architecture.md).
+A node-local first tier (``Tier("/nvme/ckpt", node_local=True)``: each node's disk holds its
+own ranks' shards plus the manifest and marker) is wired by ``node_chain`` from:
+
+* ``channel``: rank 0's messages and each rank's replies, through the c10d store;
+* ``promotion_round``: one promotion, every rank uploading its own shards, rank 0's marker last;
+* ``upload``: one rank's shard files copied to the next tier, checked on the way;
+* ``node_commit``: when a node's copy of a checkpoint counts as committed there;
+* ``node_retention``: rank 0 plans, each node verifies its part of the newest and deletes;
+* ``node_keeper``: the thread on each node's leader that applies rank 0's commits and prunes;
+* ``layered``: the recovery view, each file from the nearest tier that holds it.
+
+May import: ``ops``, ``layouts``, ``format``, ``storage`` and the leaves (see docs/architecture.md).
 """
 
 from ckptctl.tiers.spec import Cadence, Minutes, Steps, Tier

@@ -6,11 +6,12 @@ durable is recorded, the promoter to tier k+1 is offered the checkpoint (it choo
 cadence and pins what it chose), and only then is tier k's retention asked to prune, so a
 prune never plans without the pin of the checkpoint that just committed.
 
-Only rank 0 promotes (whole checkpoints: the first tier must then be a filesystem every rank
-writes to, as a single root is); every rank lists the tiers' roots when it resumes.
+Here only rank 0 promotes (whole checkpoints: the first tier must then be a filesystem every
+rank writes to, as a single root is); a node-local first tier (``Tier(..., node_local=True)``)
+is wired by ``tiers.node_chain`` instead, whose promotion is a round of every rank.
 
 May import: ``ops``, ``storage``, ``tiers.spec``, ``tiers.promoter``, ``tiers.guarded``,
-``tiers.durability``, leaves.
+``tiers.durability``, ``tiers.recovery``, leaves.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from typing import Iterator
 
-from ckptctl.ops.transfer import CopyResult
+from ckptctl.ops.transfer import CopyResult, copy_checkpoint
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.durability import Durability, Flushed
 from ckptctl.tiers.guarded import GuardedRetention
-from ckptctl.tiers.promoter import Promoter
+from ckptctl.tiers.promoter import CopyFn, Promoter
+from ckptctl.tiers.recovery import committed_across
 from ckptctl.tiers.spec import Tier, check_tiers
 
 log = logging.getLogger("ckptctl")
@@ -48,12 +51,19 @@ class Tiers:
         self._newest: tuple[int, str] | None = None  # newest (step, name) committed on the first tier in this run
         self._flushing = False
 
-    def start(self) -> None:
-        """Start promoting (rank 0 only: it alone learns of each commit)."""
+    def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float) -> None:
+        """Called on every rank once the saver exists (``tiers.node_chain`` overrides it)."""
+        if rank == 0:
+            self.start()
+
+    def start(self, first_copy: CopyFn = copy_checkpoint) -> None:
+        """Start promoting (rank 0 only: it alone learns of each commit). ``first_copy``
+        promotes from the first tier (a node-local one's is a round of every rank)."""
         for k in range(len(self.specs) - 1):
             nxt = self.specs[k + 1]
             p = Promoter(self.roots[k], self.roots[k + 1], every=nxt.every, retry_max_s=nxt.retry_max_s,
-                         lag_warning_s=nxt.lag_warning_s, on_promoted=self._promoted_callback(k + 1))
+                         lag_warning_s=nxt.lag_warning_s, on_promoted=self._promoted_callback(k + 1),
+                         copy=first_copy if k == 0 else copy_checkpoint)
             self.promoters.append(p)
             guard = self.retentions[k]
             if guard is not None:
@@ -128,6 +138,19 @@ class Tiers:
                                self.durability.of(step))
             reached.append(self.roots[k + 1].url)
         return Flushed(True, step, tuple(reached), None, "", time.monotonic() - t0, self.durability.of(step))
+
+    # --- resuming ------------------------------------------------------------------------------
+
+    def candidates(self) -> Iterator[tuple[int, str]]:
+        """``(tier, name)`` to try, newest step first, nearest tier first."""
+        return committed_across(self.roots)
+
+    def checkpoint(self, tier: int, name: str) -> Storage:
+        """Where this rank reads candidate ``name`` of ``tier``."""
+        return self.roots[tier].sub(name)
+
+    def release(self, timeout_s: float) -> None:
+        """On ranks other than 0, at close: nothing to wait for here (see ``tiers.node_chain``)."""
 
     def close(self, join_s: float = 5.0) -> None:
         """Stop the promoters (a copy still running is left to its daemon thread after

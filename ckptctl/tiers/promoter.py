@@ -2,8 +2,9 @@
 
 One thread per hop, never the training thread nor the writer thread, so a slow or unreachable
 next tier never stalls training nor delays the next save. Each promotion is
-``ops.transfer.copy_checkpoint``: every byte checked on the way, the marker written last, so
-the next tier never holds a checkpoint that looks complete and is not.
+``ops.transfer.copy_checkpoint`` (from a node-local first tier, a round in which every rank
+uploads its own shards: ``tiers.promotion_round``): every byte checked on the way, the marker
+written last, so the next tier never holds a checkpoint that looks complete and is not.
 
 Choosing: a checkpoint committed on the source tier is *chosen* when the destination's cadence
 says it is due (``Tier.every``; always, without one). When the promoter falls behind, it takes
@@ -38,6 +39,9 @@ log = logging.getLogger("ckptctl")
 
 # Called on the promoter's thread once ``name`` (step) is committed on the destination.
 OnPromoted = Callable[[int, str, CopyResult], None]
+# Copies one committed checkpoint directory to another: ``copy_checkpoint``, or a node-local
+# first tier's promotion round (``tiers.promotion_round``), which raises the same errors.
+CopyFn = Callable[[Storage, Storage], CopyResult]
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,9 @@ class Promoter:
     """Promotes ``src`` root's committed checkpoints to ``dst`` root, on a thread of its own."""
 
     def __init__(self, src: Storage, dst: Storage, *, every: Cadence | None, retry_max_s: float,
-                 lag_warning_s: float, on_promoted: OnPromoted) -> None:
+                 lag_warning_s: float, on_promoted: OnPromoted, copy: CopyFn = copy_checkpoint) -> None:
         self.src, self.dst = src, dst
+        self._copy = copy
         self.every = every
         self.retry_max_s, self.lag_warning_s = retry_max_s, lag_warning_s
         self._on_promoted = on_promoted
@@ -148,7 +153,7 @@ class Promoter:
         delay = RETRY_FIRST_S
         while True:
             try:
-                result = copy_checkpoint(self.src.sub(offer.name), self.dst.sub(offer.name))
+                result = self._copy(self.src.sub(offer.name), self.dst.sub(offer.name))
             except OperationalError as e:  # unreachable, throttled, lock trouble: retry later
                 self._check_lag(e)
                 with self._cond:

@@ -81,7 +81,9 @@ class Tier:
     tier after the first, how often it receives a checkpoint (``every``; None: each one
     committed on the tier before), how long an outage is retried between attempts at most
     (``retry_max_s``) and after how long behind a warning is logged (``lag_warning_s``).
-    ``storage``: an already opened storage for ``root`` (another endpoint, tuned parts)."""
+    ``storage``: an already opened storage for ``root`` (another endpoint, tuned parts).
+    ``node_local`` (first tier only): ``root`` is a path on each node's own disk, holding only
+    the shards that node's ranks wrote (see ``tiers.node_chain``)."""
 
     root: str
     retention: Policy | RetentionPolicy | None = None
@@ -89,6 +91,7 @@ class Tier:
     retry_max_s: float = DEFAULT_RETRY_MAX_S
     lag_warning_s: float = DEFAULT_LAG_WARNING_S
     storage: Storage | None = field(default=None, repr=False)
+    node_local: bool = False
 
     def __post_init__(self) -> None:
         if self.every is not None and not isinstance(self.every, Cadence):
@@ -112,4 +115,6 @@ def check_tiers(tiers: list[Tier]) -> list[Tier]:
             raise TypeError(f"tiers must be Tier objects, got {t!r}")
     if tiers[0].every is not None:
         raise ValueError("the first tier receives every save; 'every' applies to the tiers after it")
+    if any(t.node_local for t in tiers[1:]):
+        raise ValueError("only the first tier can be node-local (node_local=True)")
     return tiers

@@ -1,0 +1,133 @@
+"""The tiers' channel between ranks: numbered messages from rank 0, replies from each rank,
+through the c10d store of the default group.
+
+Why the store and not a gloo group: a rank waits for rank 0's next message for as long as a job
+runs (hours between promotions), which a gloo collective cannot do without its timeout
+breaking the group; and store operations never queue behind, or in front of, the save
+coordinator's gloo collectives or the training's NCCL ones. A rank that dies leaves its reply
+missing, which rank 0 sees at its deadline, and nothing else breaks: the next round uses new
+keys. Every thread that waits holds a connection of its own (``Store.clone``), because a
+TCPStore connection serves one request at a time.
+
+Keys, under ``ckptctl-tiers/<group name>/``:
+
+* ``<stream>/<n>``: rank 0's n-th message on ``stream`` (``promote`` or ``node``), JSON;
+* ``<stream>/<n>/r<k>``: rank k's reply to it (``promote`` only);
+* ``<stream>/<n>/acks``: how many ranks took it (``node``), so rank 0 deletes it once all did;
+* ``nodes/<k>``: rank k's node, exchanged once when the ``Checkpointer`` is built.
+
+May import: leaves only (and torch.distributed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptctl.errors import CoordinationError
+
+log = logging.getLogger("ckptctl")
+
+# A thread waits for rank 0's next message this long per store request: a wait that times out
+# is logged by c10d, and messages may be hours apart.
+WAIT_S = 86400.0
+
+
+def _default_store() -> "dist.Store":
+    from torch.distributed.distributed_c10d import _get_default_store  # private: guarded by the caller
+
+    return _get_default_store()
+
+
+class Channel:
+    """One ``Checkpointer``'s tiers channel. ``rank``/``world_size``: in its process group."""
+
+    def __init__(self, group_name: str, rank: int, world_size: int) -> None:
+        try:
+            base = _default_store()
+        except (ImportError, AttributeError, ValueError, RuntimeError) as e:
+            raise CoordinationError(f"node-local tiers need the c10d store of the default group: {e}",
+                                    hint="initialise torch.distributed with a store (torchrun does)") from None
+        self._store = dist.PrefixStore(f"ckptctl-tiers/{group_name}/", base)
+        self.rank, self.world_size = rank, world_size
+        self._send_lock = threading.Lock()
+        self._sender: dist.Store | None = None
+        self._sent = {"promote": 0, "node": 0}
+
+    def connection(self) -> "dist.Store":
+        """A connection of its own, for one thread."""
+        return self._store.clone()
+
+    # --- rank 0 -------------------------------------------------------------------------------
+
+    def send(self, stream: str, message: dict[str, Any]) -> int:
+        """Publish the next message on ``stream``; returns its number."""
+        with self._send_lock:
+            if self._sender is None:
+                self._sender = self.connection()
+            self._sent[stream] += 1
+            n = self._sent[stream]
+            self._sender.set(f"{stream}/{n}", json.dumps(message).encode())
+            return n
+
+    def replies(self, conn: "dist.Store", stream: str, n: int, timeout_s: float) -> dict[int, str]:
+        """Every rank's reply to message ``n``, waiting ``timeout_s`` at most; ranks that did
+        not reply by then are absent. One blocking wait, not a poll: c10d logs every wait
+        that times out, and a store's load grows with the number of polling ranks."""
+        keys = {k: f"{stream}/{n}/r{k}" for k in range(self.world_size)}
+        try:
+            conn.wait(list(keys.values()), timedelta(seconds=max(timeout_s, 0.001)))
+        except dist.DistStoreError:
+            pass  # the deadline: take the replies that are there
+        return {k: conn.get(key).decode() for k, key in keys.items() if conn.check([key])}
+
+    def forget(self, conn: "dist.Store", stream: str, n: int, *, replies: bool) -> None:
+        """Delete message ``n`` (and its replies): everyone has read it."""
+        conn.delete_key(f"{stream}/{n}")
+        if replies:
+            for k in range(self.world_size):
+                conn.delete_key(f"{stream}/{n}/r{k}")
+        else:
+            conn.delete_key(f"{stream}/{n}/acks")
+
+    def acks(self, conn: "dist.Store", stream: str, n: int) -> int:
+        return int(conn.add(f"{stream}/{n}/acks", 0))
+
+    # --- every rank ---------------------------------------------------------------------------
+
+    def receive(self, conn: "dist.Store", stream: str, n: int) -> dict[str, Any] | None:
+        """Message ``n`` of ``stream`` once rank 0 sent it (waiting as long as the job runs);
+        None when the store is gone (the job is ending)."""
+        key = f"{stream}/{n}"
+        while True:
+            try:
+                conn.wait([key], timedelta(seconds=WAIT_S))
+                return json.loads(conn.get(key))
+            except dist.DistStoreError:
+                continue  # a day without a message: wait on
+            except RuntimeError as e:  # DistNetworkError and kin: the store's host has exited
+                log.info("tiers channel: the c10d store is gone (%s); this rank stops promoting", e)
+                return None
+
+    def reply(self, conn: "dist.Store", stream: str, n: int, text: str) -> None:
+        conn.set(f"{stream}/{n}/r{self.rank}", text.encode())
+
+    def ack(self, conn: "dist.Store", stream: str, n: int) -> None:
+        conn.add(f"{stream}/{n}/acks", 1)
+
+    def exchange(self, key: str, mine: str, timeout_s: float) -> list[str]:
+        """Every rank's ``mine`` for ``key``, by rank (a collective: every rank calls it)."""
+        conn = self.connection()
+        conn.set(f"{key}/{self.rank}", mine.encode())
+        keys = [f"{key}/{k}" for k in range(self.world_size)]
+        try:
+            conn.wait(keys, timedelta(seconds=timeout_s))
+        except dist.DistStoreError as e:
+            raise CoordinationError(f"tiers: not every rank built its Checkpointer within {timeout_s:.0f} s ({e})",
+                                    hint="construct the Checkpointer at the same point on every rank") from None
+        return [v.decode() for v in conn.multi_get(keys)]

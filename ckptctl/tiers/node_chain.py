@@ -1,0 +1,200 @@
+"""Tiers whose first tier is node-local (``Tier("/nvme/ckpt", node_local=True)``): each node's
+disk holds only the shards its own ranks wrote, plus each checkpoint's manifest and marker.
+
+What differs from ``tiers.chain`` (a first tier every rank shares):
+
+* **Nodes.** When the ``Checkpointer`` is built, every rank publishes its node (torchrun's
+  ``GROUP_RANK``, else the host name) through the c10d store (``tiers.channel``); a node's
+  leader is its lowest rank.
+* **Commit.** A save commits on rank 0's node exactly as on a single root. Then rank 0 sends
+  the manifest and marker to every leader, which commits its node's copy by the node-local
+  rule (``tiers.node_commit``).
+* **Promotion.** Rank 0's promoter decides (cadence, skip-when-behind, backoff); each attempt
+  is a round in which every rank uploads its own shards and rank 0 writes the marker last
+  (``tiers.promotion_round``). Tiers after the second are whole: rank 0 copies them as before.
+* **Retention** of the first tier: rank 0 plans with the promoter's pins, each leader verifies
+  its part of the newest checkpoint and deletes (``tiers.node_retention``). Later tiers prune
+  as in ``tiers.chain``.
+* **Recovery.** Candidates are the union of rank 0's node's steps and the later tiers', newest
+  first; each rank reads a candidate through ``tiers.layered`` (its own disk first, then each
+  later tier), every byte checksummed by the loader. ``load_latest`` moves on to an older step
+  together when any rank lacks a file (see docs/protocol.md, "The recovery choice").
+
+Rank 0's work after each commit runs on a thread of its own (never the saver's writer thread,
+so the next save's write never waits for a listing or the store). At ``close``, rank 0 flushes,
+then sends ``stop`` on both streams; every other rank waits (bounded) for it, so that its
+upload thread serves rank 0's final round.
+
+May import: ``tiers.*``, ``layouts``, ``ops``, ``storage``, leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator
+
+from ckptctl.errors import CkptError
+from ckptctl.layouts.native import read_committed_raw
+from ckptctl.ops.transfer import CopyResult
+from ckptctl.storage.base import Storage
+from ckptctl.tiers.chain import Tiers
+from ckptctl.tiers.channel import Channel
+from ckptctl.tiers.durability import Flushed
+from ckptctl.tiers.layered import Layered
+from ckptctl.tiers.node_keeper import NodeKeeper, NodeMessages
+from ckptctl.tiers.node_retention import NodePruner, plan
+from ckptctl.tiers.promotion_round import RoundLeader, RoundWorker
+from ckptctl.tiers.spec import Tier
+
+log = logging.getLogger("ckptctl")
+
+
+def node_id() -> str:
+    """This process's node: torchrun's node rank when launched by it (two "nodes" on one host
+    stay two), else the host name."""
+    group = os.environ.get("GROUP_RANK")
+    return f"node-{group}" if group is not None else socket.gethostname()
+
+
+def make_tiers(tiers: list[Tier]) -> Tiers:
+    """The wiring for ``tiers``: node-local when the first tier says so."""
+    return NodeTiers(tiers) if tiers and isinstance(tiers[0], Tier) and tiers[0].node_local else Tiers(tiers)
+
+
+def _name_of(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+class NodeTiers(Tiers):
+    def __init__(self, tiers: list[Tier]) -> None:
+        super().__init__(tiers)
+        self._rules = self.specs[0].retention
+        self.retentions[0] = None  # ``prune`` cannot verify one node's part: rank 0 plans, leaders delete
+        self.channel: Channel | None = None
+        self.node_ranks: frozenset[int] = frozenset({0})
+        self._messages: NodeMessages | None = None
+        self._round: RoundLeader | None = None
+        self._keeper: NodeKeeper | None = None
+        self._worker: RoundWorker | None = None
+        self._pruner: NodePruner | None = None  # one process: rank 0 applies its own plans
+        self._after: ThreadPoolExecutor | None = None  # rank 0's work after each commit, in order
+        self._lock = threading.Lock()
+        self._closing = False
+        self.rank = 0
+
+    def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float) -> None:
+        self.rank = rank
+        if world_size <= 1 or group_name is None:
+            self._pruner = NodePruner(self.roots[0], {0})
+            self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
+            self.start()
+            return
+        channel = self.channel = Channel(group_name, rank, world_size)
+        nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
+        self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
+        if rank == min(self.node_ranks):
+            self._keeper = NodeKeeper(channel, self.roots[0], self.node_ranks)
+        if len(self.roots) > 1:
+            self._worker = RoundWorker(channel, self.roots[0], self.roots[1])
+        if rank == 0:
+            self._messages = NodeMessages(channel, len(set(nodes)))
+            self._round = RoundLeader(channel, timeout_s)
+            self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
+            self.start(first_copy=self._round.copy)
+
+    # --- after each commit (rank 0) -----------------------------------------------------------
+
+    def after_save(self, step: int, save: "Future[str | None]") -> None:
+        def committed(f: "Future[str | None]") -> None:
+            if f.exception() is None and f.result() is not None:
+                self._submit(self._committed, step, _name_of(str(f.result())))
+
+        save.add_done_callback(committed)
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn`` on the after-commit thread, in order; dropped once closing (a promoter
+        thread left running past ``close`` may still report)."""
+        with self._lock:
+            if self._after is not None and not self._closing:
+                self._after.submit(fn, *args)
+
+    def _committed(self, step: int, name: str) -> None:
+        try:
+            if self._messages is not None:
+                self._messages.commit(name, read_committed_raw(self.roots[0].sub(name)))
+            self._newest = (step, name)
+            self._reached(0, step, name)  # offered to the promoter, which pins it when chosen
+            self._prune()
+        except CkptError as e:
+            log.error("tiers: after the commit of step %d: %s", step, e)
+        except Exception as e:  # a bug here must not end commits and retention for the run
+            log.error("tiers: after the commit of step %d", step, exc_info=e)
+
+    def _promoted_callback(self, k: int):
+        promoted = super()._promoted_callback(k)
+
+        def then_prune(step: int, name: str, result: CopyResult) -> None:
+            promoted(step, name, result)
+            if k == 1:  # a pin was released: the first tier may shrink now
+                self._submit(self._prune_logged)
+
+        return then_prune
+
+    def _prune_logged(self) -> None:
+        try:
+            self._prune()
+        except CkptError as e:
+            log.error("retention of %s: %s", self.roots[0].url, e)
+
+    def _prune(self) -> None:
+        if self._rules is None:
+            return
+        pins = self.promoters[0].pins() if self.promoters else frozenset()
+        p = plan(self.roots[0], self._rules, pins, self.roots[1].url if len(self.roots) > 1 else "")
+        if p is None:
+            return
+        if self._messages is not None:
+            self._messages.prune(p)
+        elif self._pruner is not None:
+            self._pruner.apply(p)
+
+    # --- resuming -----------------------------------------------------------------------------
+
+    def candidates(self) -> Iterator[tuple[int, str]]:
+        seen: set[str] = set()
+        for tier, name in super().candidates():
+            if name not in seen:  # one view reads every tier's copy of it
+                seen.add(name)
+                yield tier, name
+
+    def checkpoint(self, tier: int, name: str) -> Storage:
+        return Layered([root.sub(name) for root in self.roots])
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> Flushed:
+        if self._after is not None:
+            self._after.submit(lambda: None).result()  # the last commit is offered before the wait
+        return super().flush(timeout_s)
+
+    def release(self, timeout_s: float) -> None:
+        for t in (self._worker, self._keeper):
+            if t is not None and not t.join(timeout_s):
+                log.warning("tiers: rank %d stopped waiting for rank 0's last promotion after %.0f s", self.rank, timeout_s)
+
+    def close(self, join_s: float = 5.0) -> None:
+        super().close(join_s)  # promoters first: their last callback may still ask for a prune
+        with self._lock:
+            self._closing = True
+        if self._after is not None:
+            self._after.shutdown(wait=True)  # the last commit's message and prune go out before stop
+        if self._round is not None:
+            self._round.close()
+        if self._messages is not None:
+            self._messages.stop()
+        if self.rank == 0:
+            self.release(join_s)

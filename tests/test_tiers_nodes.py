@@ -1,0 +1,150 @@
+"""Node-local first tier (issue 23, second slice): 2 torchrun "nodes" x 2 ranks on one host,
+each node with its own local root, plus a moto S3 tier over HTTP (``tier_node_workers.py``).
+
+Each node holds only its own ranks' shards plus the manifest and marker; promotion is a round
+in which every rank uploads its own shards and rank 0 writes the S3 marker last; a rank killed
+mid-round leaves S3's newest committed checkpoint valid; a node that lost its disk resumes
+from S3, bitwise equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from ckptctl import Checkpointer, KeepLast, Tier
+from ckptctl.format.layout import step_dir
+from ckptctl.layouts.native import read_committed
+from ckptctl.storage import open_storage
+from helpers import cli
+from s3_fault_proxy import FaultProxy
+from tier_node_workers import Job
+from tier_workers import state_for
+
+
+
+def _committed(root: str) -> set[int]:
+    if not os.path.isdir(root):
+        return set()
+    return {int(n.split("-")[1]) for n in os.listdir(root) if n.startswith("step-")
+            and os.path.exists(os.path.join(root, n, "COMMITTED"))}
+
+
+def _s3_committed(url: str) -> set[int]:
+    root = open_storage(url)
+    return {int(i.key.split("-")[1]) for i in root.children() if i.key.startswith("step-")
+            and root.sub(i.key).stat("COMMITTED") is not None}
+
+
+def _shards(root: str, step: int) -> set[int]:
+    d = os.path.join(root, step_dir(step))
+    return {int(n[5:10]) for n in os.listdir(d) if n.startswith("rank-") and n.endswith(".safetensors")}
+
+
+def _ok(results: dict[int, dict], job: Job) -> None:
+    for r, res in results.items():
+        assert "error" not in res and "missing" not in res, f"rank {r}: {res}\n{job.logs()}"
+
+
+def _wait_for(check, what: str, job: Job, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}\n{job.logs()}"
+        time.sleep(0.1)
+
+
+def test_two_nodes_commit_promote_prune_survive_a_kill_and_a_lost_node(tmp_path, s3_server: str, s3_url: str) -> None:
+    """One job's life in three launches (each launch costs ~20 s of torch imports on 2 cores).
+    Tiers (``tier_node_workers._tiers``): node-local KeepLast(1); S3 KeepLast(2), every 20 steps."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    proxy = FaultProxy(s3_server).start()  # every rank's S3 traffic goes through it
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
+    try:
+        # --- 1. saves commit on each node; promotion reaches S3; each tier prunes by its rules.
+        job = Job("save", [{"local": r, "remote": s3_url, "steps": [10, 20, 30]} for r in roots],
+                  str(tmp_path / "run1"), env=env)
+        results = job.wait()
+        _ok(results, job)
+        assert [results[r]["node"] for r in range(4)] == ["0", "0", "1", "1"]
+        assert results[0]["flushed"] == {"complete": True, "step": 30, "tiers": [roots[0], s3_url], "reason": ""}
+        for node, root in enumerate(roots):
+            assert _committed(root) == {30}, f"node {node}: KeepLast(1) on the first tier\n{job.logs()}"
+            assert _shards(root, 30) == {2 * node, 2 * node + 1}  # only this node's ranks' shards
+            manifest, _ = read_committed(open_storage(os.path.join(root, step_dir(30))))
+            assert manifest.step == 30 and len(manifest.files) == 4
+        a, b = (open(os.path.join(r, step_dir(30), "manifest.json"), "rb").read() for r in roots)
+        assert a == b  # one checkpoint, split across the nodes
+        s3 = _s3_committed(s3_url)
+        assert 30 in s3 and s3 <= {10, 30}, f"every 20 steps (10 may be skipped when behind): {s3}"
+        r = cli("verify", f"{s3_url}/{step_dir(30)}", "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["ok"] is True, r.stdout + r.stderr
+
+        # --- 2. node 1 lost its disk: resume from S3, bitwise equal. Then step 40 is chosen for
+        # S3 (45 and 50 are not due) and its promotion stalls on rank 3's upload: both nodes keep
+        # 40 past KeepLast(1) while it waits (45 goes); rank 3 is killed mid-round.
+        shutil.rmtree(roots[1])
+        blocked = f"{step_dir(40)}/rank-00003"
+        proxy.rule = lambda method, path: "503" if method in ("PUT", "POST") and blocked in path else None
+        job = Job("load", [{"local": r, "remote": s3_url, "then_save": [40, 45, 50], "hold": True}
+                           for r in roots], str(tmp_path / "run2"), env=env)
+        victim = job.pid(3)
+        step40 = open_storage(s3_url).sub(step_dir(40))
+        _wait_for(lambda: all(_committed(r) == {40, 50} for r in roots), "nodes never pruned 45 around pinned 40", job)
+        _wait_for(lambda: proxy.injected and all(step40.stat(f"rank-0000{k}-of-00004.safetensors") for k in range(3)),
+                  "step 40 never reached mid-promotion", job)
+        loaded = job.results("loaded")
+        for k in range(4):
+            assert loaded[k] == {"step": 30, "bitwise_equal": True}, (k, loaded[k])
+        os.kill(victim, 9)
+        time.sleep(0.5)
+        job.kill()
+        assert step40.stat("COMMITTED") is None
+        assert 30 in _s3_committed(s3_url) and 40 not in _s3_committed(s3_url)
+        r = cli("verify", s3_url, "--latest")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        r = cli("latest", s3_url)
+        assert r.exit_code == 0 and r.stdout.strip().endswith(step_dir(30)), r.stdout + r.stderr
+
+        # --- 3. relaunch with S3 healthy. Step 50 is committed on both nodes only, and node 1's
+        # ranks need node 0's files of it (the replicated tensors' writers): skipped, together.
+        # Step 40 resumes (each rank's own node first, the rest from S3, where three of four
+        # files landed before the kill); the next promotion completes; both tiers prune.
+        proxy.rule = lambda method, path: None
+        job = Job("load", [{"local": r, "remote": s3_url, "then_save": [60]} for r in roots], str(tmp_path / "run3"), env=env)
+        results = job.wait()
+        _ok(results, job)
+        for k in range(4):
+            assert results[k]["step"] == 40 and results[k]["bitwise_equal"] is True, \
+                (k, results[k], sorted(i.key for i in open_storage(s3_url).list()), job.logs())
+        assert results[0]["flushed"]["complete"] is True and results[0]["flushed"]["step"] == 60
+        assert _s3_committed(s3_url) == {30, 60}
+        assert cli("verify", f"{s3_url}/{step_dir(60)}").exit_code == 0
+        for root in roots:
+            assert _committed(root) == {60}
+    finally:
+        proxy.stop()
+
+
+def test_one_process_node_local_tier_commits_prunes_and_promotes(tmp_path, s3_url: str) -> None:
+    """Without torch.distributed the node is the whole job: the same wiring, no channel."""
+    local = str(tmp_path / "nvme")
+    with pytest.raises(ValueError, match="only the first tier"):
+        Checkpointer(tiers=[Tier(local), Tier(s3_url, node_local=True)])
+    ck = Checkpointer(tiers=[Tier(local, retention=KeepLast(2), node_local=True), Tier(s3_url, retention=KeepLast(1))])
+    for step in (1, 2, 3):
+        ck.save(step, state_for(step, 0)).wait()
+    flushed = ck.close(promote_timeout_s=60)
+    assert flushed and flushed.step == 3
+    assert _committed(local) == {2, 3}
+    assert _s3_committed(s3_url) == {3}
+    shutil.rmtree(local)
+    state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
+    ck = Checkpointer(tiers=[Tier(local, node_local=True), Tier(s3_url)])
+    assert ck.load_latest(state, prepare=False) == 3
+    ck.close(promote_timeout_s=1)
+    assert all(torch.equal(state["model"][k], state_for(3, 0)["model"][k]) for k in ("w", "b"))

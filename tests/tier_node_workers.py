@@ -1,0 +1,166 @@
+"""Worker processes for tests/test_tiers_nodes.py: two torchrun "nodes" x two ranks on one host,
+each node with its own node-local first tier, plus an S3 tier (moto over HTTP).
+
+``launch_nodes`` starts one ``torchrun --nnodes 2 --node-rank N --nproc-per-node 2`` per node
+(static rendezvous on 127.0.0.1: node 0's agent hosts the c10d store), each running
+``python tier_node_workers.py SCENARIO ARGS_JSON OUT`` with that node's local root in its
+arguments; torchrun sets RANK, LOCAL_RANK, GROUP_RANK (the node) and the rest. Each rank writes
+its pid to ``OUT/pidR`` at start and what its scenario returns as JSON to ``OUT/rankR.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from tier_workers import state_for  # noqa: E402  (the same states as the single-node tests)
+
+
+def _tiers(a: dict) -> list:
+    """Node-local first tier keeping 1, S3 keeping 2 and receiving a checkpoint every 20 steps."""
+    from ckptctl import KeepLast, Steps, Tier
+
+    return [Tier(a["local"], retention=KeepLast(1), node_local=True),
+            Tier(a["remote"], retention=KeepLast(2), every=Steps(20), retry_max_s=1.0)]
+
+
+def _close_report(ck: Any) -> dict:
+    flushed = ck.close()
+    return {"flushed": None if flushed is None else {"complete": flushed.complete, "step": flushed.step,
+                                                      "tiers": list(flushed.tiers), "reason": flushed.reason}}
+
+
+def save(rank: int, a: dict) -> dict:
+    """Save ``steps``; close (rank 0 waits for the last one to reach S3)."""
+    from ckptctl import Checkpointer
+
+    ck = Checkpointer(tiers=_tiers(a), promote_timeout_s=a.get("promote_timeout_s", 60))
+    for step in a["steps"]:
+        ck.save(step, state_for(step, rank)).wait()
+    return {"node": os.environ["GROUP_RANK"], "local_rank": os.environ["LOCAL_RANK"], **_close_report(ck)}
+
+
+def load(rank: int, a: dict) -> dict:
+    """``load_latest`` into a zeroed state; compare bitwise with what that step saved; then
+    save ``then_save`` steps, if any, and close."""
+    import torch
+
+    from ckptctl import Checkpointer
+
+    state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
+    ck = Checkpointer(tiers=_tiers(a), promote_timeout_s=a.get("promote_timeout_s", 60))
+    step = ck.load_latest(state, prepare=False)
+    want = state_for(step, rank) if step is not None else None
+    equal = want is not None and all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b")) \
+        and state["extra"] == want["extra"]
+    loaded = {"step": step, "bitwise_equal": equal}
+    _write(a["out"], f"loaded{rank}.json", loaded)  # read by a test that kills this job before it ends
+    for s in a.get("then_save", []):
+        ck.save(s, state_for(s, rank)).wait()
+    while a.get("hold") and not os.path.exists(os.path.join(a["out"], "release")):
+        time.sleep(0.1)  # training goes on: no close (which would force the newest to S3) until told
+    return {**loaded, **_close_report(ck)}
+
+
+def _write(out: str, name: str, doc: dict) -> None:
+    with open(os.path.join(out, name + ".tmp"), "w") as f:
+        json.dump(doc, f)
+    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+
+SCENARIOS = {"save": save, "load": load}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """Two torchrun launches, one per node, each in a process group of its own."""
+
+    def __init__(self, scenario: str, node_args: list[dict], out: str, env: dict[str, str] | None = None) -> None:
+        os.makedirs(out, exist_ok=True)
+        self.out, port = out, free_port()
+        self.procs = []
+        for node, args in enumerate(node_args):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "--max-restarts", "0", "--monitor-interval", "0.2", __file__, scenario, json.dumps(args), out]
+            log = open(os.path.join(out, f"node{node}.log"), "w")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                               env={**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}))
+
+    def pid(self, rank: int, timeout: float = 60) -> int:
+        path = os.path.join(self.out, f"pid{rank}")
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} never started: {self.logs()}")
+            time.sleep(0.05)
+        return int(open(path).read())
+
+    def wait(self, timeout: float = 120) -> dict[int, dict]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.results()
+
+    def results(self, name: str = "rank") -> dict[int, dict]:
+        found = {}
+        for r in range(4):
+            path = os.path.join(self.out, f"{name}{r}.json")
+            found[r] = json.load(open(path)) if os.path.exists(path) else {"missing": True}
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL every rank (torchrun starts each in a session of its own) and both agents."""
+        for r in range(4):
+            path = os.path.join(self.out, f"pid{r}")
+            if os.path.exists(path):
+                try:
+                    os.kill(int(open(path).read()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def logs(self) -> str:
+        return "\n".join(open(os.path.join(self.out, f"node{n}.log")).read()[-3000:] for n in range(len(self.procs)))
+
+
+def _main() -> None:
+    scenario, args, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(out, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        result = SCENARIOS[scenario](rank, {**args, "out": out})
+    except BaseException as e:  # the test reads the failure from the result file
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    _write(out, f"rank{rank}.json", result)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown; torchrun's exit barrier keeps the store up for the others
+
+
+if __name__ == "__main__":
+    _main()
