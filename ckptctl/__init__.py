@@ -24,7 +24,7 @@ def __getattr__(name: str):
 
         return getattr(checkpointer, name)
     if name in _RETENTION:  # pure Python: no torch
-        from ckptctl.ops import retention
+        from ckptctl.ops.retention import policies as retention
 
         return getattr(retention, name)
     if name in _TIERS:  # pure Python: no torch

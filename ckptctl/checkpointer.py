@@ -11,7 +11,7 @@
     ...             ckpt.save(step, state)                        # returns after the host copy
 
 It composes parts that know nothing of each other: the save path (``save.saver``), the
-load path (``load.loader``), when asked for, library retention (``ops.background_retention``,
+load path (``load.loader``), when asked for, library retention (``ops.retention.background``,
 the same policy and safety checks as ``ckptctl prune``) and tiers (``tiers``: commit to the
 first, promote to the next in the background). Choosing which checkpoint to resume from, and
 agreeing on it across ranks, is done here, where the two paths meet.
@@ -24,8 +24,8 @@ from typing import Any, Iterator, Sequence
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, StateError, UsageError
 from ckptctl.load.loader import load_checkpoint
-from ckptctl.ops.background_retention import BackgroundRetention
-from ckptctl.ops.retention import Policy, RetentionPolicy
+from ckptctl.ops.retention.background import BackgroundRetention
+from ckptctl.ops.retention.policies import Policy, RetentionPolicy
 from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S
 from ckptctl.save.saver import SaveHandle, Saver
 from ckptctl.storage import Storage, open_storage
@@ -73,7 +73,7 @@ class Checkpointer:
         giving them together with ``retention`` raises ``ValueError``, as does a bad value. The verification is shared
         out: every rank re-reads the shard it wrote, on its writer thread, and rank 0 records
         the verdict in the verification record, so the prune downloads no checkpoint (see
-        ``ops.background_retention``). Pass the same options on every rank (different ones
+        ``ops.retention.background``). Pass the same options on every rank (different ones
         raise ``UsageError``). Retention problems are logged on the "ckptctl" logger and never
         fail a save.
 

@@ -39,8 +39,8 @@ import torch
 from ckptctl import Checkpointer
 from ckptctl.format.layout import step_dir
 from ckptctl.layouts.native import read_committed
-from ckptctl.ops.transfer import copy_checkpoint, restore_latest
-from ckptctl.ops.verify import verify_checkpoint
+from ckptctl.ops.transfer.copy import copy_checkpoint, restore_latest
+from ckptctl.ops.verify.checkpoint import verify_checkpoint
 from ckptctl.storage import open_storage
 
 MiB = 1 << 20

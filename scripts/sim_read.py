@@ -26,7 +26,7 @@ from ckptctl.format.shard import Chunk, build_header
 from ckptctl.layouts.catalog import NATIVE, newest_committed, newest_marked
 from ckptctl.layouts.native import commit, read_committed
 from ckptctl.load.shard_index import ShardIndex
-from ckptctl.ops.verify import coverage
+from ckptctl.ops.verify.checkpoint import coverage
 from ckptctl.storage.base import ObjectInfo, Reader, Storage, Writer
 
 ROWS, COLS = 16384, 1024

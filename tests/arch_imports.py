@@ -290,8 +290,8 @@ def subpackage_cycles(imports: list[Import]) -> list[str]:
 
 
 def module_cycles(imports: list[Import]) -> list[str]:
-    """Every cycle between modules of one unit (``ops.verify`` -> ``ops.layout_verify`` ->
-    ``ops.verify``), a package's ``__init__`` included. Every import form counts, those in
+    """Every cycle between modules of one unit (``ops.verify.checkpoint`` -> ``ops.verify.layouts`` ->
+    ``ops.verify.checkpoint``), a package's ``__init__`` included. Every import form counts, those in
     functions and under TYPE_CHECKING too: a cycle hidden in a function is still two modules
     that cannot be understood, tested or moved one without the other. Cycles across units are
     ``subpackage_cycles``' to report (they are cycles between units first)."""

@@ -17,7 +17,7 @@ Found with ``ast`` (nothing imported), in every module outside ``ckptctl/layouts
 - ``isinstance``/``issubclass`` against a layout class (a name ending in ``Layout``, or a
   layout class imported from ``ckptctl.layouts`` under another name).
 
-Each offence is named by file and enclosing function (``ckptctl/ops/verify.py:verify_root``),
+Each offence is named by file and enclosing function (``ckptctl/ops/verify/checkpoint.py:verify_root``),
 the unit a later change removes.
 """
 

@@ -19,7 +19,7 @@ import pytest
 from ckptctl.errors import UsageError
 from ckptctl.format.manifest import Manifest
 from ckptctl.ops.transform.reshard import plan_layout
-from ckptctl.ops.transfer import restore_latest
+from ckptctl.ops.transfer.copy import restore_latest
 from ckptctl.settings import MAX_WORLD_SIZE
 from ckptctl.storage import open_storage
 from helpers import Result, ckpt_dir, cli, make_checkpoints

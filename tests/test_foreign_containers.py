@@ -19,7 +19,7 @@ import torch
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
 from ckptctl.storage.plain_file import open_plain
-from ckptctl.ops.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
+from ckptctl.ops.transfer.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
 from helpers import cli
 from test_foreign_trust import deadline
 from test_layouts import deepspeed_tag, hf_checkpoint, megatron_iter

@@ -33,8 +33,8 @@ from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import Chunk, build_header, parse_header
 from ckptctl.interop.safetensors_io import SafetensorsSource
-from ckptctl.ops.lock import LockInfo, stale_reason
-from ckptctl.ops.verify_cache import CACHE_KEY, VerifyCache, verify_cached
+from ckptctl.ops.retention.lock import LockInfo, stale_reason
+from ckptctl.ops.verify.cache import CACHE_KEY, VerifyCache, verify_cached
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
 

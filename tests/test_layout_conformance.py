@@ -45,9 +45,9 @@ from ckptctl.errors import StorageError
 from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts import catalog, safe_load
-from ckptctl.ops.prune import prune
-from ckptctl.ops.retention import KeepLast, RetentionPolicy
-from ckptctl.ops.sync import sync
+from ckptctl.ops.retention.prune import prune
+from ckptctl.ops.retention.policies import KeepLast, RetentionPolicy
+from ckptctl.ops.transfer.sync import sync
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import ObjectInfo, Reader, Storage, Writer
 from helpers import cli, make_checkpoints

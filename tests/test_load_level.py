@@ -24,8 +24,8 @@ import torch
 from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
 from ckptctl.format.seal import SEAL, Seal, encode_seal
 from ckptctl.interop.dcp_io import read_metadata
-from ckptctl.ops.layout_verify import bound_layout, latest_checkpoint, verify_stack
-from ckptctl.ops.seal import seal_checkpoint
+from ckptctl.ops.verify.layouts import bound_layout, latest_checkpoint, verify_stack
+from ckptctl.ops.seal.sealing import seal_checkpoint
 from ckptctl.storage import open_storage
 from helpers import cli
 
@@ -191,7 +191,7 @@ def test_an_older_seal_that_vouched_for_undecoded_bytes_does_not_stand_for_load(
     path = titan_step(root, 3)
     zero_record(path, "global_avg_losses")
     from ckptctl.format.seal import SealedFile
-    from ckptctl.ops.seal_check import hash_object
+    from ckptctl.ops.seal.check import hash_object
 
     files = []
     for name in sorted(os.listdir(path)):

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import pytest
 from helpers import ckpt_dir, cli, make_checkpoints, tmpfs
 
-from ckptctl.ops.retention import Candidate, KeepCalendar, from_options, implausible_times
+from ckptctl.ops.retention.policies import Candidate, KeepCalendar, from_options, implausible_times
 from ckptctl.storage import open_storage
 
 DAY = 86400.0
@@ -191,7 +191,7 @@ def test_prune_works_on_a_full_disk(tmp_path):
 
 
 def test_library_retention_works_on_a_full_disk(tmp_path):
-    from ckptctl.ops.background_retention import BackgroundRetention
+    from ckptctl.ops.retention.background import BackgroundRetention
 
     with tmpfs("8m") as mountpoint:
         root = os.path.join(mountpoint, "ckpt")
@@ -209,7 +209,7 @@ def test_an_empty_lock_left_by_a_full_disk_is_held_while_its_process_lives(tmp_p
     """A lock file left empty (no block to write its JSON) still excludes others: flock says
     its holder lives; once that process is gone, the next run takes the lock."""
     from ckptctl.errors import LockHeld
-    from ckptctl.ops.lock import LOCK_KEY, RootLock
+    from ckptctl.ops.retention.lock import LOCK_KEY, RootLock
 
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, os, sys, time

@@ -11,7 +11,7 @@ import torch
 from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint, RefusedForSafety
 from ckptctl.format.layout import MANIFEST, MARKER
-from ckptctl.ops.transfer import copy_checkpoint, restore_latest
+from ckptctl.ops.transfer.copy import copy_checkpoint, restore_latest
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import Writer
 from ckptctl.storage.local import LocalStorage

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptctl.errors import EXIT_USAGE, UsageError
-from ckptctl.ops.retention import (
+from ckptctl.ops.retention.policies import (
     ANCHOR_REASON,
     Candidate,
     Decision,

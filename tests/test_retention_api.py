@@ -18,7 +18,7 @@ from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.manifest import MAX_METRICS, Manifest
 from ckptctl.layouts.native import read_committed
-from ckptctl.ops.retention import (
+from ckptctl.ops.retention.policies import (
     AnyOf, Candidate, InvalidPolicy, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy,
 )
 from ckptctl.storage import open_storage

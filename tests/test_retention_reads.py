@@ -13,7 +13,7 @@ import threading
 import torch
 
 from ckptctl import Checkpointer
-from ckptctl.ops.verify_cache import CACHE_KEY
+from ckptctl.ops.verify.cache import CACHE_KEY
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import Reader
 from ckptctl.storage.s3 import S3Storage

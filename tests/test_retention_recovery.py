@@ -14,7 +14,7 @@ import torch
 from ckptctl import Checkpointer
 from ckptctl.errors import SaveFailed
 from ckptctl.format.layout import step_dir
-from ckptctl.ops.background_retention import BackgroundRetention
+from ckptctl.ops.retention.background import BackgroundRetention
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
 

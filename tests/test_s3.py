@@ -14,7 +14,7 @@ from ckptctl import Checkpointer
 from ckptctl.cli.app import app
 from ckptctl.errors import SaveFailed, StorageError
 from ckptctl.format.layout import MARKER, step_dir
-from ckptctl.ops.transfer import copy_checkpoint, restore_latest
+from ckptctl.ops.transfer.copy import copy_checkpoint, restore_latest
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
 from s3_fault_proxy import FaultProxy

@@ -12,8 +12,8 @@ import torch
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.seal import SEAL, Seal, SealedFile, encode_seal, parse_seal
-from ckptctl.ops.layout_verify import stack_checkpoint_at, verify_stack
-from ckptctl.ops.seal import seal_checkpoint
+from ckptctl.ops.verify.layouts import stack_checkpoint_at, verify_stack
+from ckptctl.ops.seal.sealing import seal_checkpoint
 from ckptctl.storage import open_storage
 from helpers import cli, make_checkpoints
 from test_layouts import HOURS, _age, dcp_step, deepspeed_tag, flip, hf_checkpoint

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from ckptctl.ops.prune import plan as make_plan
-from ckptctl.ops.retention import from_options
-from ckptctl.ops.verify_cache import CACHE_KEY, VerifyCache, fingerprint
+from ckptctl.ops.retention.prune import plan as make_plan
+from ckptctl.ops.retention.policies import from_options
+from ckptctl.ops.verify.cache import CACHE_KEY, VerifyCache, fingerprint
 from ckptctl.storage import open_storage
 from ckptctl.storage.local import LocalStorage
 from helpers import ckpt_dir, cli, make_checkpoints

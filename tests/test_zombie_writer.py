@@ -27,7 +27,7 @@ from ckptctl.format.layout import MANIFEST, MARKER, attempt_name, is_manifest_na
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import Marker
 from ckptctl.layouts.native import read_committed, read_committed_raw
-from ckptctl.ops.verify import verify_checkpoint
+from ckptctl.ops.verify.checkpoint import verify_checkpoint
 from ckptctl.storage import open_storage
 from ckptctl.storage.s3 import S3Storage
 from dist_workers import free_port, launch

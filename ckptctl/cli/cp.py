@@ -9,7 +9,7 @@ from ckptctl.cli.progress import byte_progress
 from ckptctl.ops.verbs import copy_to
 
 if TYPE_CHECKING:
-    from ckptctl.ops.transfer import CopyResult
+    from ckptctl.ops.transfer.copy import CopyResult
 
 
 @command

@@ -9,7 +9,7 @@ from ckptctl.cli.policy import RetentionOptions, retention_options
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
 from ckptctl.ops.du import disk_usage
-from ckptctl.ops.prune_plan import DEFAULT_PARTIAL_AFTER_S
+from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S
 
 
 @command

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, Optional, TypeVar
 import typer
 
 from ckptctl.durations import parse_duration
-from ckptctl.ops.retention import RetentionPolicy, from_options
+from ckptctl.ops.retention.policies import RetentionPolicy, from_options
 
 F = TypeVar("F", bound=Callable[..., Any])
 

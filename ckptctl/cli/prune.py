@@ -10,7 +10,7 @@ from ckptctl.cli.policy import RetentionOptions, retention_options
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
 from ckptctl.errors import InvalidCheckpoint, StorageError, UsageError
-from ckptctl.ops.prune import DEFAULT_PARTIAL_AFTER_S, PrunePlan, PruneOutcome
+from ckptctl.ops.retention.prune import DEFAULT_PARTIAL_AFTER_S, PrunePlan, PruneOutcome
 from ckptctl.ops.verbs import prune_root
 
 

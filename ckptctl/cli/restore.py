@@ -11,7 +11,7 @@ from ckptctl.ops.verbs import restore_into
 from ckptctl.settings import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
-    from ckptctl.ops.transfer import Skipped
+    from ckptctl.ops.transfer.copy import Skipped
 
 
 @command

@@ -7,7 +7,7 @@ import typer
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT
-from ckptctl.ops.seal import seal_path
+from ckptctl.ops.seal.sealing import seal_path
 
 
 @command

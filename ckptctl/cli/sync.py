@@ -7,7 +7,7 @@ import typer
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, print_table, say
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import InvalidCheckpoint
-from ckptctl.ops.sync import sync_roots
+from ckptctl.ops.transfer.sync import sync_roots
 
 
 @command

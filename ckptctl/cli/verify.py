@@ -12,7 +12,7 @@ from ckptctl.ops.verbs import verify_path
 
 if TYPE_CHECKING:
     from ckptctl.ops.repoint import PointerCheck
-    from ckptctl.ops.verify import VerifyReport
+    from ckptctl.ops.verify.checkpoint import VerifyReport
 
 
 @command

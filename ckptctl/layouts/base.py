@@ -144,8 +144,8 @@ class Layout(Protocol):
     seal_note: str | None  # why ``seal`` leaves its checkpoints alone; None when it seals them
     pointer_file: str | None  # the root-level file the stack's default resume reads (DeepSpeed, Megatron)
     # Its committed checkpoints carry a manifest that records a checksum for every byte: verify
-    # checks them against it (``ops.verify``) and the verification record remembers a success
-    # by the manifest's digest (``ops.verify_cache``). False: the layout's own ``check`` judges
+    # checks them against it (``ops.verify.checkpoint``) and the verification record remembers a success
+    # by the manifest's digest (``ops.verify.cache``). False: the layout's own ``check`` judges
     # them, and a seal (``ckptctl seal``) is what vouches for their bytes.
     verified_by_manifest: bool
     # ckptctl itself writes, commits and deletes these checkpoints (``Checkpointer``): ``rm``

@@ -225,7 +225,7 @@ def commit(ckpt: Storage, manifest: Manifest, *, published: Sequence[str] = ()) 
 def commit_copy(ckpt: Storage, source: Committed) -> None:
     """Commit a copy with the exact bytes of another checkpoint's manifest (under the name its
     marker gives) and marker. Its name is fixed by those marker bytes, so a manifest a killed
-    earlier copy left there is replaced (a copy's shards are too: ``ops.transfer``); only the
+    earlier copy left there is replaced (a copy's shards are too: ``ops.transfer.copy``); only the
     marker is written if absent. Two copies racing into one destination step are not guarded
     here as saves are (``commit``): the first marker wins, and verify finds a manifest the
     other replaced under it."""

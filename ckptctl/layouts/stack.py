@@ -177,7 +177,7 @@ class StackLayout:
             out.problems.append(Finding(seen.reason or seen.status,
                                         hint="it is not a complete checkpoint; use an older one"))
         # The seal (``ckptctl seal``) is ckptctl's sidecar, not one of the stack's files; it is
-        # checked against by ``ops.layout_verify``. A checkpoint that is one file is key "".
+        # checked against by ``ops.verify.layouts``. A checkpoint that is one file is key "".
         listed = ([ObjectInfo("", 0, 0.0)] if self.files_are_checkpoints
                   else [f for f in files_below(ckpt) if f.key != SEAL])
         files = [f.key for f in listed]

@@ -1,7 +1,7 @@
 """``du``: the size of each checkpoint under a root, the total, and what a prune would free.
 
 Sizes come from listing the files (no data read). With a retention policy, the prune plan is
-made exactly as ``prune --dry-run`` makes it (``ops.prune_plan.plan``, the newest checkpoint
+made exactly as ``prune --dry-run`` makes it (``ops.retention.plan.plan``, the newest checkpoint
 verified fully, or found unchanged in the verification record) and nothing is written, so
 "will free" is what ``prune`` with the same options deletes, not an estimate.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl.ops.listing import Listed, list_checkpoints
-from ckptctl.ops.prune_plan import DEFAULT_PARTIAL_AFTER_S, PrunePlan, plan
-from ckptctl.ops.retention import RetentionPolicy
+from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S, PrunePlan, plan
+from ckptctl.ops.retention.policies import RetentionPolicy
 from ckptctl.ops.targets import open_root
 from ckptctl.progress import Progress
 

@@ -70,7 +70,7 @@ def stack_content(path: str) -> CheckpointKind | None:
     """Resumable or export, for ``path`` when it is one checkpoint of another stack's layout
     (torchtitan's ``step-N``, ``checkpoint-N``, ``iter_N``, ``global_stepN``, a Lightning
     ``.ckpt``); None for anything else (a bare DCP directory or file says nothing of it)."""
-    from ckptctl.ops.layout_verify import stack_checkpoint_at
+    from ckptctl.ops.verify.layouts import stack_checkpoint_at
 
     found = stack_checkpoint_at(path)
     return None if found is None else kind_of_checkpoint(found[0], found[1])

@@ -98,7 +98,7 @@ def checkpoint_kind(root: Storage) -> str | None:
     local path, other tools' detection by file names and headers."""
     local = root.local_path()
     if local is not None and os.path.isfile(local):
-        from ckptctl.ops.layout_verify import stack_checkpoint_at  # imported when needed: detection reads headers
+        from ckptctl.ops.verify.layouts import stack_checkpoint_at  # imported when needed: detection reads headers
 
         found = stack_checkpoint_at(local)
         return f"a {found[0].name} checkpoint file" if found is not None else None
@@ -106,7 +106,7 @@ def checkpoint_kind(root: Storage) -> str | None:
     if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
         return "a ckptctl checkpoint"
     from ckptctl.interop.detect import foreign_format
-    from ckptctl.ops.layout_verify import stack_checkpoint_at
+    from ckptctl.ops.verify.layouts import stack_checkpoint_at
 
     try:
         found = stack_checkpoint_at(local or root.url)

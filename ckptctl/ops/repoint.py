@@ -21,9 +21,9 @@ from ckptctl.errors import RefusedForSafety, UsageError
 from ckptctl.storage.stored_file import open_file
 from ckptctl.layouts.catalog import FORMATS, layouts_named, list_checkpoints, newest_marked
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.layout_verify import bound_layout, verify_entry
-from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
-from ckptctl.ops.verify import Level, VerifyReport
+from ckptctl.ops.verify.layouts import bound_layout, verify_entry
+from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.verify.checkpoint import Level, VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 

@@ -28,10 +28,10 @@ from ckptctl.layouts.base import Checkpoint
 from ckptctl.layouts.catalog import LAYOUTS, layout_called, list_checkpoints
 from ckptctl.layouts.native import remove, total_size
 from ckptctl.layouts.protection import protected
-from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
-from ckptctl.ops.prune_plan import ANCHOR_LEVEL
+from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.retention.plan import ANCHOR_LEVEL
 from ckptctl.ops.targets import open_root
-from ckptctl.ops.verify_cache import VerifyCache, verify_cached
+from ckptctl.ops.verify.cache import VerifyCache, verify_cached
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 

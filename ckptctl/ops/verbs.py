@@ -22,18 +22,18 @@ from ckptctl.storage import Storage, open_storage
 
 if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
     from ckptctl.ops.transform.convert import ConvertReport
-    from ckptctl.ops.foreign import ForeignInspect
+    from ckptctl.ops.verify.foreign import ForeignInspect
     from ckptctl.ops.interval import IntervalAdvice
-    from ckptctl.ops.layout_verify import Latest
+    from ckptctl.ops.verify.layouts import Latest
     from ckptctl.ops.inspect import InspectResult
     from ckptctl.ops.listing import Listed
-    from ckptctl.ops.prune import PruneOutcome, PrunePlan
+    from ckptctl.ops.retention.prune import PruneOutcome, PrunePlan
     from ckptctl.ops.repoint import PointerCheck, RepointResult
     from ckptctl.ops.transform.reshard import ReshardReport
-    from ckptctl.ops.retention import RetentionPolicy
+    from ckptctl.ops.retention.policies import RetentionPolicy
     from ckptctl.ops.save_stats import SaveStats
-    from ckptctl.ops.transfer import CopyResult, RestoreResult, Skipped
-    from ckptctl.ops.verify import VerifyReport
+    from ckptctl.ops.transfer.copy import CopyResult, RestoreResult, Skipped
+    from ckptctl.ops.verify.checkpoint import VerifyReport
 
 
 # --- inspect and verify ---------------------------------------------------------------------
@@ -44,7 +44,7 @@ def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | Foreig
     tool's from its metadata (the result's ``format`` field tells them apart)."""
     target = resolve_checkpoint(path, verb="inspect")
     if target.kind == "foreign":
-        from ckptctl.ops.foreign import inspect_foreign  # needs torch
+        from ckptctl.ops.verify.foreign import inspect_foreign  # needs torch
         from ckptctl.ops.inspect import stack_content
 
         found, kind = inspect_foreign(target.path, tensors=tensors), stack_content(path)
@@ -85,8 +85,8 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
-    from ckptctl.ops.layout_verify import verify_root
-    from ckptctl.ops.verify import LEVELS, verify_checkpoint
+    from ckptctl.ops.verify.layouts import verify_root
+    from ckptctl.ops.verify.checkpoint import LEVELS, verify_checkpoint
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -101,7 +101,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
             outcome.note = "; ".join(str(e) for e in exports) or None
             return outcome
         return VerifyOutcome(all(r.ok for r in reports), level, reports[::-1])
-    from ckptctl.ops.layout_verify import stack_checkpoint_at, verify_stack
+    from ckptctl.ops.verify.layouts import stack_checkpoint_at, verify_stack
 
     stack = stack_checkpoint_at(path)
     if stack is not None:  # another stack's checkpoint directory: every file, by its own rules
@@ -109,7 +109,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
         return VerifyOutcome(report.ok, level, [report], report.note)
     target = resolve_checkpoint(path, verb="verify")
     if target.kind == "foreign":
-        from ckptctl.ops.foreign import verify_foreign  # needs torch
+        from ckptctl.ops.verify.foreign import verify_foreign  # needs torch
 
         report = verify_foreign(target.path, level, progress)  # type: ignore[arg-type]
         return VerifyOutcome(report.ok, level, [report], report.note)
@@ -137,7 +137,7 @@ def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | N
                  dry_run: bool = False, progress: Progress | None = None) -> "RepointResult":
     """``ops.repoint.repoint`` of the root at ``root``."""
     from ckptctl.ops.repoint import repoint
-    from ckptctl.ops.verify import LEVELS
+    from ckptctl.ops.verify.checkpoint import LEVELS
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -146,11 +146,11 @@ def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | N
 
 def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
                progress: Progress | None = None, *, any_: bool = False) -> "Latest":
-    """``ops.layout_verify.latest_checkpoint`` of the root at ``root``: the newest complete
+    """``ops.verify.layouts.latest_checkpoint`` of the root at ``root``: the newest complete
     checkpoint of any layout (or of ``formats``) that verifies, and what its stack's resume
     option takes."""
-    from ckptctl.ops.layout_verify import latest_checkpoint
-    from ckptctl.ops.verify import LEVELS
+    from ckptctl.ops.verify.layouts import latest_checkpoint
+    from ckptctl.ops.verify.checkpoint import LEVELS
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -209,8 +209,8 @@ def list_root(root: str) -> RootListing:
 
 def prune_root(root: str, policy: "RetentionPolicy", *, review: "Callable[[PrunePlan], bool] | None" = None,
                progress: Progress | None = None, **options: object) -> "tuple[PrunePlan, PruneOutcome | None]":
-    """``ops.prune.prune`` of the root at ``root``; ``options`` are that function's keywords."""
-    from ckptctl.ops.prune import prune
+    """``ops.retention.prune.prune`` of the root at ``root``; ``options`` are that function's keywords."""
+    from ckptctl.ops.retention.prune import prune
 
     return prune(open_root(root), policy, review=review, progress=progress, **options)  # type: ignore[arg-type]
 
@@ -239,17 +239,17 @@ class CopyOutcome:
 
 def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
-    it under), checked on the fly (``ops.transfer.copy_checkpoint``)."""
-    from ckptctl.ops.file_copy import copy_stack_file
-    from ckptctl.ops.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
-    from ckptctl.ops.transfer import checkpoint_dir_for, copy_checkpoint
+    it under), checked on the fly (``ops.transfer.copy.copy_checkpoint``)."""
+    from ckptctl.ops.transfer.file_copy import copy_stack_file
+    from ckptctl.ops.transfer.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
+    from ckptctl.ops.transfer.copy import checkpoint_dir_for, copy_checkpoint
 
     open_existing(src)
     stack = stack_source_at(src)
     if stack is not None and stack.layout.files_are_checkpoints:  # one file (Lightning's .ckpt), into DST
         done = copy_stack_file(stack, open_storage(dst), progress)
         return CopyOutcome(open_storage(dst).local_path(stack.name) or done.dst, done)
-    if stack is not None:  # another tool's checkpoint (ops.stack_copy)
+    if stack is not None:  # another tool's checkpoint (ops.transfer.stack_copy)
         dest, dest_root = destination_for(stack, dst)
         done = copy_stack_checkpoint(stack, dest, dest_root, progress)
         return CopyOutcome(dest.local_path() or dest.url, done)
@@ -263,10 +263,10 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
 
 def restore_into(src_root: str, dst_root: str, step: int | None = None, progress: Progress | None = None, *,
                  world_size: int | None = None, on_skip: "Callable[[Skipped], None] | None" = None) -> "RestoreResult":
-    """``ops.transfer.restore_latest`` from the root at ``src_root`` (which must exist) into
+    """``ops.transfer.copy.restore_latest`` from the root at ``src_root`` (which must exist) into
     ``dst_root`` (created when missing)."""
-    from ckptctl.ops.stack_copy import restore_stack, wants_stack_restore
-    from ckptctl.ops.transfer import restore_latest
+    from ckptctl.ops.transfer.stack_copy import restore_stack, wants_stack_restore
+    from ckptctl.ops.transfer.copy import restore_latest
 
     src = open_existing(src_root)
     local = src.local_path()
@@ -276,7 +276,7 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
         what = checkpoint_kind(src) or "a file"
         raise UsageError(f"{src_root} is {what}; restore copies checkpoint directories from a root of them",
                          hint="copy the file itself (cp, rsync, aws s3 cp)")
-    if wants_stack_restore(src):  # other tools' checkpoints, and no ckptctl one (ops.stack_copy)
+    if wants_stack_restore(src):  # other tools' checkpoints, and no ckptctl one (ops.transfer.stack_copy)
         if world_size is not None:
             raise UsageError("--world-size re-shards ckptctl checkpoints only",
                              hint="restore without it, or `ckptctl convert --to ckptctl` first")

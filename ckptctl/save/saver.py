@@ -47,7 +47,7 @@ OnSave = Callable[[int, "Future[str]"], None]
 
 class AfterCommit(Protocol):
     """A check of each committed save by the ranks that wrote it (library retention's: see
-    ``ops.background_retention``). On every rank, after the commit and on the writer thread:
+    ``ops.retention.background``). On every rank, after the commit and on the writer thread:
     ``snapshot`` (rank 0), ``check_shard`` (every rank re-reads the shard it wrote; a problem
     as a line of text, or None), one ``agree`` over the ranks, and ``record`` (rank 0, only
     when every rank's shard checked out)."""

@@ -27,7 +27,7 @@ from ckptctl.settings import WRITE_BEHIND
 from ckptctl.storage.local_fs import CREATE_FLAGS, SYNC_WAIT, SYNC_WRITE, close_fd, drop_cached, sync_range
 
 # The one pattern of the temporaries this backend (and ``interop.torch_io``) writes: ``.NAME.tmp-PID-HEX``.
-# A rerun after a kill removes leftovers by it (``ops.leftovers``), so only names made here match.
+# A rerun after a kill removes leftovers by it (``ops.seal.leftovers``), so only names made here match.
 TEMPORARY = re.compile(r"\.(.+)\.tmp-([0-9]+)-[0-9a-f]+\Z", re.ASCII | re.DOTALL)
 
 

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future
 from typing import Iterator
 
-from ckptctl.ops.transfer import CopyResult, copy_checkpoint
+from ckptctl.ops.transfer.copy import CopyResult, copy_checkpoint
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.durability import Durability, Flushed
 from ckptctl.tiers.guarded import GuardedRetention

@@ -1,6 +1,6 @@
 """Library retention of one tier that never deletes what the next tier still waits for.
 
-The same background retention as a single-root ``Checkpointer`` (``ops.background_retention``:
+The same background retention as a single-root ``Checkpointer`` (``ops.retention.background``:
 coalesced prunes on a thread of their own, ``ckptctl prune``'s safety checks), except that
 each prune reads the promoter's pins at the moment it plans, so a checkpoint chosen for
 promotion survives until it, or a newer one, reached the next tier.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ckptctl.ops.background_retention import BackgroundRetention
-from ckptctl.ops.retention import Policy, RetentionPolicy
+from ckptctl.ops.retention.background import BackgroundRetention
+from ckptctl.ops.retention.policies import Policy, RetentionPolicy
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.pins import guarded
 

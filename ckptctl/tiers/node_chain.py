@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 
 from ckptctl.errors import CkptError
 from ckptctl.layouts.native import read_committed_raw
-from ckptctl.ops.transfer import CopyResult
+from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.chain import Tiers
 from ckptctl.tiers.channel import Channel

@@ -12,7 +12,7 @@ node holds only its own ranks' shards. So the decision and the deletion are spli
   on its node marker first (``layouts.native.remove``), so a deletion cut short leaves a
   partial directory, never a committed one.
 
-May import: ``ops.retention``, ``layouts``, ``tiers.pins``, ``tiers.node_commit``, ``storage``, leaves.
+May import: ``ops.retention.policies``, ``layouts``, ``tiers.pins``, ``tiers.node_commit``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from ckptctl.errors import CkptError
 from ckptctl.layouts.catalog import NATIVE, newest_committed
 from ckptctl.layouts.native import remove
-from ckptctl.ops.retention import Policy, RetentionPolicy
-from ckptctl.ops.retention_base import Candidate
+from ckptctl.ops.retention.policies import Policy, RetentionPolicy
+from ckptctl.ops.retention.base import Candidate
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.node_commit import check_node_files
 from ckptctl.tiers.pins import guarded

@@ -4,7 +4,7 @@ A tier's retention never deletes a checkpoint its promoter has chosen until that
 newer one, is promoted: the promoter reports the steps it holds (``Promoter.pins``), and each
 prune of the tier adds this rule, built afresh from them, to the tier's own rules.
 
-May import: ``ops.retention`` (the rule base types), leaves.
+May import: ``ops.retention.policies`` (the rule base types), leaves.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckptctl.ops.retention import Candidate, Policy, RetentionPolicy
+from ckptctl.ops.retention.policies import Candidate, Policy, RetentionPolicy
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 One thread per hop, never the training thread nor the writer thread, so a slow or unreachable
 next tier never stalls training nor delays the next save. Each promotion is
-``ops.transfer.copy_checkpoint`` (from a node-local first tier, a round in which every rank
+``ops.transfer.copy.copy_checkpoint`` (from a node-local first tier, a round in which every rank
 uploads its own shards: ``tiers.promotion_round``): every byte checked on the way, the marker
 written last, so the next tier never holds a checkpoint that looks complete and is not.
 
@@ -19,7 +19,7 @@ destination lags the source by more than ``lag_warning_s`` (and an info line whe
 up). A source that no longer verifies or is gone, or a destination step that holds another
 checkpoint, gives that checkpoint up with an error logged; the next one is promoted as usual.
 
-May import: ``ops.transfer``, ``tiers.spec``, ``storage``, leaves.
+May import: ``ops.transfer.copy``, ``tiers.spec``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ckptctl.errors import CheckpointError, CkptError, OperationalError, RefusedForSafety
-from ckptctl.ops.transfer import CopyResult, copy_checkpoint
+from ckptctl.ops.transfer.copy import CopyResult, copy_checkpoint
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.spec import RETRY_FIRST_S, Cadence
 

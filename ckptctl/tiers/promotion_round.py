@@ -24,7 +24,7 @@ checkpoint is still the one before, and a later round (this run's or the next ru
 the same names again. The workers are threads of their own on every rank: training and the
 saver's writer never wait for a round.
 
-May import: ``tiers.channel``, ``tiers.upload``, ``ops.transfer`` (its result type),
+May import: ``tiers.channel``, ``tiers.upload``, ``ops.transfer.copy`` (its result type),
 ``layouts.native``, ``format``, ``storage``, leaves.
 """
 
@@ -50,7 +50,7 @@ from ckptctl.errors import (
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.native import check_target_name, commit_copy, read_committed_raw
-from ckptctl.ops.transfer import CopyResult
+from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.upload import upload_files

@@ -3,7 +3,7 @@
 ``Steps(1000) | Minutes(30)`` promotes a checkpoint when either is due (Python's ``or`` would
 silently keep only the first, so cadences compose with ``|``, like retention rules).
 
-May import: ``ops.retention`` (the retention rules a tier keeps), ``storage``, leaves.
+May import: ``ops.retention.policies`` (the retention rules a tier keeps), ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ckptctl.ops.retention import Policy, RetentionPolicy
+from ckptctl.ops.retention.policies import Policy, RetentionPolicy
 from ckptctl.storage import Storage, open_storage
 
 # An outage is retried with exponential backoff from RETRY_FIRST_S up to a tier's retry_max_s.

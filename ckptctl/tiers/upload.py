@@ -1,12 +1,12 @@
 """One rank's part of a promotion: the shard files it wrote, copied from its node's first tier
 to the next tier, every byte checked on the way.
 
-The same check as ``ops.transfer.copy_checkpoint`` does per file (header bound to the manifest,
+The same check as ``ops.transfer.copy.copy_checkpoint`` does per file (header bound to the manifest,
 each chunk's checksum, the file checksum the manifest records), read once and written from the
 same pieces: a file whose bytes do not check out is aborted at the destination, never
 published. No manifest, no marker: those are rank 0's, once every rank's files are durable.
 
-May import: ``ops.shard_scan``, ``ops.uploads``, ``ops.problem``, ``format``, ``storage``, leaves.
+May import: ``ops.verify.shard_scan``, ``ops.transfer.uploads``, ``ops.verify.problem``, ``format``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.manifest import FileEntry, Manifest
-from ckptctl.ops.problem import Problem
-from ckptctl.ops.shard_scan import check_file, stream_file
-from ckptctl.ops.uploads import before_copy
+from ckptctl.ops.verify.problem import Problem
+from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.storage.base import Storage
 
 

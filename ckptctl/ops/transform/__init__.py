@@ -7,6 +7,6 @@
   ``reshard_source``: checking the source chunks as they are read.
 
 May import: ``format``, ``storage``, ``load``, ``state``, ``interop``, ``layouts.native``,
-``ops.verify`` (a source is verified before it is read) and the leaves; never ``cli`` nor the
+``ops.verify.checkpoint`` (a source is verified before it is read) and the leaves; never ``cli`` nor the
 rest of ``ops`` (docs/architecture.md).
 """

@@ -2,7 +2,7 @@
 
 The "save to fast local NVMe, mirror to object storage in the background" workflow, as one
 command a cron job runs. In step order, each committed ckptctl checkpoint of SRC that DST
-lacks is copied by ``ops.transfer.copy_checkpoint``: every byte checked against the source's
+lacks is copied by ``ops.transfer.copy.copy_checkpoint``: every byte checked against the source's
 checksums on the way, the marker written last. One that DST already commits is skipped only
 after checking it: the same manifest (sizes and checksums of every file) and its bytes verify
 (``checksums`` level, remembered in DST's verification record by fingerprint, so an unchanged
@@ -11,12 +11,12 @@ written, having been checked on the way). A damaged copy is uncommitted (marker 
 copied again.
 
 Other tools' complete checkpoints (Trainer, DCP, Megatron, DeepSpeed, Lightning) are mirrored
-too, after ckptctl's own, by ``ops.stack_sync``: their commit files and pointers written last,
+too, after ckptctl's own, by ``ops.transfer.stack_sync``: their commit files and pointers written last,
 a pointer never moved backwards; ``delete`` never removes them.
 
 Resumable: a sync killed at any point leaves DST's copy in progress without a marker (never
 mistaken for a checkpoint); the next run copies it again, keeping on a filesystem the files
-whose bytes already verify, and breaks the lock of the dead run (``ops.lock``).
+whose bytes already verify, and breaks the lock of the dead run (``ops.retention.lock``).
 
 ``delete``: committed checkpoints of DST whose name SRC no longer has are removed (marker
 first), except DST's newest checkpoint that verifies, which is never deleted. A source that
@@ -38,14 +38,14 @@ from ckptctl.layouts.base import Checkpoint
 from ckptctl.layouts.catalog import NATIVE, list_checkpoints
 from ckptctl.layouts.native import read_committed_raw, remove, uncommit
 from ckptctl.ops.expect import counting_only, expect_bytes
-from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.targets import open_root
-from ckptctl.ops.transfer import copy_checkpoint
-from ckptctl.ops import uploads
-from ckptctl.ops.stack_sync import has_stack_checkpoints, sync_stacks
-from ckptctl.ops.uploads import UPLOAD_IDLE_S
-from ckptctl.ops.verify import VerifyReport
-from ckptctl.ops.verify_cache import VerifyCache, fingerprint, verify_cached
+from ckptctl.ops.transfer.copy import copy_checkpoint
+from ckptctl.ops.transfer import uploads
+from ckptctl.ops.transfer.stack_sync import has_stack_checkpoints, sync_stacks
+from ckptctl.ops.transfer.uploads import UPLOAD_IDLE_S
+from ckptctl.ops.verify.checkpoint import VerifyReport
+from ckptctl.ops.verify.cache import VerifyCache, fingerprint, verify_cached
 from ckptctl.progress import Progress
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import Storage
@@ -64,7 +64,7 @@ class SyncItem:
     action: SyncAction
     bytes: int = 0  # copied (or to copy, on a dry run), or freed
     detail: str | None = None
-    layout: str = "ckptctl"  # whose checkpoint (another stack's: ``ops.stack_sync``)
+    layout: str = "ckptctl"  # whose checkpoint (another stack's: ``ops.transfer.stack_sync``)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "name": self.name, "url": self.url, "action": self.action, "bytes": self.bytes,
@@ -149,7 +149,7 @@ def sync(
                                          done.detail, done.layout))
         if delete:
             _delete_extra(src, dst, sources, cache, result, lock)
-        # Uploads a killed sync (or save) left open in DST's checkpoints (ops.uploads).
+        # Uploads a killed sync (or save) left open in DST's checkpoints (ops.transfer.uploads).
         uploads.in_root(dst, idle_for_s=UPLOAD_IDLE_S, notes=result.notes, dry_run=dry_run, layouts=NATIVE)
         if not dry_run:
             cache.retain({e.name for e in list_checkpoints(dst, layouts=NATIVE) if e.status in ("committed", "corrupt")})

@@ -20,7 +20,7 @@ from ckptctl.interop.base import Source
 from ckptctl.interop.detect import foreign_format
 from ckptctl.ops.transform.convert import open_source
 from ckptctl.state.buffers import TensorBuffer
-from ckptctl.ops.verify import Level, Problem, VerifyReport
+from ckptctl.ops.verify.checkpoint import Level, Problem, VerifyReport
 from ckptctl.progress import Progress
 
 NO_CHECKSUMS = "{fmt} records no checksums: corruption that still decodes cannot be detected; " \

@@ -1,5 +1,5 @@
 """``verify`` and ``latest`` for every layout the catalog knows: checkpoints whose layout is
-``verified_by_manifest`` (ckptctl's own) go to ``ops.verify.verify_checkpoint``; other tools'
+``verified_by_manifest`` (ckptctl's own) go to ``ops.verify.checkpoint.verify_checkpoint``; other tools'
 (torchtitan/DCP, Hugging Face Trainer, Megatron-LM, DeepSpeed) to their layout's ``check``
 (``layouts.stack``), at the same three levels: quick (the stack's commit rule, every file
 present, regular, non-empty, headers and sizes), checksums (+ the checksums that exist: CRC-32
@@ -30,9 +30,9 @@ from ckptctl.layouts.catalog import FORMATS, layout_named, layouts_named, newest
 from ckptctl.layouts.stack import Resume, StackLayout
 from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts.safe_load import STRUCTURAL_MARK
-from ckptctl.ops.problem import Problem
-from ckptctl.ops.seal_check import SealLevel, check_against_seal, seal_note, seal_problem
-from ckptctl.ops.verify import Level, VerifyReport, verify_checkpoint
+from ckptctl.ops.verify.problem import Problem
+from ckptctl.ops.seal.check import SealLevel, check_against_seal, seal_note, seal_problem
+from ckptctl.ops.verify.checkpoint import Level, VerifyReport, verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 

@@ -4,7 +4,7 @@
 ``keep_last=``) builds one and hands its ``after`` to the save path as
 a callable, so the save path never imports the verbs.
 
-The policy and its safety checks are ``ckptctl prune``'s (``ops.prune``): the new checkpoint is
+The policy and its safety checks are ``ckptctl prune``'s (``ops.retention.prune``): the new checkpoint is
 fully verified before anything older is deleted. Only rank 0 prunes. A prune runs on a thread
 of its own, so a slow one never delays the next write or, across ranks, rank 0's arrival at
 the save's barrier. Retention problems are logged on the "ckptctl" logger and never fail a
@@ -16,7 +16,7 @@ The full verification costs no download by rank 0: after each commit, every rank
 shard it just wrote (``check_shard``, on its writer thread: header bound to the file checksum
 the manifest records, every chunk hashed and decoded, safetensors accepting it on POSIX), the
 ranks agree on the verdicts (one ``all_reduce`` of one integer), and rank 0 records a ``load``
-level success in the verification record (``ops.verify_cache``) with the checkpoint's
+level success in the verification record (``ops.verify.cache``) with the checkpoint's
 fingerprint taken before the re-reads, so the prune's anchor check finds it there and reads no
 data. Each rank reads its own shard once more per save, in parallel: the cost per rank does not
 grow with the number of ranks. What this check does not repeat, because the save proved it
@@ -35,11 +35,11 @@ from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard_identity import header_matches
 from ckptctl.layouts.catalog import NATIVE
 from ckptctl.layouts.native import read_committed, read_header
-from ckptctl.ops.prune import prune
-from ckptctl.ops.retention import KeepEvery, KeepLast, Policy, RetentionPolicy
-from ckptctl.ops.shard_scan import stream_file
-from ckptctl.ops.verify import VerifyReport
-from ckptctl.ops.verify_cache import Fingerprint, VerifyCache, fingerprint
+from ckptctl.ops.retention.prune import prune
+from ckptctl.ops.retention.policies import KeepEvery, KeepLast, Policy, RetentionPolicy
+from ckptctl.ops.verify.shard_scan import stream_file
+from ckptctl.ops.verify.checkpoint import VerifyReport
+from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, fingerprint
 from ckptctl.storage.base import Storage
 
 log = logging.getLogger("ckptctl")

@@ -1,7 +1,7 @@
 """What every retention rule shares: the candidates it judges, the decision it returns, the
 rule's base class and the one error a rule raises for a bad parameter.
 
-The rules themselves are in ``ops.retention`` (and ``ops.retention_best``); import them from
+The rules themselves are in ``ops.retention.policies`` (and ``ops.retention.best``); import them from
 there or from ``ckptctl``. This module exists so that a rule in its own module can subclass
 ``Policy`` without importing the module that composes every rule.
 """
@@ -115,7 +115,7 @@ class Policy(abc.ABC):
 
     Implementations must be pure and order-independent: same candidates in any order, same
     answer. Duplicate steps raise ``ValueError``. ``time_based`` rules read ``Candidate.time``;
-    :class:`~ckptctl.ops.retention.RetentionPolicy` hands them only the candidates whose time
+    :class:`~ckptctl.ops.retention.policies.RetentionPolicy` hands them only the candidates whose time
     is trustworthy. Rules compose with ``|``: ``KeepLast(3) | KeepEvery(1000)`` keeps what
     either keeps.
     """
@@ -147,7 +147,7 @@ class AnyOf(Policy):
     ``RetentionPolicy`` takes it apart, so each rule still reads only the candidates it may
     (time-based ones the trustworthy ones) and every reason is reported.
 
-    >>> from ckptctl.ops.retention import KeepEvery, KeepLast
+    >>> from ckptctl.ops.retention.policies import KeepEvery, KeepLast
     >>> (KeepLast(1) | KeepEvery(1000)).label
     'keep-last 1, keep-every 1000'
     """

@@ -31,7 +31,7 @@ from ckptctl.storage.base import ObjectInfo, Storage
 # The same bound as prune's --partial-after default for partial checkpoint directories.
 UPLOAD_IDLE_S = 6 * 3600.0
 
-# A re-sharding restore's hidden staging copy (``ops.transfer.STAGING_PREFIX``; not imported,
+# A re-sharding restore's hidden staging copy (``ops.transfer.copy.STAGING_PREFIX``; not imported,
 # transfer imports this module).
 _STAGING_PREFIX = ".restore-staging-"
 

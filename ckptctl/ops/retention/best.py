@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ckptctl.ops.retention_base import MAX_METRIC_NAME, Candidate, InvalidPolicy, Policy, check_int, sorted_unique
+from ckptctl.ops.retention.base import MAX_METRIC_NAME, Candidate, InvalidPolicy, Policy, check_int, sorted_unique
 
 __all__ = ["KeepBest"]
 
@@ -47,7 +47,7 @@ class KeepBest(Policy):
     >>> KeepBest(0, "val_loss")
     Traceback (most recent call last):
     ...
-    ckptctl.ops.retention_base.InvalidPolicy: KeepBest: n must be at least 1, got 0
+    ckptctl.ops.retention.base.InvalidPolicy: KeepBest: n must be at least 1, got 0
     """
 
     n: int

@@ -15,8 +15,8 @@ from typing import Callable, Literal
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.checksum import Hasher
 from ckptctl.format.seal import SEAL, Seal, SealedFile, chunk_count, parse_seal
-from ckptctl.ops.leftovers import is_temporary
-from ckptctl.ops.problem import Problem
+from ckptctl.ops.seal.leftovers import is_temporary
+from ckptctl.ops.verify.problem import Problem
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_PIECE
 from ckptctl.storage.base import Storage

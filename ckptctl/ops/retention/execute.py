@@ -11,9 +11,9 @@ from typing import Any, Literal
 from ckptctl.errors import CkptError, RefusedForSafety
 from ckptctl.layouts.catalog import layout_named
 from ckptctl.layouts.removal import entry_snapshot, remove_unchanged
-from ckptctl.ops.lock import RootLock
-from ckptctl.ops.prune_plan import Action, PlanItem, PrunePlan, cached_names, raise_if_refused
-from ckptctl.ops.verify_cache import fingerprint
+from ckptctl.ops.retention.lock import RootLock
+from ckptctl.ops.retention.plan import Action, PlanItem, PrunePlan, cached_names, raise_if_refused
+from ckptctl.ops.verify.cache import fingerprint
 from ckptctl.storage.base import Storage
 
 log = logging.getLogger("ckptctl")

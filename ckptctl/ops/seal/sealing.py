@@ -32,10 +32,10 @@ from ckptctl.layouts.catalog import layout_named, list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.native import NativeLayout
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.leftovers import is_temporary, remove_temporaries
-from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack_detail
-from ckptctl.ops.seal_check import hash_object, read_seal
-from ckptctl.ops.verify import VerifyReport
+from ckptctl.ops.seal.leftovers import is_temporary, remove_temporaries
+from ckptctl.ops.verify.layouts import bound_layout, stack_checkpoint_at, verify_stack_detail
+from ckptctl.ops.seal.check import hash_object, read_seal
+from ckptctl.ops.verify.checkpoint import VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import Storage

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, RefusedForSafety
-from ckptctl.ops.layout_verify import bound_layout, verify_stack
-from ckptctl.ops.stack_copy import StackSource, describe, source_problems
-from ckptctl.ops.transfer import CopyResult
+from ckptctl.ops.verify.layouts import bound_layout, verify_stack
+from ckptctl.ops.transfer.stack_copy import StackSource, describe, source_problems
+from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import StoredFile, open_file

@@ -26,7 +26,7 @@ every backend; a prefix holding only a seal of a layout is recognised by the sea
 Before a byte is copied the source passes the quick level of ``verify`` (the stack's commit rule,
 each file's own header: a safetensors file with trailing bytes or a torch zip whose members do
 not add up is refused at once, not after copying it). A copy run again after a kill first removes
-the temporaries the killed run left (``ops.leftovers``), and the destination is checked as
+the temporaries the killed run left (``ops.seal.leftovers``), and the destination is checked as
 ``verify`` will judge it before the pointer is written and "copied" is reported.
 """
 
@@ -43,12 +43,12 @@ from ckptctl.format.layout import MARKER
 from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts.catalog import NATIVE, layouts_named, newest_marked, other_tools_committed
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.layout_verify import bound_layout, stack_checkpoint_at, verify_stack
-from ckptctl.ops.leftovers import remove_temporaries
-from ckptctl.ops.problem import Problem
-from ckptctl.ops.seal_check import check_against_seal, compare, hash_object, read_seal
-from ckptctl.ops.transfer import CopyResult, RestoreResult, Skipped
-from ckptctl.ops.verify import Level
+from ckptctl.ops.verify.layouts import bound_layout, stack_checkpoint_at, verify_stack
+from ckptctl.ops.seal.leftovers import remove_temporaries
+from ckptctl.ops.verify.problem import Problem
+from ckptctl.ops.seal.check import check_against_seal, compare, hash_object, read_seal
+from ckptctl.ops.transfer.copy import CopyResult, RestoreResult, Skipped
+from ckptctl.ops.verify.checkpoint import Level
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage import open_storage
@@ -335,7 +335,7 @@ def wants_stack_restore(src_root: Storage) -> bool:
     """Whether ``restore`` of ``src_root`` is one of other tools' checkpoints (the root holds
     no ckptctl checkpoint, or it is one checkpoint of another tool)."""
     if src_root.stat(MARKER) is not None or next(newest_marked(src_root, layouts=NATIVE), None) is not None:
-        return False  # a ckptctl checkpoint (or a root with one): ops.transfer restores it
+        return False  # a ckptctl checkpoint (or a root with one): ops.transfer.copy restores it
     return next(_candidates(src_root, None), None) is not None or (
         stack_checkpoint_at(src_root.local_path() or src_root.url) is not None)
 

@@ -1,6 +1,6 @@
 """Copying committed checkpoints between storages: ``cp`` and ``restore``.
 
-(Other tools' checkpoints are copied by ``ops.stack_copy``, with the same result types.)
+(Other tools' checkpoints are copied by ``ops.transfer.stack_copy``, with the same result types.)
 
 A copy reads every source byte once and checks it on the way (file XXH3 and each tensor
 chunk's checksum, the same streaming check as ``verify``), writes the shards through the
@@ -44,10 +44,10 @@ from ckptctl.layouts.native import (
     uncommit,
 )
 from ckptctl.ops.expect import expect_bytes
-from ckptctl.ops.problem import Problem
-from ckptctl.ops.shard_scan import check_file, stream_file
-from ckptctl.ops.uploads import before_copy
-from ckptctl.ops.verify import verify_checkpoint
+from ckptctl.ops.verify.problem import Problem
+from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.ops.transfer.uploads import before_copy
+from ckptctl.ops.verify.checkpoint import verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage.base import Storage
@@ -66,7 +66,7 @@ class CopyResult:
     bytes_copied: int = 0
     files_reused: int = 0  # already in place with verified bytes (an interrupted copy re-run)
     seconds: float = 0.0
-    layout: str = "ckptctl"  # whose checkpoint (another tool's: ``ops.stack_copy``)
+    layout: str = "ckptctl"  # whose checkpoint (another tool's: ``ops.transfer.stack_copy``)
     note: str | None = None  # how another tool's checkpoint was checked, and its pointer
 
     def to_dict(self) -> dict:
@@ -99,7 +99,7 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
         result.seconds = time.perf_counter() - t0
         return result
     with _at_destination(dst):
-        before_copy(dst, [f.name for f in manifest.files])  # a killed earlier run's uploads (ops.uploads)
+        before_copy(dst, [f.name for f in manifest.files])  # a killed earlier run's uploads (ops.transfer.uploads)
 
     def quick_check(f: FileEntry) -> tuple[ShardHeader | None, list[Problem]]:
         found: list[Problem] = []

@@ -11,11 +11,11 @@ Levels, each including the one before:
 - ``load``: also decodes every chunk as its dtype, and checks that safetensors itself accepts
   each local shard.
 
-One file's checks are ``ops.shard_scan``'s: files stream through in fixed-size pieces (memory:
+One file's checks are ``ops.verify.shard_scan``'s: files stream through in fixed-size pieces (memory:
 pieces in flight, never a whole file) and are checked in parallel. Every problem found is
 reported, not just the first.
 
-One ckptctl checkpoint only: a root's checkpoints, of every layout, are ``ops.layout_verify``'s
+One ckptctl checkpoint only: a root's checkpoints, of every layout, are ``ops.verify.layouts``'s
 (``verify_root``), which calls ``verify_checkpoint`` for ckptctl's own.
 """
 
@@ -31,8 +31,8 @@ from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
 from ckptctl.layouts.native import read_committed
-from ckptctl.ops.problem import Problem
-from ckptctl.ops.shard_scan import check_file, stream_file
+from ckptctl.ops.verify.problem import Problem
+from ckptctl.ops.verify.shard_scan import check_file, stream_file
 from ckptctl.ops.expect import expect_bytes
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_THREADS

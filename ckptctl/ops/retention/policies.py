@@ -39,9 +39,9 @@ from datetime import datetime, timezone
 
 from ckptctl.durations import format_duration
 from ckptctl.errors import UsageError
-from ckptctl.ops.retention_base import AnyOf, Candidate, Decision, InvalidPolicy, Policy, check_int
-from ckptctl.ops.retention_base import sorted_unique as _sorted_unique
-from ckptctl.ops.retention_best import KeepBest
+from ckptctl.ops.retention.base import AnyOf, Candidate, Decision, InvalidPolicy, Policy, check_int
+from ckptctl.ops.retention.base import sorted_unique as _sorted_unique
+from ckptctl.ops.retention.best import KeepBest
 
 __all__ = [
     "ANCHOR_REASON",
@@ -269,7 +269,7 @@ class RetentionPolicy:
     >>> RetentionPolicy([])
     Traceback (most recent call last):
     ...
-    ckptctl.ops.retention_base.InvalidPolicy: RetentionPolicy: policies must be at least one rule, got ()
+    ckptctl.ops.retention.base.InvalidPolicy: RetentionPolicy: policies must be at least one rule, got ()
     >>> RetentionPolicy.of(KeepLast(3) | KeepEvery(1000)).describe()
     'keep-last 3, keep-every 1000'
     """

@@ -23,7 +23,7 @@ Safety, in this order (the user-facing statement is ``man/ckptctl-prune.1``):
 5. Committed checkpoints older than the anchor are deleted unless a policy keeps them. Older
    ones are not verified (that would read everything on every run); policies count them.
 6. **Unfinished S3 uploads** a killed writer left inside checkpoint entries are aborted once
-   idle for ``partial_after_s``, like partial directories (``ops.uploads``); listed in the plan.
+   idle for ``partial_after_s``, like partial directories (``ops.transfer.uploads``); listed in the plan.
 
 Deleting one checkpoint removes its marker first, then the manifest, then everything else, then
 the empty directory: a prune killed at any point leaves something that reads as partial, never
@@ -42,10 +42,10 @@ from typing import Callable, Sequence
 from ckptctl.errors import NotFound
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import LAYOUTS
-from ckptctl.ops import uploads
-from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
-from ckptctl.ops.prune_execute import ItemOutcome, PruneOutcome, Result, execute
-from ckptctl.ops.prune_plan import (
+from ckptctl.ops.transfer import uploads
+from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.retention.execute import ItemOutcome, PruneOutcome, Result, execute
+from ckptctl.ops.retention.plan import (
     ANCHOR_LEVEL,
     DEFAULT_PARTIAL_AFTER_S,
     Action,
@@ -56,7 +56,7 @@ from ckptctl.ops.prune_plan import (
     plan,
     raise_if_refused,
 )
-from ckptctl.ops.retention import RetentionPolicy
+from ckptctl.ops.retention.policies import RetentionPolicy
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 

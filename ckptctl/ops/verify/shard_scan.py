@@ -2,7 +2,7 @@
 the manifest (``check_file``), and one streaming read of the file that hashes every chunk and
 rebuilds the file checksum (``stream_file``).
 
-``ops.verify`` runs these for every file of a checkpoint at its levels; ``ops.transfer`` streams
+``ops.verify.checkpoint`` runs these for every file of a checkpoint at its levels; ``ops.transfer.copy`` streams
 a copy through ``stream_file``'s ``sink``, so copying and checking read the source once. Memory
 is two ``settings.VERIFY_PIECE`` pieces per read in flight, never a whole file.
 """
@@ -20,7 +20,7 @@ from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
 from ckptctl.format.shard_identity import header_mismatch
 from ckptctl.layouts.native import read_header
-from ckptctl.ops.problem import Problem
+from ckptctl.ops.verify.problem import Problem
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_PIECE
 from ckptctl.storage.base import Storage
@@ -150,7 +150,7 @@ def _scan(
     if decode_chunks:
         # Only the load level needs torch; the default levels must not import it (seconds of
         # start-up in every cron `verify` and `latest`), so it is imported here, on demand.
-        from ckptctl.ops.decode import decode_problem as decode
+        from ckptctl.ops.verify.decode import decode_problem as decode
     header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
     size = min(VERIFY_PIECE, max(end - start, 1))

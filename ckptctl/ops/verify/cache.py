@@ -31,7 +31,7 @@ from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError
 from ckptctl.format import parse
 from ckptctl.format.layout import MARKER
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
-from ckptctl.ops.verify import LEVELS, Level, VerifyReport, verify_checkpoint
+from ckptctl.ops.verify.checkpoint import LEVELS, Level, VerifyReport, verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 

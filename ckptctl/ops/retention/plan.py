@@ -1,7 +1,7 @@
 """Planning a prune: survey every checkpoint entry under the root and decide what to keep and delete.
 
 ``plan()`` reads only (apart from the verification record) and never deletes; see
-``ckptctl.ops.prune`` for the safety rules it applies and ``prune_execute`` for carrying a
+``ckptctl.ops.retention.prune`` for the safety rules it applies and ``prune_execute`` for carrying a
 plan out.
 
 A root may hold checkpoints of several layouts (ckptctl's own, torchtitan/DCP, the Hugging
@@ -27,12 +27,12 @@ from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.removal import Snapshot, entry_snapshot
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.layout_verify import verify_stack_detail
-from ckptctl.ops.seal import write_seal
-from ckptctl.ops.retention import Candidate, KeepSteps, RetentionPolicy
-from ckptctl.ops.verify import Level, VerifyReport
+from ckptctl.ops.verify.layouts import verify_stack_detail
+from ckptctl.ops.seal.sealing import write_seal
+from ckptctl.ops.retention.policies import Candidate, KeepSteps, RetentionPolicy
+from ckptctl.ops.verify.checkpoint import Level, VerifyReport
 from ckptctl.progress import Progress
-from ckptctl.ops.verify_cache import Fingerprint, VerifyCache, verify_cached
+from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, verify_cached
 from ckptctl.storage.base import Storage
 
 DEFAULT_PARTIAL_AFTER_S = 6 * 3600.0
@@ -86,7 +86,7 @@ class PrunePlan:
     anchors: dict[str, PlanItem] = field(default_factory=dict)  # layout -> its anchor
     seal: bool = False  # seal the other stacks' anchors it verified (``prune --seal``)
     record: bool = True  # False for a dry run: nothing is written, no seal either
-    uploads: list[str] = field(default_factory=list)  # unfinished S3 uploads it aborts (ops.uploads)
+    uploads: list[str] = field(default_factory=list)  # unfinished S3 uploads it aborts (ops.transfer.uploads)
     managed: dict[str, Layout] = field(default_factory=dict)  # by name: the layouts it may delete from
 
     def layout_of(self, item: PlanItem) -> Layout | None:
@@ -148,7 +148,7 @@ def plan(
     ``layouts`` are the layouts whose checkpoints may be deleted (``Checkpointer`` retention
     passes ckptctl's own only); other layouts' entries are listed and left alone. With
     ``seal`` another stack's anchor that was test-loaded here and has no seal yet is sealed
-    (``ops.seal``; not on a dry run); a sealed anchor is trusted when every byte still matches
+    (``ops.seal.sealing``; not on a dry run); a sealed anchor is trusted when every byte still matches
     its seal, without test-loading it again.
     """
     p = PrunePlan(root, policy, partial_after_s, delete_broken, reverify, time.time() if now is None else now,

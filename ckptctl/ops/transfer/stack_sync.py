@@ -1,5 +1,5 @@
 """``sync`` of other tools' checkpoints: every complete checkpoint of another stack under SRC
-that DST lacks is copied by ``ops.stack_copy`` (data files, then the commit files, then the
+that DST lacks is copied by ``ops.transfer.stack_copy`` (data files, then the commit files, then the
 seal, then the stack's pointer, never moved to an older step), oldest first, so DST's pointer
 ends on SRC's newest complete checkpoint. One already at DST is checked, not copied again
 (``stack_copy``'s "already present": the same seal and every byte matching it, or, unsealed,
@@ -13,7 +13,7 @@ Cost: an unsealed checkpoint has no checksums to compare, so its copy is test-lo
 and one already present is read at both ends on every run. Seal SRC's checkpoints first
 (``ckptctl seal ROOT``) and later runs check DST against the seal instead.
 
-``--delete`` removes only ckptctl's own checkpoints (``ops.sync``): other stacks' are never
+``--delete`` removes only ckptctl's own checkpoints (``ops.transfer.sync``): other stacks' are never
 deleted by a sync, whose pointer files would otherwise have to be rewritten under their feet.
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, RefusedForSafety
-from ckptctl.ops.file_copy import copy_stack_file
-from ckptctl.ops.stack_copy import StackSource, copy_stack_checkpoint, stack_sources
+from ckptctl.ops.transfer.file_copy import copy_stack_file
+from ckptctl.ops.transfer.stack_copy import StackSource, copy_stack_checkpoint, stack_sources
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file
@@ -31,7 +31,7 @@ from ckptctl.storage.stored_file import open_file
 
 @dataclass(frozen=True)
 class StackSynced:
-    """What happened to one checkpoint of another stack (``ops.sync`` makes a ``SyncItem``)."""
+    """What happened to one checkpoint of another stack (``ops.transfer.sync`` makes a ``SyncItem``)."""
 
     step: int
     name: str
