@@ -19,6 +19,7 @@ the named allow-list below, which may only shrink. The checkers live in ``arch_i
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -365,3 +366,31 @@ def test_checker_finds_layout_name_comparisons_and_type_checks() -> None:
         ("ckptctl/ops/verify.py:verify_entry", 4), ("ckptctl/ops/verify.py:Plan.pick", 8),
         ("ckptctl/ops/verify.py:Plan.pick", 9), ("ckptctl/ops/verify.py:Plan.pick", 10),
         ("ckptctl/ops/verify.py:Plan.pick", 13)], [str(o) for o in found]
+
+
+# --- inside ops: each sub-package's docstring says what it may import, and that holds ----------
+
+LEAF_MODULES = ("ckptctl.errors", "ckptctl.settings", "ckptctl.durations", "ckptctl.progress",
+                "ckptctl.version", "ckptctl.plugins")
+
+
+def _may_import(docstring: str) -> list[str]:
+    """The ``names`` of a sub-package docstring's "May import:" sentence, as dotted prefixes
+    under ``ckptctl`` (``format`` -> ``ckptctl.format``, ``ops.seal.check`` -> itself)."""
+    text = docstring.split("May import:", 1)[1].split("never", 1)[0]
+    return [f"ckptctl.{name}" for name in re.findall(r"``([a-z_.]+)``", text)]
+
+
+def test_each_ops_subpackage_imports_only_what_its_docstring_says() -> None:
+    imports = _all_imports()
+    checked = 0
+    for init in sorted((PACKAGE / "ops").glob("*/__init__.py")):
+        package = f"ckptctl.ops.{init.parent.name}"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import:" in doc, f"{init.relative_to(ROOT)}: its docstring says nothing of what it may import"
+        allowed = (package, *LEAF_MODULES, *_may_import(doc))
+        bad = [f"{i.where()}: {i.target}" for i in imports if i.importer.startswith(package + ".") or i.importer == package
+               if not any(i.target == a or i.target.startswith(a + ".") for a in allowed)]
+        assert not bad, _report(f"imports {package}'s docstring does not allow", bad)
+        checked += 1
+    assert checked >= 5  # verify, retention, transfer, transform, seal
