@@ -1,7 +1,7 @@
 """Planning a prune: survey every checkpoint entry under the root and decide what to keep and delete.
 
 ``plan()`` reads only (apart from the verification record) and never deletes; see
-``ckptctl.ops.retention.prune`` for the safety rules it applies and ``prune_execute`` for carrying a
+``ckptctl.ops.retention.prune`` for the safety rules it applies and ``ops.retention.execute`` for carrying a
 plan out.
 
 A root may hold checkpoints of several layouts (ckptctl's own, torchtitan/DCP, the Hugging

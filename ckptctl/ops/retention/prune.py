@@ -1,6 +1,6 @@
 """``prune``: delete old checkpoints without ever losing the last good one.
 
-``plan()`` (in ``prune_plan``) reads and decides; ``execute(plan)`` (in ``prune_execute``)
+``plan()`` (in ``retention.plan``) reads and decides; ``execute(plan)`` (in ``retention.execute``)
 re-checks and deletes; ``prune()``, here, does both under the root's lock and is what the CLI
 and ``Checkpointer(keep_last=...)`` call. All three are importable from this module.
 

@@ -96,7 +96,7 @@ def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loa
                chunk_size: int = CHUNK_SIZE) -> SealResult:
     """Hash every file of ``ckpt`` and create its seal, given a passing ``load``-level
     ``report`` of it (``seal_checkpoint``, or prune's anchor verification) and the files it could
-    not test-load (``layout_verify.verify_stack_detail``). ``expected`` is the
+    not test-load (``ops.verify.layouts.verify_stack_detail``). ``expected`` is the
     listing the report was made on: a checkpoint that differs from it now is refused
     (InvalidCheckpoint). Returns status "already sealed" when a seal appeared meanwhile."""
     t0 = time.perf_counter()
