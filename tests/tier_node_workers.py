@@ -41,13 +41,20 @@ def _close_report(ck: Any) -> dict:
 
 
 def save(rank: int, a: dict) -> dict:
-    """Save ``steps``; close (rank 0 waits for the last one to reach S3)."""
+    """Save ``steps`` (before each step in ``gates``, wait for the file ``OUT/goSTEP``), timing
+    each save; close (rank 0 waits for the last one to reach S3)."""
     from ckptctl import Checkpointer
 
     ck = Checkpointer(tiers=_tiers(a), promote_timeout_s=a.get("promote_timeout_s", 60))
+    seconds = []
     for step in a["steps"]:
+        while step in a.get("gates", []) and not os.path.exists(os.path.join(a["out"], f"go{step}")):
+            time.sleep(0.05)
+        t0 = time.monotonic()
         ck.save(step, state_for(step, rank)).wait()
-    return {"node": os.environ["GROUP_RANK"], "local_rank": os.environ["LOCAL_RANK"], **_close_report(ck)}
+        seconds.append(time.monotonic() - t0)
+    return {"node": os.environ["GROUP_RANK"], "local_rank": os.environ["LOCAL_RANK"], "save_s": seconds,
+            **_close_report(ck)}
 
 
 def load(rank: int, a: dict) -> dict:

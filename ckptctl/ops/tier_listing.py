@@ -5,6 +5,14 @@ A ``Checkpointer(tiers=[...])`` commits to its first tier and promotes to the ne
 on one (a promotion in progress). This lists every tier's checkpoints with the same catalog
 ``ls`` uses and lines them up by checkpoint (step and name), oldest first: per tier, the
 checkpoint's status there, or None where that tier does not hold it.
+
+A node-local first tier (``Tier(path, node_local=True)``) holds on each node only the shards
+that node's ranks wrote, plus the manifest and marker: its steps are committed there by the
+node-local rule while other nodes' files are absent by design. On a root on a filesystem, a
+committed checkpoint whose manifest lists files that are not there reads ``node part``, not
+``committed`` (a whole copy is on another tier, or all nodes together hold one); ``verify``
+says which files, and whether a lost one is the reason. One listing per committed checkpoint,
+on local disks only: an object store is never a node's tier, and its listings cost requests.
 """
 
 from __future__ import annotations
@@ -13,8 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ckptctl.errors import UsageError
-from ckptctl.ops.listing import list_checkpoints
+from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.ops.targets import open_root
+from ckptctl.storage.base import Storage
+
+# Committed by its marker, and some files its manifest lists are not on this disk.
+NODE_PART = "node part"
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,22 @@ def list_tiers(roots: Sequence[str]) -> TierListing:
     name. Raises UsageError for a root named twice or one that does not exist."""
     if len(set(roots)) != len(roots):
         raise UsageError(f"a tier is named twice: {', '.join(roots)}", hint="give each tier's root once")
-    by_tier = {root: {(e.step, e.name): e.status for e in list_checkpoints(open_root(root))} for root in roots}
+    by_tier = {root: _statuses(open_root(root)) for root in roots}
     keys = sorted({key for listed in by_tier.values() for key in listed})
     return TierListing(list(roots), [TierRow(step, name, {root: by_tier[root].get((step, name)) for root in roots})
                                      for step, name in keys])
+
+
+def _statuses(root: Storage) -> dict[tuple[int, str], str]:
+    """(step, name) -> the catalog's status of each checkpoint under ``root``, ``NODE_PART`` for
+    a committed one on a filesystem that lacks files its manifest lists."""
+    found: dict[tuple[int, str], str] = {}
+    local = root.local_path() is not None
+    for e in list_checkpoints(root):
+        status = e.status
+        if local and status == "committed" and e.manifest is not None and e.storage is not None:
+            here = {info.key for info in e.storage.list() if info.kind == "file"}
+            if any(f.name not in here for f in e.manifest.files):
+                status = NODE_PART
+        found[(e.step, e.name)] = status
+    return found

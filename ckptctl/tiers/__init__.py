@@ -19,6 +19,8 @@ own ranks' shards plus the manifest and marker) is wired by ``node_chain`` from:
 * ``upload``: one rank's shard files copied to the next tier, checked on the way;
 * ``node_commit``: when a node's copy of a checkpoint counts as committed there;
 * ``node_retention``: rank 0 plans, each node verifies its part of the newest and deletes;
+* ``leftovers``: abandoned partial steps (a node's failed save, a promotion round's objects on
+  the next tier) removed by ``ckptctl prune``'s partial rules and its ``execute``;
 * ``node_keeper``: the thread on each node's leader that applies rank 0's commits and prunes;
 * ``layered``: the recovery view, each file from the nearest tier that holds it.
 

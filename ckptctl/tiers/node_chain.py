@@ -13,8 +13,9 @@ What differs from ``tiers.chain`` (a first tier every rank shares):
   is a round in which every rank uploads its own shards and rank 0 writes the marker last
   (``tiers.promotion_round``). Tiers after the second are whole: rank 0 copies them as before.
 * **Retention** of the first tier: rank 0 plans with the promoter's pins, each leader verifies
-  its part of the newest checkpoint and deletes (``tiers.node_retention``). Later tiers prune
-  as in ``tiers.chain``.
+  its part of the newest checkpoint and deletes, abandoned partial saves on its node included
+  (``tiers.node_retention``). Later tiers prune as in ``tiers.chain``; the promotion round
+  sweeps its own leftovers there (``tiers.promotion_round``).
 * **Recovery.** Candidates are the union of rank 0's node's steps and the later tiers', newest
   first; each rank reads a candidate through ``tiers.layered`` (its own disk first, then each
   later tier), every byte checksummed by the loader. ``load_latest`` moves on to an older step
@@ -102,9 +103,12 @@ class NodeTiers(Tiers):
             self._worker = RoundWorker(channel, self.roots[0], self.roots[1])
         if rank == 0:
             self._messages = NodeMessages(channel, len(set(nodes)))
-            self._round = RoundLeader(channel, timeout_s)
             self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
-            self.start(first_copy=self._round.copy)
+            if len(self.roots) > 1:
+                self._round = RoundLeader(channel, timeout_s, self.roots[1])
+                self.start(first_copy=self._round.copy)
+            else:
+                self.start()
 
     # --- after each commit (rank 0) -----------------------------------------------------------
 

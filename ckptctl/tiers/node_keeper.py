@@ -3,9 +3,10 @@ of the node's leader (its lowest rank).
 
 Rank 0 (``NodeMessages``) sends on the channel's ``node`` stream, after each save commits:
 ``commit`` (the checkpoint's manifest and marker, for the node-local commit rule of
-``tiers.node_commit``), then, when retention deletes something, ``prune`` (a
-``node_retention.PrunePlan``); and ``stop`` when the ``Checkpointer`` closes. One stream, so a
-node always commits a step before it is asked to anchor a prune on it. Each leader acks each
+``tiers.node_commit``), then, when the tier has retention rules, ``prune`` (a
+``node_retention.PrunePlan``: what to delete, possibly nothing, and what to keep); and
+``stop`` when the ``Checkpointer`` closes. One stream, so a node always commits a step before
+it is asked to anchor a prune on it. Each leader acks each
 message; rank 0 deletes a message from the store once every leader took it.
 
 May import: ``tiers.channel``, ``tiers.node_commit``, ``tiers.node_retention``, ``layouts``,
@@ -48,7 +49,7 @@ class NodeMessages:
                     "marker": base64.b64encode(source.marker_raw).decode()})
 
     def prune(self, p: PrunePlan) -> None:
-        self._send({"op": "prune", "anchor": p.anchor, "delete": list(p.delete)})
+        self._send({"op": "prune", "anchor": p.anchor, "delete": list(p.delete), "keep": list(p.keep)})
 
     def stop(self) -> None:
         self._send({"op": "stop"})
@@ -100,7 +101,8 @@ class NodeKeeper:
             source = parse_committed(ckpt, base64.b64decode(msg["manifest"]), base64.b64decode(msg["marker"]))
             commit_here(ckpt, source, self.ranks)
         elif msg["op"] == "prune":
-            self.pruner.apply(PrunePlan(str(msg["anchor"]), tuple(str(n) for n in msg["delete"])))
+            self.pruner.apply(PrunePlan(str(msg["anchor"]), tuple(str(n) for n in msg["delete"]),
+                                        tuple(str(n) for n in msg.get("keep", ()))))
 
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)

@@ -10,9 +10,20 @@ node holds only its own ranks' shards. So the decision and the deletion are spli
   for byte (``node_commit.check_node_files``: marker, manifest, every chunk checksum of its
   ranks' files), and deletes nothing when it does not verify; then removes each planned step
   on its node marker first (``layouts.native.remove``), so a deletion cut short leaves a
-  partial directory, never a committed one.
+  partial directory, never a committed one;
+* with the same verified anchor, each leader also removes its node's abandoned partial step
+  directories (a save that failed or was killed there, a copy whose commit never came) by
+  ``ckptctl prune``'s rule for them (``tiers.leftovers``: idle for prune's partial-after time,
+  never a directory another layout's rule calls complete, never a symlink, each deleted only
+  while unchanged, marker first, under the root's lock), except the steps the plan keeps (the
+  anchor, the promoter's pins: their parts on this node are read by a promotion round).
 
-May import: ``ops.retention.policies``, ``layouts``, ``tiers.pins``, ``tiers.node_commit``, ``storage``, leaves.
+Rank 0 sends a plan after every commit whenever the tier has rules, even when it deletes
+nothing (a node may hold partials rank 0 cannot see); a node reads its part of a new anchor
+only when it has something to delete.
+
+May import: ``ops.retention.policies``, ``layouts``, ``tiers.pins``, ``tiers.node_commit``,
+``tiers.leftovers``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from ckptctl.layouts.native import remove
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
 from ckptctl.ops.retention.base import Candidate
 from ckptctl.storage.base import Storage
+from ckptctl.tiers.leftovers import PARTIAL_AFTER_S, abandoned
+from ckptctl.tiers.leftovers import remove as remove_partials
 from ckptctl.tiers.node_commit import check_node_files
 from ckptctl.tiers.pins import guarded
 
@@ -37,30 +50,37 @@ log = logging.getLogger("ckptctl")
 class PrunePlan:
     anchor: str  # the newest committed checkpoint's name: verified on each node before deleting
     delete: tuple[str, ...]  # names, oldest first
+    keep: tuple[str, ...] = ()  # pinned for promotion: never removed as partial on a node
 
 
 def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], to: str) -> PrunePlan | None:
-    """What retention deletes on every node, from rank 0's node's first tier; None when
-    nothing is to be deleted."""
+    """What retention deletes on every node, from rank 0's node's first tier (possibly
+    nothing: each node still removes its abandoned partials); None when nothing is committed."""
     entries = [e for e in newest_committed(root, layouts=NATIVE) if e.manifest is not None]
-    if len(entries) < 2:
+    if not entries:
         return None
     policy = RetentionPolicy.of(guarded(RetentionPolicy.of(rules), pins, to))
     candidates = [Candidate(e.step, float(e.manifest.created), e.manifest.metrics) for e in entries]  # type: ignore[union-attr]
     decisions = policy.decide(candidates, entries[0].step)
     delete = tuple(e.name for e in reversed(entries) if not decisions[e.step].keep)
-    return PrunePlan(entries[0].name, delete) if delete else None
+    return PrunePlan(entries[0].name, delete, tuple(e.name for e in entries if e.step in pins))
 
 
 class NodePruner:
     """Applies rank 0's plans to one node's first tier (``ranks``: the node's)."""
 
-    def __init__(self, root: Storage, ranks: Collection[int]) -> None:
+    def __init__(self, root: Storage, ranks: Collection[int], partial_after_s: float = PARTIAL_AFTER_S) -> None:
         self.root, self.ranks = root, frozenset(ranks)
+        self.partial_after_s = partial_after_s
         self._verified: str | None = None  # the anchor last verified here: each is read once
 
     def apply(self, p: PrunePlan) -> list[str]:
-        """Delete ``p.delete`` here once the anchor verifies here. Returns the names deleted."""
+        """Delete ``p.delete`` and this node's abandoned partials once the anchor verifies
+        here. Returns the names deleted."""
+        planned = [n for n in p.delete if n != p.anchor and self.root.stat(n) is not None]
+        partials = abandoned(self.root, partial_after_s=self.partial_after_s, keep={p.anchor, *p.keep, *p.delete})
+        if not planned and not partials:
+            return []  # nothing to delete: the anchor is not read
         if self._verified != p.anchor:
             why = check_node_files(self.root.sub(p.anchor), self.ranks)
             if why is not None:
@@ -69,9 +89,7 @@ class NodePruner:
                 return []
             self._verified = p.anchor
         deleted = []
-        for name in p.delete:
-            if name == p.anchor or self.root.stat(name) is None:
-                continue
+        for name in planned:
             try:
                 remove(self.root.sub(name))
                 deleted.append(name)
@@ -79,4 +97,9 @@ class NodePruner:
                 log.warning("retention of %s: could not delete %s: %s", self.root.url, name, e)
         if deleted:
             log.info("retention of %s: deleted %s", self.root.url, ", ".join(deleted))
+        try:
+            deleted += remove_partials(self.root, p.anchor, partials, command="node-local retention",
+                                       partial_after_s=self.partial_after_s)
+        except CkptError as e:  # a prune holds the root's lock, or the disk fails: the next plan tries again
+            log.warning("retention of %s: abandoned partial checkpoints not removed: %s", self.root.url, e)
         return deleted

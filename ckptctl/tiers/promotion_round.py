@@ -6,8 +6,10 @@ Rank 0's promoter (``tiers.promoter``: cadence, skip-when-behind, backoff) decid
 and when, and runs one round per attempt through ``RoundLeader.copy`` (its copy function):
 
 1. rank 0 reads its node's commit of the step (marker, then manifest) and returns at once when
-   the next tier already commits the same manifest ("already present"; another manifest there
-   is refused, never replaced);
+   the next tier already commits the same manifest bytes and every file it lists is there at
+   its size ("already present"; one listing, no bytes read back); the same checkpoint with a
+   file missing or of another size is uncommitted, marker first, and promoted again; another
+   manifest there is refused, never replaced;
 2. it sends ``{"op": "promote", name, manifest}`` on the channel's ``promote`` stream;
 3. every rank's ``RoundWorker`` thread (rank 0's too) uploads the files the manifest lists
    for its rank, from its node's first tier, checked on the way (``tiers.upload``), and
@@ -17,15 +19,24 @@ and when, and runs one round per attempt through ``RoundLeader.copy`` (its copy 
    (InvalidCheckpoint); a ``retry`` or a missing reply (a rank dead or hung) is an operational
    error, so the promoter backs off and retries, with the newest chosen step;
 5. only when every rank replied ``ok``: rank 0 checks every listed file is at the next tier
-   at its size, then writes the manifest and the marker last (``layouts.native.commit_copy``).
+   at its size, then writes the manifest and the marker last (``layouts.native.commit_copy``);
+6. then it sweeps: the older steps its rounds left without a marker (a rank failed or was
+   killed, the step was given up or skipped for a newer one) are removed from the next tier
+   by ``ckptctl prune``'s partial rules (``tiers.leftovers``), their open multipart uploads
+   aborted first; at once when every rank answered their last round (no writer of ours is
+   left there), else once idle for prune's partial-after time, like any partial step a killed
+   earlier run left (looked for hourly).
 
 A rank that dies mid-round leaves files without a marker: the next tier's newest committed
-checkpoint is still the one before, and a later round (this run's or the next run's) writes
-the same names again. The workers are threads of their own on every rank: training and the
-saver's writer never wait for a round.
+checkpoint is still the one before, and a later round of the same step (this run's or the
+next run's) writes the same names again: each rank's writer first aborts the open uploads of
+its keys (``ops.transfer.uploads.before_copy``), then replaces the object, every byte checked
+on the way; the manifest is replaced too, and the marker is written only if absent. The
+workers are threads of their own on every rank: training and the saver's writer never wait
+for a round.
 
-May import: ``tiers.channel``, ``tiers.upload``, ``ops.transfer.copy`` (its result type),
-``layouts.native``, ``format``, ``storage``, leaves.
+May import: ``tiers.channel``, ``tiers.upload``, ``tiers.leftovers``, ``ops.transfer.copy`` (its
+result type), ``ops.transfer.uploads``, ``layouts.native``, ``format``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import base64
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -49,10 +61,13 @@ from ckptctl.errors import (
 )
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.native import check_target_name, commit_copy, read_committed_raw
+from ckptctl.layouts.native import Committed, check_target_name, commit_copy, read_committed_raw, uncommit
 from ckptctl.ops.transfer.copy import CopyResult
+from ckptctl.ops.transfer.uploads import before_copy
+from ckptctl.ops.transfer.uploads import in_root as uploads_in_root
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
+from ckptctl.tiers.leftovers import PARTIAL_AFTER_S, sweep
 from ckptctl.tiers.upload import upload_files
 
 log = logging.getLogger("ckptctl")
@@ -64,34 +79,45 @@ def _name_of(ckpt: Storage) -> str:
     return ckpt.url.rstrip("/").rsplit("/", 1)[-1]
 
 
-class RoundLeader:
-    """Rank 0's side: ``copy`` is the promoter's copy function for the first hop."""
+# How often a leader also looks for partial steps it did not leave itself (a killed earlier
+# run's rounds), which are removed only once idle for prune's partial-after time.
+FULL_SWEEP_S = 3600.0
 
-    def __init__(self, channel: Channel, timeout_s: float) -> None:
-        self.channel, self.timeout_s = channel, timeout_s
+
+@dataclass(frozen=True)
+class _Attempt:
+    step: int
+    files: tuple[str, ...]  # the keys its rounds wrote into the step's directory
+    quiet: bool  # every rank answered its last round: none of ours still writes there
+
+
+class RoundLeader:
+    """Rank 0's side: ``copy`` is the promoter's copy function for the first hop into the
+    root ``remote`` (the next tier's)."""
+
+    def __init__(self, channel: Channel, timeout_s: float, remote: Storage) -> None:
+        self.channel, self.timeout_s, self.remote = channel, timeout_s, remote
         self._conn: "dist.Store | None" = None
+        self._attempted: dict[str, _Attempt] = {}  # rounds sent, marker not written: name -> what
+        self._next_full_sweep = 0.0  # time.monotonic() of the next look at every partial step
 
     def copy(self, src: Storage, dst: Storage) -> CopyResult:
         t0 = time.perf_counter()
         source = read_committed_raw(src)
         step, files = source.manifest.step, source.manifest.files
         check_target_name(dst, step)
-        if dst.stat(MARKER) is not None:
-            try:
-                there = read_committed_raw(dst).manifest_raw
-            except CheckpointError as e:
-                raise RefusedForSafety(f"{dst.url} has a marker but is not a valid checkpoint ({e})",
-                                       hint=f"inspect it with `ckptctl verify {dst.url}`") from None
-            if there != source.manifest_raw:
-                raise RefusedForSafety(f"{dst.url} already holds a different committed checkpoint",
-                                       hint="another run promotes into this root; stop it")
+        if _already_present(dst, source):
             return CopyResult(src.url, dst.url, step, "already present", files=len(files),
                               seconds=time.perf_counter() - t0)
         if self._conn is None:
             self._conn = self.channel.connection()
-        n = self.channel.send(STREAM, {"op": "promote", "name": _name_of(src),
+        name = _name_of(src)
+        n = self.channel.send(STREAM, {"op": "promote", "name": name,
                                        "manifest": base64.b64encode(source.manifest_raw).decode()})
         replies = self.channel.replies(self._conn, STREAM, n, self.timeout_s)
+        # Until its marker is written, this step's objects at ``dst`` are a leftover to sweep
+        # once a newer step is committed there; quiet when no rank of this round still writes.
+        self._attempted[name] = _Attempt(step, tuple(f.name for f in files), len(replies) == self.channel.world_size)
         _judge(step, dst, replies, self.channel.world_size, self.timeout_s)
         self.channel.forget(self._conn, STREAM, n, replies=True)
         for f in files:  # each rank's ok is its own writer's commit; a size check costs a HEAD
@@ -101,13 +127,72 @@ class RoundLeader:
                                    f"after rank {f.rank} reported it uploaded ({f.size} bytes)",
                                    hint="the next tier lost a write; the promotion is retried")
         commit_copy(dst, source)  # the marker last
+        self._attempted.pop(name, None)
+        try:
+            self._sweep(name, step)
+        except CkptError as e:  # the step is promoted; the leftovers wait for the next sweep
+            log.info("promotion to %s: leftovers of older rounds not swept this time: %s", self.remote.url, e)
         copied = sum(int(v.split(":", 1)[1] or 0) for v in replies.values())
         return CopyResult(src.url, dst.url, step, "copied", files=len(files), bytes_copied=copied,
                           seconds=time.perf_counter() - t0)
 
+    def _sweep(self, anchor: str, step: int) -> None:
+        """After ``anchor`` (step) was committed on the next tier: remove the objects of the older
+        steps this leader's rounds left without a marker (never promoted by this run now: the
+        promoter takes only newer steps), and, hourly, any partial older step idle for the
+        partial-after time (a killed earlier run's round), by ``ckptctl prune``'s rules
+        (``tiers.leftovers``). On the promoter's thread, so no round of ours runs meanwhile."""
+        root = self.remote
+        older = {k: a for k, a in self._attempted.items() if a.step < step}
+        quiet = {k for k, a in older.items() if a.quiet}
+        due = time.monotonic() >= self._next_full_sweep
+        if not quiet and not due:
+            return  # the others wait for the idle time: looked at hourly, one listing of the root each
+        for k in quiet:  # first, so that no upload completes into a directory once it is removed
+            before_copy(root.sub(k), older[k].files)
+        if due:
+            self._next_full_sweep = time.monotonic() + FULL_SWEEP_S
+            notes: list[str] = []
+            uploads_in_root(root, idle_for_s=PARTIAL_AFTER_S, notes=notes)
+            for note in notes:
+                log.info("promotion to %s: %s", root.url, note)
+        sweep(root, anchor, command="ckptctl promotion", quiet=quiet, below=step)
+        for k in older:
+            if root.stat(k) is None or root.sub(k).stat(MARKER) is not None:
+                self._attempted.pop(k, None)  # gone (or committed by someone else: never ours to remove)
+
     def close(self) -> None:
         """Tell every rank's upload thread to end (after the round it is in, if any)."""
         self.channel.send(STREAM, {"op": "stop"})
+
+
+def _already_present(dst: Storage, source: Committed) -> bool:
+    """Whether ``dst`` already commits ``source``: its marker commits the same manifest bytes
+    and every file that manifest lists is there at its recorded size (one listing). The bytes
+    are not read back (that would download the checkpoint): see docs/protocol.md for the trust
+    this gives. The same checkpoint with a file missing or of another size is uncommitted
+    (marker first), as ``copy_checkpoint`` does, so that the round uploads it again; another
+    committed checkpoint there is refused, never replaced. Raises RefusedForSafety, StorageError."""
+    if dst.stat(MARKER) is None:
+        return False
+    try:
+        there = read_committed_raw(dst).manifest_raw
+    except CheckpointError as e:
+        raise RefusedForSafety(f"{dst.url} has a marker but is not a valid checkpoint ({e})",
+                               hint=f"inspect it with `ckptctl verify {dst.url}`") from None
+    if there != source.manifest_raw:
+        raise RefusedForSafety(f"{dst.url} already holds a different committed checkpoint",
+                               hint="another run promotes into this root; stop it")
+    sizes = {i.key: i.size for i in dst.list() if i.kind == "file"}
+    wrong = [f for f in source.manifest.files if sizes.get(f.name) != f.size]
+    if not wrong:
+        return True
+    f = wrong[0]
+    log.warning("%s commits step %d but %s is %s, not %d bytes%s; uncommitting it to promote it again", dst.url,
+                source.manifest.step, f.name, "missing" if f.name not in sizes else f"{sizes[f.name]} bytes", f.size,
+                f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else "")
+    uncommit(dst)
+    return False
 
 
 def _judge(step: int, dst: Storage, replies: dict[int, str], world_size: int, timeout_s: float) -> None:

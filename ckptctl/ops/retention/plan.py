@@ -155,7 +155,7 @@ def plan(
                   seal=seal, record=record, managed={layout.name: layout for layout in layouts})
     p.cache = VerifyCache.load(root, read_only=not record)  # record=False: a dry run writes nothing
     entries = list_checkpoints(root)
-    p.items = [_survey(root, e, p.now, partial_after_s) for e in entries]
+    p.items = [survey(root, e, p.now, partial_after_s) for e in entries]
     _attach_metrics(root, entries, p.items)
     for item in p.items:
         # A symlink under another stack's name is that stack's too (DeepSpeed's `latest` may
@@ -200,7 +200,7 @@ def cached_names(p: PrunePlan) -> set[str]:
             and (layout := p.layout_of(i)) is not None and layout.verified_by_manifest}
 
 
-def _survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float) -> PlanItem:
+def survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float) -> PlanItem:
     """Classify one catalog entry from its status and a snapshot of its files (no data read)."""
     step, name, url, ckpt = entry.step, entry.name, entry.url, entry.storage
     if entry.status == "unknown":
