@@ -124,7 +124,9 @@ def load_into(reader: CheckpointReader, state: dict[str, Any], *, strict: bool =
     read again into place (checked again) and the rest applied, RNG last. So a corrupt
     checkpoint raises before the first byte of ``state`` changes, and a fallback to an older
     one leaves exactly that one's state. (Reading twice rather than staging a host copy keeps
-    memory at one piece buffer per thread: ``docs/decisions.md``, "All-or-nothing loads".)"""
+    memory at one piece buffer per thread: ``docs/decisions.md``, "All-or-nothing loads". From
+    object storage the first pass fetches each byte once into a local spool, which the second
+    reads: ``load.spool``.)"""
     saved = reader.manifest.state
     fill = _Filler(reader, strict)
     rank_states = reader.rank_states((rank, 0))  # its own shard's and rank 0's headers only

@@ -15,11 +15,14 @@ from ckptctl.load.reader import CheckpointReader
 from ckptctl.storage.base import Storage
 
 
-def load_checkpoint(ckpt: Storage, state: dict[str, Any], *, strict: bool = True, rank: int = 0) -> int:
+def load_checkpoint(ckpt: Storage, state: dict[str, Any], *, strict: bool = True, rank: int = 0,
+                    spool_dir: str | None = None) -> int:
     """Restore ``state`` in place from the committed checkpoint ``ckpt``; returns its step.
 
     Raises ``InvalidCheckpoint``/``NotFound`` when the checkpoint is not committed or any byte
     read fails its checksum (an older checkpoint may do), ``StateError`` when the state does
-    not match the checkpoint (no older checkpoint fixes that)."""
-    with CheckpointReader(ckpt) as reader:
+    not match the checkpoint (no older checkpoint fixes that). From object storage the bytes
+    this rank needs are fetched once into a temporary file in ``spool_dir`` (default
+    ``$TMPDIR``; ``load.spool``), removed before this returns or raises."""
+    with CheckpointReader(ckpt, spool_dir=spool_dir) as reader:
         return load_into(reader, state, strict=strict, rank=rank).step

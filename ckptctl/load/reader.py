@@ -40,6 +40,7 @@ from ckptctl.format.checksum import Hasher, digest
 from ckptctl.format.geometry import Box, contiguous_in, fits, intersection
 from ckptctl.load.bounce import BouncePool
 from ckptctl.load.shard_index import Located, ReadJob, ShardIndex, region_of
+from ckptctl.load.spool import Spool, spool_remote
 from ckptctl.settings import IO_THREADS, STREAM_PIECE
 from ckptctl.state.buffers import tensor_bytes
 from ckptctl.storage.base import Reader, Storage
@@ -53,12 +54,10 @@ class CheckpointReader(ShardIndex):
     """Open one committed checkpoint: its marker and manifest, and shard headers on demand,
     each header bound to the manifest by its file checksum (``InvalidCheckpoint`` otherwise).
 
-    A read opens only the headers of the shards that can hold the region it fills: the
-    manifest's placement hints (``TensorEntry.owner``/``split``, recorded at save time) say
-    which rank's file holds which block of a tensor, so a rank loading its FSDP shard opens
-    one or two headers, not every rank's. A tensor without hints (an older checkpoint, an
-    irregular sharding) opens every header once. ``headers`` (file name -> ``ShardHeader``)
-    opens them all; ``headers_read`` counts the headers opened so far.
+    A read opens only the headers of the shards that can hold the region it fills, by the
+    manifest's placement hints (``load.shard_index``): a rank loading its FSDP shard opens
+    one or two headers, not every rank's. ``headers`` (file name -> ``ShardHeader``) opens
+    them all; ``headers_read`` counts the headers opened so far.
 
     ``chunks(name)``/``locate(name, box)`` say where a tensor's bytes are;
     ``read_into``/``read_many`` fill targets, ``read_chunk``/``stream_chunk`` hand out whole
@@ -69,9 +68,11 @@ class CheckpointReader(ShardIndex):
     ...     w = r.read("model/fc.weight")
     """
 
-    def __init__(self, ckpt: Storage, *, verify_checksums: bool = True) -> None:
+    def __init__(self, ckpt: Storage, *, verify_checksums: bool = True, spool_dir: str | None = None) -> None:
         super().__init__(ckpt, verify_checksums=verify_checksums)
         self._readers: dict[str, Reader] = {}
+        self.spool_dir = spool_dir  # for verify_many's spool ($TMPDIR when None)
+        self._spool: Spool | None = None
         self._local = threading.local()
         self._bounce: dict[torch.device, BouncePool] = {}  # GPU devices of the read_many in flight
 
@@ -133,6 +134,7 @@ class CheckpointReader(ShardIndex):
             bounce, self._bounce = self._bounce, {}
             for b in bounce.values():
                 b.close()  # waits for the queued copies: the tensors are loaded on return
+            self._drop_spool()  # it served this fill
 
     def verify_many(self, jobs: Sequence[ReadJob]) -> int:
         """Read and hash every chunk that ``read_many(jobs)`` would read from, changing no
@@ -140,21 +142,36 @@ class CheckpointReader(ShardIndex):
         ``read_many`` would (``StateError`` for a target that does not fit, ``InvalidCheckpoint``
         for a chunk that fails its checksum or a region the chunks do not cover) before any
         target is written. Each chunk is hashed once however many jobs overlap it, in parallel,
-        through one piece buffer per thread. Returns the bytes hashed."""
+        through one piece buffer per thread. Returns the bytes hashed. Chunks of remote files
+        are fetched once into a local spool (``load.spool``) that the next ``read_many``
+        reads, and hashes again, instead of the storage."""
         self.prefetch(jobs)
         todo: dict[tuple[str, int], Located] = {}
         for j in jobs:
             for loc in self._plan(j):
                 todo.setdefault((loc.file, loc.chunk.begin), loc)
         locs = list(todo.values()) if self.verify_checksums else []
-        if len(locs) <= 1:
-            for loc in locs:
-                self._verify_chunk(loc)
-        else:
-            with ThreadPoolExecutor(min(IO_THREADS, len(locs))) as pool:
-                for f in [pool.submit(self._verify_chunk, loc) for loc in locs]:
-                    f.result()
+        self._drop_spool()
+        self._spool = spool_remote(locs, self._reader, self.spool_dir) if locs else None
+        proven = False
+        try:
+            if len(locs) <= 1:
+                for loc in locs:
+                    self._verify_chunk(loc)
+            else:
+                with ThreadPoolExecutor(min(IO_THREADS, len(locs))) as pool:
+                    for f in [pool.submit(self._verify_chunk, loc) for loc in locs]:
+                        f.result()
+            proven = True
+        finally:
+            if not proven:
+                self._drop_spool()  # no fill follows a failed check
         return sum(loc.chunk.nbytes for loc in locs)
+
+    def _drop_spool(self) -> None:
+        spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close()
 
     def _verify_chunk(self, loc: Located) -> None:
         start, end = loc.byte_range
@@ -178,10 +195,9 @@ class CheckpointReader(ShardIndex):
         self._fill(job, verify=self.verify_checksums)
 
     def read_into_unverified(self, job: ReadJob) -> None:
-        """Like ``read_into``, but reading only the bytes the target needs, unchecked. Only for
-        a caller that checks every byte it reads this way against a checksum computed from
-        verified bytes (reshard's second pass compares each chunk it writes with the digest the
-        first, verified, pass computed). A loader must use ``read_into``."""
+        """Like ``read_into``, but reading only the bytes the target needs, unchecked: only for
+        a caller that checks them against a checksum of verified bytes (reshard's second pass
+        compares each chunk it writes with its verified first pass's digest)."""
         self._fill(job, verify=False)
 
     def _check_target(self, job: ReadJob) -> None:
@@ -349,7 +365,9 @@ class CheckpointReader(ShardIndex):
 
     def _pread(self, file: str, offset: int, out: memoryview) -> None:
         if len(out):
-            self._reader(file).read_into(offset, out)
+            spool = self._spool
+            if spool is None or not spool.read_into(file, offset, out):
+                self._reader(file).read_into(offset, out)
 
     def _reader(self, file: str) -> Reader:
         with self._lock:
@@ -360,6 +378,7 @@ class CheckpointReader(ShardIndex):
 
     def close(self) -> None:
         """Close every file this reader opened; it may be used again (files reopen on demand)."""
+        self._drop_spool()
         with self._lock:
             for r in self._readers.values():
                 r.close()
