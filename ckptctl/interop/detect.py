@@ -48,6 +48,15 @@ def is_torch_file(path: str) -> bool:
         return f.read(4) == b"PK\x03\x04"
 
 
+def format_by_name(name: str, kind: str, names: frozenset[str] = frozenset()) -> Format | None:
+    """safetensors or torch from names only, where reading magic bytes costs a request (object
+    storage): a file ``name`` by its suffix, a directory (``kind`` "dir") by the ``names`` of
+    its files. None for anything else; ckptctl's and DCP's directories are their layouts'."""
+    if kind == "file":
+        return "safetensors" if name.endswith(".safetensors") else "torch" if name.endswith(TORCH_SUFFIXES) else None
+    return "safetensors" if SAFETENSORS_INDEX in names or any(n.endswith(".safetensors") for n in names) else None
+
+
 def detect(path: str) -> Format:
     """Which format ``path`` holds. Raises UsageError naming the path when none matches, and
     InvalidCheckpoint for a DCP directory whose save did not finish (no ``.metadata``)."""

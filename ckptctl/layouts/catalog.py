@@ -102,6 +102,12 @@ def _scan(root: Storage, layouts: Sequence[Layout]) -> list[_Found]:
     return found
 
 
+def count_named(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> int:
+    """How many children of ``root`` some layout recognises by name: as many as
+    ``list_checkpoints`` lists, from one listing, without reading any of them."""
+    return len(_scan(root, layouts))
+
+
 def _owner(ckpt: Storage, known: Sequence[Layout], kind: str = "dir") -> tuple[Layout | None, bool]:
     """Which layout's checkpoint ``ckpt`` is, and whether that was decided by ckptctl's marker
     (then it is known to be marked without another lookup). A file is a checkpoint only of a

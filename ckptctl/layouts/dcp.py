@@ -14,7 +14,12 @@ the record's bytes inside it. torchtitan may write its last step as Hugging Face
 instead (``model.safetensors.index.json`` + shards): complete when the index and every shard
 it names are present.
 
-``.metadata`` is read with ckptctl's restricted unpickler (``interop.dcp_io.read_metadata``);
+A directory of any name holding ``.metadata`` or ``*.distcp`` is DCP's too (``alone_files``:
+``dcp.save`` takes any directory), checked the same way when named alone.
+
+``.metadata`` is read with ckptctl's restricted unpickler (``interop.dcp_io.read_metadata``),
+and at every level each tensor's chunks must cover it exactly once, each with its record
+(``coverage_findings``);
 records are test-loaded with ``torch.load(weights_only=True)``, one at a time; a record that
 needs a class outside the allow-list (torchtitan's ``train_state`` holds ``io.BytesIO`` values)
 is decoded structurally (``pickle_scan``), and one decoded neither way fails the load level.
@@ -39,6 +44,7 @@ from typing import Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import pickle_scan, safe_load
+from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
 from ckptctl.layouts.stack import Level, Resume, StackLayout, finding_in, undetermined
@@ -58,6 +64,9 @@ class DcpLayout(StackLayout):
     own_files = re.compile(r"(\.metadata(\.tmp)?|__[0-9]+\.metadata(\.tmp)?|.+\.distcp|"
                            r"model\.safetensors\.index\.json|model-[0-9]+-of-[0-9]+\.safetensors)\Z")
     commit_files = (METADATA, HF_INDEX)
+    # ``dcp.save(checkpoint_id=DIR)`` takes any directory: one named alone is still DCP's, by
+    # the files only DCP writes (its safetensors form is any Hugging Face export's, so not).
+    alone_files = re.compile(r"(\.metadata|.+\.distcp)\Z")
 
     def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
         size = safe_load.regular_size(ckpt, METADATA)
@@ -82,6 +91,7 @@ class DcpLayout(StackLayout):
         except InvalidCheckpoint as e:
             out.problems.append(finding_in(ckpt, METADATA, e, e.hint))
             return
+        out.problems.extend(coverage_findings(md))
         if level == "load":
             self._load_records(ckpt, md, out)
 
@@ -106,6 +116,26 @@ class DcpLayout(StackLayout):
         return Resume(ckpt_path, f"torchtitan: --checkpoint.load_step {step} (with --checkpoint.folder its root); "
                                  f"torch: dcp.load(state_dict, checkpoint_id={ckpt_path!r})",
                       ("--checkpoint.load_step", str(step)))
+
+
+def coverage_findings(md: object) -> list[Finding]:
+    """Each tensor's saved chunks must cover it exactly once (``format.geometry``) and each
+    chunk must have a storage record: ``read_metadata`` checks every record stays inside its
+    file, not that the records add up to the tensors. From ``.metadata`` only, no data read."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    found: list[Finding] = []
+    records = getattr(md, "storage_data", None) or {}
+    for fqn, meta in (getattr(md, "state_dict_metadata", None) or {}).items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        for gap in coverage_problems(tuple(meta.size), [box(c.offsets, c.sizes) for c in meta.chunks]):
+            hint = "a rank's .distcp file or its entries are missing" if gap.kind == "volume" else None
+            found.append(Finding(f"tensor {fqn}: {gap.message}", file=METADATA, hint=hint))
+        for c in meta.chunks:
+            if MetadataIndex(fqn, c.offsets) not in records:
+                found.append(Finding(f"tensor {fqn}: chunk at {list(c.offsets)} has no storage record", file=METADATA))
+    return found
 
 
 def metadata_kind(md: object) -> CheckpointKind:

@@ -329,7 +329,6 @@ def _padded(ckpt: Storage) -> bool:
         return False
 
 
-
 class NativeLayout:
     """ckptctl's own layout for the catalog: ``step-NNNNNNNNNN`` directories with a marker."""
 
@@ -370,6 +369,10 @@ class NativeLayout:
             if base == MARKER or is_manifest_name(base) or _OWN_SHARD.match(base):
                 return True
         return not names and dir_step(ckpt) is not None and _padded(ckpt)
+
+    def claims_alone(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        """Ours under any name (a ``cp`` destination) by the same files."""
+        return bool(names) and self.claims(ckpt, names)
 
     def is_marked(self, ckpt: Storage) -> bool:
         return ckpt.stat(MARKER) is not None

@@ -59,6 +59,9 @@ class StackLayout:
     title = "?"  # the stack, as the man page names it
     pattern: re.Pattern[str] = re.compile(r"(?!)")  # a directory name -> step (group 1)
     own_files: re.Pattern[str] = re.compile(r"(?!)")  # names that make a directory this stack's
+    # Names that make a directory this stack's checkpoint whatever the directory is called
+    # (DCP's ``.metadata``: ``dcp.save`` takes any directory); None: only under its own names.
+    alone_files: re.Pattern[str] | None = None
     claims_empty = False  # an empty directory under our name is our dead save
     files_are_checkpoints = False  # one file per checkpoint (Lightning), not a directory
     commit_files: tuple[str, ...] = ()  # deleted first: what the commit rule reads
@@ -95,6 +98,11 @@ class StackLayout:
         if not names:
             return self.claims_empty
         return any(self.own_files.match(n) for n in names)
+
+    def claims_alone(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        """Whether a directory named by none of this layout's names, holding ``names``, is
+        still one of its checkpoints (``layouts.classify``: a path named alone)."""
+        return self.alone_files is not None and any(self.alone_files.match(n) for n in names)
 
     def is_marked(self, ckpt: Storage) -> bool:
         return self.examine(ckpt).status != "partial"

@@ -1,7 +1,8 @@
 """What a path or URL given to a verb names, and the one diagnosis of a wrong target.
 
 ``ops.verbs`` (each verb by path, as the CLI names it) and the root-wide operations open their
-targets here, so every verb says the same about a wrong one:
+targets here; what is at a path is ``layouts.classify``'s one answer, and these turn a wrong
+answer into the one error every verb gives:
 
 - a path that does not exist, or a malformed URL (``s3:/bucket``): UsageError (exit 2),
   "no such file or directory: PATH", never an empty listing that looks like a fresh run;
@@ -15,13 +16,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
-from typing import Literal
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
-from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir
-from ckptctl.interop.detect import CKPTCTL_SHARD, foreign_format
-from ckptctl.layouts.catalog import list_checkpoints
+from ckptctl.layouts.classify import NO_FORMAT_DIR, Found, classify
 from ckptctl.storage import Storage, open_storage
 
 # "s3:/bucket", "file:relative": a scheme with fewer than two slashes is a typo of a URL, which
@@ -59,20 +56,6 @@ def open_root(path: str) -> Storage:
     return st
 
 
-Kind = Literal["ckptctl", "foreign"]
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a path given as one checkpoint is: ``ckptctl`` (``storage`` opened) or
-    ``foreign`` (``format`` is dcp, safetensors or torch; ``path`` is then a local path)."""
-
-    path: str
-    kind: Kind
-    storage: Storage | None = None
-    format: str | None = None
-
-
 def _root_error(path: str, n: int, verb: str) -> UsageError:
     # Only verify has --latest/--all: every other verb's hint names what it does take.
     many = f"this is a root holding {n} checkpoint{'' if n == 1 else 's'}"
@@ -101,39 +84,53 @@ def _not_ckptctl(path: str, fmt: str, verb: str) -> InvalidCheckpoint:
     )
 
 
-def resolve_checkpoint(path: str, *, foreign: bool = True, verb: str = "this verb") -> Target:
-    """Say what ``path`` holds when one checkpoint is expected. Raises UsageError (missing
-    path, or a root of checkpoints) or InvalidCheckpoint (nothing that is a checkpoint).
-    With ``foreign=False`` another tool's checkpoint is refused, saying that ``verb`` takes
-    ckptctl checkpoints only."""
-    st = open_existing(path)
-    local = st.local_path()
-    if local is None:  # object storage: only ckptctl checkpoints live there
-        if st.stat(MARKER) is not None or st.stat(MANIFEST) is not None:
-            return Target(path, "ckptctl", st)
-        steps = list_checkpoints(st)
-        if steps:
-            raise _root_error(path, len(steps), verb)
-        if next(iter(st.list()), None) is None:
-            raise _no_such(path)
-        return Target(path, "ckptctl", st)  # objects but no marker: the reader says why
-    if os.path.isdir(local):
-        names = os.listdir(local)
-        if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
-            return Target(path, "ckptctl", st)
-    fmt = foreign_format(local)
-    if fmt is not None:
-        if not foreign:
-            raise _not_ckptctl(path, fmt, verb)
-        return Target(local, "foreign", format=fmt)  # the readers of other formats take a local path
-    if not os.path.isdir(local):
-        raise _not_a_checkpoint(path, "a file of no checkpoint format")
-    steps = list_checkpoints(st)
-    if steps:
-        raise _root_error(path, len(steps), verb)
-    if parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
-        return Target(path, "ckptctl", st)  # a step directory still empty: the reader says "not committed"
-    raise _not_a_checkpoint(path, "no manifest, marker, DCP .metadata or .safetensors in it")
+def existing(path: str) -> Found:
+    """``classify(path)``, refusing a local path that does not exist or a malformed URL
+    (UsageError, exit 2). An empty object-store prefix is a fresh root, as ``open_existing``
+    takes it: only where one checkpoint is expected is it missing (``one_checkpoint``)."""
+    if _MALFORMED_URL.match(path) and "://" not in path:
+        raise _no_such(path)
+    found = classify(path)
+    if found.missing and found.local is not None:
+        raise _no_such(path)
+    return found
 
 
-__all__ = ["Target", "open_existing", "open_root", "resolve_checkpoint"]
+def one_checkpoint(path: str, verb: str = "this verb") -> Found:
+    """What ``path`` is when one checkpoint is expected: a layout's checkpoint or a file
+    format. Raises UsageError (missing, or a root of checkpoints) or InvalidCheckpoint
+    (nothing that is a checkpoint)."""
+    found = existing(path)
+    if found.missing:  # nothing under an object-store prefix: no checkpoint is there
+        raise _no_such(path)
+    if found.what == "root":
+        raise _root_error(path, found.entries, verb)
+    if found.what == "nothing":
+        raise _not_a_checkpoint(path, found.reason or NO_FORMAT_DIR)
+    return found
+
+
+def ckptctl_checkpoint(found: Found, verb: str) -> Storage:
+    """The storage of ckptctl's own checkpoint ``found``; another tool's checkpoint or file is
+    refused (InvalidCheckpoint), saying that ``verb`` takes ckptctl checkpoints only."""
+    if found.verified_by_manifest:
+        return found.storage
+    what = found.file_format() or (found.in_layout.name if found.what == "checkpoint" else "foreign")
+    raise _not_ckptctl(found.path, what, verb)
+
+
+def reader_path(found: Found, verb: str) -> str:
+    """The local path another tool's reader (``interop``) takes for ``found``. Raises
+    InvalidCheckpoint when no reader takes it (a layout whose files are no single format) and
+    UsageError on object storage, where those readers do not read."""
+    fmt = found.file_format()
+    if found.local is None:
+        what = f"a {fmt} checkpoint" if fmt is not None else found.description or "another tool's checkpoint"
+        raise UsageError(f"{found.path} is {what} on object storage; {verb} reads it from a local path only",
+                         hint="copy it to a local directory first (`ckptctl cp` copies a checkpoint directory)")
+    if fmt is None:
+        raise _not_a_checkpoint(found.path, NO_FORMAT_DIR)
+    return found.local
+
+
+__all__ = ["Found", "ckptctl_checkpoint", "existing", "one_checkpoint", "open_existing", "open_root", "reader_path"]

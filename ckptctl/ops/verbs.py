@@ -2,7 +2,8 @@
 
 Every verb of the ``ckptctl`` command calls exactly one function here (or in ``ckptctl.ops``
 directly when it takes plain values), so the command line never opens storage itself. What a
-path names, and the errors for a wrong one, are ``ops.targets``'.
+path names is ``layouts.classify``'s one answer (every verb here asks it once), and the errors
+for a wrong one are ``ops.targets``'.
 
 Functions that need torch (reading other tools' formats, reshard, convert) import it when
 called: ``ckptctl ls`` and ``latest`` start without it.
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from ckptctl.errors import UsageError
 from ckptctl.layouts.native import read_committed
-from ckptctl.ops.targets import open_existing, open_root, resolve_checkpoint
+from ckptctl.layouts.base import kind_of_checkpoint
+from ckptctl.ops.targets import ckptctl_checkpoint, existing, one_checkpoint, open_existing, open_root, reader_path
 from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage
 
@@ -42,19 +44,18 @@ if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
 def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | ForeignInspect":
     """What the checkpoint at ``path`` holds: a ckptctl checkpoint from its manifest, another
     tool's from its metadata (the result's ``format`` field tells them apart)."""
-    target = resolve_checkpoint(path, verb="inspect")
-    if target.kind == "foreign":
-        from ckptctl.ops.verify.foreign import inspect_foreign  # needs torch
-        from ckptctl.ops.inspect import stack_content
+    found = one_checkpoint(path, verb="inspect")
+    if found.verified_by_manifest:
+        from ckptctl.ops.inspect import inspect_checkpoint
 
-        found, kind = inspect_foreign(target.path, tensors=tensors), stack_content(path)
-        if kind is not None:
-            found.content, found.content_reason = kind.kind, kind.reason
-        return found
-    from ckptctl.ops.inspect import inspect_checkpoint
+        return inspect_checkpoint(found.storage, tensors=tensors)
+    from ckptctl.ops.verify.foreign import inspect_foreign  # needs torch
 
-    assert target.storage is not None
-    return inspect_checkpoint(target.storage, tensors=tensors)
+    result = inspect_foreign(reader_path(found, "inspect"), tensors=tensors)
+    if found.what == "checkpoint":  # another stack's checkpoint: its layout tells resumable from export
+        kind = kind_of_checkpoint(found.in_layout, found.storage)
+        result.content, result.content_reason = kind.kind, kind.reason
+    return result
 
 
 @dataclass
@@ -86,7 +87,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
     from ckptctl.ops.verify.layouts import verify_root
-    from ckptctl.ops.verify.checkpoint import LEVELS, verify_checkpoint
+    from ckptctl.ops.verify.checkpoint import LEVELS
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -101,21 +102,16 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
             outcome.note = "; ".join(str(e) for e in exports) or None
             return outcome
         return VerifyOutcome(all(r.ok for r in reports), level, reports[::-1])
-    from ckptctl.ops.verify.layouts import stack_checkpoint_at, verify_stack
+    found = one_checkpoint(path, verb="verify")
+    if found.what == "checkpoint":  # one checkpoint of a layout: its own rules, as under a root
+        from ckptctl.ops.verify.layouts import verify_in_layout
 
-    stack = stack_checkpoint_at(path)
-    if stack is not None:  # another stack's checkpoint directory: every file, by its own rules
-        report = verify_stack(stack[1], stack[0], level)  # type: ignore[arg-type]
+        report = verify_in_layout(found.storage, found.in_layout, level, progress)  # type: ignore[arg-type]
         return VerifyOutcome(report.ok, level, [report], report.note)
-    target = resolve_checkpoint(path, verb="verify")
-    if target.kind == "foreign":
-        from ckptctl.ops.verify.foreign import verify_foreign  # needs torch
+    from ckptctl.ops.verify.foreign import verify_foreign  # needs torch
 
-        report = verify_foreign(target.path, level, progress)  # type: ignore[arg-type]
-        return VerifyOutcome(report.ok, level, [report], report.note)
-    assert target.storage is not None
-    report = verify_checkpoint(target.storage, level, progress)  # type: ignore[arg-type]
-    return VerifyOutcome(report.ok, level, [report])
+    report = verify_foreign(reader_path(found, "verify"), level, progress)  # type: ignore[arg-type]
+    return VerifyOutcome(report.ok, level, [report], report.note)
 
 
 def _with_pointers(root: Storage, level: str, reports: "list[VerifyReport]", progress: Progress | None) -> VerifyOutcome:
@@ -186,22 +182,20 @@ def list_root(root: str) -> RootListing:
     with none whose subdirectories hold some gets a hint naming them."""
     from ckptctl.ops import listing
 
-    st = open_existing(root)
-    local = st.local_path()
-    if local is not None and os.path.isfile(local):  # a one-file checkpoint (Lightning's .ckpt)
-        what = listing.checkpoint_kind(st)
-        if what is not None:
-            raise _checkpoint_not_root(root, what)
+    found = existing(root)
+    local = found.local
+    if local is not None and os.path.isfile(local) and found.description is not None:  # a one-file checkpoint
+        raise _checkpoint_not_root(root, found.description)
     rows = listing.list_checkpoints(open_root(root))
     if rows:
         return RootListing(rows)
-    wrong = listing.wrong_level(st)
-    if wrong is None:
+    if found.description is not None:  # one checkpoint, not a root of them
+        raise _checkpoint_not_root(root, found.description)
+    below = listing.holders_below(found.storage)
+    if not below:
         return RootListing(rows)
-    if wrong.kind == "checkpoint":
-        raise _checkpoint_not_root(root, wrong.what)
-    first = listing.sub_path(root, wrong.below[0][0])
-    return RootListing(rows, f"{listing.below_text(root, wrong.below)}: `ckptctl ls {first}`")
+    first = listing.sub_path(root, below[0][0])
+    return RootListing(rows, f"{listing.below_text(root, tuple(below))}: `ckptctl ls {first}`")
 
 
 # --- prune, interval ------------------------------------------------------------------------
@@ -241,11 +235,11 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
     it under), checked on the fly (``ops.transfer.copy.copy_checkpoint``)."""
     from ckptctl.ops.transfer.file_copy import copy_stack_file
-    from ckptctl.ops.transfer.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
+    from ckptctl.ops.transfer.stack_copy import copy_stack_checkpoint, destination_for, stack_source
     from ckptctl.ops.transfer.copy import checkpoint_dir_for, copy_checkpoint
 
-    open_existing(src)
-    stack = stack_source_at(src)
+    found = one_checkpoint(src, verb="cp")
+    stack = stack_source(found)
     if stack is not None and stack.layout.files_are_checkpoints:  # one file (Lightning's .ckpt), into DST
         done = copy_stack_file(stack, open_storage(dst), progress)
         return CopyOutcome(open_storage(dst).local_path(stack.name) or done.dst, done)
@@ -253,11 +247,10 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
         dest, dest_root = destination_for(stack, dst)
         done = copy_stack_checkpoint(stack, dest, dest_root, progress)
         return CopyOutcome(dest.local_path() or dest.url, done)
-    target = resolve_checkpoint(src, foreign=False, verb="cp")
-    assert target.storage is not None
-    manifest, _ = read_committed(target.storage)
+    source = ckptctl_checkpoint(found, "cp")
+    manifest, _ = read_committed(source)
     dest = checkpoint_dir_for(open_storage(dst), manifest.step)
-    result = copy_checkpoint(target.storage, dest, progress)
+    result = copy_checkpoint(source, dest, progress)
     return CopyOutcome(dest.local_path() or dest.url, result)
 
 
@@ -268,19 +261,18 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
     from ckptctl.ops.transfer.stack_copy import restore_stack, wants_stack_restore
     from ckptctl.ops.transfer.copy import restore_latest
 
-    src = open_existing(src_root)
+    found = existing(src_root)
+    src = found.storage
     local = src.local_path()
     if local is not None and os.path.isfile(local):  # a one-file checkpoint (Lightning's .ckpt), or any file
-        from ckptctl.ops.listing import checkpoint_kind
-
-        what = checkpoint_kind(src) or "a file"
+        what = found.description or "a file"
         raise UsageError(f"{src_root} is {what}; restore copies checkpoint directories from a root of them",
                          hint="copy the file itself (cp, rsync, aws s3 cp)")
-    if wants_stack_restore(src):  # other tools' checkpoints, and no ckptctl one (ops.transfer.stack_copy)
+    if wants_stack_restore(found):  # other tools' checkpoints, and no ckptctl one (ops.transfer.stack_copy)
         if world_size is not None:
             raise UsageError("--world-size re-shards ckptctl checkpoints only",
                              hint="restore without it, or `ckptctl convert --to ckptctl` first")
-        return restore_stack(src, open_storage(dst_root), step, progress, on_skip=on_skip)
+        return restore_stack(found, open_storage(dst_root), step, progress, on_skip=on_skip)
     return restore_latest(src, open_storage(dst_root), step, progress,
                           world_size=world_size, on_skip=on_skip)
 
@@ -297,11 +289,10 @@ def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False
     from ckptctl.ops.transform.reshard import reshard
     from ckptctl.ops.torchrun import torchrun_group
 
-    target = resolve_checkpoint(src, foreign=False, verb="reshard")
-    assert target.storage is not None
+    source = ckptctl_checkpoint(one_checkpoint(src, verb="reshard"), "reshard")
     return_freed_memory()  # memory stays one tensor, not a heap of freed ones
     with torchrun_group() as rank:
-        report = reshard(target.storage, open_storage(dst), world_size, overwrite=overwrite, progress=progress)
+        report = reshard(source, open_storage(dst), world_size, overwrite=overwrite, progress=progress)
     return report if rank == 0 else None
 
 

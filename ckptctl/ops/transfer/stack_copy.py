@@ -36,14 +36,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
-from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety, UsageError
-from ckptctl.format.layout import MARKER
+from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety
 from ckptctl.format.seal import SEAL, Seal
-from ckptctl.layouts.catalog import NATIVE, layouts_named, newest_marked, other_tools_committed
+from ckptctl.layouts.catalog import NATIVE, newest_marked, other_tools_committed
+from ckptctl.layouts.classify import Found, classify
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.verify.layouts import bound_layout, stack_checkpoint_at, verify_stack
+from ckptctl.ops.verify.layouts import bound_layout, verify_stack
 from ckptctl.ops.seal.leftovers import remove_temporaries
 from ckptctl.ops.verify.problem import Problem
 from ckptctl.ops.seal.check import check_against_seal, compare, hash_object, read_seal
@@ -70,51 +70,27 @@ class StackSource:
     seal_raw: bytes | None = None
 
 
-def _sealed_layout(name: str) -> StackLayout | None:
-    """The layout a seal names, when it is one whose checkpoints take a seal; None otherwise."""
-    try:
-        found = layouts_named([name])
-    except ValueError:  # a name this ckptctl does not know
+def stack_source(found: Found) -> StackSource | None:
+    """The other tool's checkpoint ``found`` is (``layouts.classify``: by its name under its
+    root, or on object storage by its seal), ready to copy; None for ckptctl's own, a file
+    format, nothing, or a checkpoint whose name gives no step (a DCP directory named alone:
+    nothing says which step it is under a destination root)."""
+    if found.what != "checkpoint" or found.verified_by_manifest:
         return None
-    layout = found[0] if found else None
-    return layout if layout is not None and layout.seal_note is None else None  # type: ignore[return-value]
-
-
-def _from_seal(ckpt: Storage, name: str) -> StackSource | None:
-    """A checkpoint on object storage, recognised by its seal; None without one."""
-    seal = read_seal(ckpt)
-    if seal is None:
-        return None
-    layout = _sealed_layout(seal.layout)
-    if layout is None:
-        raise InvalidCheckpoint(f"{ckpt.url_of(SEAL)}: sealed as a {seal.layout!r} checkpoint, a layout this "
-                                "ckptctl does not know", hint="upgrade ckptctl")
-    step = layout.step_of(ObjectInfo(name, 0, 0.0, "dir"))
+    step = found.step
     if step is None:
-        raise InvalidCheckpoint(f"{ckpt.url}: named {name!r}, not a {layout.name} checkpoint directory, but sealed as one",
-                                hint="copy the checkpoint under the name it was sealed with")
-    return StackSource(ckpt, name, layout, step, seal, ckpt.read(SEAL))
+        return None
+    layout = cast(StackLayout, found.in_layout)
+    if layout.files_are_checkpoints:
+        return StackSource(found.storage, found.name, layout, step, None)  # copied whole: ``file_copy.copy_stack_file``
+    ckpt = found.storage
+    seal = read_seal(ckpt)
+    return StackSource(ckpt, found.name, layout, step, seal, ckpt.read(SEAL) if seal is not None else None)
 
 
 def stack_source_at(path: str) -> StackSource | None:
-    """The other tool's checkpoint at ``path`` (a local directory or an object-storage prefix
-    its layout claims, or a prefix holding a seal of a layout), or None when it is not one."""
-    found = stack_checkpoint_at(path)
-    if found is None:
-        if "://" in path and not path.startswith("file://"):
-            st = open_storage(path)
-            return _from_seal(st, path.rstrip("/").rsplit("/", 1)[-1])
-        return None
-    layout, ckpt = found
-    name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
-    if layout.files_are_checkpoints:
-        step = layout.step_in_name(name)
-        assert step is not None
-        return StackSource(ckpt, name, layout, step, None)  # copied whole: ``file_copy.copy_stack_file``
-    step = layout.step_of(ObjectInfo(name, 0, 0.0, "dir"))
-    assert step is not None
-    seal = read_seal(ckpt)
-    return StackSource(ckpt, name, layout, step, seal, ckpt.read(SEAL) if seal is not None else None)
+    """``stack_source(classify(path))``."""
+    return stack_source(classify(path))
 
 
 def _parent(st: Storage) -> Storage:
@@ -331,39 +307,41 @@ def stack_sources(root: Storage, step: int | None = None, *, with_files: bool = 
         yield StackSource(e.storage, e.name, layout, e.step, seal, e.storage.read(SEAL) if seal else None)
 
 
-def wants_stack_restore(src_root: Storage) -> bool:
-    """Whether ``restore`` of ``src_root`` is one of other tools' checkpoints (the root holds
-    no ckptctl checkpoint, or it is one checkpoint of another tool)."""
-    if src_root.stat(MARKER) is not None or next(newest_marked(src_root, layouts=NATIVE), None) is not None:
-        return False  # a ckptctl checkpoint (or a root with one): ops.transfer.copy restores it
-    return next(_candidates(src_root, None), None) is not None or (
-        stack_checkpoint_at(src_root.local_path() or src_root.url) is not None)
+def wants_stack_restore(src: Found) -> bool:
+    """Whether ``restore`` of ``src`` is one of other tools' checkpoints (one checkpoint of
+    another tool, or a root holding no ckptctl checkpoint and some of other tools')."""
+    if src.what == "checkpoint":
+        return stack_source(src) is not None  # ckptctl's own: ops.transfer.copy restores it
+    if next(newest_marked(src.storage, layouts=NATIVE), None) is not None:
+        return False  # a root with a ckptctl checkpoint: ops.transfer.copy restores it
+    return next(_candidates(src.storage, None), None) is not None
 
 
-def restore_stack(src_root: Storage, dst_root: Storage, step: int | None = None, progress: Progress | None = None, *,
+def restore_stack(src: Found, dst_root: Storage, step: int | None = None, progress: Progress | None = None, *,
                   on_skip: Callable[[Skipped], None] | None = None) -> RestoreResult:
     """Copy the newest complete checkpoint of another tool under ``src_root`` (or ``step``)
     into ``dst_root`` under its own name, checked as ``copy_stack_checkpoint`` does; one that
     does not check out is reported through ``on_skip`` and the next newest is tried (with
-    ``step`` pinned, it raises instead). ``src_root`` may name one checkpoint directly."""
-    one = stack_source_at(src_root.local_path() or src_root.url)
+    ``step`` pinned, it raises instead). ``src`` may be one checkpoint (``layouts.classify``)."""
+    src_root = src.storage
+    one = stack_source(src)
     cands = iter([one]) if one is not None else _candidates(src_root, step)
     skipped: list[Skipped] = []
-    for src in cands:
-        dst = dst_root.sub(src.name)
+    for cand in cands:
+        dst = dst_root.sub(cand.name)
         try:
-            copied = copy_stack_checkpoint(src, dst, dst_root, progress)
+            copied = copy_stack_checkpoint(cand, dst, dst_root, progress)
         except (InvalidCheckpoint, NotFound) as e:
             if step is not None or one is not None:
                 raise
-            skip = Skipped(src.storage.url, src.step, str(e))
+            skip = Skipped(cand.storage.url, cand.step, str(e))
             skipped.append(skip)
             if on_skip is not None:
                 on_skip(skip)
             continue
         where = dst.local_path() or dst.url
         # What the stack's resume option takes: the checkpoint, or the root for Megatron's --load.
-        return RestoreResult(src.layout.resume(where, src.step).path, src.step, copied, skipped)
+        return RestoreResult(cand.layout.resume(where, cand.step).path, cand.step, copied, skipped)
     what = f"complete checkpoint at step {step}" if step is not None else "complete checkpoint of another tool"
     if skipped:
         raise NoValidCheckpoint(f"{src_root.url}: none of {len(skipped)} {what}s checks out",

@@ -1,5 +1,6 @@
-"""``inspect`` and ``verify`` for checkpoints written by other tools (DCP, safetensors,
-torch.save): structure, coverage of chunks, and a test-load of every tensor, one at a time.
+"""``inspect`` for checkpoints written by other tools (DCP, safetensors, torch.save), and
+``verify`` for the file formats (safetensors, torch.save): structure and a test-load of every
+tensor, one at a time (DCP directories are verified by their layout, ``layouts.dcp``).
 
 None of these formats records checksums, so ``verify`` cannot tell a flipped bit from a real
 value; it says so plainly in its report (``note``) instead of reporting a clean bill of health
@@ -15,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ckptctl.errors import CkptError
-from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.interop.base import Source
 from ckptctl.interop.detect import foreign_format
 from ckptctl.ops.transform.convert import open_source
@@ -40,7 +40,7 @@ class ForeignInspect:
     dropped: list[str]
     checksums: bool = False
     tensors: list[dict] = field(default_factory=list)
-    content: str | None = None  # "resumable" or "export" when a stack's layout tells (ops.inspect.stack_content)
+    content: str | None = None  # "resumable" or "export" when a layout's checkpoint tells (ops.verbs.inspect_path)
     content_reason: str | None = None
 
     def to_dict(self) -> dict:
@@ -62,8 +62,10 @@ def inspect_foreign(path: str, *, tensors: bool = False) -> ForeignInspect:
 
 
 def verify_foreign(path: str, level: Level = "checksums", progress: Progress | None = None) -> VerifyReport:
-    """Structure (headers, index, metadata), DCP chunk coverage, then, unless ``quick``, every
-    tensor read and decoded one at a time. Problems go in the report; nothing raises for them."""
+    """Structure (headers, index), then, unless ``quick``, every tensor read and decoded one at
+    a time. Problems go in the report; nothing raises for them. For the file formats only
+    (safetensors, torch.save): a DCP directory, named alone or under a root, is the DCP
+    layout's checkpoint, verified by that layout's check (``ops.verify.layouts``)."""
     t0 = time.perf_counter()
     fmt = foreign_format(path) or "?"
     report = VerifyReport(path, level)
@@ -74,7 +76,6 @@ def verify_foreign(path: str, level: Level = "checksums", progress: Progress | N
             report.files = _file_count(path)
             for d in src.dropped:
                 report.problems.append(Problem(f"cannot be read safely: {d}"))
-            report.problems.extend(_dcp_coverage(src))
             if level != "quick":
                 loaded = _test_load(src, report, progress)
     except CkptError as e:
@@ -99,41 +100,6 @@ def _test_load(src: Source, report: VerifyReport, progress: Progress | None) -> 
         if progress:
             progress(m.nbytes)
     return " and every tensor test-loaded"
-
-
-def _dcp_coverage(src: Source) -> list[Problem]:
-    """DCP: each tensor's saved chunks must cover it exactly once (``format.geometry``), and
-    every chunk's record must exist within its file."""
-    md = getattr(src, "md", None)
-    if md is None:
-        return []
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    problems = []
-    sizes: dict[str, int] = {}
-    for fqn, meta in md.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
-        chunks = list(meta.chunks)
-        for gap in coverage_problems(tuple(meta.size), [box(c.offsets, c.sizes) for c in chunks]):
-            hint = "a rank's .distcp file or its entries are missing" if gap.kind == "volume" else None
-            problems.append(Problem(gap.message, tensor=fqn, hint=hint))
-        for a in chunks:
-            info = md.storage_data.get(MetadataIndex(fqn, a.offsets)) if md.storage_data else None
-            if info is None:
-                problems.append(Problem(f"chunk at {list(a.offsets)} has no storage record", tensor=fqn))
-                continue
-            fname = str(info.relative_path)
-            if fname not in sizes:
-                p = os.path.join(src.url, fname)
-                sizes[fname] = os.path.getsize(p) if os.path.isfile(p) and not os.path.islink(p) else -1
-            if sizes[fname] < 0:
-                problems.append(Problem("missing", file=fname, tensor=fqn))
-            elif info.offset + info.length > sizes[fname]:
-                problems.append(Problem(f"record at bytes {info.offset}-{info.offset + info.length} runs past the end of "
-                                        f"the {sizes[fname]}-byte file", file=fname, tensor=fqn,
-                                        hint="the file is truncated"))
-    return problems
 
 
 def _disk_bytes(path: str) -> int:

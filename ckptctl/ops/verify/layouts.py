@@ -19,7 +19,6 @@ would make the stack's resume fail or restart its optimizer, so it is skipped, a
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Sequence, cast
@@ -27,6 +26,7 @@ from typing import Any, Literal, Sequence, cast
 from ckptctl.errors import NoValidCheckpoint, UsageError
 from ckptctl.layouts.base import NOT_TOLD, Checkpoint, CheckpointKind, Layout, kind_of_checkpoint
 from ckptctl.layouts.catalog import FORMATS, layout_named, layouts_named, newest_marked
+from ckptctl.layouts.classify import checkpoint_below
 from ckptctl.layouts.stack import Resume, StackLayout
 from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts.safe_load import STRUCTURAL_MARK
@@ -105,14 +105,20 @@ def _single_file(ckpt: Storage, layout: StackLayout) -> bool:
     return layout.files_are_checkpoints
 
 
+def verify_in_layout(ckpt: Storage, layout: Layout, level: Level = "checksums",
+                     progress: Progress | None = None) -> VerifyReport:
+    """Verify the checkpoint ``ckpt`` by the rules of ``layout`` (bound to its root): the one
+    engine for a checkpoint named alone (``layouts.classify``) and one listed under a root."""
+    if layout.verified_by_manifest:
+        return verify_checkpoint(ckpt, level, progress)
+    return verify_stack(ckpt, cast(StackLayout, layout), level)
+
+
 def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",
                  progress: Progress | None = None) -> VerifyReport:
     """Verify one catalog entry of ``root`` by its own layout's rules."""
     assert entry.storage is not None, "a symlink is never verified"
-    layout = layout_named(entry.layout, root)
-    if layout.verified_by_manifest:
-        return verify_checkpoint(entry.storage, level, progress)
-    return verify_stack(entry.storage, cast(StackLayout, layout), level)
+    return verify_in_layout(entry.storage, layout_named(entry.layout, root), level, progress)
 
 
 @dataclass(frozen=True)
@@ -243,35 +249,11 @@ def latest_checkpoint(root: Storage, level: Level = "checksums", *, formats: Seq
 
 
 def stack_checkpoint_at(path: str) -> tuple[StackLayout, Storage] | None:
-    """When ``path`` (a local path or a URL) is one checkpoint of another stack's layout (by
-    its name under its parent and its files: ``checkpoint-N`` of the Trainer, ``iter_N``,
-    ``global_stepN``, torchtitan's ``step-N``; or a Lightning ``*step=N*.ckpt`` file), that
-    layout bound to the parent and the checkpoint's storage; None otherwise (ckptctl's own
-    claims first)."""
-    from ckptctl.layouts.catalog import LAYOUTS
-    from ckptctl.storage import open_storage
-    from ckptctl.storage.base import ObjectInfo
-
-    if "://" in path:
-        parent, _, name = path.rstrip("/").rpartition("/")
-        if "://" not in parent or parent.endswith(":/"):
-            return None  # a bucket alone is no checkpoint
-    else:
-        if os.path.islink(path) or not os.path.exists(path):
-            return None
-        full = os.path.abspath(path)
-        parent, name = os.path.dirname(full), os.path.basename(full)
-    root = open_storage(parent)
-    ckpt = root.sub(name)
-    info = root.stat(name)
-    if info is not None and info.kind == "link":
+    """When ``path`` (a local path or a URL) is one checkpoint of another stack's layout,
+    recognised by its name under its root (``layouts.classify``), that layout bound to the
+    root and the checkpoint's storage; None otherwise (ckptctl's own, a file format, a DCP
+    directory named alone, nothing). For the callers that take this pair (seal, ls hints)."""
+    found = checkpoint_below(path)
+    if found is None or found.verified_by_manifest:
         return None
-    names = frozenset(c.key for c in ckpt.children()) if info is None or info.kind == "dir" else frozenset()
-    if info is None and not names:
-        return None  # nothing there
-    child = ObjectInfo(name, 0, 0.0, "file" if info is not None and info.kind == "file" else "dir")
-    for layout in LAYOUTS:
-        bound = layout.for_root(root)
-        if bound.step_of(child) is not None and bound.claims(ckpt, names):
-            return None if bound.verified_by_manifest else (cast(StackLayout, bound), ckpt)
-    return None
+    return cast(StackLayout, found.in_layout), found.storage
