@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ckptctl.layouts.base import CheckpointKind, kind_of_checkpoint
 from ckptctl.layouts.native import manifest_kind, read_committed
 from ckptctl.storage.base import Storage
 
@@ -64,13 +63,3 @@ def inspect_checkpoint(ckpt: Storage, *, tensors: bool = False) -> InspectResult
         content=kind.kind,
         content_reason=kind.reason,
     )
-
-
-def stack_content(path: str) -> CheckpointKind | None:
-    """Resumable or export, for ``path`` when it is one checkpoint of another stack's layout
-    (torchtitan's ``step-N``, ``checkpoint-N``, ``iter_N``, ``global_stepN``, a Lightning
-    ``.ckpt``); None for anything else (a bare DCP directory or file says nothing of it)."""
-    from ckptctl.ops.verify.layouts import stack_checkpoint_at
-
-    found = stack_checkpoint_at(path)
-    return None if found is None else kind_of_checkpoint(found[0], found[1])
