@@ -145,6 +145,9 @@ def test_stat(store: Storage) -> None:
     assert before - 2 <= info.mtime <= time.time() + 2  # S3 keeps whole seconds
     assert store.stat("dir/nope") is None
     assert store.stat("nope/deeper") is None
+    # Longer than a POSIX filesystem's 255-byte name: absent, not a storage failure (a hostile
+    # index naming such a file once made `ls` exit 3).
+    assert store.stat("dir/" + "x" * 300) is None and store.stat("y" * 300 + "/obj") is None
     d = store.stat("dir")
     assert d is not None and d.kind == "dir"
 

@@ -21,6 +21,7 @@ and ``local_errors`` the translation of ``OSError``.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import Iterator
@@ -191,14 +192,18 @@ class LocalStorage(Storage):
         with mapped(self._shown(self._parts(key))):
             try:
                 fd, name = self._open_parent(key, create=False)
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                finally:
+                    os.close(fd)
             except MISSING:
                 return None
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except MISSING:
-                return None
-            finally:
-                os.close(fd)
+            except OSError as err:
+                # A name longer than the filesystem allows (a hostile sidecar naming a file):
+                # nothing can be there, which is an answer, not a storage failure (exit 3).
+                if err.errno == errno.ENAMETOOLONG:
+                    return None
+                raise
         return stat_info(key, st)
 
     # --- reading and writing ---------------------------------------------------------------
