@@ -153,7 +153,6 @@ class CheckpointReader(ShardIndex):
         locs = list(todo.values()) if self.verify_checksums else []
         self._drop_spool()
         self._spool = spool_remote(locs, self._reader, self.spool_dir) if locs else None
-        proven = False
         try:
             if len(locs) <= 1:
                 for loc in locs:
@@ -162,10 +161,9 @@ class CheckpointReader(ShardIndex):
                 with ThreadPoolExecutor(min(IO_THREADS, len(locs))) as pool:
                     for f in [pool.submit(self._verify_chunk, loc) for loc in locs]:
                         f.result()
-            proven = True
-        finally:
-            if not proven:
-                self._drop_spool()  # no fill follows a failed check
+        except BaseException:
+            self._drop_spool()  # no fill follows a failed check
+            raise
         return sum(loc.chunk.nbytes for loc in locs)
 
     def _drop_spool(self) -> None:

@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -113,6 +113,14 @@ class Channel:
             except RuntimeError as e:  # DistNetworkError and kin: the store's host has exited
                 log.info("tiers channel: the c10d store is gone (%s); this rank stops promoting", e)
                 return None
+
+    def messages(self, conn: "dist.Store", stream: str) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Rank 0's messages on ``stream`` in order, each with its number (from 1), as they are
+        sent; ends when the store is gone."""
+        n = 0
+        while (msg := self.receive(conn, stream, n + 1)) is not None:
+            n += 1
+            yield n, msg
 
     def reply(self, conn: "dist.Store", stream: str, n: int, text: str) -> None:
         conn.set(f"{stream}/{n}/r{self.rank}", text.encode())

@@ -80,11 +80,8 @@ class NodeKeeper:
 
     def _run(self) -> None:
         conn = self.channel.connection()
-        n = 0
-        while True:
-            n += 1
-            msg = self.channel.receive(conn, STREAM, n)
-            if msg is None or msg.get("op") == "stop":
+        for n, msg in self.channel.messages(conn, STREAM):
+            if msg.get("op") == "stop":
                 return
             try:
                 self._apply(msg)

@@ -225,11 +225,8 @@ class RoundWorker:
 
     def _run(self) -> None:
         conn = self.channel.connection()
-        n = 0
-        while True:
-            n += 1
-            msg = self.channel.receive(conn, STREAM, n)
-            if msg is None or msg.get("op") != "promote":
+        for n, msg in self.channel.messages(conn, STREAM):
+            if msg.get("op") != "promote":
                 return
             self.channel.reply(conn, STREAM, n, self._upload(msg))
             self.rounds = n
