@@ -36,6 +36,9 @@ SAVE_ID_HEX = 16
 _SAVE_ID_RE = re.compile(r"[0-9a-f]{16}\Z", re.ASCII)
 _MANIFEST_RE = re.compile(r"manifest(\.[0-9a-f]{16})?\.json\Z", re.ASCII)
 _SHARD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors$")
+# The names ``shard_name`` gives, with an attempt's save id before the suffix where the
+# canonical name was taken (``attempt_name``).
+_OWN_SHARD_RE = re.compile(r"rank-[0-9]{5}-of-[0-9]{5}(-[0-9]+)?(\.[0-9a-f]{16})?\.safetensors\Z", re.ASCII)
 
 
 def step_dir(step: int) -> str:
@@ -58,6 +61,12 @@ def shard_name(rank: int, world_size: int, part: int = 0) -> str:
     """``shard_name(1, 4) == "rank-00001-of-00004.safetensors"``; ``part`` > 0 adds ``-part``."""
     suffix = f"-{part}" if part else ""
     return f"rank-{rank:05d}-of-{world_size:05d}{suffix}{SHARD_SUFFIX}"
+
+
+def is_own_shard_name(name: str) -> bool:
+    """A name ckptctl gives its shard files (``shard_name``, or an attempt's): how a directory
+    of ckptctl's is told apart from other tools' by its file names."""
+    return _OWN_SHARD_RE.match(name) is not None
 
 
 def is_valid_shard_name(name: str) -> bool:

@@ -9,12 +9,11 @@ in shell loops and cron jobs). The readers import their file names from here.
 from __future__ import annotations
 
 import os
-import re
 from typing import Literal
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.formats import FILE_FORMATS, name_among
-from ckptctl.format.layout import MANIFEST, MARKER
+from ckptctl.format.layout import MANIFEST, MARKER, is_own_shard_name
 from ckptctl.storage import open_storage
 from ckptctl.storage.plain_file import open_plain
 
@@ -31,8 +30,6 @@ def format_named(name: str) -> Format:
     except ValueError as e:
         raise UsageError(f"--to: {e}", hint=f"use one of {', '.join(FILE_FORMATS)}") from None
 
-# With a save id before the suffix where the canonical name was taken (``layout.attempt_name``).
-CKPTCTL_SHARD = re.compile(r"^rank-\d{5}-of-\d{5}(-\d+)?(\.[0-9a-f]{16})?\.safetensors$")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
@@ -68,7 +65,7 @@ def detect(path: str) -> Format:
                          hint="copy foreign checkpoints to a local directory first")
     if os.path.isdir(path):
         names = set(os.listdir(path))
-        if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
+        if MARKER in names or MANIFEST in names or any(is_own_shard_name(n) for n in names):
             return "ckptctl"  # committed, or a ckptctl save still in progress (shards, no manifest yet)
         if ".metadata" in names:
             return "dcp"

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Iterable, Literal, Mapping, Sequence
 
 from ckptctl.errors import CheckpointError, InvalidCheckpoint, NotFound, RefusedForSafety, StorageError
-from ckptctl.format.layout import MANIFEST, MARKER, MAX_STEP, attempt_name, is_manifest_name, new_save_id, parse_step_dir, step_dir
+from ckptctl.format.layout import (MANIFEST, MARKER, MAX_STEP, attempt_name, is_manifest_name, is_own_shard_name, new_save_id,
+                                    parse_step_dir, step_dir)
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
@@ -316,8 +316,6 @@ def remove_leftovers(ckpt: Storage, names: Iterable[str]) -> list[str]:
 
 # --- as a catalog layout -------------------------------------------------------------------
 
-# With an attempt's save id before the suffix when the canonical name was taken (see above).
-_OWN_SHARD = re.compile(r"rank-[0-9]{5}-of-[0-9]{5}(-[0-9]+)?(\.[0-9a-f]{16})?\.safetensors\Z", re.ASCII)
 
 
 def _padded(ckpt: Storage) -> bool:
@@ -366,7 +364,7 @@ class NativeLayout:
         for name in names:
             m = _TEMPORARY.match(name)
             base = m.group(1) if m is not None else name
-            if base == MARKER or is_manifest_name(base) or _OWN_SHARD.match(base):
+            if base == MARKER or is_manifest_name(base) or is_own_shard_name(base):
                 return True
         return not names and dir_step(ckpt) is not None and _padded(ckpt)
 

@@ -17,13 +17,10 @@ It also says what a root that holds no checkpoint is instead (``wrong_level``): 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 
 from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
-from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir
-from ckptctl.interop.detect import CKPTCTL_SHARD
 from ckptctl.layouts import catalog
 from ckptctl.layouts.base import Layout, kind_of_checkpoint
 from ckptctl.layouts.native import total_size
@@ -94,33 +91,14 @@ class WrongLevel:
 
 def checkpoint_kind(root: Storage) -> str | None:
     """What one checkpoint ``root`` itself is ("a ckptctl checkpoint", "a dcp checkpoint",
-    "a lightning checkpoint file"), or None when it is none. Cheap: a listing and, for a
-    local path, other tools' detection by file names and headers."""
-    local = root.local_path()
-    if local is not None and os.path.isfile(local):
-        from ckptctl.ops.verify.layouts import stack_checkpoint_at  # imported when needed: detection reads headers
-
-        found = stack_checkpoint_at(local)
-        return f"a {found[0].name} checkpoint file" if found is not None else None
-    names = {info.key.rsplit("/", 1)[-1] for info in root.children()}
-    if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
-        return "a ckptctl checkpoint"
-    from ckptctl.interop.detect import foreign_format
-    from ckptctl.ops.verify.layouts import stack_checkpoint_at
+    "a lightning checkpoint file"), or None when it is none: the classifier's answer
+    (``layouts.classify``), so ``ls`` and every other verb agree on what a path is."""
+    from ckptctl.layouts.classify import classify  # imported when needed: only for an empty listing
 
     try:
-        found = stack_checkpoint_at(local or root.url)
-        # Single-file formats (safetensors, torch.save) are told apart by their local headers.
-        fmt = foreign_format(local) if found is None and local is not None else None
-    except CkptError:  # a file that cannot be read or judged: no hint, and the listing stands
+        return classify(root.url).description
+    except CkptError:  # a path that cannot be read or judged: no hint, and the listing stands
         return None
-    if found is not None:
-        return f"a {found[0].name} checkpoint"
-    if fmt is not None:
-        return f"a {fmt} checkpoint"
-    if not names and local is not None and parse_step_dir(os.path.basename(local.rstrip("/"))) is not None:
-        return "an empty ckptctl checkpoint directory"
-    return None
 
 
 def holders_below(root: Storage, *, limit: int = SUBDIRS_LOOKED_INTO) -> list[tuple[str, int]]:

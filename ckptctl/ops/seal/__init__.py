@@ -5,6 +5,5 @@ checkpoint's commit time, so later verifies, copies and prunes can vouch for its
 * ``check``: reading a seal and checking a checkpoint's bytes against it;
 * ``leftovers``: what a killed seal or copy leaves, removed before a rerun decides.
 
-May import: ``format``, ``storage``, ``layouts``, ``interop.detect`` (the name of a ckptctl shard
-file), ``ops.verify`` and the leaves; never ``cli``.
+May import: ``format``, ``storage``, ``layouts``, ``ops.verify`` and the leaves; never ``cli``.
 """

@@ -19,25 +19,22 @@ checkpoint's age from it, so sealing a root never changes what an age or calenda
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
-from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.format.seal import CHUNK_SIZE, SEAL, Seal, SealedFile, encode_seal
-from ckptctl.interop.detect import CKPTCTL_SHARD
+from ckptctl.layouts.classify import classify
 from ckptctl.layouts.catalog import layout_named, list_checkpoints
 from ckptctl.layouts.native import NAME as NATIVE_NAME
 from ckptctl.layouts.native import NativeLayout
 from ckptctl.layouts.stack import StackLayout
 from ckptctl.ops.seal.leftovers import is_temporary, remove_temporaries
-from ckptctl.ops.verify.layouts import bound_layout, stack_checkpoint_at, verify_stack_detail
+from ckptctl.ops.verify.layouts import bound_layout, verify_stack_detail
 from ckptctl.ops.seal.check import hash_object, read_seal
 from ckptctl.ops.verify.checkpoint import VerifyReport
 from ckptctl.progress import Progress
-from ckptctl.storage import open_storage
 from ckptctl.storage.base import Storage
 from ckptctl.version import tool_info
 
@@ -197,23 +194,19 @@ def seal_path(path: str, progress: Progress | None = None) -> SealOutcome:
     (every complete checkpoint not sealed yet). Works on every backend: on object storage the
     test-load streams each file to a temporary local file, so sealing where the checkpoint was
     written (``cp`` carries the seal) reads less."""
-    st = open_storage(path)
-    local = st.local_path()
-    if local is not None and not os.path.exists(local):
+    found = classify(path)
+    if found.missing:
         raise UsageError(f"no such file or directory: {path}", hint="check the path for a typo")
+    st, local = found.storage, found.local
     outcome = SealOutcome(path)
-    stack = stack_checkpoint_at(local or path)
-    if stack is not None:
-        layout, ckpt = stack
-        outcome.results.append(seal_checkpoint(ckpt, layout, progress))
+    if found.what == "checkpoint" and found.claimed and found.by_name and not found.verified_by_manifest:
+        outcome.results.append(seal_checkpoint(st, cast(StackLayout, found.in_layout), progress))
         return outcome
-    if local is not None and not os.path.isdir(local):
+    if local is not None and not found.is_dir:
         raise InvalidCheckpoint(f"not a checkpoint of another tool: {path}",
                                 hint="give a checkpoint directory (checkpoint-N, step-N, iter_N, global_stepN) or its root")
-    names = {c.key for c in st.children()}
-    if MARKER in names or MANIFEST in names or any(CKPTCTL_SHARD.match(n) for n in names):
-        outcome.results.append(SealResult(st.url, st.url.rstrip("/").rsplit("/", 1)[-1], NATIVE_NAME, None,
-                                          "not needed", reason=NATIVE_NOTE))
+    if found.verified_by_manifest and found.claimed:
+        outcome.results.append(SealResult(st.url, found.name, NATIVE_NAME, None, "not needed", reason=NATIVE_NOTE))
         return outcome
     outcome.results = seal_root(st, progress)
     if not outcome.results:
