@@ -208,6 +208,13 @@ class Checkpointer:
         (default: the newest step recorded). Rank 0's view; empty without tiers."""
         return self._tiers.durability.of(step) if self._tiers is not None else {}
 
+    def time_to_replicated(self, step: int | None = None) -> dict[str, float]:
+        """With peer replicas (``Tier(..., node_local=True, replicas=1)``), rank 0's view:
+        ``{"replicated_s": seconds from save(step) until every rank's shard was on its partner
+        node, "replica_bytes": bytes all ranks sent for it}`` (default: the newest step
+        replicated); empty otherwise."""
+        return self._tiers.durability.replication(step) if self._tiers is not None else {}
+
     def wait(self) -> str | None:
         """Wait for every pending save; returns the last committed URL, raises if it failed."""
         return self._saver.wait()

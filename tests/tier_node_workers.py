@@ -85,7 +85,86 @@ def _write(out: str, name: str, doc: dict) -> None:
     os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
 
 
-SCENARIOS = {"save": save, "load": load}
+# --- peer replicas (tests/test_tiers_replicas.py) ----------------------------------------------
+
+
+def _replica_tiers(a: dict) -> list:
+    """Node-local first tier with ``replicas`` (default 1), keeping ``keep_local`` (default 2);
+    S3 keeping 2, receiving the first checkpoint and then every ``every`` steps (default 1000)."""
+    from ckptctl import KeepLast, Steps, Tier
+
+    return [Tier(a["local"], retention=KeepLast(a.get("keep_local", 2)), node_local=True, replicas=a.get("replicas", 1)),
+            Tier(a["remote"], retention=KeepLast(2), every=Steps(a.get("every", 1000)), retry_max_s=1.0)]
+
+
+def _replica_state(step: int, rank: int, a: dict) -> dict:
+    """``state_for`` plus, with ``own_mb``, a module of four parameters of that many MiB each,
+    the same on every rank (as under DDP): the saver gives each whole tensor one writer, the
+    least loaded rank, so each of the four ranks writes a shard of about ``own_mb`` MiB."""
+    import torch
+
+    state = state_for(step, rank)
+    if a.get("own_mb"):
+        g = torch.Generator().manual_seed(step + 1000)
+        net = torch.nn.Module()
+        for k in range(4):
+            data = torch.randn(int(a["own_mb"] * (1 << 18)), generator=g)
+            net.register_parameter(f"p{k}", torch.nn.Parameter(data, requires_grad=False))
+        state["net"] = net
+    return state
+
+
+def _replica_checkpointer(a: dict) -> Any:
+    from ckptctl import Checkpointer
+
+    return Checkpointer(tiers=_replica_tiers(a), promote_timeout_s=a.get("promote_timeout_s", 60),
+                        timeout_s=a.get("timeout_s", 900.0), liveness_s=a.get("liveness_s", 60.0))
+
+
+def replica_save(rank: int, a: dict) -> dict:
+    """Save ``steps``, timing each ``save()`` call (the stall) and recording each outcome;
+    rank ``die_rank`` SIGKILLs itself once its save of ``die_step`` committed. Rank 0 reports
+    each step's time to replicated and replica bytes, and its time to durable. ``pause_s``:
+    seconds of "training" after each save."""
+    ck = _replica_checkpointer(a)
+    saves = []
+    for step in a["steps"]:
+        t0 = time.monotonic()
+        try:
+            handle = ck.save(step, _replica_state(step, rank, a))
+            stall = time.monotonic() - t0
+            handle.wait()
+            saves.append({"step": step, "stall_s": stall, "done_s": time.monotonic() - t0})
+        except Exception as e:  # the test reads which saves failed, and how fast
+            saves.append({"step": step, "error": f"{type(e).__name__}: {e}", "done_s": time.monotonic() - t0})
+        if rank == a.get("die_rank") and step == a.get("die_step"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(a.get("pause_s", 0))  # training between saves (the bench)
+    t0 = time.monotonic()
+    try:
+        report = _close_report(ck)
+    except Exception as e:  # a failed save nobody saw is raised by close
+        report = {"close_error": f"{type(e).__name__}: {e}"}
+    report["close_s"] = time.monotonic() - t0
+    return {"saves": saves, "node": os.environ["GROUP_RANK"], **report,
+            "replication": {str(s): ck.time_to_replicated(s) for s in a["steps"]},
+            "durable": {str(s): ck.time_to_durable(s) for s in a["steps"]}}
+
+
+def replica_load(rank: int, a: dict) -> dict:
+    """``load_latest`` into a zeroed state, compared bitwise with what that step saved; close."""
+    import torch
+
+    state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
+    ck = _replica_checkpointer(a)
+    step = ck.load_latest(state, prepare=False)
+    want = state_for(step, rank) if step is not None else None
+    equal = want is not None and all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b")) \
+        and state["extra"] == want["extra"]
+    return {"step": step, "bitwise_equal": equal, **_close_report(ck)}
+
+
+SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load}
 
 
 def free_port() -> int:

@@ -24,6 +24,17 @@ own ranks' shards plus the manifest and marker) is wired by ``node_chain`` from:
 * ``node_keeper``: the thread on each node's leader that applies rank 0's commits and prunes;
 * ``layered``: the recovery view, each file from the nearest tier that holds it.
 
+Peer replicas (``Tier(..., node_local=True, replicas=1)``: each node also keeps the shards of
+the node before it in a ring), wired by ``node_chain`` from:
+
+* ``replica_link``: the ring (each rank's partner and source) and files sent rank to rank
+  over the replicas' own gloo group, in bounded chunks, every wait bounded;
+* ``replica_store``: where a node keeps replicas (``<root>/.ckptctl-replicas/<step>/``), the
+  marker that makes one count, and their removal with their steps;
+* ``replica``: the round after each commit, on every rank's replica thread;
+* ``replica_recovery``: a node that lost its part of a candidate gets it back from its
+  partner before ``load_latest`` reads it.
+
 May import: ``ops``, ``layouts``, ``format``, ``storage`` and the leaves (see docs/architecture.md).
 """
 

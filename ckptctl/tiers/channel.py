@@ -11,8 +11,8 @@ TCPStore connection serves one request at a time.
 
 Keys, under ``ckptctl-tiers/<group name>/``:
 
-* ``<stream>/<n>``: rank 0's n-th message on ``stream`` (``promote`` or ``node``), JSON;
-* ``<stream>/<n>/r<k>``: rank k's reply to it (``promote`` only);
+* ``<stream>/<n>``: rank 0's n-th message on ``stream`` (``promote``, ``node`` or ``replica``), JSON;
+* ``<stream>/<n>/r<k>``: rank k's reply to it (``promote`` and ``replica``);
 * ``<stream>/<n>/acks``: how many ranks took it (``node``), so rank 0 deletes it once all did;
 * ``nodes/<k>``: rank k's node, exchanged once when the ``Checkpointer`` is built.
 
@@ -57,7 +57,7 @@ class Channel:
         self.rank, self.world_size = rank, world_size
         self._send_lock = threading.Lock()
         self._sender: dist.Store | None = None
-        self._sent = {"promote": 0, "node": 0}
+        self._sent = {"promote": 0, "node": 0, "replica": 0}
 
     def connection(self) -> "dist.Store":
         """A connection of its own, for one thread."""

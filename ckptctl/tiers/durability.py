@@ -1,4 +1,5 @@
-"""Time to durable per tier, and what ``Checkpointer.close()`` reports about the last tier.
+"""Time to durable per tier, time to replicated (peer replicas), and what
+``Checkpointer.close()`` reports about the last tier.
 
 May import: leaves only.
 """
@@ -22,6 +23,7 @@ class Durability:
         self._lock = threading.Lock()
         self._started: dict[int, float] = {}
         self._durable: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._replicated: OrderedDict[int, dict[str, float]] = OrderedDict()
 
     def started(self, step: int) -> None:
         with self._lock:
@@ -40,6 +42,29 @@ class Durability:
                 old, _ = self._durable.popitem(last=False)
                 self._started.pop(old, None)
             return seconds
+
+    def replicated(self, step: int, nbytes: int) -> float | None:
+        """Record that every rank's shard of ``step`` is on its partner node now, ``nbytes``
+        sent over the network for it by all ranks together; returns the seconds since its
+        save (None: saved before this process started)."""
+        with self._lock:
+            t0 = self._started.get(step)
+            if t0 is None:
+                return None
+            seconds = time.monotonic() - t0
+            self._replicated[step] = {"replicated_s": seconds, "replica_bytes": float(nbytes)}
+            self._replicated.move_to_end(step)
+            while len(self._replicated) > KEEP_STEPS:
+                self._replicated.popitem(last=False)
+            return seconds
+
+    def replication(self, step: int | None = None) -> dict[str, float]:
+        """``{"replicated_s": seconds from save to every replica complete, "replica_bytes":
+        bytes sent}`` for ``step`` (default: the newest replicated); empty when not replicated."""
+        with self._lock:
+            if step is None:
+                step = next(reversed(self._replicated), None)
+            return dict(self._replicated.get(step, {})) if step is not None else {}
 
     def of(self, step: int | None = None) -> dict[str, float]:
         """``{tier URL: seconds}`` for ``step`` (default: the newest step recorded)."""

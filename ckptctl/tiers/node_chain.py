@@ -21,6 +21,11 @@ What differs from ``tiers.chain`` (a first tier every rank shares):
   later tier), every byte checksummed by the loader. ``load_latest`` moves on to an older step
   together when any rank lacks a file (see docs/protocol.md, "The recovery choice").
 
+* **Peer replicas** (``replicas=1``): after each commit rank 0 also announces a round of
+  ``tiers.replica``; recovery reads each file from the node's step, its replicas
+  (``tiers.replica_store``), then each later tier, once ``tiers.replica_recovery`` has
+  restored what the node lost.
+
 Rank 0's work after each commit runs on a thread of its own (never the saver's writer thread,
 so the next save's write never waits for a listing or the store). At ``close``, rank 0 flushes,
 then sends ``stop`` on both streams; every other rank waits (bounded) for it, so that its
@@ -49,6 +54,12 @@ from ckptctl.tiers.layered import Layered
 from ckptctl.tiers.node_keeper import NodeKeeper, NodeMessages
 from ckptctl.tiers.node_retention import NodePruner, plan
 from ckptctl.tiers.promotion_round import RoundLeader, RoundWorker
+from ckptctl.tiers.replica import ReplicaWorker, announce
+from ckptctl.tiers.replica import stop as stop_replicas
+from ckptctl.tiers.replica_link import TIMEOUT_S as REPLICA_TIMEOUT_S
+from ckptctl.tiers.replica_link import open_group, ring_of
+from ckptctl.tiers.replica_recovery import Recovery
+from ckptctl.tiers.replica_store import replica_dir
 from ckptctl.tiers.spec import Tier
 
 log = logging.getLogger("ckptctl")
@@ -82,6 +93,9 @@ class NodeTiers(Tiers):
         self._keeper: NodeKeeper | None = None
         self._worker: RoundWorker | None = None
         self._pruner: NodePruner | None = None  # one process: rank 0 applies its own plans
+        self._replicas: ReplicaWorker | None = None
+        self._recovery: Recovery | None = None
+        self._replica_timeout_s = REPLICA_TIMEOUT_S
         self._after: ThreadPoolExecutor | None = None  # rank 0's work after each commit, in order
         self._lock = threading.Lock()
         self._closing = False
@@ -89,7 +103,10 @@ class NodeTiers(Tiers):
 
     def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float) -> None:
         self.rank = rank
+        replicas = self.specs[0].replicas > 0
         if world_size <= 1 or group_name is None:
+            if replicas:
+                ring_of([node_id()])  # one process is one node: raises, naming the fix
             self._pruner = NodePruner(self.roots[0], {0})
             self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
             self.start()
@@ -97,6 +114,14 @@ class NodeTiers(Tiers):
         channel = self.channel = Channel(group_name, rank, world_size)
         nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
         self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
+        if replicas:  # every rank sees the same nodes: a bad topology raises on every rank alike
+            ring = ring_of(nodes)
+            self._replica_timeout_s = min(timeout_s, REPLICA_TIMEOUT_S)
+            group = open_group(world_size, self._replica_timeout_s)
+            self._replicas = ReplicaWorker(channel, group, ring, self.roots[0], self._replica_timeout_s,
+                                           self.durability if rank == 0 else None)
+            self._recovery = Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
+                                      self._replica_timeout_s)
         if rank == min(self.node_ranks):
             self._keeper = NodeKeeper(channel, self.roots[0], self.node_ranks)
         if len(self.roots) > 1:
@@ -128,8 +153,11 @@ class NodeTiers(Tiers):
 
     def _committed(self, step: int, name: str) -> None:
         try:
+            source = read_committed_raw(self.roots[0].sub(name))
             if self._messages is not None:
-                self._messages.commit(name, read_committed_raw(self.roots[0].sub(name)))
+                self._messages.commit(name, source)
+            if self._replicas is not None and self.channel is not None:
+                announce(self.channel, name, source.manifest_raw)  # off this thread: each rank's replica thread
             self._newest = (step, name)
             self._reached(0, step, name)  # offered to the promoter, which pins it when chosen
             self._prune()
@@ -176,7 +204,11 @@ class NodeTiers(Tiers):
                 yield tier, name
 
     def checkpoint(self, tier: int, name: str) -> Storage:
-        return Layered([root.sub(name) for root in self.roots])
+        if self._recovery is None:
+            return Layered([root.sub(name) for root in self.roots])
+        if tier == 0:  # collective: every rank takes the same candidates in the same order
+            self._recovery.restore(name)
+        return Layered([self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])])
 
     # --- closing ------------------------------------------------------------------------------
 
@@ -186,7 +218,7 @@ class NodeTiers(Tiers):
         return super().flush(timeout_s)
 
     def release(self, timeout_s: float) -> None:
-        for t in (self._worker, self._keeper):
+        for t in (self._worker, self._keeper, self._replicas):
             if t is not None and not t.join(timeout_s):
                 log.warning("tiers: rank %d stopped waiting for rank 0's last promotion after %.0f s", self.rank, timeout_s)
 
@@ -200,5 +232,9 @@ class NodeTiers(Tiers):
             self._round.close()
         if self._messages is not None:
             self._messages.stop()
+        if self._replicas is not None and self.channel is not None and self.rank == 0:
+            stop_replicas(self.channel)  # after the last announcement: the rounds in flight finish
+            if not self._replicas.join(self._replica_timeout_s):
+                log.warning("tiers: the last peer replica round did not finish within %.0f s", self._replica_timeout_s)
         if self.rank == 0:
             self.release(join_s)

@@ -11,6 +11,9 @@ node holds only its own ranks' shards. So the decision and the deletion are spli
   ranks' files), and deletes nothing when it does not verify; then removes each planned step
   on its node marker first (``layouts.native.remove``), so a deletion cut short leaves a
   partial directory, never a committed one;
+* each leader removes the peer replicas (``tiers.replica_store``) of the steps it deletes, and
+  abandoned ones (of steps older than the anchor it no longer holds; incomplete ones once
+  idle for the partial-after time), whether or not anything else is deleted;
 * with the same verified anchor, each leader also removes its node's abandoned partial step
   directories (a save that failed or was killed there, a copy whose commit never came) by
   ``ckptctl prune``'s rule for them (``tiers.leftovers``: idle for prune's partial-after time,
@@ -23,7 +26,7 @@ nothing (a node may hold partials rank 0 cannot see); a node reads its part of a
 only when it has something to delete.
 
 May import: ``ops.retention.policies``, ``layouts``, ``tiers.pins``, ``tiers.node_commit``,
-``tiers.leftovers``, ``storage``, leaves.
+``tiers.leftovers``, ``tiers.replica_store``, ``format``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from ckptctl.errors import CkptError
+from ckptctl.format.layout import MARKER, parse_step_dir
 from ckptctl.layouts.catalog import NATIVE, newest_committed
 from ckptctl.layouts.native import remove
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
@@ -42,6 +46,7 @@ from ckptctl.tiers.leftovers import PARTIAL_AFTER_S, abandoned
 from ckptctl.tiers.leftovers import remove as remove_partials
 from ckptctl.tiers.node_commit import check_node_files
 from ckptctl.tiers.pins import guarded
+from ckptctl.tiers.replica_store import sweep as sweep_replicas
 
 log = logging.getLogger("ckptctl")
 
@@ -80,6 +85,7 @@ class NodePruner:
         planned = [n for n in p.delete if n != p.anchor and self.root.stat(n) is not None]
         partials = abandoned(self.root, partial_after_s=self.partial_after_s, keep={p.anchor, *p.keep, *p.delete})
         if not planned and not partials:
+            self._replicas(p)
             return []  # nothing to delete: the anchor is not read
         if self._verified != p.anchor:
             why = check_node_files(self.root.sub(p.anchor), self.ranks)
@@ -102,4 +108,13 @@ class NodePruner:
                                        partial_after_s=self.partial_after_s)
         except CkptError as e:  # a prune holds the root's lock, or the disk fails: the next plan tries again
             log.warning("retention of %s: abandoned partial checkpoints not removed: %s", self.root.url, e)
+        self._replicas(p)
         return deleted
+
+    def _replicas(self, p: PrunePlan) -> None:
+        """The peer replicas of the steps the plan deletes, and abandoned ones, after the steps
+        (a replica outliving its step is useless; a step outliving its replica is still whole)."""
+        anchor_step = parse_step_dir(p.anchor)
+        if anchor_step is not None:
+            gone = {n for n in p.delete if n not in (p.anchor, *p.keep) and self.root.sub(n).stat(MARKER) is None}
+            sweep_replicas(self.root, delete=gone, anchor_step=anchor_step, partial_after_s=self.partial_after_s)

@@ -83,7 +83,10 @@ class Tier:
     (``retry_max_s``) and after how long behind a warning is logged (``lag_warning_s``).
     ``storage``: an already opened storage for ``root`` (another endpoint, tuned parts).
     ``node_local`` (first tier only): ``root`` is a path on each node's own disk, holding only
-    the shards that node's ranks wrote (see ``tiers.node_chain``)."""
+    the shards that node's ranks wrote (see ``tiers.node_chain``). ``replicas`` (0 or 1; a
+    node-local first tier only): with 1, each node also keeps a copy of the next node's
+    shards, sent by the ranks after each commit, so that a replaced node recovers its shards
+    from its partner without reading the next tier (see ``tiers.replica``)."""
 
     root: str
     retention: Policy | RetentionPolicy | None = None
@@ -92,8 +95,14 @@ class Tier:
     lag_warning_s: float = DEFAULT_LAG_WARNING_S
     storage: Storage | None = field(default=None, repr=False)
     node_local: bool = False
+    replicas: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas not in (0, 1):
+            raise ValueError(f"Tier.replicas must be 0 or 1 (one peer replica per node), got {self.replicas!r}")
+        if self.replicas and not self.node_local:
+            raise ValueError("Tier.replicas=1 needs node_local=True: a peer replica copies one node's shards to "
+                             "another node's disk; a shared root needs none (set replicas=0)")
         if self.every is not None and not isinstance(self.every, Cadence):
             raise TypeError(f"Tier.every must be a cadence such as Steps(1000) | Minutes(30), got {self.every!r}")
         for name in ("retry_max_s", "lag_warning_s"):
@@ -117,4 +126,6 @@ def check_tiers(tiers: list[Tier]) -> list[Tier]:
         raise ValueError("the first tier receives every save; 'every' applies to the tiers after it")
     if any(t.node_local for t in tiers[1:]):
         raise ValueError("only the first tier can be node-local (node_local=True)")
+    if any(t.replicas for t in tiers[1:]):
+        raise ValueError("only the first tier keeps peer replicas (replicas=1); set replicas=0 on the others")
     return tiers

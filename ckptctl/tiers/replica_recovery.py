@@ -1,0 +1,224 @@
+"""Recovery from peer replicas: before ``load_latest`` reads a candidate step, every node that
+lost its part of it gets it back from the ranks that hold it, over the replicas' gloo group,
+without touching the next tier.
+
+For a candidate its node committed, rank 0 broadcasts the step's manifest and marker (read
+from its own node's first tier), and every rank says what its node lacks (one all-gather):
+
+* its *own* files (those the manifest lists for its rank) missing from its node's step
+  directory: its partner rank (which holds their replica) sends them back from its complete
+  replica, and they are written into the step directory;
+* the *replica* it held of its source rank, missing or incomplete: the source rank sends its
+  own files again, and they are written under the replica directory, marker last.
+
+So a replaced node gets back exactly what it held before: its own shards, and the replica of
+the node before it in the ring (with two nodes: every file of the checkpoint). Every file
+restored is checked against the manifest (header bound to it, each chunk's checksum, the file
+checksum) before it is kept; one that does not check out is deleted, and the load then reads
+it from the next tier as before (``tiers.layered``). Once every rank is done (a barrier), each
+node's leader commits its node's copy by the node-local rule (``node_commit.commit_here``:
+manifest, marker last) when its marker is absent and its ranks' files are all there; a second
+barrier keeps every rank from reading the step before its node's marker is written.
+
+All of it is collective and bounded: every rank takes part in each step whether it needs
+anything or not; a holder without a complete replica announces the file as absent; a dead
+peer fails the transfer at the timeout and the rank falls back on the next tier. The decision
+that follows (load, or move on to an older step) is still ``load_latest``'s, on every rank
+together. Rank 0's node must hold the candidate (a replaced rank-0 node recovers from the next
+tier: its candidates are listed there).
+
+May import: ``tiers.replica_link``, ``tiers.replica_store``, ``tiers.node_commit``,
+``ops.verify``, ``layouts.native``, ``format``, ``storage``, leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from ckptctl.errors import CheckpointError, CkptError, CoordinationError
+from ckptctl.format.layout import MARKER
+from ckptctl.format.manifest import FileEntry, Manifest
+from ckptctl.layouts.native import Committed, read_committed_raw
+from ckptctl.ops.verify.problem import Problem
+from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.storage.base import Storage
+from ckptctl.tiers.node_commit import commit_here, parse_committed
+from ckptctl.tiers.replica_link import Ring, recv_files, send_files
+from ckptctl.tiers.replica_store import complete, replica_dir, write_marker
+
+log = logging.getLogger("ckptctl")
+
+TAG_BASE = 1 << 30  # above any replication round's tag (its round number)
+
+
+class Recovery:
+    """This rank's part in restoring candidates from replicas (``node_ranks``: its node's)."""
+
+    def __init__(self, group: "dist.ProcessGroup", ring: Ring, root: Storage, rank: int, world_size: int,
+                 node_ranks: Collection[int], timeout_s: float) -> None:
+        self.group, self.ring, self.root = group, ring, root
+        self.rank, self.world_size, self.node_ranks = rank, world_size, frozenset(node_ranks)
+        self.timeout_s = timeout_s
+        self.restored: list[str] = []  # files restored into this rank's node, for the caller's log
+        self.sent_bytes = 0
+        self._calls = 0
+
+    def restore(self, name: str) -> None:
+        """Collective over every rank: bring back what this node lacks of checkpoint ``name``
+        (committed on rank 0's node). Never raises for a peer or a file: what cannot be
+        restored is left to the next tier."""
+        self._calls += 1  # each candidate's transfers under tags of their own
+        try:
+            source = self._broadcast_commit(name)
+        except (CkptError, RuntimeError) as e:
+            log.warning("peer replica: checkpoint %s not restored from replicas: %s", name, e)
+            return
+        if source is None or source.manifest.world_size != self.world_size:
+            return  # rank 0 could not read it, or another world size: every rank skips alike
+        ckpt, rep = self.root.sub(name), replica_dir(self.root, name)
+        src = self.ring.source(self.rank)
+        mine, theirs = _files(source.manifest, self.rank), _files(source.manifest, src)
+        try:
+            need_own = any(_absent(ckpt, f) for f in mine)
+            need_rep = bool(theirs) and not complete(rep, src, source.manifest_raw, theirs)
+        except CkptError as e:  # this disk cannot be read: it asks for nothing, the next tier serves it
+            log.warning("peer replica: rank %d cannot tell what its node lacks of %s: %s", self.rank, name, e)
+            need_own = need_rep = False
+        try:
+            needs = self._all_gather([int(need_own), int(need_rep)])
+        except CkptError as e:
+            log.warning("peer replica: checkpoint %s not restored from replicas: %s", name, e)
+            return
+        if not any(any(n) for n in needs):
+            return
+        try:
+            self._exchange(name, source, needs, need_own, need_rep)
+        except (CkptError, OSError) as e:  # this disk: what is missing is read from the next tier
+            log.warning("peer replica: rank %d could not restore %s: %s", self.rank, name, e)
+        self._commit_node(ckpt, name, source)
+
+    def _exchange(self, name: str, source: Committed, needs: list[list[int]], need_own: bool, need_rep: bool) -> None:
+        """This rank's sends and receives for ``needs`` (every rank's ``[own, replica]``)."""
+        ckpt, rep, manifest = self.root.sub(name), replica_dir(self.root, name), source.manifest
+        src, tag = self.ring.source(self.rank), TAG_BASE + 2 * self._calls
+        mine, theirs = _files(manifest, self.rank), _files(manifest, src)
+        partner = self.ring.partner(self.rank)
+        sender = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-replica-restore")
+        try:
+            sends = []
+            if needs[src][0]:  # my source lost its own files: I hold their replica
+                whole = complete(rep, src, source.manifest_raw, theirs)
+                sends.append(sender.submit(send_files, self.group, src, tag, rep, theirs, self.timeout_s, whole=whole))
+            if needs[partner][1]:  # my partner lost its replica of me: my own files again
+                sends.append(sender.submit(send_files, self.group, partner, tag + 1, ckpt, mine, self.timeout_s))
+            if need_own:
+                self._receive(partner, tag, ckpt, mine, manifest, "its own files")
+            if need_rep:
+                got = self._receive(src, tag + 1, rep, theirs, manifest, f"the replica of rank {src}")
+                if complete_now(rep, theirs):
+                    write_marker(rep, src, manifest.step, source.manifest_raw, theirs)
+                elif got:
+                    log.warning("peer replica: the replica of rank %d's files of %s is still incomplete", src, name)
+            for s in sends:
+                try:
+                    self.sent_bytes += s.result()
+                except CkptError as e:
+                    log.warning("peer replica: serving %s to a recovering rank: %s", name, e)
+        finally:
+            sender.shutdown(wait=True)
+
+    def _receive(self, peer: int, tag: int, into: Storage, files: list[FileEntry], manifest: Manifest,
+                 what: str) -> list[FileEntry]:
+        """Receive ``files`` from ``peer``; keep each only when it checks out against the manifest."""
+        try:
+            got = recv_files(self.group, peer, tag, into, files, self.timeout_s, keep=lambda f: _absent(into, f))
+        except CkptError as e:
+            log.warning("peer replica: rank %d could not receive %s from rank %d: %s", self.rank, what, peer, e)
+            return []
+        kept = []
+        for f in got:
+            why = _check(into, f, manifest)
+            if why is None:
+                kept.append(f)
+                self.restored.append(into.url_of(f.name))
+            else:
+                log.error("peer replica: %s from rank %d does not check out (%s); deleted, the next tier is read instead",
+                          into.url_of(f.name), peer, why)
+                into.delete(f.name)
+        if kept:
+            log.info("peer replica: rank %d restored %s from rank %d: %s", self.rank, what, peer,
+                     ", ".join(f.name for f in kept))
+        return kept
+
+    def _commit_node(self, ckpt: Storage, name: str, source: Committed) -> None:
+        """After every rank's transfers (a barrier), the node's leader commits its copy; a
+        second barrier, so that no rank reads the step before its node's marker is there."""
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as e:
+            log.warning("peer replica: the ranks did not all finish restoring %s: %s", name, e)
+            return
+        if self.rank == min(self.node_ranks) and ckpt.stat(MARKER) is None:
+            try:
+                if commit_here(ckpt, source, self.node_ranks):
+                    log.info("peer replica: this node's copy of %s is committed again", name)
+            except CkptError as e:
+                log.warning("peer replica: this node's copy of %s not committed: %s", name, e)
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as e:
+            log.warning("peer replica: the nodes did not all commit %s again: %s", name, e)
+
+    def _broadcast_commit(self, name: str) -> Committed | None:
+        """Rank 0's commit of ``name`` (manifest and marker bytes), on every rank."""
+        raw = b""
+        if self.rank == 0:
+            try:
+                c = read_committed_raw(self.root.sub(name))
+                raw = len(c.manifest_raw).to_bytes(8, "big") + c.manifest_raw + c.marker_raw
+            except CheckpointError as e:
+                log.warning("peer replica: %s unreadable on rank 0's node: %s", name, e)
+        size = torch.tensor([len(raw)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        if int(size[0]) == 0:
+            return None
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == 0 \
+            else torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.group)
+        got = bytes(data.numpy().tobytes())
+        cut = 8 + int.from_bytes(got[:8], "big")
+        return parse_committed(self.root.sub(name), got[8:cut], got[cut:])
+
+    def _all_gather(self, mine: list[int]) -> list[list[int]]:
+        out = [torch.zeros(len(mine), dtype=torch.int64) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(out, torch.tensor(mine, dtype=torch.int64), group=self.group)
+        except RuntimeError as e:
+            raise CoordinationError(f"peer replica: the ranks could not say what they lack: {e}") from None
+        return [[int(v) for v in t] for t in out]
+
+
+def _files(manifest: Manifest, rank: int) -> list[FileEntry]:
+    return sorted((f for f in manifest.files if f.rank == rank), key=lambda f: f.name)
+
+
+def _absent(d: Storage, f: FileEntry) -> bool:
+    info = d.stat(f.name)
+    return info is None or info.kind != "file" or info.size != f.size
+
+
+def complete_now(rep: Storage, files: list[FileEntry]) -> bool:
+    return bool(files) and not any(_absent(rep, f) for f in files)
+
+
+def _check(d: Storage, f: FileEntry, manifest: Manifest) -> str | None:
+    problems: list[Problem] = []
+    header = check_file(d, f, manifest, problems)
+    if header is not None:
+        problems, _ = stream_file(d, f, header)
+    return str(problems[0]) if problems else None
