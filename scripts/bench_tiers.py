@@ -61,11 +61,31 @@ check fails.
 Also checked: ``load_latest`` names the local tier first for a step both tiers hold
 (``ckptctl.tiers.recovery.committed_across``); it once read such a step from S3.
 
-Not measured yet: the multi-node rows of issue 23 (recovery of one node from a peer replica
-or from S3 while the others read their local tier) need node-local first tiers and peer
-replicas across several processes (torchrun "nodes"); this is one process, world size 1.
-They are printed as "n/a (needs node-local tiers)" and listed under "not_measured" in the
-JSON.
+Then the multi-node rows of issue 23 (``bench_tiers_nodes.py``; ``--skip-nodes`` leaves them
+out): 2 torchrun "nodes" x 2 ranks on this host (two launchers, ``--nnodes 2 --node-rank 0/1``,
+static rendezvous), each node with its own node-local first tier
+(``Tier(node_root, node_local=True)``) and the same S3 tier, ``--size-mib`` in all as
+``Shard(0)`` DTensors (each rank saves and loads its own quarter, as under FSDP). One job saves
+(one round not counted, then ``--repeat``, each waited for until promoted); a relaunch times
+``load_latest`` through fresh Checkpointers, rotating each round, one first load not counted:
+
+  2x2 all-local      both node roots intact (evicted from the page cache first)
+  2x2 one node S3    node 1's root moved away (a replaced node's empty disk): its ranks read S3
+  2x2 all from S3    both node roots moved away
+  2x2 one node peer  with peer replicas (``Tier(..., node_local=True, replicas=1)``, detected
+                     at run time: else "n/a (peer replicas not available)"): the replicas=1
+                     job's node 1 root moved away. The replicas=1 Checkpointer saves beside a
+                     replicas=0 one in the save job, alternating (each save waited for until
+                     promoted and replicated): its stall, durable and promoted times over
+                     replicas=0's, its time to replicated and the bytes sent to peers per save
+                     (``Checkpointer.time_to_replicated``)
+
+A recovery's time is the slowest rank's ``load_latest``; every load's step and every rank's
+tensors are checked bitwise against what was saved (the job fails otherwise). Ratios are over
+2x2 all-from-S3, in the same run. Also checked: the peer recovery put node 1's own shards back
+on its disk (else it read them from S3, and its row would not measure a peer), and each 2x2
+``close()`` reports the last step on S3. When the replicas=1 part fails, both jobs run again
+without it: the other rows are still measured, the failure is reported and fails the run.
 """
 
 from __future__ import annotations
@@ -90,7 +110,8 @@ from bench_save import Bench, FlatState, best, build_specs, build_state, same_te
 from benchutil import cpu_pressure_us, drop_cache, files_under, free_memory, wait_quiet
 
 MiB = 1 << 20
-NA_NODE_LOCAL = "n/a (needs node-local tiers)"
+NA_PEER = "n/a (peer replicas not available)"
+NA_SKIPPED = "n/a (--skip-nodes)"
 
 # (key, label, op, bound): ratios with a stated target (issue 23), PASS/MISS on best/best.
 TARGETS = [
@@ -111,11 +132,19 @@ INFO = [
     ("recovery_local_vs_single", "recovery all-local / single-tier load_latest"),
     ("recovery_s3_thr_vs_boto3", "S3 recovery throughput / boto3 download_file"),
 ]
-# Rows of issue 23 that cannot be measured yet (printed, and listed in the JSON).
-NOT_MEASURED = [
-    ("recovery_one_node_peer_vs_s3", "recovery one node from peer / all-from-S3"),
+# The multi-node rows (2 torchrun nodes x 2 ranks, bench_tiers_nodes.py): shown as the reason
+# when not measured (skipped, no peer replicas), and listed under "not_measured" in the JSON.
+NODE_ROWS = [
+    ("recovery_nodes_local_vs_s3", "recovery all-local / all-from-S3, 2x2 nodes"),
     ("recovery_one_node_s3_vs_s3", "recovery one node from S3 / all-from-S3"),
+    ("recovery_one_node_peer_vs_s3", "recovery one node from peer / all-from-S3"),
+    ("nodes_stall_replicas_vs_none", "2x2 stall, replicas=1 / replicas=0"),
+    ("nodes_durable_replicas_vs_none", "2x2 durable, replicas=1 / replicas=0"),
+    ("nodes_promoted_replicas_vs_none", "2x2 promoted, replicas=1 / replicas=0"),
+    ("nodes_replicated_vs_promoted", "2x2 time to replicated / to promoted (r=1)"),
 ]
+PEER_ROWS = {"recovery_one_node_peer_vs_s3", "nodes_stall_replicas_vs_none", "nodes_durable_replicas_vs_none",
+             "nodes_promoted_replicas_vs_none", "nodes_replicated_vs_promoted"}
 
 
 def ckptctl_cli() -> list[str]:
@@ -175,6 +204,7 @@ class TierBench:
         self.bucket, _, self.prefix = s3_root[len("s3://"):].partition("/")
         self.boto_cfg = TransferConfig()  # boto3's defaults: 8 MiB threshold and chunks, 10 threads
         self.last_promoted: tuple[int, str] | None = None  # (step, checkpoint name) on tier 2
+        self.nodes_na: dict[str, str] = {}  # multi-node rows not measured: why
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -432,6 +462,95 @@ class TierBench:
         del target
         free_memory()
 
+    def nodes_rounds(self) -> None:
+        """The multi-node rows: two jobs of 2 torchrun nodes x 2 ranks (``bench_tiers_nodes``).
+        With peer replicas available the replicas=1 Checkpointer runs in them too; when that
+        part fails, the jobs run again without it (the other rows still measured) and the
+        failure is a failed check, reported."""
+        import bench_tiers_nodes as bn
+
+        self.nodes_na = {}
+        if self.args.skip_nodes:
+            self.nodes_na = {k: NA_SKIPPED for k, _ in NODE_ROWS}
+            return
+        why = bn.replicas_supported()
+        self.details["nodes_peer_replicas"] = "available" if why is None else why
+        self.quiet()  # moto idle: what the single-process part left is charged to nobody
+        work = os.path.join(self.work, "nodes")
+        runs = [True, False] if why is None else [False]
+        for i, peer in enumerate(runs):
+            try:  # a second try gets roots and an S3 prefix of its own
+                got = bn.run_nodes(f"{work}{i or ''}", f"{self.s3_root}{'/again' if i else ''}", self.args.size_mib,
+                                   self.args.tensors, self.args.repeat, peer, self.args.promote_timeout,
+                                   progress=self.progress, quiet_pids=self.quiet_pids[1:])
+                break
+            except bn.NodeJobError as e:
+                self.progress(f"2x2 nodes ({'with' if peer else 'without'} peer replicas) FAILED:\n{e}")
+                key = "nodes_peer_ran" if peer else "nodes_ran"
+                self.checks[key] = False
+                self.details[key + "_error"] = str(e)
+        else:
+            self.nodes_na = {k: "n/a (the 2x2 job failed: see above)" for k, _ in NODE_ROWS}
+            return
+        if not peer:
+            self.nodes_na = {k: NA_PEER if why is not None else "n/a (the replicas=1 job failed: see above)"
+                             for k in PEER_ROWS}
+        saved, rec = got["save"], got["recover"]
+        self.quiet_waited += saved.get("quiet_waited_s", 0.0) + rec.get("quiet_waited_s", 0.0)
+        self.details["nodes_phases_s"] = {"save": saved.get("phases_s"), "recover": rec.get("phases_s")}
+        logged = saved.get("log_lines", []) + rec.get("log_lines", [])
+        self.details["nodes_logged"] = logged
+        if logged:
+            self.notes.append(f"the 2x2 ranks logged {len(logged)} line(s) (JSON details.nodes_logged), first: {logged[0][:160]}")
+        replica_bytes = saved["samples"].pop("peer_replica_bytes", None)  # bytes, not seconds
+        for k, v in saved["samples"].items():
+            self.samples[f"nodes_{k}"] = v
+        for k, v in rec["samples"].items():
+            if not k.endswith("_ranks_s"):
+                self.samples[f"nodes_{k}"] = v
+        self.details["nodes_recovery_per_rank_s"] = {k: v for k, v in rec["samples"].items() if k.endswith("_ranks_s")}
+        for k, v in rec["checks"].items():
+            self.checks[f"nodes_{k}"] = v
+        for kind, f in saved["flushed"].items():
+            self.checks[f"nodes_{kind}_close_flushed"] = bool(f["complete"]) and f["step"] == saved["last"]
+        self.details["nodes_manifest_stats"] = saved["manifest_stats"]
+        wrote = rec["wrote_to_empty_root"]
+        self.details["nodes_wrote_to_empty_root"] = wrote
+        from_s3 = {k: v for k, v in wrote.items() if k != "one_node_peer"}
+        if from_s3:  # informative: a recovery from S3 needs to write nothing locally
+            self.notes.append(f"note: a 2x2 recovery from S3 left files in a replaced node's empty root: {from_s3}")
+        if peer:
+            # From the peer: node 1 gets its own ranks' shards back on its disk, from its partner.
+            mine = [f for f in wrote.get("one_node_peer", {}).get("node1", []) if not f.startswith(".")]
+            self.checks["nodes_peer_restored_node1_shards"] = all(
+                any(f"rank-{k:05d}-of-" in f for f in mine) for k in (2, 3))
+            self.details["nodes_replica_bytes"] = replica_bytes
+            if replica_bytes:
+                self.notes.append(
+                    f"2x2 replicas=1: {statistics.median(replica_bytes) / MiB:.1f} MiB sent to peers per save "
+                    f"(median; {statistics.median(replica_bytes) / self.nodes_bytes(saved):.2f} x the checkpoint)")
+            self.peer_extras(saved["manifest_stats"])
+
+    @staticmethod
+    def nodes_bytes(saved: dict) -> float:
+        """The 2x2 checkpoint's bytes, as its manifests record them."""
+        b = [d.get("bytes") for d in saved["manifest_stats"].get("plain", []) if d.get("bytes")]
+        return float(b[-1]) if b else float("nan")
+
+    def peer_extras(self, stats: dict[str, list[dict]]) -> None:
+        """What the replicas=1 saves' manifests record beyond the replicas=0 ones' (the replica
+        copies: bytes sent, seconds), best and median over the counted rounds."""
+        plain = {k for d in stats.get("plain", []) for k in d}
+        extra: dict[str, list[float]] = {}
+        for d in stats.get("peer", []):
+            for k, v in d.items():
+                if k not in plain or "replica" in k or "peer" in k:
+                    extra.setdefault(k, []).append(v)
+        self.details["nodes_replica_stats"] = extra
+        if extra:
+            self.notes.append("2x2 replicas=1 manifests record (median over rounds): " + ", ".join(
+                f"{k} {statistics.median(v):.4g}" for k, v in sorted(extra.items())))
+
     def verify_promoted(self) -> None:
         """``ckptctl verify`` of the newest promoted checkpoint, through the CLI, as a user would."""
         assert self.last_promoted is not None
@@ -470,6 +589,13 @@ class TierBench:
             "recovery_local_vs_s3": rat("recovery_local_s", "recovery_s3_s"),
             "recovery_local_vs_single": rat("recovery_local_s", "recovery_single_s"),
             "recovery_s3_thr_vs_boto3": rat("recovery_s3_s", "boto3_download_s", invert=True),
+            "recovery_nodes_local_vs_s3": rat("nodes_recovery_all_local_s", "nodes_recovery_all_s3_s"),
+            "recovery_one_node_s3_vs_s3": rat("nodes_recovery_one_node_s3_s", "nodes_recovery_all_s3_s"),
+            "recovery_one_node_peer_vs_s3": rat("nodes_recovery_one_node_peer_s", "nodes_recovery_all_s3_s"),
+            "nodes_stall_replicas_vs_none": rat("nodes_peer_stall_s", "nodes_plain_stall_s"),
+            "nodes_durable_replicas_vs_none": rat("nodes_peer_durable_s", "nodes_plain_durable_s"),
+            "nodes_promoted_replicas_vs_none": rat("nodes_peer_promoted_s", "nodes_plain_promoted_s"),
+            "nodes_replicated_vs_promoted": rat("nodes_peer_replicated_s", "nodes_peer_promoted_s"),
         }
         return figs, rats
 
@@ -513,6 +639,17 @@ class TierBench:
             ("recovery: load_latest all from S3", "recovery_s3_best_s"),
             ("recovery: single-tier load_latest (local)", "recovery_single_best_s"),
             ("boto3 download_file, same S3 objects", "boto3_download_best_s"),
+            ("2x2 replicas=0: save() stall (slowest rank)", "nodes_plain_stall_best_s"),
+            ("2x2 replicas=0: durable (wait(), slowest)", "nodes_plain_durable_best_s"),
+            ("2x2 replicas=0: time to promoted (S3)", "nodes_plain_promoted_best_s"),
+            ("2x2 replicas=1: save() stall (slowest rank)", "nodes_peer_stall_best_s"),
+            ("2x2 replicas=1: durable (wait(), slowest)", "nodes_peer_durable_best_s"),
+            ("2x2 replicas=1: time to promoted (S3)", "nodes_peer_promoted_best_s"),
+            ("2x2 replicas=1: time to replicated (peer)", "nodes_peer_replicated_best_s"),
+            ("2x2 recovery: all-local (slowest rank)", "nodes_recovery_all_local_best_s"),
+            ("2x2 recovery: one node from S3", "nodes_recovery_one_node_s3_best_s"),
+            ("2x2 recovery: one node from peer", "nodes_recovery_one_node_peer_best_s"),
+            ("2x2 recovery: all from S3", "nodes_recovery_all_s3_best_s"),
         ]
         for label, key in rows:
             print(f"  {label:<46}{sec(key)} {thr(key):>12}   {samples(key.replace('_best_s', '_s'))}")
@@ -534,8 +671,11 @@ class TierBench:
             row(key, label, f"{op} {bound:<4} {verdict}")
         for key, label in INFO:
             row(key, label)
-        for _, label in NOT_MEASURED:
-            print(f"  {label:<46}{NA_NODE_LOCAL}")
+        for key, label in NODE_ROWS:
+            if rats[key]["best"] is None:
+                print(f"  {label:<46}{self.nodes_na.get(key, 'n/a')}")
+            else:
+                row(key, label)
         print("verdicts on best/best. Stall and time ratios: lower is better; throughput ratios: higher is better.")
         print("DCP* = async_save with one DefaultStager kept across saves, fsyncing (bench_save.py's reference).")
         print("Promotion and load check every checksum; boto3 checks none. Against moto both share one Python")
@@ -560,7 +700,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"), help="use this store instead of moto")
     ap.add_argument("--bucket", default=None, help="existing bucket (default: a new one)")
     ap.add_argument("--dir", default=None, help="where the local tiers go (a temporary directory inside it)")
-    ap.add_argument("--promote-timeout", type=float, default=600.0, help="seconds to wait for one promotion")
+    ap.add_argument("--promote-timeout", type=float, default=600.0,
+                    help="seconds to wait for one promotion (and for each 2x2 job)")
+    ap.add_argument("--skip-nodes", action="store_true",
+                    help="leave out the multi-node rows (2 torchrun nodes x 2 ranks, two launches)")
     args = ap.parse_args(argv)
     if args.size_mib < 1 or args.repeat < 1 or args.stall_pairs < 0:
         ap.error("--size-mib and --repeat must be at least 1, --stall-pairs at least 0")
@@ -593,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         tb.verify_promoted()
         free_memory()
         tb.recovery_rounds()
+        free_memory()
+        tb.nodes_rounds()
         p1 = cpu_pressure_us()
         pressure = (p1 - p0) / 1e6 / (time.perf_counter() - t0) if p0 is not None and p1 is not None else None
         figs, rats = tb.figures()
@@ -608,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
                 "paired": {k: v["paired"] for k, v in rats.items()},
                 "paired_median": {k: v["median"] for k, v in rats.items()},
                 "targets": {k: {"op": op, "bound": bound} for k, _, op, bound in TARGETS},
-                "not_measured": {k: NA_NODE_LOCAL for k, _ in NOT_MEASURED},
+                "not_measured": {k: v for k, v in tb.nodes_na.items() if rats[k]["best"] is None},
                 "samples": tb.samples,
                 "checks": tb.checks,
                 "details": tb.details,
