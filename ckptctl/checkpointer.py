@@ -20,6 +20,7 @@ agreeing on it across ranks, is done here, where the two paths meet.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterator, Sequence
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, StateError, UsageError
@@ -133,6 +134,10 @@ class Checkpointer:
                 background = BackgroundRetention(self.root, keep_last, keep_every, retention=retention)
         self.promote_timeout_s = promote_timeout_s
         self._roots = self._tiers.roots if self._tiers is not None else [self.root]
+        # A load from a later tier (S3) spools this rank's bytes on the first tier's disk (the
+        # NVMe the checkpoints live on) rather than $TMPDIR, often a tmpfs: RAM the size of
+        # the rank's share, exactly while the job is building its model.
+        self._spool_dir = self._roots[0].local_path() if len(self._roots) > 1 else None
         on_save = background.after if background is not None else None
         if self._tiers is not None:
             on_save = self._tiers.after_save  # promotion first, then the first tier's retention
@@ -246,7 +251,8 @@ class Checkpointer:
         # (on the caller's stream); wait for them first, or that checkpoint mixes old and new
         # values under valid checksums.
         self._saver.staging.settle()
-        return load_checkpoint(ckpt, state, strict=strict, rank=self.rank)
+        spool = self._spool_dir if self._spool_dir is not None and os.path.isdir(self._spool_dir) else None
+        return load_checkpoint(ckpt, state, strict=strict, rank=self.rank, spool_dir=spool)
 
     def load_latest(self, state: dict[str, Any], *, strict: bool = True, prepare: bool = True) -> int | None:
         """Restore from the newest committed checkpoint; None when there is none.

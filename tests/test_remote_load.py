@@ -117,6 +117,31 @@ def test_load_latest_from_s3_fetches_each_byte_once(s3_url, s3_server):
     assert got.bytes <= 1.1 * needed, (got.bytes, needed)
 
 
+def test_a_tiered_resume_from_s3_spools_on_the_first_tier_not_tmpdir(s3_url, s3_server, tmp_path, monkeypatch, caplog):
+    """A node that lost its NVMe resumes from S3: the spool goes on the first tier's disk, not
+    $TMPDIR (often a tmpfs, so RAM the size of the rank's share). $TMPDIR here is a directory
+    that does not exist: a spool there would fail and every byte would be fetched twice."""
+    import tempfile
+
+    from ckptctl import Tier
+
+    state = _state(6)
+    _save(s3_url, 6, state)
+    needed = sum(_object_sizes(s3_server, s3_url).values())
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()  # the replaced node's empty disk
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-tmpdir"))
+    loaded = _sentinel_like(state)
+    with caplog.at_level(logging.WARNING, logger="ckptctl"), _GetBytes(s3_url) as got:
+        with Checkpointer(tiers=[Tier(str(nvme)), Tier(s3_url)]) as ck:
+            assert ck.load_latest(loaded, prepare=False) == 6
+    _assert_equal(loaded, state)
+    fallbacks = [r.getMessage() for r in caplog.records if r.name == "ckptctl" and "spool" in r.getMessage()]
+    assert not fallbacks, fallbacks
+    assert got.bytes <= 1.1 * needed, (got.bytes, needed)
+    assert os.listdir(nvme) == [], "a spool file was left on the first tier"
+
+
 def test_a_region_fetches_only_the_chunks_it_needs(s3_url, spool_dir):
     """Re-sharding: a rank reading rows 64-128 of one tensor fetches that tensor's chunk (its
     checksum covers all of it), not the rest of the shard."""
