@@ -289,7 +289,10 @@ class Checkpointer:
                     log.warning("skipping %s: %s", ckpt.url, e)
             return None
         # Only rank 0 lists and reads markers: the others take its list, so the listing's
-        # cost does not grow with the number of ranks.
+        # cost does not grow with the number of ranks. A node-local first tier first tells
+        # rank 0 which steps the other nodes hold (every rank calls it; a no-op otherwise).
+        if self._tiers is not None:
+            self._tiers.gather()
         mine = list(self._candidates()) if self.rank == 0 else []
         names: list[tuple[int, str]] = self._saver.collective(coord.from_rank0, mine)
         for tier, name in names:

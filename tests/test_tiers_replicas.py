@@ -4,7 +4,8 @@
 and ``replica_load``), a moto S3 tier over HTTP behind the fault proxy. Each node keeps its
 source node's shards under ``<root>/.ckptctl-replicas/<step>/``, marker last; retention
 removes them with their steps; a node whose root was deleted gets its part back from its
-partner, bitwise equal, with no shard byte read from S3; a partner killed mid-replication
+partner, bitwise equal, with no shard byte read from S3 (rank 0's node too: the other nodes
+offer the steps they hold, ``tiers.node_candidates``); a partner killed mid-replication
 does not hang the other ranks' saves or their close. (``replicas=0`` recovering from S3:
 ``test_tiers_nodes.py``.)
 """
@@ -208,3 +209,50 @@ def test_a_partner_killed_mid_replication_does_not_hang_saves(tmp_path, s3_url: 
             if name.endswith(".replica"):
                 for f, size in json.load(open(os.path.join(rep, name)))["files"].items():
                     assert os.path.getsize(os.path.join(rep, f)) == size
+
+
+def test_a_lost_rank_0_node_resumes_the_newest_step_the_other_nodes_hold(tmp_path, s3_server: str, s3_url: str) -> None:
+    """Rank 0 lists the candidates, so its node is the hard one to lose. Launch 1 saves 10, 20,
+    30 while S3 refuses 30 (S3's newest: 10); node 0's root (rank 0's node) is deleted. Launch
+    2: node 1's leader tells rank 0 it holds 20 and 30, node 1 serves node 0's shards of 30
+    from its replica and the manifest from its own copy, and every rank resumes 30 bitwise,
+    with no shard read from S3; node 0's copy of 30 is committed again, replica included."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    proxy = FaultProxy(s3_server).start()
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
+    seen: list[tuple[str, str]] = []
+    try:
+        proxy.rule = lambda method, path: "503" if method in ("PUT", "POST") and step_dir(30) in path else None
+        job = Job("replica_save", [{"local": r, "remote": s3_url, "steps": [10, 20, 30], "promote_timeout_s": 3}
+                                   for r in roots], str(tmp_path / "run1"), env=env)
+        results = job.wait()
+        _ok(results, job)
+        assert _committed(roots[1]) == {20, 30}, job.logs()
+        assert results[0]["flushed"]["complete"] is False  # S3 refused 30: its newest is 10
+
+        shutil.rmtree(roots[0])
+
+        def record(method: str, path: str) -> None:
+            seen.append((method, path))
+            return None
+
+        proxy.rule = record
+        job = Job("replica_load", [{"local": r, "remote": s3_url, "promote_timeout_s": 3} for r in roots],
+                  str(tmp_path / "run2"), env=env)
+        results = job.wait()
+        _ok(results, job)
+        for k in range(4):
+            assert results[k]["step"] == 30 and results[k]["bitwise_equal"] is True, (k, results[k], job.logs())
+        shard_reads = [(m, p) for m, p in seen if m == "GET" and ".safetensors" in p]
+        assert shard_reads == [], shard_reads
+        assert _committed(roots[0]) == {30}, job.logs()  # node 0's copy is whole and committed again
+        for k in (0, 1):
+            assert filecmp.cmp(os.path.join(roots[0], step_dir(30), _shard(k)),
+                               os.path.join(roots[1], REPLICAS, step_dir(30), _shard(k)), shallow=False)
+        rep = os.path.join(roots[0], REPLICAS, step_dir(30))  # and so is the replica node 0 held of node 1
+        assert sorted(os.listdir(rep)) == sorted([_shard(2), _shard(3), "rank-00002.replica", "rank-00003.replica"])
+        for k in (2, 3):
+            assert filecmp.cmp(os.path.join(rep, _shard(k)), os.path.join(roots[1], step_dir(30), _shard(k)),
+                               shallow=False)
+    finally:
+        proxy.stop()

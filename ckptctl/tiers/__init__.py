@@ -33,7 +33,9 @@ the node before it in a ring), wired by ``node_chain`` from:
   marker that makes one count, and their removal with their steps;
 * ``replica``: the round after each commit, on every rank's replica thread;
 * ``replica_recovery``: a node that lost its part of a candidate gets it back from its
-  partner before ``load_latest`` reads it.
+  partner before ``load_latest`` reads it;
+* ``node_candidates``: the steps every node's leader holds, offered as candidates by rank 0
+  (so a replaced rank-0 node still resumes the newest step on the other nodes).
 
 May import: ``ops``, ``layouts``, ``format``, ``storage`` and the leaves (see docs/architecture.md).
 """

@@ -141,6 +141,10 @@ class Tiers:
 
     # --- resuming ------------------------------------------------------------------------------
 
+    def gather(self) -> None:
+        """Called on every rank before rank 0 lists the candidates (a node-local first tier
+        gathers what the other nodes hold here); nothing when every rank shares the tiers."""
+
     def candidates(self) -> Iterator[tuple[int, str]]:
         """``(tier, name)`` to try, newest step first, nearest tier first."""
         return committed_across(self.roots)

@@ -14,7 +14,9 @@ Keys, under ``ckptctl-tiers/<group name>/``:
 * ``<stream>/<n>``: rank 0's n-th message on ``stream`` (``promote``, ``node`` or ``replica``), JSON;
 * ``<stream>/<n>/r<k>``: rank k's reply to it (``promote`` and ``replica``);
 * ``<stream>/<n>/acks``: how many ranks took it (``node``), so rank 0 deletes it once all did;
-* ``nodes/<k>``: rank k's node, exchanged once when the ``Checkpointer`` is built.
+* ``nodes/<k>``: rank k's node, exchanged once when the ``Checkpointer`` is built;
+* ``steps/<n>/<k>``: the steps node leader k's node holds committed, for rank 0's n-th
+  candidate list (``tiers.node_candidates``), deleted by rank 0 once read.
 
 May import: leaves only (and torch.distributed).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -139,3 +142,27 @@ class Channel:
             raise CoordinationError(f"tiers: not every rank built its Checkpointer within {timeout_s:.0f} s ({e})",
                                     hint="construct the Checkpointer at the same point on every rank") from None
         return [v.decode() for v in conn.multi_get(keys)]
+
+    def to_rank0(self, key: str, mine: str | None, senders: Collection[int], timeout_s: float) -> dict[int, str]:
+        """Gather ``mine`` from each of ``senders`` on rank 0 (each sender calls it; other ranks
+        need not). A sender publishes and returns ``{}`` at once; rank 0 waits ``timeout_s`` at
+        most, returns what arrived by sender (a sender that did not publish in time is absent),
+        and deletes the keys. Store traffic: one key per sender, not one per rank."""
+        conn = self.connection()
+        if self.rank != 0:
+            if mine is not None:
+                conn.set(f"{key}/{self.rank}", mine.encode())
+            return {}
+        keys = {k: f"{key}/{k}" for k in senders if k != 0}
+        got = {0: mine} if mine is not None and 0 in senders else {}
+        if not keys:
+            return got
+        try:
+            conn.wait(list(keys.values()), timedelta(seconds=max(timeout_s, 0.001)))
+        except dist.DistStoreError:
+            pass  # the deadline: take what is there
+        for k, name in keys.items():
+            if conn.check([name]):
+                got[k] = conn.get(name).decode()
+                conn.delete_key(name)
+        return got

@@ -16,10 +16,10 @@ What differs from ``tiers.chain`` (a first tier every rank shares):
   its part of the newest checkpoint and deletes, abandoned partial saves on its node included
   (``tiers.node_retention``). Later tiers prune as in ``tiers.chain``; the promotion round
   sweeps its own leftovers there (``tiers.promotion_round``).
-* **Recovery.** Candidates are the union of rank 0's node's steps and the later tiers', newest
-  first; each rank reads a candidate through ``tiers.layered`` (its own disk first, then each
-  later tier), every byte checksummed by the loader. ``load_latest`` moves on to an older step
-  together when any rank lacks a file (see docs/protocol.md, "The recovery choice").
+* **Recovery.** Candidates: rank 0's node's steps (with replicas, every node's:
+  ``tiers.node_candidates``) and the later tiers', newest first, each read through
+  ``tiers.layered`` (own disk, then each later tier), checksummed by the loader; every rank
+  moves on together when one lacks a file (docs/protocol.md, "The recovery choice").
 
 * **Peer replicas** (``replicas=1``): after each commit rank 0 also announces a round of
   ``tiers.replica``; recovery reads each file from the node's step, its replicas
@@ -28,8 +28,8 @@ What differs from ``tiers.chain`` (a first tier every rank shares):
 
 Rank 0's work after each commit runs on a thread of its own (never the saver's writer thread,
 so the next save's write never waits for a listing or the store). At ``close``, rank 0 flushes,
-then sends ``stop`` on both streams; every other rank waits (bounded) for it, so that its
-upload thread serves rank 0's final round.
+then sends ``stop``; every other rank waits (bounded) for it, so that its upload thread serves
+rank 0's final round.
 
 May import: ``tiers.*``, ``layouts``, ``ops``, ``storage``, leaves.
 """
@@ -51,6 +51,7 @@ from ckptctl.tiers.chain import Tiers
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.durability import Flushed
 from ckptctl.tiers.layered import Layered
+from ckptctl.tiers.node_candidates import NodeSteps
 from ckptctl.tiers.node_keeper import NodeKeeper, NodeMessages
 from ckptctl.tiers.node_retention import NodePruner, plan
 from ckptctl.tiers.promotion_round import RoundLeader, RoundWorker
@@ -95,6 +96,7 @@ class NodeTiers(Tiers):
         self._pruner: NodePruner | None = None  # one process: rank 0 applies its own plans
         self._replicas: ReplicaWorker | None = None
         self._recovery: Recovery | None = None
+        self._steps: NodeSteps | None = None
         self._replica_timeout_s = REPLICA_TIMEOUT_S
         self._after: ThreadPoolExecutor | None = None  # rank 0's work after each commit, in order
         self._lock = threading.Lock()
@@ -122,6 +124,7 @@ class NodeTiers(Tiers):
                                            self.durability if rank == 0 else None)
             self._recovery = Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
                                       self._replica_timeout_s)
+            self._steps = NodeSteps(channel, self.roots[0], rank, {ranks[0] for ranks in ring.nodes}, timeout_s)
         if rank == min(self.node_ranks):
             self._keeper = NodeKeeper(channel, self.roots[0], self.node_ranks)
         if len(self.roots) > 1:
@@ -196,9 +199,14 @@ class NodeTiers(Tiers):
 
     # --- resuming -----------------------------------------------------------------------------
 
+    def gather(self) -> None:
+        if self._steps is not None:
+            self._steps.gather()
+
     def candidates(self) -> Iterator[tuple[int, str]]:
         seen: set[str] = set()
-        for tier, name in super().candidates():
+        listed = super().candidates()
+        for tier, name in self._steps.merged(listed) if self._steps is not None else listed:
             if name not in seen:  # one view reads every tier's copy of it
                 seen.add(name)
                 yield tier, name

@@ -2,8 +2,9 @@
 lost its part of it gets it back from the ranks that hold it, over the replicas' gloo group,
 without touching the next tier.
 
-For a candidate its node committed, rank 0 broadcasts the step's manifest and marker (read
-from its own node's first tier), and every rank says what its node lacks (one all-gather):
+For a candidate, the lowest rank whose node holds it committed broadcasts the step's manifest
+and marker (each node's leader reads its own; one all-gather says who has them, so rank 0's
+node may be the one that lost it), and every rank says what its node lacks (one all-gather):
 
 * its *own* files (those the manifest lists for its rank) missing from its node's step
   directory: its partner rank (which holds their replica) sends them back from its complete
@@ -11,21 +12,19 @@ from its own node's first tier), and every rank says what its node lacks (one al
 * the *replica* it held of its source rank, missing or incomplete: the source rank sends its
   own files again, and they are written under the replica directory, marker last.
 
-So a replaced node gets back exactly what it held before: its own shards, and the replica of
-the node before it in the ring (with two nodes: every file of the checkpoint). Every file
-restored is checked against the manifest (header bound to it, each chunk's checksum, the file
-checksum) before it is kept; one that does not check out is deleted, and the load then reads
-it from the next tier as before (``tiers.layered``). Once every rank is done (a barrier), each
-node's leader commits its node's copy by the node-local rule (``node_commit.commit_here``:
+So a replaced node gets back what it held: its own shards, and the replica of the node before
+it. Every file restored is checked against the manifest (header bound to it, each chunk's
+checksum, the file checksum) before it is kept; one that does not check out is deleted, and
+the load reads it from the next tier (``tiers.layered``). Once every rank is done (a barrier),
+each node's leader commits its node's copy by the node-local rule (``node_commit.commit_here``:
 manifest, marker last) when its marker is absent and its ranks' files are all there; a second
 barrier keeps every rank from reading the step before its node's marker is written.
 
-All of it is collective and bounded: every rank takes part in each step whether it needs
-anything or not; a holder without a complete replica announces the file as absent; a dead
-peer fails the transfer at the timeout and the rank falls back on the next tier. The decision
+All of it is collective and bounded: every rank takes part whether it needs anything or not;
+a holder without a complete replica announces the file as absent; a dead peer fails the
+transfer at the timeout and the rank falls back on the next tier. The decision
 that follows (load, or move on to an older step) is still ``load_latest``'s, on every rank
-together. Rank 0's node must hold the candidate (a replaced rank-0 node recovers from the next
-tier: its candidates are listed there).
+together; a step no node holds committed is left to the next tier on every rank alike.
 
 May import: ``tiers.replica_link``, ``tiers.replica_store``, ``tiers.node_commit``,
 ``ops.verify``, ``layouts.native``, ``format``, ``storage``, leaves.
@@ -40,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ckptctl.errors import CheckpointError, CkptError, CoordinationError
+from ckptctl.errors import CkptError, CoordinationError
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.layouts.native import Committed, read_committed_raw
@@ -70,8 +69,8 @@ class Recovery:
 
     def restore(self, name: str) -> None:
         """Collective over every rank: bring back what this node lacks of checkpoint ``name``
-        (committed on rank 0's node). Never raises for a peer or a file: what cannot be
-        restored is left to the next tier."""
+        (committed on some node). Never raises for a peer or a file: what cannot be restored
+        is left to the next tier."""
         self._calls += 1  # each candidate's transfers under tags of their own
         try:
             source = self._broadcast_commit(name)
@@ -79,7 +78,7 @@ class Recovery:
             log.warning("peer replica: checkpoint %s not restored from replicas: %s", name, e)
             return
         if source is None or source.manifest.world_size != self.world_size:
-            return  # rank 0 could not read it, or another world size: every rank skips alike
+            return  # no node holds it, or another world size: every rank skips alike
         ckpt, rep = self.root.sub(name), replica_dir(self.root, name)
         src = self.ring.source(self.rank)
         mine, theirs = _files(source.manifest, self.rank), _files(source.manifest, src)
@@ -175,21 +174,27 @@ class Recovery:
             log.warning("peer replica: the nodes did not all commit %s again: %s", name, e)
 
     def _broadcast_commit(self, name: str) -> Committed | None:
-        """Rank 0's commit of ``name`` (manifest and marker bytes), on every rank."""
+        """The commit of ``name`` (manifest and marker bytes), on every rank, from the lowest
+        rank whose node holds it committed (a node's leader is its lowest rank: only leaders
+        read). None when no node does. The loader and ``_check`` judge the bytes, not this."""
         raw = b""
-        if self.rank == 0:
+        if self.rank == min(self.node_ranks):
+            ckpt = self.root.sub(name)
             try:
-                c = read_committed_raw(self.root.sub(name))
-                raw = len(c.manifest_raw).to_bytes(8, "big") + c.manifest_raw + c.marker_raw
-            except CheckpointError as e:
-                log.warning("peer replica: %s unreadable on rank 0's node: %s", name, e)
-        size = torch.tensor([len(raw)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        if int(size[0]) == 0:
+                if ckpt.stat(MARKER) is not None:  # a node without the step has nothing to say
+                    c = read_committed_raw(ckpt)
+                    raw = len(c.manifest_raw).to_bytes(8, "big") + c.manifest_raw + c.marker_raw
+            except CkptError as e:  # still takes part below: the others must not wait for it
+                log.warning("peer replica: %s unreadable on rank %d's node: %s", name, self.rank, e)
+        sizes = [n for (n,) in self._all_gather([len(raw)])]
+        src = next((k for k, n in enumerate(sizes) if n > 0), None)
+        if src is None:
+            if self.rank == 0:
+                log.warning("peer replica: no node holds %s committed; it is read from the next tier", name)
             return None
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == 0 \
-            else torch.empty(int(size[0]), dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.group)
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == src \
+            else torch.empty(sizes[src], dtype=torch.uint8)
+        dist.broadcast(data, src=src, group=self.group)  # the group is the whole job: its ranks are global
         got = bytes(data.numpy().tobytes())
         cut = 8 + int.from_bytes(got[:8], "big")
         return parse_committed(self.root.sub(name), got[8:cut], got[cut:])
