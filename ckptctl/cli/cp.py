@@ -6,6 +6,7 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
 from ckptctl.cli.progress import byte_progress
+from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.ops.verbs import copy_to
 
 if TYPE_CHECKING:
@@ -34,16 +35,25 @@ def cp(
     and a DeepSpeed `latest` or Megatron tracker at the destination root after it, only when
     none is there or it names an older step. A checkpoint that is one file (Lightning's
     *.ckpt) is copied whole into DST, then its zip records' CRC-32s are checked there.
+
+    Under torchrun (DST shared by the ranks: object storage or a shared filesystem) each rank
+    copies and checks its share of the shards, balanced by bytes; rank 0 writes the manifest
+    and marker once every rank's files are durable and checked, and prints the result. Every
+    rank exits with the same status; a failing rank fails the job and commits nothing.
+    Another tool's checkpoint is copied by rank 0 alone.
     """
-    with byte_progress("cp", quiet=quiet) as progress:
-        outcome = copy_to(src, dst, progress)
-    if not quiet:
-        report_copy("copied", outcome.path, outcome.result)
-    if json:
-        # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); dst, bytes_copied kept
-        emit_json({**outcome.result.to_dict(), "url": outcome.path, "bytes": outcome.result.bytes_copied})
-    else:
-        say(outcome.path)  # the answer a script captures: printed under -q too
+    with rank0_speaks(json) as speaker:
+        with byte_progress("cp", quiet=quiet or not speaker) as progress:
+            outcome = copy_to(src, dst, progress)
+        if not speaker:
+            return
+        if not quiet:
+            report_copy("copied", outcome.path, outcome.result)
+        if json:
+            # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); dst, bytes_copied kept
+            emit_json({**outcome.result.to_dict(), "url": outcome.path, "bytes": outcome.result.bytes_copied})
+        else:
+            say(outcome.path)  # the answer a script captures: printed under -q too
 
 
 def report_copy(verb: str, where: str, result: "CopyResult") -> None:
@@ -54,5 +64,8 @@ def report_copy(verb: str, where: str, result: "CopyResult") -> None:
     rate = f", {human_bytes(result.bytes_copied / result.seconds)}/s" if result.seconds and result.bytes_copied else ""
     err.print(f"{verb} step {result.step}: {result.files} files, {human_bytes(result.bytes_copied)} copied and verified "
               f"in {result.seconds:.2f}s{rate}", markup=False, highlight=False)
+    for share in result.ranks:  # under torchrun: what each rank (cp) or node (restore) copied
+        who = f"rank {share['rank']}" if "rank" in share else f"{share['node']} (ranks {', '.join(map(str, share['ranks']))})"
+        err.print(f"  {who}: {share['files']} files, {human_bytes(share['bytes'])}", markup=False, highlight=False)
     if result.note:  # another tool's checkpoint: how it was checked, and its pointer
         err.print(f"note: {result.note}", markup=False, highlight=False)

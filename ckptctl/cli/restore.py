@@ -6,6 +6,7 @@ import typer
 
 from ckptctl.cli.common import MAX_STEP, JsonOpt, QuietOpt, bounded_int, command, emit_json, err, say
 from ckptctl.cli.cp import report_copy
+from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.cli.progress import byte_progress
 from ckptctl.ops.verbs import restore_into
 from ckptctl.settings import MAX_WORLD_SIZE
@@ -40,6 +41,14 @@ def restore(
     Lightning's checkpoints are one .ckpt file each, which restore does not copy: a root of them
     (or one such file) is a usage error saying so (exit 2); copy the file itself.
 
+    Under torchrun (DST being each node's own disk) each node gets only the shards its ranks
+    will read, plus the manifest and marker: the ranks of a node share its files, and each
+    node's leader commits its copy once every rank's files are durable and checked, so a
+    node-local tier (Tier(DST, node_local=True)) resumes from it; no node holds a full copy.
+    A node holds the shards of its own ranks when the job has --world-size ranks (default: the
+    saved number), else an equal block per node; with another --world-size than the saved one
+    each rank re-shards its own target shards straight from SRC. Rank 0 prints the result.
+
     Example: CKPT=$(ckptctl restore s3://bucket/run7 /nvme/ckpt) && torchrun train.py --resume "$CKPT"
     """
     bounded_int(step, "--step", minimum=0, maximum=MAX_STEP, what="a step number")
@@ -48,12 +57,15 @@ def restore(
     def skipped(s: "Skipped") -> None:  # a corrupt checkpoint passed over: trouble, printed under -q too
         say(f"skipping step {s.step}: {s.reason}", console=err)
 
-    with byte_progress("restore", quiet=quiet) as progress:
-        result = restore_into(src, dst, step, progress, world_size=world_size, on_skip=skipped)
-    if not quiet:
-        report_copy("restored", result.path, result.copy)
-    if json:
-        # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); path kept
-        emit_json({**result.to_dict(), "url": result.path, "bytes": result.copy.bytes_copied})
-    else:
-        say(result.path)  # the answer a script captures: printed under -q too
+    with rank0_speaks(json) as speaker:
+        with byte_progress("restore", quiet=quiet or not speaker) as progress:
+            result = restore_into(src, dst, step, progress, world_size=world_size, on_skip=skipped)
+        if not speaker:  # under torchrun: rank 0 speaks for the job
+            return
+        if not quiet:
+            report_copy("restored", result.path, result.copy)
+        if json:
+            # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); path kept
+            emit_json({**result.to_dict(), "url": result.path, "bytes": result.copy.bytes_copied})
+        else:
+            say(result.path)  # the answer a script captures: printed under -q too

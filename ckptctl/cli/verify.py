@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
+from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.cli.latest import AnyOpt
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT, UsageError
@@ -12,6 +13,7 @@ from ckptctl.ops.verbs import verify_path
 
 if TYPE_CHECKING:
     from ckptctl.ops.repoint import PointerCheck
+    from ckptctl.ops.verbs import VerifyOutcome
     from ckptctl.ops.verify.checkpoint import VerifyReport
 
 
@@ -38,6 +40,10 @@ def verify(
     the checkpoint that does verify and the `ckptctl repoint` command that moves it back.
     --latest considers resumable checkpoints only, as `ckptctl latest` does: a newer model-only
     export is skipped and named in a note, unless --any.
+
+    Under torchrun each rank reads its share of every checkpoint's files (balanced by bytes;
+    --json gives each rank's files and bytes_read under "ranks"); rank 0 prints the report of
+    the whole, and every rank exits with its status.
     """
     if quick and load:
         raise UsageError("--quick and --load are exclusive", hint="pick one verification level")
@@ -46,9 +52,17 @@ def verify(
     if any_ and not latest:
         raise UsageError("--any goes with --latest", hint="`ckptctl verify ROOT --latest --any`")
     level = "quick" if quick else "load" if load else "checksums"
-    with byte_progress("verify", quiet=quiet) as progress:
-        outcome = verify_path(path, level, which="latest" if latest else "all" if all_ else "one", progress=progress,
-                              any_=any_)
+    with rank0_speaks(json) as speaker:
+        with byte_progress("verify", quiet=quiet or not speaker) as progress:
+            outcome = verify_path(path, level, which="latest" if latest else "all" if all_ else "one", progress=progress,
+                                  any_=any_)
+        if speaker:  # under torchrun: rank 0 prints the job's report; every rank exits alike
+            _report(outcome, level, json=json, quiet=quiet, all_=all_)
+    if not outcome.ok:
+        raise typer.Exit(EXIT_CHECKPOINT)
+
+
+def _report(outcome: "VerifyOutcome", level: str, *, json: bool, quiet: bool, all_: bool) -> None:
     if json:
         emit_json(outcome.to_dict())
     elif not quiet or not outcome.ok or not all(r.ok for r in outcome.reports):  # -q: only on trouble
@@ -64,8 +78,6 @@ def verify(
             read = sum(r.bytes_read for r in outcome.reports)
             say(f"{len(outcome.reports)} checkpoints verified: {len(outcome.reports) - failed} ok, {failed} failed; "
                 f"{human_bytes(read)} read ({level})", console=err)
-    if not outcome.ok:
-        raise typer.Exit(EXIT_CHECKPOINT)
 
 
 def _print_pointer(p: "PointerCheck") -> None:
@@ -86,6 +98,9 @@ def _print(r: "VerifyReport") -> None:
     if r.ok:
         say(f"ok  {r.url}  step {r.step}: {r.files} files, {r.tensors} tensors, "
             f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s{rate} ({r.level})")
+        if r.ranks:  # under torchrun: how the reading was shared
+            say(f"  read by {len(r.ranks)} ranks: " + ", ".join(
+                f"rank {s.rank} {s.files} files {human_bytes(s.bytes_read)}" for s in r.ranks), console=err)
         return
     say(f"FAILED  {r.url}: {len(r.problems)} problem(s)")
     for p in r.problems:

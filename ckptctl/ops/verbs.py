@@ -23,6 +23,8 @@ from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage
 
 if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
+    from ckptctl.layouts.classify import Found
+    from ckptctl.ops.distributed import Job
     from ckptctl.ops.transform.convert import ConvertReport
     from ckptctl.ops.verify.foreign import ForeignInspect
     from ckptctl.ops.interval import IntervalAdvice
@@ -86,11 +88,23 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
-    from ckptctl.ops.verify.layouts import verify_root
     from ckptctl.ops.verify.checkpoint import LEVELS
+    from ckptctl.ops.torchrun import torchrun_job
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    # Under torchrun every rank runs the same walk; each checkpoint's files are split over the
+    # ranks (``ops.verify.checkpoint``) and every rank gets the whole report, so every rank
+    # makes the same decisions and exits with the same status.
+    with torchrun_job():
+        return _verify_path(path, level, which, progress, any_)
+
+
+def _verify_path(path: str, level: str, which: Literal["one", "latest", "all"], progress: Progress | None,
+                 any_: bool) -> VerifyOutcome:
+    from ckptctl.ops.distributed import current, on_root
+    from ckptctl.ops.verify.layouts import verify_root
+
     if which != "one":
         root = open_root(path)
         exports: list = []  # model-only exports --latest passed over (unless any_)
@@ -110,7 +124,8 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
         return VerifyOutcome(report.ok, level, [report], report.note)
     from ckptctl.ops.verify.foreign import verify_foreign  # needs torch
 
-    report = verify_foreign(reader_path(found, "verify"), level, progress)  # type: ignore[arg-type]
+    local = reader_path(found, "verify")
+    report = on_root(current(), lambda: verify_foreign(local, level, progress))  # type: ignore[arg-type]
     return VerifyOutcome(report.ok, level, [report], report.note)
 
 
@@ -233,12 +248,24 @@ class CopyOutcome:
 
 def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
-    it under), checked on the fly (``ops.transfer.copy.copy_checkpoint``)."""
+    it under), checked on the fly (``ops.transfer.copy.copy_checkpoint``). Under torchrun the
+    ranks share the files of a ckptctl checkpoint (``dst`` must be shared by them: object
+    storage or a shared filesystem); another tool's is copied by rank 0 alone."""
+    from ckptctl.ops.distributed import on_root
+    from ckptctl.ops.torchrun import torchrun_job
+
+    with torchrun_job() as job:
+        found = one_checkpoint(src, verb="cp")
+        if found.what == "checkpoint" and not found.verified_by_manifest:  # another tool's: one rank copies it
+            return on_root(job, lambda: _copy_found(found, dst, progress))
+        return _copy_found(found, dst, progress)
+
+
+def _copy_found(found: "Found", dst: str, progress: Progress | None) -> CopyOutcome:
     from ckptctl.ops.transfer.file_copy import copy_stack_file
     from ckptctl.ops.transfer.stack_copy import copy_stack_checkpoint, destination_for, stack_source
     from ckptctl.ops.transfer.copy import checkpoint_dir_for, copy_checkpoint
 
-    found = one_checkpoint(src, verb="cp")
     stack = stack_source(found)
     if stack is not None and stack.layout.files_are_checkpoints:  # one file (Lightning's .ckpt), into DST
         done = copy_stack_file(stack, open_storage(dst), progress)
@@ -257,7 +284,18 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
 def restore_into(src_root: str, dst_root: str, step: int | None = None, progress: Progress | None = None, *,
                  world_size: int | None = None, on_skip: "Callable[[Skipped], None] | None" = None) -> "RestoreResult":
     """``ops.transfer.copy.restore_latest`` from the root at ``src_root`` (which must exist) into
-    ``dst_root`` (created when missing)."""
+    ``dst_root`` (created when missing). Under torchrun ``dst_root`` is each node's own disk and
+    each node gets only its ranks' shards (``ops.transfer.node_restore``); another tool's
+    checkpoint is copied whole to each node by its leader. Every rank returns rank 0's result."""
+    from ckptctl.ops.torchrun import torchrun_job
+
+    with torchrun_job() as job:
+        return _restore_into(src_root, dst_root, step, progress, world_size=world_size, on_skip=on_skip, job=job)
+
+
+def _restore_into(src_root: str, dst_root: str, step: int | None, progress: Progress | None, *,
+                  world_size: int | None, on_skip: "Callable[[Skipped], None] | None", job: "Job | None") -> "RestoreResult":
+    from ckptctl.ops.distributed import agree, alone, attempt, everyone
     from ckptctl.ops.transfer.stack_copy import restore_stack, wants_stack_restore
     from ckptctl.ops.transfer.copy import restore_latest
 
@@ -272,7 +310,20 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
         if world_size is not None:
             raise UsageError("--world-size re-shards ckptctl checkpoints only",
                              hint="restore without it, or `ckptctl convert --to ckptctl` first")
-        return restore_stack(found, open_storage(dst_root), step, progress, on_skip=on_skip)
+        if job is None:
+            return restore_stack(found, open_storage(dst_root), step, progress, on_skip=on_skip)
+        result, failure = None, None
+        if job.leader:  # no manifest to split by: each node's leader copies it whole to its node
+            with alone():
+                result, failure = attempt(lambda: restore_stack(found, open_storage(dst_root), step, progress,
+                                                                on_skip=on_skip if job.rank == 0 else None))
+        agree(job, failure)
+        return everyone(job, result)[0]
+    if job is not None:
+        from ckptctl.ops.transfer.node_restore import restore_to_nodes
+
+        return restore_to_nodes(src, open_storage(dst_root), job, step, progress, world_size=world_size,
+                                on_skip=on_skip if job.rank == 0 else None)
     return restore_latest(src, open_storage(dst_root), step, progress,
                           world_size=world_size, on_skip=on_skip)
 

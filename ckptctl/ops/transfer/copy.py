@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator, Literal, TypeVar
 
 from ckptctl.errors import (
     CheckpointError,
@@ -43,6 +43,7 @@ from ckptctl.layouts.native import (
     remove_leftovers,
     uncommit,
 )
+from ckptctl.ops.distributed import Job, agree, attempt, current, gathered, mine, on_root, unanimous
 from ckptctl.ops.expect import expect_bytes
 from ckptctl.ops.verify.problem import Problem
 from ckptctl.ops.verify.shard_scan import check_file, stream_file
@@ -54,6 +55,7 @@ from ckptctl.storage.base import Storage
 
 
 CopyStatus = Literal["copied", "already present"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,12 +70,17 @@ class CopyResult:
     seconds: float = 0.0
     layout: str = "ckptctl"  # whose checkpoint (another tool's: ``ops.transfer.stack_copy``)
     note: str | None = None  # how another tool's checkpoint was checked, and its pointer
+    # Under torchrun: what each rank (cp) or node (restore) copied; empty otherwise.
+    ranks: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.ranks:  # a plain run's document is unchanged
+            del d["ranks"]
+        return d
 
 
-def _describe(problems: list[Problem], where: str) -> str:
+def describe_problems(problems: list[Problem], where: str) -> str:
     # The most precise problem first: a tensor and byte range say more than "file checksum".
     first = min(problems, key=lambda p: (p.tensor is None, p.byte_range is None))
     more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -86,38 +93,102 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
     Raises NotFound (src not committed), InvalidCheckpoint (src corrupt: nothing is committed
     at dst, and the shards this call wrote are removed), RefusedForSafety (dst already holds a
     different committed checkpoint, or is the directory of another step) or StorageError.
+
+    Under a torchrun verb (``ops.distributed.current``; ``dst`` shared by the ranks) each rank
+    checks and copies its share of the files, balanced by bytes; rank 0 commits once every
+    rank's files are durable and checked, and every rank returns the same result or raises the
+    same error (``ops.distributed.agree``).
     """
     t0 = time.perf_counter()
-    source = read_committed_raw(src)
+    job = current()
+    source = on_root(job, lambda: read_committed_raw(src))  # one read of the manifest, sent to every rank
     manifest = source.manifest
     check_target_name(dst, manifest.step)
     result = CopyResult(src.url, dst.url, manifest.step, "copied", files=len(manifest.files))
     with _at_destination(dst):
-        present = _already_present(source, dst)
+        present = _already_present(source, dst, job)
     if present:
         result.status = "already present"
         result.seconds = time.perf_counter() - t0
         return result
-    with _at_destination(dst):
-        before_copy(dst, [f.name for f in manifest.files])  # a killed earlier run's uploads (ops.transfer.uploads)
+    failure = None
+    if job is None or job.rank == 0:  # a killed earlier run's uploads
+        _, failure = attempt(lambda: at_destination(dst, lambda: before_copy(dst, [f.name for f in manifest.files])))
+    agree(job, failure)  # nobody writes before they are gone
+    files = [manifest.files[i] for i in mine(job, [f.size for f in manifest.files])]
+    done, failure = attempt(lambda: copy_files(src, dst, source, files, progress, threads=threads))
+    copied = gathered(job, done, failure)
+    problems = [p for f in manifest.files for d in copied if d is not None for p in d.problems.get(f.name, [])]
+    if problems:
+        # The source is corrupt: each rank takes back what it wrote so no half copy is left behind.
+        _, failure = attempt(lambda: at_destination(dst, lambda: done.take_back(dst) if done is not None else None))
+        agree(job, failure)  # every rank's files are gone before the directory is removed
+        if job is None or job.rank == 0:
+            at_destination(dst, lambda: dst.remove_dir(""))  # only if now empty; a no-op on S3
+        raise InvalidCheckpoint(describe_problems(problems, src.url), hint=(problems[0].hint or "copy an older checkpoint")
+                                if any(d.before_copy for d in copied if d is not None)
+                                else "the source was modified after it was written; copy an older checkpoint")
+
+    # The marker last: the copy is a checkpoint only once every byte above checked out, on every rank.
+    failure = None
+    if job is None or job.rank == 0:
+        _, failure = attempt(lambda: at_destination(dst, lambda: (commit_copy(dst, source),
+                                                                   remove_leftovers(dst, [f.name for f in manifest.files]))))
+    agree(job, failure)
+    result.bytes_copied = sum(d.bytes_copied for d in copied if d is not None)
+    result.files_reused = sum(d.reused for d in copied if d is not None)
+    if job is not None:
+        result.ranks = [{"rank": r, "node": job.nodes[r], "files": d.files if d else 0, "bytes": d.bytes_copied if d else 0}
+                        for r, d in enumerate(copied)]
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+@dataclass
+class Copied:
+    """What ``copy_files`` did with its files: the problems found, by file (nothing committed
+    for those), the files it wrote and the ones already in place."""
+
+    problems: dict[str, list[Problem]] = field(default_factory=dict)
+    before_copy: bool = False  # the problems were found by the header checks, before any copying
+    written: list[str] = field(default_factory=list)
+    files: int = 0
+    reused: int = 0
+    bytes_copied: int = 0
+
+    def take_back(self, dst: Storage) -> None:
+        """Delete the files this copy wrote (after a corrupt source was found)."""
+        for name in self.written:
+            dst.delete(name)
+
+
+def copy_files(src: Storage, dst: Storage, source: Committed, files: list[FileEntry], progress: Progress | None = None,
+               *, threads: int = COPY_THREADS) -> Copied:
+    """Copy ``files`` of the committed checkpoint ``source`` (at ``src``) to ``dst``, each byte
+    checked on the way (header against the manifest first, then every chunk and the file
+    checksum as it streams), each file committed by its writer once it checked out. A file
+    whose bytes already verify at ``dst`` is kept. Writes no manifest or marker: the caller
+    commits once every file of every rank is in place. Raises StorageError."""
+    manifest = source.manifest
+    out = Copied(files=len(files))
 
     def quick_check(f: FileEntry) -> tuple[ShardHeader | None, list[Problem]]:
         found: list[Problem] = []
         return check_file(src, f, manifest, found), found
 
-    problems: list[Problem] = []
     headers: dict[str, ShardHeader] = {}
     # In parallel: on S3 each file costs a HEAD and a ranged GET, and a job has many ranks.
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-check") as pool:
-        for f, (h, found) in zip(manifest.files, pool.map(quick_check, manifest.files)):
-            problems.extend(found)
+        for f, (h, found) in zip(files, pool.map(quick_check, files)):
+            if found:
+                out.problems[f.name] = found
             if h is not None:
                 headers[f.name] = h
-    if problems:
-        raise InvalidCheckpoint(_describe(problems, src.url), hint=problems[0].hint or "copy an older checkpoint")
+    if out.problems:
+        out.before_copy = True
+        return out
 
-    expect_bytes(progress, sum(f.size for f in manifest.files))  # a bar's total, %, ETA
-    written: list[str] = []  # committed by this call: removed again if the source is corrupt
+    expect_bytes(progress, sum(f.size for f in files))  # a bar's total, %, ETA
     lock = threading.Lock()
     stop = threading.Event()  # one corrupt or failed file ends the others early
 
@@ -142,11 +213,11 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
         with _at_destination(dst):
             writer.commit()
         with lock:
-            written.append(f.name)
+            out.written.append(f.name)
         return [], False
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-copy") as pool:
-        futures: list[Future[tuple[list[Problem], bool]]] = [pool.submit(copy_one, f) for f in manifest.files]
+        futures: list[Future[tuple[list[Problem], bool]]] = [pool.submit(copy_one, f) for f in files]
         try:
             wait(futures)
         except BaseException:
@@ -156,25 +227,20 @@ def copy_checkpoint(src: Storage, dst: Storage, progress: Progress | None = None
             raise
     for future in futures:
         future.result()  # a storage error or interrupt in any worker surfaces here
-    for future in futures:
+    for f, future in zip(files, futures):
         found, reused = future.result()
-        problems.extend(found)
-        result.files_reused += reused
-    if problems:
-        # The source is corrupt: take back what we wrote so no half copy is left behind.
-        with _at_destination(dst):
-            for name in written:
-                dst.delete(name)
-            dst.remove_dir("")  # only if now empty; a no-op on S3
-        raise InvalidCheckpoint(_describe(problems, src.url), hint="the source was modified after it was written; copy an older checkpoint")
+        if found:
+            out.problems[f.name] = found
+        out.reused += reused
+    out.bytes_copied = sum(f.size for f in files if f.name in out.written)
+    return out
 
-    # The marker last: the copy is a checkpoint only once every byte above checked out.
+
+def at_destination(dst: Storage, fn: Callable[[], T]) -> T:
+    """``fn()`` under ``_at_destination``: inside ``ops.distributed.attempt``, so that the error
+    every rank agrees on is already the destination's (exit 3), as a plain run's is."""
     with _at_destination(dst):
-        commit_copy(dst, source)
-        remove_leftovers(dst, [f.name for f in manifest.files])  # of a killed earlier run
-    result.bytes_copied = sum(f.size for f in manifest.files if f.name in written)
-    result.seconds = time.perf_counter() - t0
-    return result
+        return fn()
 
 
 @contextmanager
@@ -193,12 +259,30 @@ def _at_destination(dst: Storage) -> Iterator[None]:
         ) from None
 
 
-def _already_present(source: Committed, dst: Storage) -> bool:
+def _already_present(source: Committed, dst: Storage, job: Job | None = None) -> bool:
     """True when ``dst`` already commits the same manifest and its bytes verify (checksums).
 
     A committed destination holding anything else is refused, never overwritten: it may be
     the only copy of another checkpoint. The same checkpoint damaged in place is uncommitted
-    (marker first) so that the caller copies it again."""
+    (marker first) so that the caller copies it again. Under a torchrun verb every rank calls
+    this (the verification is split over them) and gets the same answer."""
+    same, failure = attempt(lambda: _committed_same(source, dst))
+    agree(job, failure)
+    if not unanimous(job, same, dst.url_of(MARKER)):
+        return False
+    # Every byte, not just sizes and headers: a flipped byte in a copy that is then trusted
+    # as "already there" would be handed to training.
+    if verify_checkpoint(dst, "checksums").ok:
+        return True
+    if job is None or job.rank == 0:
+        uncommit(dst)
+    agree(job, None)  # nobody copies before the marker is gone
+    return False
+
+
+def _committed_same(source: Committed, dst: Storage) -> bool:
+    """Whether ``dst`` is committed (False: no marker); RefusedForSafety when it commits
+    another checkpoint, or something that is not one."""
     if dst.stat(MARKER) is None:
         return False
     try:
@@ -213,12 +297,7 @@ def _already_present(source: Committed, dst: Storage) -> bool:
             f"{dst.url} already holds a different committed checkpoint (step {existing.manifest.step})",
             hint="choose another destination, or delete that checkpoint first",
         )
-    # Every byte, not just sizes and headers: a flipped byte in a copy that is then trusted
-    # as "already there" would be handed to training.
-    if verify_checkpoint(dst, "checksums").ok:
-        return True
-    uncommit(dst)
-    return False
+    return True
 
 
 def _reusable(dst: Storage, f: FileEntry, h: ShardHeader) -> bool:
@@ -285,7 +364,7 @@ def restore_latest(
 
         check_world_size(world_size)
     skipped: list[Skipped] = []
-    for cand_step, src in _candidates(src_root, step):
+    for cand_step, src in candidates(src_root, step):
         dst = dst_root.sub(step_dir(cand_step))
         reshard_to = None
         try:
@@ -377,7 +456,7 @@ def _reshard_staged(staging: Storage, dst: Storage, world_size: int, copied: Cop
                       seconds=copied.seconds + report.seconds)
 
 
-def _candidates(src_root: Storage, step: int | None) -> Iterator[tuple[int, Storage]]:
+def candidates(src_root: Storage, step: int | None) -> Iterator[tuple[int, Storage]]:
     """Checkpoints with a marker, newest first. Lazy: a bucket of thousands of checkpoints
     costs one listing and a HEAD per candidate tried, not a HEAD per checkpoint. SRC with a
     marker of its own is one checkpoint, not a root."""

@@ -10,5 +10,6 @@
 
 May import: ``format``, ``storage``, ``layouts``, ``interop``, ``state``, ``progress``, the
 leaves, ``ops.expect``, ``ops.seal.check`` (a sealed checkpoint is checked against its seal) and
-``ops.transform.convert`` (a foreign file is opened as convert opens it); never ``cli``.
+``ops.transform.convert`` (a foreign file is opened as convert opens it), ``ops.distributed`` (under
+torchrun each rank checks its share of a checkpoint's files); never ``cli``.
 """

@@ -30,6 +30,7 @@ from ckptctl.layouts.classify import checkpoint_below
 from ckptctl.layouts.stack import Resume, StackLayout
 from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts.safe_load import STRUCTURAL_MARK
+from ckptctl.ops.distributed import current, on_root
 from ckptctl.ops.verify.problem import Problem
 from ckptctl.ops.seal.check import SealLevel, check_against_seal, seal_note, seal_problem
 from ckptctl.ops.verify.checkpoint import Level, VerifyReport, verify_checkpoint
@@ -110,8 +111,10 @@ def verify_in_layout(ckpt: Storage, layout: Layout, level: Level = "checksums",
     """Verify the checkpoint ``ckpt`` by the rules of ``layout`` (bound to its root): the one
     engine for a checkpoint named alone (``layouts.classify``) and one listed under a root."""
     if layout.verified_by_manifest:
-        return verify_checkpoint(ckpt, level, progress)
-    return verify_stack(ckpt, cast(StackLayout, layout), level)
+        return verify_checkpoint(ckpt, level, progress)  # under torchrun: split over the ranks
+    # Another tool's checkpoint has no manifest to split by: rank 0 of a torchrun job checks it
+    # and tells the others (each reading it all would only multiply the reads).
+    return on_root(current(), lambda: verify_stack(ckpt, cast(StackLayout, layout), level))
 
 
 def verify_entry(entry: Checkpoint, root: Storage, level: Level = "checksums",

@@ -1,0 +1,228 @@
+"""``verify``, ``cp`` and ``restore`` run by torchrun (issue 23): each rank takes its share of the
+files, rank 0 prints the job's result, and every rank exits with the same status.
+
+Real torchrun processes running the real command line (``torchrun_verbs_workers.py``), real
+gloo groups, moto's S3 over HTTP through a counting proxy per node: a restore on two "nodes"
+fetches to each node only the shards its ranks read, and a node-local tier relaunched on those
+copies resumes bitwise. (Each launch costs seconds of torch start-up on 2 cores: the one-node
+checks share one launch.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+from ckptctl import Checkpointer
+from ckptctl.format.layout import MANIFEST, MARKER, shard_name, step_dir
+from ckptctl.errors import UsageError
+from ckptctl.ops.distributed import Job as RankJob, share
+from ckptctl.storage import open_storage
+from helpers import cli
+from s3_fault_proxy import FaultProxy
+from test_reshard import assert_bitwise, tensors_of
+from tier_node_workers import Job
+from tier_workers import launch as launch_ranks
+from torchrun_verbs_workers import launch, logs
+
+
+class CountingProxy(FaultProxy):
+    """The fault proxy, also counting the body bytes it returned to each GET, by object name."""
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self.fetched: dict[str, int] = defaultdict(int)
+        self._count_lock = threading.Lock()
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        real, name, proxy = h.wfile, urlsplit(h.path).path.rsplit("/", 1)[-1], self
+
+        class Counted:
+            def write(self, data: bytes) -> int:
+                if h.command == "GET" and not bytes(data[:9]) == b"HTTP/1.1 ":  # the body, not the status and headers
+                    with proxy._count_lock:
+                        proxy.fetched[name] += len(data)
+                return real.write(data)
+
+            def flush(self) -> None:
+                real.flush()
+
+        h.wfile = Counted()  # type: ignore[assignment]
+        try:
+            super()._serve(h)
+        finally:
+            h.wfile = real
+
+
+def _files(path: str) -> set[str]:
+    return {n for n in os.listdir(path)}
+
+
+def test_restore_on_two_nodes_fetches_each_node_only_its_shards_and_a_node_local_tier_resumes(
+        tmp_path, s3_server: str, s3_url: str) -> None:
+    # 4 real ranks save step 10 (state_for: replicated weights, per-rank extra), promoted to S3.
+    saved = launch_ranks("save_tiers", 4, {"local": str(tmp_path / "shared"), "remote": s3_url, "steps": [10]},
+                         str(tmp_path / "save"))
+    assert all("flushed" in saved[r] for r in range(4)), saved
+    src = open_storage(s3_url).sub(step_dir(10))
+    sizes = {i.key: i.size for i in src.list()}
+    shards = [shard_name(r, 4) for r in range(4)]
+    assert set(shards) <= set(sizes), sizes
+
+    roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    proxies = [CountingProxy(s3_server).start() for _ in roots]
+    try:
+        ran = launch(str(tmp_path / "restore"), [[["restore", s3_url, root, "--json"]] for root in roots],
+                     env=[{"AWS_ENDPOINT_URL": p.url} for p in proxies])
+        fetched = [dict(p.fetched) for p in proxies]
+    finally:
+        for p in proxies:
+            p.stop()
+    assert all(len(ran[r]) == 1 and ran[r][0].exit == 0 for r in range(4)), (ran, logs(str(tmp_path / "restore"), 2))
+    assert all(ran[r][0].stdout == "" for r in (1, 2, 3)), ran  # rank 0 speaks for the job
+    doc = json.loads(ran[0][0].stdout)
+    assert doc["step"] == 10 and doc["url"] == os.path.join(roots[0], step_dir(10))
+    assert [(n["node"], n["ranks"], n["files"]) for n in doc["copy"]["ranks"]] == [("node-0", [0, 1], 2), ("node-1", [2, 3], 2)]
+    for node, root in enumerate(roots):
+        mine, others = shards[2 * node: 2 * node + 2], shards[:2 * node] + shards[2 * node + 2:]
+        # Each node's disk: only its ranks' shards, plus the manifest and marker.
+        assert _files(os.path.join(root, step_dir(10))) == {*mine, MANIFEST, MARKER}
+        # What it fetched from S3: its shards, each read once after its header was checked (the
+        # header's length, then the header: these small shards are mostly header), and the
+        # manifest, marker and listings; never a byte of another node's shards.
+        got = fetched[node]
+        print(f"node {node}: fetched {sum(got.values())} bytes from S3 "
+              f"({', '.join(f'{k} {v}' for k, v in sorted(got.items()))}); its shards are {sum(sizes[s] for s in mine)} bytes, "
+              f"the checkpoint {sum(sizes.values())}")
+        assert not any(got.get(s) for s in others), got
+        for s in mine:
+            with open(os.path.join(root, step_dir(10), s), "rb") as f:
+                header = 8 + int.from_bytes(f.read(8), "little")
+            assert sizes[s] <= got[s] <= sizes[s] + 8 + header, (s, got, sizes)
+        assert sum(v for k, v in got.items() if k not in mine) <= 64 * 1024, got  # metadata and listings
+    # Relaunched with a node-local first tier on those disks: every rank resumes step 10, bitwise.
+    job = Job("load", [{"local": r, "remote": s3_url} for r in roots], str(tmp_path / "load"),
+              env={"AWS_ENDPOINT_URL": s3_server})
+    loaded = job.wait()
+    assert all(loaded[r].get("step") == 10 and loaded[r].get("bitwise_equal") is True for r in range(4)), (loaded, job.logs())
+
+
+def test_restore_resharding_on_two_nodes_writes_each_rank_its_own_target_shard(tmp_path, s3_server: str, s3_url: str) -> None:
+    """Saved by 1 rank, restored for 4 on 2 nodes x 2: each rank re-shards its own target shard
+    from S3 into its node's disk; the two nodes' copies together are the checkpoint, bitwise."""
+    torch.manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(128 * (i + 1), 64) for i in range(4)}, "extra": {"epoch": 3}}
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        local = ck.save(7, state).wait()
+    assert cli("cp", local, s3_url).exit_code == 0
+    roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    proxies = [CountingProxy(s3_server).start() for _ in roots]
+    try:
+        ran = launch(str(tmp_path / "restore"), [[["restore", s3_url, root, "--world-size", "4"]] for root in roots],
+                     env=[{"AWS_ENDPOINT_URL": p.url} for p in proxies])
+        fetched = [sum(p.fetched.values()) for p in proxies]
+    finally:
+        for p in proxies:
+            p.stop()
+    assert all(ran[r][0].exit == 0 for r in range(4)), (ran, logs(str(tmp_path / "restore"), 2))
+    assert ran[0][0].stdout.strip() == os.path.join(roots[0], step_dir(7)) and not any(ran[r][0].stdout for r in (1, 2, 3))
+    merged = tmp_path / "merged" / step_dir(7)
+    merged.mkdir(parents=True)
+    total = 0
+    for node, root in enumerate(roots):
+        d = os.path.join(root, step_dir(7))
+        mine = {shard_name(2 * node, 4), shard_name(2 * node + 1, 4)}
+        assert _files(d) == {*mine, MANIFEST, MARKER}
+        for n in _files(d):
+            shutil.copy(os.path.join(d, n), merged / n)
+        node_bytes = sum(os.path.getsize(os.path.join(d, n)) for n in mine)
+        total += node_bytes
+        print(f"node {node}: fetched {fetched[node]} bytes from S3 for {node_bytes} bytes of target shards")
+        # Two passes over the source chunks it needs (hash, then write), the headers, the manifest.
+        assert fetched[node] <= 2 * node_bytes + 256 * 1024
+    r = cli("verify", str(merged), "--json")
+    assert r.exit_code == 0 and r.json()["checkpoints"][0]["files"] == 4, r.stdout
+    assert_bitwise(tensors_of(local), tensors_of(str(merged)))
+
+
+def test_verify_and_cp_split_over_ranks_and_agree_on_failure(tmp_path, s3_server: str, s3_url: str) -> None:
+    """One node, 2 ranks: verify reads each rank's share (by bytes, per rank in --json); cp's
+    copy verifies; a flipped bit fails verify on every rank naming the file; a rank whose
+    uploads fail makes every rank exit 3 and leaves no marker."""
+    torch.manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(128 * (i + 1), 64) for i in range(6)}, "extra": {}}
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        one = ck.save(5, state).wait()
+    good = str(tmp_path / "root" / step_dir(5))
+    assert cli("reshard", one, good, "--world-size", "4").exit_code == 0
+    bad = str(tmp_path / "bad" / step_dir(5))
+    shutil.copytree(good, bad)
+    flipped = shard_name(2, 4)
+    with open(os.path.join(bad, flipped), "r+b") as f:
+        f.seek(os.path.getsize(f.name) - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    copy = str(tmp_path / "copy")
+    sizes = [os.path.getsize(os.path.join(good, shard_name(r, 4))) for r in range(4)]
+    split = share(sizes, 2)  # the files each rank takes, balanced by bytes
+    proxy = FaultProxy(s3_server).start()
+    # The uploads of one of rank 1's files fail (rank 0's succeed).
+    failing = shard_name(split[1][0], 4)
+    proxy.rule = lambda method, path: "503" if method in ("PUT", "POST") and failing in path else None
+    try:
+        ran = launch(str(tmp_path / "run"), [[
+            ["verify", good, "--json"],
+            ["cp", good, copy, "--json"],
+            ["verify", bad],
+            ["cp", good, s3_url],
+        ]], env=[{"AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "1"}])
+    finally:
+        proxy.stop()
+    assert all(len(ran[r]) == 4 for r in (0, 1)), (ran, logs(str(tmp_path / "run"), 1))
+    assert [[x.exit for x in ran[r]] for r in (0, 1)] == [[0, 0, 1, 3]] * 2, ran
+    assert all(x.stdout == "" for x in ran[1]), ran[1]  # rank 0 speaks for the job
+    assert all(x.stderr == "" for x in ran[1]), ran[1]
+
+    # verify: each rank read exactly its share of the files, balanced by bytes.
+    assert sorted(split[0] + split[1]) == [0, 1, 2, 3] and len(split[0]) == len(split[1]) == 2
+    doc = json.loads(ran[0][0].stdout)
+    report = doc["checkpoints"][0]
+    assert doc["ok"] is True and report["bytes_read"] == sum(sizes)
+    assert [(s["rank"], s["files"], s["bytes_read"]) for s in report["ranks"]] == \
+        [(k, len(split[k]), sum(sizes[i] for i in split[k])) for k in (0, 1)], report["ranks"]
+
+    # cp: a checkpoint verify accepts, each rank having copied its share.
+    doc = json.loads(ran[0][1].stdout)
+    assert [s["files"] for s in doc["ranks"]] == [2, 2] and doc["bytes"] == sum(sizes)
+    r = cli("verify", os.path.join(copy, step_dir(5)))
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert_bitwise(tensors_of(good), tensors_of(os.path.join(copy, step_dir(5))))
+
+    # A flipped bit: exit 1 on every rank, the file named by rank 0.
+    assert f"{flipped}, tensor" in ran[0][2].stdout and "FAILED" in ran[0][2].stdout
+
+    # A rank failing mid-copy: exit 3 everywhere, one message naming the rank, no marker.
+    assert "rank 1:" in ran[0][3].stderr and "storage error" in ran[0][3].stderr and failing in ran[0][3].stderr, \
+        ran[0][3].stderr
+    dst = open_storage(s3_url).sub(step_dir(5))
+    assert dst.stat(MARKER) is None and dst.stat(MANIFEST) is None
+
+
+def test_the_split_is_deterministic_balanced_by_bytes_and_nodes_get_their_ranks_shards() -> None:
+    assert share([10, 1, 1, 8], 2) == [[0], [1, 2, 3]]  # largest first, each to the lightest rank
+    assert share([5, 5, 5, 5], 2) == [[0, 2], [1, 3]] and share([], 3) == [[], [], []]
+    job = RankJob(2, ("node-0", "node-0", "node-1", "node-1"))
+    assert job.node_ranks == (2, 3) and job.leader and not RankJob(3, job.nodes).leader
+    assert job.node_targets(4) == [2, 3]  # a job of the loading job's size: the node's own ranks
+    assert job.node_targets(8) == [4, 5, 6, 7]  # else an equal block per node, in node order
+    with pytest.raises(UsageError, match="does not split evenly over the 2 nodes"):
+        job.node_targets(3)
