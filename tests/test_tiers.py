@@ -222,3 +222,5 @@ def test_ls_with_tiers_shows_where_each_checkpoint_lives(tmp_path, s3_url) -> No
     text = cli("ls", local, "--tier", s3_url)
     assert text.exit_code == 0 and "TIER 1" in text.stdout and f"tier 1: {s3_url}" in text.stderr
     assert cli("ls", local, "--tier", local).exit_code == 2  # a tier named twice
+    spelled = cli("ls", local, "--tiers", s3_url, "--json")  # the spelling issue 23 uses
+    assert spelled.exit_code == 0 and spelled.json()["checkpoints"] == doc["checkpoints"], spelled.stderr

@@ -22,7 +22,7 @@ def ls(
              '{"tiers": [ROOT, URL, ...], "checkpoints": [{step, name, tiers: {URL: status or null}}, ...], "schema": 2}.',
     )] = False,
     tier: Annotated[list[str] | None, typer.Option(
-        "--tier", metavar="URL",
+        "--tier", "--tiers", metavar="URL",
         help="Another tier of the same run (a Checkpointer(tiers=[...]) promotes ROOT's checkpoints to it; "
              "repeat for more): list where each checkpoint lives, one STATUS column per tier, ROOT first.",
     )] = None,
