@@ -9,6 +9,14 @@ missing, which rank 0 sees at its deadline, and nothing else breaks: the next ro
 keys. Every thread that waits holds a connection of its own (``Store.clone``), because a
 TCPStore connection serves one request at a time.
 
+New connections are few: c10d resolves the peer's name (a reverse DNS query) on every new
+connection, on the client and on the store's single server thread, and a resolver that drops
+one of a burst of queries stalls every rank of the job for its retry timeout (glibc: 5 s). So
+the collectives of the caller's thread (``exchange``, ``to_rank0``) share one connection; each
+thread's is made by the thread that starts it; and a connection left idle (a thread that took
+``stop``, a closed channel) goes back to a pool that the next ``Checkpointer`` of the process
+takes from (``_Pool``).
+
 Keys, under ``ckptctl-tiers/<group name>/``:
 
 * ``<stream>/<n>``: rank 0's n-th message on ``stream`` (``promote``, ``node`` or ``replica``), JSON;
@@ -47,6 +55,33 @@ def _default_store() -> "dist.Store":
     return _get_default_store()
 
 
+class _Pool:
+    """Idle connections to the default store (clones of it, no prefix of ours), for the next
+    ``Channel`` of this process. Only connections with no request in flight come back; one made
+    for an earlier default store (a re-initialised job) is never handed out."""
+
+    MAX = 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[tuple["dist.Store", "dist.Store"]] = []  # (base store, its clone)
+
+    def take(self, base: "dist.Store") -> "dist.Store":
+        with self._lock:
+            self._idle = [(b, c) for b, c in self._idle if b is base]  # an old job's: dropped
+            if self._idle:
+                return self._idle.pop()[1]
+        return base.clone()
+
+    def give(self, base: "dist.Store", conn: "dist.Store") -> None:
+        with self._lock:
+            if len(self._idle) < self.MAX:
+                self._idle.append((base, conn))
+
+
+_POOL = _Pool()
+
+
 class Channel:
     """One ``Checkpointer``'s tiers channel. ``rank``/``world_size``: in its process group."""
 
@@ -56,15 +91,42 @@ class Channel:
         except (ImportError, AttributeError, ValueError, RuntimeError) as e:
             raise CoordinationError(f"node-local tiers need the c10d store of the default group: {e}",
                                     hint="initialise torch.distributed with a store (torchrun does)") from None
-        self._store = dist.PrefixStore(f"ckptctl-tiers/{group_name}/", base)
+        self._base = base
+        self._prefix = f"ckptctl-tiers/{group_name}/"
+        self._store = dist.PrefixStore(self._prefix, base)
         self.rank, self.world_size = rank, world_size
         self._send_lock = threading.Lock()
         self._sender: dist.Store | None = None
+        self._own_lock = threading.Lock()  # the caller's thread's collectives: one connection
+        self._own: dist.Store | None = None
         self._sent = {"promote": 0, "node": 0, "replica": 0}
 
     def connection(self) -> "dist.Store":
-        """A connection of its own, for one thread."""
-        return self._store.clone()
+        """A connection of its own, for one thread: made by the thread that starts it, before
+        it starts (see the module's docstring). ``give_back`` it once idle for good."""
+        return dist.PrefixStore(self._prefix, _POOL.take(self._base))
+
+    def give_back(self, conn: "dist.Store") -> None:
+        """``conn`` (from ``connection``) is idle for good, no request in flight and none to
+        come: the next ``Checkpointer`` of this process may use it. Not after a store error."""
+        under = getattr(conn, "underlying_store", None)
+        if under is not None:
+            _POOL.give(self._base, under)
+
+    def close(self) -> None:
+        """The connections of the caller's thread and of ``send`` go back to the pool (call it
+        once this channel's collectives and sends are over)."""
+        with self._own_lock, self._send_lock:
+            for conn in (self._own, self._sender):
+                if conn is not None:
+                    self.give_back(conn)
+            self._own = self._sender = None
+
+    def _caller(self) -> "dist.Store":
+        """The connection of the collectives below (hold ``_own_lock``)."""
+        if self._own is None:
+            self._own = self.connection()
+        return self._own
 
     # --- rank 0 -------------------------------------------------------------------------------
 
@@ -133,22 +195,27 @@ class Channel:
 
     def exchange(self, key: str, mine: str, timeout_s: float) -> list[str]:
         """Every rank's ``mine`` for ``key``, by rank (a collective: every rank calls it)."""
-        conn = self.connection()
-        conn.set(f"{key}/{self.rank}", mine.encode())
-        keys = [f"{key}/{k}" for k in range(self.world_size)]
-        try:
-            conn.wait(keys, timedelta(seconds=timeout_s))
-        except dist.DistStoreError as e:
-            raise CoordinationError(f"tiers: not every rank built its Checkpointer within {timeout_s:.0f} s ({e})",
-                                    hint="construct the Checkpointer at the same point on every rank") from None
-        return [v.decode() for v in conn.multi_get(keys)]
+        with self._own_lock:
+            conn = self._caller()
+            conn.set(f"{key}/{self.rank}", mine.encode())
+            keys = [f"{key}/{k}" for k in range(self.world_size)]
+            try:
+                conn.wait(keys, timedelta(seconds=timeout_s))
+            except dist.DistStoreError as e:
+                raise CoordinationError(f"tiers: not every rank built its Checkpointer within {timeout_s:.0f} s ({e})",
+                                        hint="construct the Checkpointer at the same point on every rank") from None
+            return [v.decode() for v in conn.multi_get(keys)]
 
     def to_rank0(self, key: str, mine: str | None, senders: Collection[int], timeout_s: float) -> dict[int, str]:
         """Gather ``mine`` from each of ``senders`` on rank 0 (each sender calls it; other ranks
         need not). A sender publishes and returns ``{}`` at once; rank 0 waits ``timeout_s`` at
         most, returns what arrived by sender (a sender that did not publish in time is absent),
         and deletes the keys. Store traffic: one key per sender, not one per rank."""
-        conn = self.connection()
+        with self._own_lock:
+            return self._to_rank0(self._caller(), key, mine, senders, timeout_s)
+
+    def _to_rank0(self, conn: "dist.Store", key: str, mine: str | None, senders: Collection[int],
+                  timeout_s: float) -> dict[int, str]:
         if self.rank != 0:
             if mine is not None:
                 conn.set(f"{key}/{self.rank}", mine.encode())

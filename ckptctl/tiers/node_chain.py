@@ -246,3 +246,5 @@ class NodeTiers(Tiers):
                 log.warning("tiers: the last peer replica round did not finish within %.0f s", self._replica_timeout_s)
         if self.rank == 0:
             self.release(join_s)
+        if self.channel is not None:
+            self.channel.close()  # its idle connections, for the next Checkpointer of this process

@@ -75,13 +75,14 @@ class NodeKeeper:
     def __init__(self, channel: Channel, root: Storage, ranks: Collection[int]) -> None:
         self.channel, self.root, self.ranks = channel, root, frozenset(ranks)
         self.pruner = NodePruner(root, self.ranks)
-        self._thread = threading.Thread(target=self._run, name=f"ckptctl-node-{root.url}", daemon=True)
+        conn = channel.connection()  # here, not on the thread: see ``Channel.connection``
+        self._thread = threading.Thread(target=self._run, args=(conn,), name=f"ckptctl-node-{root.url}", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        conn = self.channel.connection()
+    def _run(self, conn: "dist.Store") -> None:
         for n, msg in self.channel.messages(conn, STREAM):
             if msg.get("op") == "stop":
+                self.channel.give_back(conn)  # idle for good
                 return
             try:
                 self._apply(msg)

@@ -220,13 +220,14 @@ class RoundWorker:
     def __init__(self, channel: Channel, local: Storage, remote: Storage) -> None:
         self.channel, self.local, self.remote = channel, local, remote
         self.rounds = 0
-        self._thread = threading.Thread(target=self._run, name=f"ckptctl-upload-{remote.url}", daemon=True)
+        conn = channel.connection()  # here, not on the thread: see ``Channel.connection``
+        self._thread = threading.Thread(target=self._run, args=(conn,), name=f"ckptctl-upload-{remote.url}", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        conn = self.channel.connection()
+    def _run(self, conn: "dist.Store") -> None:
         for n, msg in self.channel.messages(conn, STREAM):
             if msg.get("op") != "promote":
+                self.channel.give_back(conn)  # stop: idle for good
                 return
             self.channel.reply(conn, STREAM, n, self._upload(msg))
             self.rounds = n

@@ -71,14 +71,15 @@ class ReplicaWorker:
         self.rounds = 0
         self.sent_bytes = 0  # by this rank, over the run
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-replica-send")
-        self._thread = threading.Thread(target=self._run, name=f"ckptctl-replica-{root.url}", daemon=True)
+        conn = channel.connection()  # here, not on the thread: see ``Channel.connection``
+        self._thread = threading.Thread(target=self._run, args=(conn,), name=f"ckptctl-replica-{root.url}", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        conn = self.channel.connection()
+    def _run(self, conn: "dist.Store") -> None:
         try:
             for n, msg in self.channel.messages(conn, STREAM):
                 if msg.get("op") != "replicate":
+                    self.channel.give_back(conn)  # stop: idle for good
                     return
                 t0 = time.monotonic()
                 reply = self._round(n, msg)
