@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Literal, TypeVar
 
 from ckptctl.errors import (
     CheckpointError,
+    CkptError,
     InvalidCheckpoint,
     NoValidCheckpoint,
     NotFound,
@@ -383,27 +384,33 @@ def restore_latest(
         except (InvalidCheckpoint, NotFound) as e:
             if step is not None:
                 raise
-            skip = Skipped(src.url, cand_step, str(e))
-            skipped.append(skip)
-            if on_skip is not None:
-                on_skip(skip)
+            skip_candidate(skipped, Skipped(src.url, cand_step, str(e)), on_skip)
             continue
         if reshard_to is not None:
             copied = _reshard_staged(staging, dst, reshard_to, copied, progress)
         return RestoreResult(dst.local_path() or dst.url, cand_step, copied, skipped)
+    raise nothing_restored(src_root, step, skipped)
+
+
+def skip_candidate(skipped: list[Skipped], skip: Skipped, on_skip: Callable[[Skipped], None] | None) -> None:
+    """A corrupt candidate passed over for the next newest: recorded, and told to ``on_skip``."""
+    skipped.append(skip)
+    if on_skip is not None:
+        on_skip(skip)
+
+
+def nothing_restored(src_root: Storage, step: int | None, skipped: list[Skipped]) -> CkptError:
+    """The error of a restore that found no candidate to copy (``skipped``: those that did not
+    verify): the pinned step is missing, SRC holds no checkpoint, or none verifies."""
     if step is not None:
-        raise NoValidCheckpoint(
-            f"{src_root.url}: no committed checkpoint at step {step}",
-            hint=f"list what is there with `ckptctl ls {src_root.url}`",
-        )
+        return NoValidCheckpoint(f"{src_root.url}: no committed checkpoint at step {step}",
+                                 hint=f"list what is there with `ckptctl ls {src_root.url}`")
     if not skipped:  # say what SRC holds instead, from the listing `ls` shows
         from ckptctl.ops.listing import nothing_to_restore
 
-        raise nothing_to_restore(src_root)
-    raise NoValidCheckpoint(
-        f"{src_root.url}: none of {len(skipped)} committed checkpoints verifies",
-        hint="run `ckptctl verify SRC --all` to see what is wrong with each",
-    )
+        return nothing_to_restore(src_root)
+    return NoValidCheckpoint(f"{src_root.url}: none of {len(skipped)} committed checkpoints verifies",
+                             hint="run `ckptctl verify SRC --all` to see what is wrong with each")
 
 
 # Staging copies for a re-sharding restore: hidden, and not a step directory, so nothing that

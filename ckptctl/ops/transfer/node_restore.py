@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety
+from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, RefusedForSafety
 from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.layouts.native import Committed, commit_copy, read_committed_raw, remove_leftovers, uncommit
@@ -45,6 +45,8 @@ from ckptctl.ops.transfer.copy import (
     at_destination,
     describe_problems,
     copy_files,
+    nothing_restored,
+    skip_candidate,
 )
 from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.ops.verify.problem import Problem
@@ -92,21 +94,10 @@ def restore_to_nodes(src_root: Storage, dst_root: Storage, job: Job, step: int |
         except (InvalidCheckpoint, NotFound) as e:
             if step is not None:
                 raise
-            skip = Skipped(src.url, cand_step, str(e))
-            skipped.append(skip)
-            if on_skip is not None:
-                on_skip(skip)
+            skip_candidate(skipped, Skipped(src.url, cand_step, str(e)), on_skip)
             continue
         return RestoreResult(dst.local_path() or dst.url, cand_step, copied, skipped)
-    if step is not None:
-        raise NoValidCheckpoint(f"{src_root.url}: no committed checkpoint at step {step}",
-                                hint=f"list what is there with `ckptctl ls {src_root.url}`")
-    if not skipped:
-        from ckptctl.ops.listing import nothing_to_restore
-
-        raise nothing_to_restore(src_root)
-    raise NoValidCheckpoint(f"{src_root.url}: none of {len(skipped)} committed checkpoints verifies",
-                            hint="run `ckptctl verify SRC --all` to see what is wrong with each")
+    raise nothing_restored(src_root, step, skipped)
 
 
 def _restore_one(src: Storage, dst: Storage, job: Job, world_size: int | None, progress: Progress | None,
