@@ -8,6 +8,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0'
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# An editable install places no data files, so `man ckptctl` would find nothing: link the manual
+# pages into the venv, where man looks when .venv/bin is on PATH (tests/test_install.py).
+for page in man/*.[0-9]; do
+  section=${page##*.}
+  mkdir -p ".venv/share/man/man$section"
+  ln -sfn "$PWD/$page" ".venv/share/man/man$section/"
+done
+find .venv/share/man -xtype l -delete  # pages renamed or removed since the last setup
 # A layout plugin as a separate distribution registers one (tests/test_layout_conformance.py).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e tests/plugins/ckptctl-toy-layout
 # Other tools' checkpoints are tested as those tools write them (tests/test_frameworks.py skips,
