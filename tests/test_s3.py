@@ -281,3 +281,16 @@ def test_restore_from_a_failing_store_is_exit_3_and_commits_nothing(proxy, s3_ur
     proxy.rule = lambda method, path: None
     again = cli("restore", s3_url, str(tmp_path))
     assert again.exit_code == 0 and again.stdout.strip() == ckpt_dir(str(tmp_path), 1)
+
+
+@pytest.mark.parametrize("verb", [("ls",), ("latest",), ("verify", "--latest"), ("du",), ("inspect",)])
+def test_a_bucket_name_s3_refuses_is_a_usage_error(s3_url, verb):
+    """`s3://Bad_Bucket/x` (issue 30): the README promises exit 2 for a bucket name S3 refuses;
+    botocore lets it through and the store says there is no such bucket. A well-formed name
+    that does not exist stays an operational error (exit 3: the endpoint may be the wrong one)."""
+    r = cli(verb[0], "s3://Bad_Bucket/x", *verb[1:])
+    assert r.exit_code == 2, r.stderr
+    assert "bucket Bad_Bucket does not exist, and 'Bad_Bucket' is not a name S3 allows" in r.stderr
+    r = cli(verb[0], "s3://no-such-bucket-here/x", *verb[1:])
+    assert r.exit_code == 3, r.stderr
+    assert "bucket no-such-bucket-here does not exist" in r.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -13,7 +15,11 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 
-from ckptctl.errors import CkptError, NotFound, RefusedForSafety, StorageError
+from ckptctl.errors import CkptError, NotFound, RefusedForSafety, StorageError, UsageError
+
+
+# S3's own rule for bucket names (no upper case, no underscores), stricter than botocore's.
+_S3_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 
 
 def error_code(err: ClientError) -> str:
@@ -99,6 +105,15 @@ def _answered(err: ClientError, shown: str, bucket: str) -> CkptError:
             "finish alone, then check the result with `ckptctl verify`",
         )
     if code == "NoSuchBucket":
+        if not _S3_BUCKET_NAME.fullmatch(bucket):
+            # botocore lets such names through for the stores that accept them; this one has
+            # none, and S3 itself could never have one: a mistyped URL (exit 2), not an outage.
+            return UsageError(
+                f"bucket {bucket} does not exist, and {bucket!r} is not a name S3 allows ({shown})",
+                hint="S3 bucket names are 3 to 63 lower-case letters, digits, dots and hyphens; fix the URL",
+            )
+        # A well-formed name the store does not have: the endpoint or account may be the wrong
+        # one, which is the environment's problem like an unreachable store (exit 3).
         return StorageError(
             f"bucket {bucket} does not exist ({shown})",
             hint="create the bucket or fix the URL (and AWS_ENDPOINT_URL for other stores)",
