@@ -25,8 +25,8 @@ CRC-32 checks (``verify``), and why ``latest`` (the command) checks them before 
 A root without ``latest`` has no commit record at all: its tags are reported as broken (never
 deleted as "abandoned"). Optimizer-states files hold DeepSpeed classes (``ZeroStageEnum``,
 ``LossScaler``) that torch's weights-only loader does not build: their pickles are decoded
-structurally (parsed, never run) against the allow-list, which also names ``fragment_address``
-(``FRAGMENT_ADDRESS``).
+structurally (parsed, never run); ``fragment_address`` is built as a ``SimpleNamespace``
+(``FRAGMENT_ADDRESS``), so most of them test-load.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ LATEST = "latest"
 # ``param_slice_mappings``, one per parameter. It pickles as NEWOBJ + BUILD of a plain
 # ``__dict__`` (no ``__setstate__``, no ``__reduce__``), so nothing runs when one is built: here
 # torch's weights-only unpickler builds a ``SimpleNamespace`` in its place (attributes only),
-# and the structural decode (``pickle_scan``) accepts the name. Found on real DeepSpeed 0.19
+# the files test-load. Found on real DeepSpeed 0.19
 # files (tests/test_deepspeed_megatron.py).
 FRAGMENT_ADDRESS = ((types.SimpleNamespace, "deepspeed.utils.tensor_fragment.fragment_address"),)
 MODEL = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]{2}_model_states\.pt\Z")

@@ -117,7 +117,7 @@ class MegatronLayout(StackLayout):
                 if level == "load":  # torch_dist is DCP-format: every record decoded as DCP's are
                     from ckptctl.layouts.dcp import load_records
 
-                    load_records(ckpt, md, self.allowed, self.name, out)
+                    load_records(ckpt, md, self.allowed, out)
         if INTEGRITY in files and level != "quick":
             _check_integrity(ckpt, out)
 

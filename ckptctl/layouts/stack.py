@@ -217,7 +217,7 @@ class StackLayout:
             if level != "load":
                 out.not_loaded.append(f"{shown}: presence and size only (a pickle of a class; never unpickled)")
                 return
-            not_decoded, structural = safe_load.pickle_file_of(f, self.name, self.allowed)
+            not_decoded, structural = safe_load.pickle_file_of(f)
             (out.not_loaded if not_decoded else out.structural).append(f"{shown}: {not_decoded or structural}")
             return
         problem: str | None = None
@@ -230,7 +230,7 @@ class StackLayout:
                 problem, n = safe_load.zip_crc_of(f)
                 out.bytes_read += n
             if problem is None and level == "load":
-                problem, not_decoded, structural = safe_load.torch_file_of(f, self.allowed, self.name)
+                problem, not_decoded, structural = safe_load.torch_file_of(f, self.allowed)
                 if not_decoded:
                     out.not_loaded.append(f"{shown}: {not_decoded}")
                 elif structural:
