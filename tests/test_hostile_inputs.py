@@ -33,7 +33,8 @@ from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import Chunk, build_header, parse_header
 from ckptctl.interop.safetensors_io import SafetensorsSource
-from ckptctl.ops.retention.lock import LockInfo, stale_reason
+from ckptctl.layouts.native import NativeLayout
+from ckptctl.ops.lock import LockInfo, stale_reason
 from ckptctl.ops.verify.cache import CACHE_KEY, VerifyCache, verify_cached
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
@@ -323,7 +324,7 @@ def test_verification_record_parser(good_root: str) -> None:
     root = open_storage(good_root)
     name = os.path.basename(ckpt_dir(good_root, 1))
     cache = VerifyCache.load(root)
-    verify_cached(root.sub(name), name, cache, level="quick")
+    verify_cached(root.sub(name), name, cache, layout=NativeLayout(), level="quick")
     cache.save()
     base = json.loads(open(os.path.join(good_root, CACHE_KEY), "rb").read())
     try:
@@ -334,7 +335,7 @@ def test_verification_record_parser(good_root: str) -> None:
             with open(os.path.join(good_root, CACHE_KEY), "wb") as f:
                 f.write(raw)
             loaded = VerifyCache.load(root)
-            report, _, _ = verify_cached(root.sub(name), name, loaded, level="quick")
+            report, _, _ = verify_cached(root.sub(name), name, loaded, layout=NativeLayout(), level="quick")
             assert report.ok
 
         prop()

@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 from ckptctl import Checkpointer
 from ckptctl.layouts import catalog
-from ckptctl.ops.verify.layouts import latest_checkpoint
-from ckptctl.ops.verify.layouts import verify_root
+from ckptctl.ops.verify.latest import latest_checkpoint
+from ckptctl.ops.verify.latest import verify_root
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
 

@@ -38,7 +38,7 @@ def _warnings(err: str) -> list[str]:
 
 @pytest.mark.parametrize(("target", "why"), [
     ("ckptctl_no_such_module:Layout", "ModuleNotFoundError"),
-    ("os:getcwd", "not a subclass of ckptctl.layouts.stack.StackLayout"),
+    ("os:getcwd", "of the layout protocol (ckptctl.layouts.base.Layout)"),
     ("ckptctl.layouts.dcp:DcpLayout", "'dcp', which another layout already has"),
     ("test_plugin_registry:HfNamed", "'hf', which ckptctl already uses for the format 'hf-trainer'"),
 ])

@@ -48,8 +48,10 @@ from typing import Sequence
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import FileKind, Level, Resume, StackLayout, name_of
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.file_check import FileKind, name_of
+from ckptctl.layouts.stack import StackLayout
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -130,7 +132,7 @@ class AccelerateLayout(StackLayout):
             return
         prev, their = before
         for missing in sorted(their - own - {RNG0}):  # RNG0's absence is the commit rule's to say
-            out.problems.append(Finding(
+            out.problems.append(Problem(
                 f"missing, though {prev} (the previous complete save_state of this root) has it: save_state writes "
                 "every such file for the accelerator's config, so this save did not finish",
                 file=missing, hint=f"resume from {prev}; if the job's config changed since (fewer processes, no "

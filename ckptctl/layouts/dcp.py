@@ -44,10 +44,11 @@ from typing import Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import pickle_scan, safe_load
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.stack import StackLayout, finding_in, undetermined
 from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, finding_in, undetermined
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -118,23 +119,23 @@ class DcpLayout(StackLayout):
                       ("--checkpoint.load_step", str(step)))
 
 
-def coverage_findings(md: object) -> list[Finding]:
+def coverage_findings(md: object) -> list[Problem]:
     """Each tensor's saved chunks must cover it exactly once (``format.geometry``) and each
     chunk must have a storage record: ``read_metadata`` checks every record stays inside its
     file, not that the records add up to the tensors. From ``.metadata`` only, no data read."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    found: list[Finding] = []
+    found: list[Problem] = []
     records = getattr(md, "storage_data", None) or {}
     for fqn, meta in (getattr(md, "state_dict_metadata", None) or {}).items():
         if not isinstance(meta, TensorStorageMetadata):
             continue
         for gap in coverage_problems(tuple(meta.size), [box(c.offsets, c.sizes) for c in meta.chunks]):
             hint = "a rank's .distcp file or its entries are missing" if gap.kind == "volume" else None
-            found.append(Finding(f"tensor {fqn}: {gap.message}", file=METADATA, hint=hint))
+            found.append(Problem(f"tensor {fqn}: {gap.message}", file=METADATA, hint=hint))
         for c in meta.chunks:
             if MetadataIndex(fqn, c.offsets) not in records:
-                found.append(Finding(f"tensor {fqn}: chunk at {list(c.offsets)} has no storage record", file=METADATA))
+                found.append(Problem(f"tensor {fqn}: chunk at {list(c.offsets)} has no storage record", file=METADATA))
     return found
 
 
@@ -170,7 +171,7 @@ def load_records(ckpt: Storage, md: object, allowed: Sequence[object], out: Chec
         rel = os.fspath(info.relative_path)
         f = open_file(ckpt, rel)  # checked regular by read_metadata; never blocks
         if f is None:
-            out.problems.append(Finding(safe_load.NOT_PLAIN, file=rel))
+            out.problems.append(Problem(safe_load.NOT_PLAIN, file=rel))
             return
         with f:
             f.seek(info.offset)
@@ -179,7 +180,7 @@ def load_records(ckpt: Storage, md: object, allowed: Sequence[object], out: Chec
         problem, missed, decoded = _load_bytes(raw, allowed)
         where = f"{rel} (record {getattr(index, 'fqn', '?')})"
         if problem is not None:
-            out.problems.append(Finding(problem, file=where))
+            out.problems.append(Problem(problem, file=where))
         elif missed is not None:
             not_decoded += 1
             if not_decoded <= MAX_NOT_LOADED:

@@ -39,9 +39,11 @@ import types
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.file_check import name_of
+from ckptctl.layouts.stack import StackLayout, top_level_keys, undetermined
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of, top_level_keys, undetermined
 from ckptctl.storage.base import Storage
 
 LATEST = "latest"
@@ -110,7 +112,7 @@ class DeepSpeedLayout(StackLayout):
         for mp, dps in sorted(ranks.items()):
             missing = sorted(set(range(max(dps) + 1)) - dps)
             if missing:
-                out.problems.append(Finding(f"optimizer states of data-parallel rank(s) {missing} (mp_rank {mp}) are missing",
+                out.problems.append(Problem(f"optimizer states of data-parallel rank(s) {missing} (mp_rank {mp}) are missing",
                                             hint="a rank's save did not finish; use an older tag"))
 
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:

@@ -47,8 +47,10 @@ from typing import Iterable, Sequence
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of, undetermined
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.file_check import name_of
+from ckptctl.layouts.stack import StackLayout, undetermined
 from ckptctl.storage.base import Storage
 
 NAME = "nemo"
@@ -104,7 +106,7 @@ class NemoLayout(StackLayout):
         try:
             md = read_metadata(weights)
         except InvalidCheckpoint as e:
-            out.problems.append(Finding(str(e), file=f"{prefix}{METADATA}", hint=e.hint))
+            out.problems.append(Problem(str(e), file=f"{prefix}{METADATA}", hint=e.hint))
             return
         if level == "load":
             from ckptctl.layouts.dcp import load_records
