@@ -32,7 +32,7 @@ from ckptctl.layouts.registry import (  # noqa: F401 (BUILTIN, FORMATS, layouts_
 from ckptctl.storage.base import Storage
 
 # The name ops/transfer still uses for CHECKPOINTER_LAYOUTS, until its copy engine asks the
-# Layout protocol instead (issue 28, the copy side); nothing else may.
+# Layout protocol instead (its rewrite, under way); nothing else may.
 NATIVE = CHECKPOINTER_LAYOUTS
 
 
