@@ -15,7 +15,6 @@ import shutil
 import time
 import warnings
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 

@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
+from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.seal import SEAL, Seal, encode_seal
 from ckptctl.interop.dcp_io import read_metadata
 from ckptctl.layouts.registry import layout_named as bound_layout

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, StorageError
-from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
 from ckptctl.interop.detect import Format
 from ckptctl.layouts.base import Layout
