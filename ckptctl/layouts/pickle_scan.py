@@ -76,6 +76,25 @@ class _Broken(Exception):
     """The stream is not a whole pickle (the message says where and why)."""
 
 
+class _Capped:
+    """A file read from where it is, ``limit`` bytes at the most in all: what ``genops`` reads a
+    stream through, so a length a hostile pickle claims (BINBYTES8 of 2^62) never makes a read
+    larger than the pickles may be."""
+
+    def __init__(self, f: BinaryIO, limit: int) -> None:
+        self.f, self.left = f, limit
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(self.left if n < 0 else min(n, self.left))
+        self.left -= len(data)
+        return data
+
+    def readline(self) -> bytes:
+        data = self.f.readline(self.left)
+        self.left -= len(data)
+        return data
+
+
 def torch_allowed() -> frozenset[str]:
     """What torch's weights-only unpickler builds (tensors, storages, dtypes, containers)."""
     try:
@@ -251,24 +270,23 @@ def legacy_problem(f: BinaryIO) -> str | None:
 
 def _scan_legacy(f: BinaryIO, size: int) -> Scan:
     f.seek(0)
-    head = f.read(min(size, MAX_PICKLE))
-    stream = io.BytesIO(head)
+    stream = _Capped(f, MAX_PICKLE)  # the pickles are read; the storages after them only sized
     named: list[str] = []
     refs: list[_Ref] = []
     keys: list[str] = []
     try:
         for part, strings in (("magic number", None), ("protocol version", None), ("system info", None),
                               ("object", None), ("storage keys", keys)):
-            _walk(stream, named if part == "object" else [], refs if part == "object" else [], strings)
+            _walk(stream, named if part == "object" else [], refs if part == "object" else [], strings)  # type: ignore[arg-type]
     except _Broken as e:
-        if len(head) < size:
-            return Scan(f"a legacy torch.save file whose pickles take more than {MAX_PICKLE >> 20} MiB, or {e}")
+        if not stream.left:
+            return Scan(f"a legacy torch.save file whose pickles take more than {MAX_PICKLE >> 20} MiB")
         return Scan(f"a legacy torch.save file, not whole: {e}")
     by_key = {r.key: r for r in refs}
     missing = sorted(set(by_key) - set(keys))
     if missing:
         return Scan(f"the pickle names tensor storage {missing[0]!r}, which the file lacks")
-    pos = stream.tell()
+    pos = f.tell()
     for key in keys:
         ref = by_key.get(key)
         element = _ELEMENT.get(ref.kind.rsplit(".", 1)[-1].removesuffix("Storage")) if ref is not None else 1
