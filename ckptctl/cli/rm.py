@@ -26,14 +26,14 @@ def rm(
     Lightning .ckpt file...); its parent is its root. The newest resumable checkpoint of its
     layout under the root that passes full verification (the one prune always keeps: found
     newest first, every checksum and file checked at the load level, or unchanged since the
-    verification record says so) is refused unless --force, and then nothing at all is deleted.
+    verification record says so) is refused unless --force, and then nothing at all is deleted;
+    so is what a pointer protects (DeepSpeed's latest, Megatron's tracker, a Trainer's best).
+
     Deleting removes the file the layout's commit rule reads first (ckptctl's marker, DCP's
     .metadata, the Trainer's trainer_state.json), each file only while it is as listed, so an
     interrupted rm leaves a partial checkpoint, never one that looks whole. A symlink is removed
-    as a link, its target never touched; what a pointer protects (DeepSpeed's latest,
-    Megatron's tracker, a Trainer's best checkpoint) is refused unless --force. A directory no
-    layout claims is never removed. Takes the same lock under ROOT as prune and sync;
-    --dry-run takes none and writes nothing.
+    as a link, its target never touched; a directory no layout claims is never removed. Takes
+    the same lock under ROOT as prune and sync; --dry-run takes none and writes nothing.
 
     Exit status: 0 deleted (or nothing to do); 1 refused for safety or not confirmed; 2 usage
     error (no such checkpoint, not a ckptctl checkpoint, no terminal to confirm on without --yes
