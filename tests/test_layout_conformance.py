@@ -594,9 +594,11 @@ def test_verify_at_the_anchor_level_and_prune_never_disagree(layout: str, tmp_pa
     from ckptctl.ops.retention.plan import ANCHOR_LEVEL, plan
     from ckptctl.ops.verify.engine import verify_entry
 
-    @settings(max_examples=4, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(pick=st.integers(0, 50), how=st.sampled_from(["flip", "truncate", "zero", "delete"]),
-           where=st.floats(0.0, 0.99))
+    # Mostly flipped bytes past the headers: the damage the cheaper levels miss, where two
+    # engines (or two levels) would part.
+    @settings(max_examples=10, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(pick=st.integers(0, 50), how=st.sampled_from(["flip", "flip", "flip", "truncate", "zero", "delete"]),
+           where=st.floats(0.3, 0.99))
     def one_case(pick: int, how: str, where: float) -> None:
         local = tempfile.mkdtemp(dir=str(tmp_path_factory.getbasetemp()))
         _old, new = built(layout, local, [(10, True), (20, True)])
