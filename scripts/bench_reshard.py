@@ -75,7 +75,7 @@ def main() -> None:
         size = du(src)
         py = [sys.executable]
         ckptctl = [*py, "-m", "ckptctl"]
-        _, base = run([*py, "-c", "import torch, ckptctl.cli.app, ckptctl.ops.verify.checkpoint, safetensors, torch.distributed.checkpoint"])
+        _, base = run([*py, "-c", "import torch, ckptctl.cli.app, ckptctl.ops.verify.engine, safetensors, torch.distributed.checkpoint"])
         dcp_dir = os.path.join(work, "dcp-src")
         subprocess.run([*ckptctl, "convert", src, dcp_dir, "--to", "dcp"], check=True, capture_output=True)
 

@@ -592,7 +592,7 @@ class Bench:
 
     def read_rounds(self) -> None:
         from ckptctl import Checkpointer
-        from ckptctl.ops.verify.checkpoint import verify_checkpoint
+        from ckptctl.ops.verify.engine import verify_checkpoint
         from ckptctl.storage import open_storage
 
         from ckptctl.settings import IO_THREADS, VERIFY_THREADS

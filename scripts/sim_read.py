@@ -23,10 +23,10 @@ from ckptctl.format.geometry import Box
 from ckptctl.format.layout import shard_name, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.shard import Chunk, build_header
-from ckptctl.layouts.catalog import NATIVE, newest_committed, newest_marked
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed, newest_marked
 from ckptctl.layouts.native import commit, read_committed
 from ckptctl.load.shard_index import ShardIndex
-from ckptctl.ops.verify.checkpoint import coverage
+from ckptctl.layouts.native_check import coverage
 from ckptctl.storage.base import ObjectInfo, Reader, Storage, Writer
 
 ROWS, COLS = 16384, 1024
@@ -202,7 +202,7 @@ def load_planning(root: MemStorage, ranks: int, *, read_all: bool = False) -> No
     """(a) One rank's load planning at the same world size: manifest, its own region of every
     tensor located (headers opened as the hints say), its per-rank state and rank 0's."""
     rank = ranks // 2 + 1
-    entry = next(newest_committed(root, layouts=NATIVE))  # what rank 0 broadcast: a name only
+    entry = next(newest_committed(root, layouts=CHECKPOINTER_LAYOUTS))  # what rank 0 broadcast: a name only
     index = ShardIndex(root.sub(entry.name))
     if read_all:  # the old reader: every header, on every rank
         index.headers
@@ -216,13 +216,13 @@ def load_planning(root: MemStorage, ranks: int, *, read_all: bool = False) -> No
 def latest_decision(root: MemStorage) -> None:
     """(b) ``load_latest``'s decision, on rank 0 (the others read nothing for it): the newest
     committed checkpoint, marker and manifest checked."""
-    next(newest_committed(root, layouts=NATIVE))
+    next(newest_committed(root, layouts=CHECKPOINTER_LAYOUTS))
 
 
 def verify_metadata(root: MemStorage) -> None:
     """(c) ``verify``'s default level, its metadata part: every header of the newest
     checkpoint and the coverage check (the data read is proportional to the data)."""
-    entry = next(newest_committed(root, layouts=NATIVE))
+    entry = next(newest_committed(root, layouts=CHECKPOINTER_LAYOUTS))
     index = ShardIndex(entry.storage)
     coverage(index.manifest, index.headers)
 
@@ -230,7 +230,7 @@ def verify_metadata(root: MemStorage) -> None:
 def prune_anchor_metadata(root: MemStorage) -> None:
     """(d) ``prune --dry-run``'s listing and anchor check, metadata part: every checkpoint's
     status (marker and manifest), then the anchor's headers and coverage."""
-    entries = list(newest_marked(root, layouts=NATIVE))
+    entries = list(newest_marked(root, layouts=CHECKPOINTER_LAYOUTS))
     anchor = entries[0]
     read_committed(anchor.storage)
     index = ShardIndex(anchor.storage)

@@ -300,3 +300,33 @@ def module_cycles(imports: list[Import]) -> list[str]:
         if imp.importer != imp.target and unit_of(imp.importer) == unit_of(imp.target):
             edges.setdefault(imp.importer, {}).setdefault(imp.target, imp)
     return _cycles(edges, "modules")
+
+
+def nested_units(modules: list[str]) -> frozenset[str]:
+    """The units whose modules live in packages of their own (``ops``: ``ops.verify``,
+    ``ops.retention``...), read from the dotted names of every module."""
+    return frozenset(m.split(".")[1] for m in modules if len(m.split(".")) >= 4)
+
+
+def package_of(module: str, nested: frozenset[str]) -> str:
+    """The package a module belongs to for the rule that no two packages import each other: in
+    a unit with packages of its own, each of them, and each module beside them
+    (``ckptctl.ops.verify.engine`` -> ``ops.verify``, ``ckptctl.ops.rm`` -> ``ops.rm``);
+    elsewhere the unit (``ckptctl.layouts.catalog`` -> ``layouts``)."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] in nested:
+        return ".".join(parts[1:3])
+    return unit_of(module)
+
+
+def package_cycles(imports: list[Import], nested: frozenset[str]) -> list[str]:
+    """Every cycle between packages (two that import each other, or a longer ring), each with
+    one import per edge that closes it. Inside ``ops`` each package counts on its own: a verb's
+    package importing another that imports it back cannot be read or moved one without the
+    other, whatever the layer table allows (what both need belongs below both)."""
+    edges: dict[str, dict[str, Import]] = {}
+    for imp in imports:
+        src, dst = package_of(imp.importer, nested), package_of(imp.target, nested)
+        if src != dst:
+            edges.setdefault(src, {}).setdefault(dst, imp)
+    return _cycles(edges, "packages")

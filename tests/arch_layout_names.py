@@ -19,6 +19,12 @@ Found with ``ast`` (nothing imported), in every module outside ``ckptctl/layouts
 
 Each offence is named by file and enclosing function (``ckptctl/ops/verify/checkpoint.py:verify_root``),
 the unit a later change removes.
+
+``flag_uses`` finds the other way to branch on who wrote a checkpoint: the names that told
+ckptctl's own format apart from the others' before every verb asked the ``Layout`` protocol
+(``FLAGS``: the booleans ``verified_by_manifest`` and ``written_by_ckptctl``, the constants
+``NATIVE`` and ``NATIVE_NAME``, the class ``StackLayout``), wherever they appear: as a name, an
+attribute, or imported.
 """
 
 from __future__ import annotations
@@ -141,6 +147,35 @@ def offences(module: str, source: str, path: str, is_package: bool, names: froze
             kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
             if any(_is_layout_class(k, classes) for k in kinds):
                 found.append(Offence(path, where, node.lineno, f"checks a layout type: {ast.unparse(node)}"))
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(tree, "<module>")
+    return found
+
+
+# Names that tell ckptctl's own format apart from other tools' outside ``layouts/``.
+FLAGS = frozenset({"verified_by_manifest", "written_by_ckptctl", "NATIVE", "NATIVE_NAME", "StackLayout"})
+
+
+def flag_uses(source: str, path: str) -> list[Offence]:
+    """Every use of a name of ``FLAGS`` in one module's source: a name, an attribute, or an
+    import (under its own name or another)."""
+    tree = ast.parse(source, filename=path)
+    found: list[Offence] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            where = node.name if where == "<module>" else f"{where}.{node.name}"
+        names: list[str] = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.ImportFrom, ast.Import)):
+            names = [n for alias in node.names for n in (alias.name.rsplit(".", 1)[-1], alias.asname) if n]
+        for name in sorted(set(names) & FLAGS):
+            found.append(Offence(path, where, getattr(node, "lineno", 0), f"uses {name}"))
         for child in ast.iter_child_nodes(node):
             visit(child, where)
 

@@ -10,10 +10,14 @@ The allowed imports are read from the table in docs/architecture.md, so the page
 cannot drift apart: change the table and the test follows. Each failure names the module, the
 line and the rule, and every violation is reported at once.
 
-Inside a package, modules form no cycle either, and the table holds no entry that no import
-uses. Outside ``layouts/`` no module branches on a layout's name or type; today's offenders are
-the named allow-list below, which may only shrink. The checkers live in ``arch_imports.py`` and
-``arch_layout_names.py``; the self-tests at the end prove each one catches what it should.
+Inside a package, modules form no cycle either; no two packages import each other (inside
+``ops`` each package counts: ``ops.verify``, ``ops.seal``...); and the table holds no entry that
+no import uses. Outside ``layouts/`` no module branches on a layout's name or type, nor on who
+wrote a checkpoint: the names that told ckptctl's own format apart (``verified_by_manifest``,
+``written_by_ckptctl``, ``NATIVE``, ``NATIVE_NAME``, ``StackLayout``) appear nowhere else but in
+the copy engines' files named below, until they ask the ``Layout`` protocol too (the list may
+only shrink). The checkers live in ``arch_imports.py`` and ``arch_layout_names.py``; the
+self-tests at the end prove each one catches what it should.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ from arch_imports import (
     layer_violations,
     module_cycles,
     named_rule_violations,
+    nested_units,
+    package_cycles,
     parse_rules,
     subpackage_cycles,
     table_entries,
     unit_of,
     unused_entries,
 )
-from arch_layout_names import Offence, layout_names, offences
+from arch_layout_names import FLAGS, Offence, flag_uses, layout_names, offences
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ckptctl"
@@ -130,6 +136,11 @@ def test_no_cycle_between_modules_of_a_package() -> None:
                                "module that owns its concept; an import inside a function still counts)", cycles)
 
 
+def test_no_two_packages_import_each_other() -> None:
+    cycles = package_cycles(_all_imports(), nested_units([name for name, _, _ in _modules()]))
+    assert not cycles, _report("cycles between packages (what two packages both need moves below them)", cycles)
+
+
 def test_every_entry_of_the_table_is_used() -> None:
     unused = unused_entries(_all_imports(), table_entries(ARCHITECTURE.read_text()))
     assert not unused, _report("entries of the import table that no module uses", unused)
@@ -181,6 +192,40 @@ def test_the_layout_name_allow_list_has_no_stale_entry() -> None:
     # once, and a function another change adds or removes may reach HEAD after this list.)
     stale = sorted((LAYOUT_NAME_OFFENDERS & _functions()) - {o.key for o in _layout_name_offences()})
     assert not stale, _report("entries of LAYOUT_NAME_OFFENDERS that no longer offend: remove them", stale)
+
+
+# The files outside layouts/ that may still tell ckptctl's own format apart by one of FLAGS: the
+# copy engines, until their rewrite asks the Layout protocol (issue 28, the copy side). Only
+# files under MAY_BE_TRANSITIONAL may be listed, and the list may only shrink: a listed file that
+# exists and no longer uses one fails, so nothing comes back under its cover.
+TRANSITIONAL_FLAG_USERS: frozenset[str] = frozenset({
+    "ckptctl/ops/transfer/copy.py",
+    "ckptctl/ops/transfer/stack_copy.py",
+    "ckptctl/ops/transfer/sync.py",
+})
+MAY_BE_TRANSITIONAL = ("ckptctl/ops/transfer/", "ckptctl/tiers/upload.py")
+
+
+def _flag_uses() -> list[Offence]:
+    found: list[Offence] = []
+    for _, path, _ in _modules():
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] != "layouts":
+            found += flag_uses(path.read_text(), str(rel))
+    return found
+
+
+def test_nothing_outside_layouts_tells_ckptctls_own_format_apart() -> None:
+    new = [str(o) for o in _flag_uses() if o.path not in TRANSITIONAL_FLAG_USERS]
+    assert not new, _report(f"uses of {', '.join(sorted(FLAGS))} outside layouts/ (ask the Layout protocol: "
+                            "ckptctl's own format is one layout among the others)", new)
+
+
+def test_the_transitional_flag_users_are_copy_engines_that_still_use_them() -> None:
+    assert all(p.startswith(MAY_BE_TRANSITIONAL) for p in TRANSITIONAL_FLAG_USERS), TRANSITIONAL_FLAG_USERS
+    users = {o.path for o in _flag_uses()}
+    stale = sorted(p for p in TRANSITIONAL_FLAG_USERS if (ROOT / p).exists() and p not in users)
+    assert not stale, _report("entries of TRANSITIONAL_FLAG_USERS that no longer use a flag: remove them", stale)
 
 
 # --- the checker catches what it should (so a green run means something) -----------------------
@@ -394,3 +439,38 @@ def test_each_ops_subpackage_imports_only_what_its_docstring_says() -> None:
         assert not bad, _report(f"imports {package}'s docstring does not allow", bad)
         checked += 1
     assert checked >= 5  # verify, retention, transfer, transform, seal
+
+
+def test_checker_catches_two_packages_importing_each_other() -> None:
+    found = _imports({
+        # ops.verify <-> ops.seal through a function-level import; ops.retention -> ops.lock is one way
+        "ckptctl.ops.verify.layouts": "def f():\n    from ckptctl.ops.seal.check import g\n",
+        "ckptctl.ops.seal.sealing": "from ckptctl.ops.verify.layouts import f\n",
+        "ckptctl.ops.seal.check": "",
+        "ckptctl.ops.retention.plan": "from ckptctl.ops.lock import RootLock\n",
+        "ckptctl.ops.lock": "from ckptctl.errors import E\n",
+        "ckptctl.ops.rm": "from ckptctl.ops.retention.plan import plan\n",
+        "ckptctl.errors": "",
+    })
+    nested = nested_units([i.importer for i in found] + [i.target for i in found])
+    assert nested == {"ops"}
+    (cycle,) = package_cycles(found, nested)
+    assert "ops.seal, ops.verify" in cycle and "ckptctl/ops/verify/layouts.py:2" in cycle, cycle
+    assert subpackage_cycles(found) == [] and module_cycles(found) == []  # what the older checks missed
+
+
+def test_checker_finds_every_use_of_a_flag() -> None:
+    source = (
+        "from ckptctl.layouts.catalog import NATIVE, list_checkpoints\n"      # 1: imported
+        "from ckptctl.layouts.stack import StackLayout as Base\n"             # 2: imported, renamed
+        "def verify(found, layout):\n"
+        "    if found.verified_by_manifest:\n"                               # 4: an attribute
+        "        return list_checkpoints(layouts=NATIVE)\n"                  # 5: a name
+        "    return layout.written_by_ckptctl\n"                             # 6: an attribute
+        "NATIVE_NAME = 'ckptctl'\n"                                          # 7: a name
+        "def fine(layout):\n"
+        "    return layout.check(layout.root)\n"                             # the protocol: fine
+    )
+    found = flag_uses(source, "ckptctl/ops/x.py")
+    assert sorted({o.line for o in found}) == [1, 2, 4, 5, 6, 7], [str(o) for o in found]
+    assert {o.key for o in found if o.line in (4, 5, 6)} == {"ckptctl/ops/x.py:verify"}

@@ -35,7 +35,8 @@ from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.layout import step_dir
 from ckptctl.ops.verbs import convert_path, copy_to, reshard_path, restore_into
-from ckptctl.ops.verify.checkpoint import LEVELS, verify_checkpoint
+from ckptctl.layouts.checked import LEVELS
+from ckptctl.ops.verify.engine import verify_checkpoint
 from ckptctl.storage import open_storage
 
 # Strides through the structural bytes (keys, punctuation, chunk index, offsets, digests,
@@ -188,7 +189,7 @@ def _gate_sweep(ckpt: str) -> dict[str, Any]:
     the checks every reader makes before it uses a field: the marker and the manifest it
     commits (``layouts.native.read_committed``), then each header parsed and bound to the
     manifest's file entry (size, ``format.shard_identity.header_mismatch``), as
-    ``load.shard_index`` and ``ops.verify.shard_scan`` do. A flip must be refused there, or (the
+    ``load.shard_index`` and ``layouts.shard_scan`` do. A flip must be refused there, or (the
     marker's informational fields only) leave every field that is used unchanged."""
     from ckptctl.format.shard import parse_header
     from ckptctl.format.shard_identity import header_mismatch

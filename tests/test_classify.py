@@ -19,6 +19,7 @@ import shutil
 
 import torch
 
+from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.layouts.classify import MISSING, NO_FORMAT_DIR, NO_FORMAT_FILE, classify
 from helpers import cli, make_checkpoints
 from test_layouts import dcp_step, hf_checkpoint
@@ -39,12 +40,12 @@ def test_a_root_and_its_checkpoints_of_every_kind(tmp_path):
     hf = hf_checkpoint(root, 20)
     found = classify(root)
     assert found.what == "root" and found.entries == 4 and found.description is None
-    assert sorted({e.layout for e in found.checkpoints()}) == ["ckptctl", "dcp", "hf-trainer"]
+    assert sorted({e.layout for e in list_checkpoints(found.storage)}) == ["ckptctl", "dcp", "hf-trainer"]
     one = classify(native[0])
-    assert one.what == "checkpoint" and one.verified_by_manifest and one.by_name and one.step == 1
+    assert one.what == "checkpoint" and one.in_layout.name == "ckptctl" and one.by_name and one.step == 1
     assert one.description == "a ckptctl checkpoint" and one.storage.url == native[0]
     d = classify(dcp)
-    assert (d.what, d.in_layout.name, d.step, d.by_name, d.verified_by_manifest) == ("checkpoint", "dcp", 10, True, False)
+    assert (d.what, d.in_layout.name, d.step, d.by_name) == ("checkpoint", "dcp", 10, True)
     h = classify(hf)
     assert (h.in_layout.name, h.step, h.file_format()) == ("hf-trainer", 20, "safetensors")
 
@@ -55,7 +56,7 @@ def test_checkpoints_named_alone_are_their_layouts_by_their_files(tmp_path):
     copied = str(tmp_path / "my-copy")
     shutil.copytree(native, copied)
     found = classify(copied)
-    assert found.what == "checkpoint" and found.verified_by_manifest and not found.by_name and found.step is None
+    assert found.what == "checkpoint" and found.in_layout.name == "ckptctl" and not found.by_name and found.step is None
     export = str(tmp_path / "export")
     shutil.copytree(dcp_step(root, 10), export)
     d = classify(export)
@@ -214,9 +215,9 @@ def test_every_answer_on_s3(tmp_path, s3_url, s3_server):
     bucket.upload(local)
     found = classify(s3_url)
     assert found.what == "root" and found.entries == 4
-    assert sorted({e.layout for e in found.checkpoints()}) == ["ckptctl", "dcp", "hf-trainer"]
+    assert sorted({e.layout for e in list_checkpoints(found.storage)}) == ["ckptctl", "dcp", "hf-trainer"]
     one = classify(f"{s3_url}/step-0000000001")
-    assert one.what == "checkpoint" and one.verified_by_manifest and one.step == 1 and one.local is None
+    assert one.what == "checkpoint" and one.in_layout.name == "ckptctl" and one.step == 1 and one.local is None
     d = classify(f"{s3_url}/step-10")
     assert (d.in_layout.name, d.step, d.by_name) == ("dcp", 10, True)
     h = classify(f"{s3_url}/checkpoint-20")

@@ -185,7 +185,8 @@ def _fake_deepspeed_module(monkeypatch):
 def test_deepspeed_param_slice_mappings_pass_the_load_level_and_nothing_else_does(tmp_path, monkeypatch):
     """ZeRO-1/2 optimizer states hold ``param_slice_mappings`` of ``fragment_address``
     (found on real DeepSpeed 0.19 files): allowed, built as a plain namespace by torch's
-    weights-only loader. A class beside it that the list does not name still fails."""
+    weights-only loader. A class beside it that the list does not name is decoded structurally
+    (never run) and named: a class name alone fails nothing."""
     import collections
 
     import torch
@@ -210,7 +211,8 @@ def test_deepspeed_param_slice_mappings_pass_the_load_level_and_nothing_else_doe
     mappings[0]["0.weight"] = fake.tensor_fragment()  # a class nobody listed
     torch.save({"optimizer_state_dict": {"param_slice_mappings": mappings}, "ds_version": "0.19"}, optim)
     r = cli("verify", tag, "--load", "--json")
-    assert r.exit_code == 1 and "tensor_fragment.tensor_fragment" in r.stdout, r.stdout + r.stderr
+    assert r.exit_code == 0 and "tensor_fragment.tensor_fragment" in r.stdout, r.stdout + r.stderr
+    assert "decoded structurally" in r.json()["checkpoints"][0]["note"]
 
 
 _DS_CONFIG = {

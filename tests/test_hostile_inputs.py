@@ -33,7 +33,8 @@ from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import Chunk, build_header, parse_header
 from ckptctl.interop.safetensors_io import SafetensorsSource
-from ckptctl.ops.retention.lock import LockInfo, stale_reason
+from ckptctl.layouts.native import NativeLayout
+from ckptctl.ops.lock import LockInfo, stale_reason
 from ckptctl.ops.verify.cache import CACHE_KEY, VerifyCache, verify_cached
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
@@ -323,7 +324,7 @@ def test_verification_record_parser(good_root: str) -> None:
     root = open_storage(good_root)
     name = os.path.basename(ckpt_dir(good_root, 1))
     cache = VerifyCache.load(root)
-    verify_cached(root.sub(name), name, cache, level="quick")
+    verify_cached(root.sub(name), name, cache, layout=NativeLayout(), level="quick")
     cache.save()
     base = json.loads(open(os.path.join(good_root, CACHE_KEY), "rb").read())
     try:
@@ -334,7 +335,7 @@ def test_verification_record_parser(good_root: str) -> None:
             with open(os.path.join(good_root, CACHE_KEY), "wb") as f:
                 f.write(raw)
             loaded = VerifyCache.load(root)
-            report, _, _ = verify_cached(root.sub(name), name, loaded, level="quick")
+            report, _, _ = verify_cached(root.sub(name), name, loaded, layout=NativeLayout(), level="quick")
             assert report.ok
 
         prop()
@@ -796,3 +797,61 @@ def test_root_verbs_skip_a_checkpoint_with_a_hostile_sidecar(tmp_path: Any, side
         if sidecar not in ("megatron tracker", "deepspeed latest"):
             r = cli("verify", newest)
             assert r.exit_code in (0, 1) and "Traceback" not in r.stderr, (sidecar, raw[:60], r.stderr)
+
+
+# --- hostile pickles in accelerate's random_states (issue 29 item 6, the pickle part) ----------------
+
+BINBYTES8_2_62 = b"\x8e" + struct.pack("<Q", 1 << 62)  # "2^62 bytes follow", and none do
+
+
+def _accelerate_save(path: str) -> None:
+    """A save_state directory as accelerate writes it for one process (model, optimizer, RNG)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    save_file({"w": torch.ones(4)}, os.path.join(path, "model.safetensors"))
+    torch.save({"state": {}, "param_groups": [{"lr": 0.1}]}, os.path.join(path, "optimizer.bin"))
+    torch.save({"step": 0, "torch_manual_seed": torch.ones(2, dtype=torch.uint8)},
+               os.path.join(path, "random_states_0.pkl"))
+
+
+def _zip_with_pickle(pickled: bytes) -> bytes:
+    """A torch.save archive whose data.pkl is ``pickled``."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickled)
+        z.writestr("archive/version", "3\n")
+    return buf.getvalue()
+
+
+HOSTILE_RNG = {
+    "protocol-4 pickle": b"\x80\x04" + BINBYTES8_2_62,  # 11 bytes: ls died in zipfile's seek before the fix
+    "legacy pickle": b"\x80\x02" + BINBYTES8_2_62 + b"xx",
+    "zip data.pkl": _zip_with_pickle(b"\x80\x02" + BINBYTES8_2_62 + b"."),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_RNG))
+def test_a_hostile_accelerate_rng_pickle_is_a_checkpoint_problem_named(tmp_path: Any, case: str) -> None:
+    """ls, latest, verify (every level), prune and du: 0 or 1, never 3 or "internal error"; the
+    file is named; latest takes the older save."""
+    root = str(tmp_path / "checkpoints")
+    older, newest = os.path.join(root, "checkpoint_0"), os.path.join(root, "checkpoint_1")
+    _accelerate_save(older)
+    _accelerate_save(newest)
+    with open(os.path.join(newest, "random_states_0.pkl"), "wb") as f:
+        f.write(HOSTILE_RNG[case])
+    for args in (["ls", root], ["du", root], ["prune", root, "--keep-last", "1", "--dry-run"],
+                 ["verify", root, "--all"]):
+        r = cli(*args)
+        assert r.exit_code in (0, 1) and "internal error" not in r.stderr + r.stdout, (case, args, r.stderr)
+    r = cli("latest", root, "--level", "load")
+    assert r.exit_code == 0 and r.stdout.strip() == older, (case, r.stdout, r.stderr)
+    r = cli("verify", newest, "--load")
+    assert r.exit_code == 1 and "random_states_0.pkl" in r.stdout + r.stderr, (case, r.stdout, r.stderr)
+    if case != "zip data.pkl":  # a whole archive with whole CRC-32s: only decoding its pickle tells
+        r = cli("verify", newest, "--quick")
+        assert r.exit_code == 1 and "random_states_0.pkl" in r.stdout + r.stderr, (case, r.stdout, r.stderr)

@@ -58,8 +58,9 @@ def test_a_killed_seal_leaves_nothing_the_rerun_trusts(tmp_path: Any, point: str
         os.unlink(os.path.join(ckpt, SEAL))
         open(tmp, "wb").write(seal if point == "written, not linked" else seal[: len(seal) // 2])
     r = cli("verify", ckpt)
-    if point == "linked, not unlinked":  # the seal is whole; the leftover is named as such
-        assert r.exit_code == 1 and "interrupted ckptctl" in r.stdout + r.stderr, r.stdout + r.stderr
+    if point == "linked, not unlinked":  # the seal is whole; the leftover is named as such, and
+        # the Trainer never reads it on resume: reported, never a reason to call it broken
+        assert r.exit_code == 0 and "interrupted ckptctl" in r.stdout + r.stderr, r.stdout + r.stderr
     r = cli("seal", ckpt, "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
     assert not os.path.exists(tmp), "the rerun removes the leftover"

@@ -15,14 +15,13 @@ import shutil
 import time
 import warnings
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptctl import Checkpointer
 from ckptctl.layouts import catalog
-from ckptctl.ops.verify.layouts import latest_checkpoint
-from ckptctl.ops.verify.layouts import verify_root
+from ckptctl.ops.verify.latest import latest_checkpoint
+from ckptctl.ops.verify.latest import verify_root
 from ckptctl.storage import open_storage
 from helpers import ckpt_dir, cli, make_checkpoints
 
@@ -292,16 +291,15 @@ def test_deepspeed_without_latest_is_never_taken_for_abandoned(tmp_path):
     assert r.exit_code == 1 and os.path.isdir(os.path.join(root, "global_step10"))
 
 
-def test_pickle_beyond_the_allow_list_is_not_decoded_and_fails_the_load_level(tmp_path):
-    from ckptctl.errors import NoValidCheckpoint
-
+def test_pickle_beyond_the_allow_list_is_decoded_structurally_never_run(tmp_path):
+    """Not test-loaded (torch refuses the class), decoded structurally instead: a class name
+    alone fails nothing, and the report names it."""
     root = str(tmp_path)
     path = deepspeed_tag(root, 10)
     torch.save({"module": {"w": torch.ones(2)}, "cfg": _Custom()}, os.path.join(path, "mp_rank_00_model_states.pt"))
-    with pytest.raises(NoValidCheckpoint):  # what the load level could not decode is not verified at it
-        latest_checkpoint(open_storage(root), "load")
+    assert latest_checkpoint(open_storage(root), "load").step == 10
     (report,) = verify_root(open_storage(root), which="all", level="load")
-    assert not report.ok and "unverified at load" in str(report.problems[0]) and "_Custom" in str(report.problems[0])
+    assert report.ok and "_Custom" in (report.note or "") and "never unpickled" in (report.note or ""), report
 
 
 class _Custom:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ckptctl.errors import EXIT_OPERATIONAL, LockHeld
-from ckptctl.ops.retention.lock import GUARD_KEY, LOCK_KEY, LockInfo, RootLock, _proc_start
+from ckptctl.ops.lock import GUARD_KEY, LOCK_KEY, LockInfo, RootLock, _proc_start
 from ckptctl.storage import open_storage
 
 HOST = socket.gethostname()
@@ -126,7 +126,7 @@ def test_refresh_notices_a_takeover_and_release_leaves_the_new_lock(tmp_path):
 CONTENDER = textwrap.dedent("""
     import sys, time
     from ckptctl.errors import LockHeld
-    from ckptctl.ops.retention.lock import RootLock
+    from ckptctl.ops.lock import RootLock
     from ckptctl.storage import open_storage
     root, start = sys.argv[1], float(sys.argv[2])
     while time.time() < start:

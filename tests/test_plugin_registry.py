@@ -38,7 +38,7 @@ def _warnings(err: str) -> list[str]:
 
 @pytest.mark.parametrize(("target", "why"), [
     ("ckptctl_no_such_module:Layout", "ModuleNotFoundError"),
-    ("os:getcwd", "not a subclass of ckptctl.layouts.stack.StackLayout"),
+    ("os:getcwd", "of the layout protocol (ckptctl.layouts.base.Layout)"),
     ("ckptctl.layouts.dcp:DcpLayout", "'dcp', which another layout already has"),
     ("test_plugin_registry:HfNamed", "'hf', which ckptctl already uses for the format 'hf-trainer'"),
 ])
@@ -101,3 +101,46 @@ def test_storage_backends_by_scheme_built_in_and_by_entry_point(tmp_path, capsys
     assert list(openers) == ["toyfs2"]  # a built-in scheme is never taken over
     warned = _warnings(capsys.readouterr().err)
     assert len(warned) == 3 and "'s3', which another backend already has" in warned[0]
+
+
+def test_the_layout_in_docs_extending_is_a_plugin_that_gets_the_verbs(tmp_path, monkeypatch) -> None:
+    """The forty lines of docs/extending.md, as a module a distribution would ship: registered
+    by entry point (every member of the protocol, nothing subclassed), listed, verified at
+    every level and deleted, by the same functions the verbs call (the toy plugin, installed,
+    goes through every verb: tests/test_layout_conformance.py)."""
+    import json
+    import os
+    import re
+    import sys
+
+    from ckptctl.layouts.catalog import list_checkpoints
+    from ckptctl.layouts.removal import entry_snapshot, remove_entry
+    from ckptctl.ops.verify.engine import verify_entry
+    from ckptctl.storage import open_storage
+
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "extending.md")).read()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "class MyTrainerLayout" in block]
+    assert len(code.splitlines()) <= 50, "the example plugin stays about forty lines"
+    (tmp_path / "mytrainer_ckptctl.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    layouts = registered(catalog.BUILTIN, [EntryPoint("mytrainer", "mytrainer_ckptctl:MyTrainerLayout", LAYOUT_GROUP)])
+    assert layouts[-1].name == "mytrainer" and type(layouts[-1]).__mro__[1:] == (object,)
+    root = tmp_path / "run"
+    for step in (1, 2, 3):
+        (root / f"ckpt_{step}").mkdir(parents=True)
+        (root / f"ckpt_{step}" / "weights.bin").write_bytes(os.urandom(64))
+        if step < 3:  # the third save is killed before DONE
+            (root / f"ckpt_{step}" / "DONE").write_text(json.dumps({"step": step}))
+    st = open_storage(str(root))
+    entries = list_checkpoints(st, layouts=[layouts[-1]])
+    assert [(e.name, e.status) for e in entries] == [("ckpt_1", "committed"), ("ckpt_2", "committed"),
+                                                     ("ckpt_3", "partial")]
+    for level in ("quick", "checksums", "load"):
+        assert verify_entry(entries[1], level).ok  # type: ignore[arg-type]
+    (root / "ckpt_2" / "DONE").write_text(json.dumps({"step": 7}))
+    assert not verify_entry(entries[1], "quick").ok
+    # Deleted as prune and rm delete: its commit file first, each file only while as listed.
+    assert layouts[-1].removal_order(["weights.bin", "DONE"]) == ["DONE", "weights.bin"]
+    assert remove_entry(st, "ckpt_1", entry_snapshot(st, "ckpt_1"), layouts[-1].removal_order) is None
+    assert sorted(os.listdir(root)) == ["ckpt_2", "ckpt_3"]
+    sys.modules.pop("mytrainer_ckptctl", None)

@@ -154,7 +154,8 @@ def test_lightning_best_unreadable_for_a_class_beyond_the_allow_list_keeps_every
         _lightning_file(root, s)
     _lightning_file(root, 3, hyper_parameters={"opaque": _Opaque()})
     r = cli("prune", root, "--keep-last", "1", "--yes", "--json")
-    assert r.exit_code == 1, r.stdout + r.stderr  # the newest does not decode at load: reported, kept
+    # The newest decodes structurally at load (a class name alone fails nothing): the anchor.
+    assert r.exit_code == 0, r.stdout + r.stderr
     reason = _plan(r)["epoch=0-step=2.ckpt"]["reason"]
     assert "cannot be read safely" in reason and "kept for safety" in reason and "_Opaque" in reason, reason
     assert len(os.listdir(root)) == 3

@@ -19,11 +19,11 @@ from ckptctl import Checkpointer
 from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.layouts.native import read_state
 from ckptctl.format.layout import MANIFEST, MARKER, step_dir
-from ckptctl.ops.retention.lock import RootLock
+from ckptctl.ops.lock import RootLock
 from ckptctl.ops.retention.prune import plan as make_plan
 from ckptctl.ops.retention.prune import prune
 from ckptctl.ops.retention.policies import from_options
-from ckptctl.ops.verify.checkpoint import verify_checkpoint
+from ckptctl.ops.verify.engine import verify_checkpoint
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import Writer
 from ckptctl.storage.local import LocalStorage
@@ -373,7 +373,7 @@ def test_two_real_prunes_at_once(tmp_path):
 WRITER = textwrap.dedent("""
     import sys, time, torch
     from ckptctl import Checkpointer
-    from ckptctl.ops.verify.checkpoint import verify_checkpoint
+    from ckptctl.ops.verify.engine import verify_checkpoint
     from ckptctl.storage import open_storage
     root, n = sys.argv[1], int(sys.argv[2])
     with Checkpointer(root) as ckpt:

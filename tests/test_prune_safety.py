@@ -209,7 +209,7 @@ def test_an_empty_lock_left_by_a_full_disk_is_held_while_its_process_lives(tmp_p
     """A lock file left empty (no block to write its JSON) still excludes others: flock says
     its holder lives; once that process is gone, the next run takes the lock."""
     from ckptctl.errors import LockHeld
-    from ckptctl.ops.retention.lock import LOCK_KEY, RootLock
+    from ckptctl.ops.lock import LOCK_KEY, RootLock
 
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, os, sys, time

@@ -135,7 +135,7 @@ def test_tracker_naming_a_missing_iteration_fails_verify_latest_and_is_moved_bac
 
 
 def test_repoint_takes_the_roots_lock_and_a_dry_run_does_not(tmp_path):
-    from ckptctl.ops.retention.lock import RootLock
+    from ckptctl.ops.lock import RootLock
     from ckptctl.storage import open_storage
 
     root = str(tmp_path)

@@ -243,7 +243,7 @@ def baseline_mib(more_imports: str = "") -> float:
     # ops modules that `reshard` and `convert` import when they start (the app itself no
     # longer imports them, so that torch-free commands start fast).
     return peak_rss_mib(["-c", "import torch, ckptctl.cli.app, ckptctl.ops.transform.convert, ckptctl.ops.transform.reshard, "
-                               "ckptctl.ops.verify.checkpoint, safetensors" + more_imports])
+                               "ckptctl.ops.verify.engine, safetensors" + more_imports])
 
 
 def test_reshard_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_path):

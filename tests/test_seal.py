@@ -12,7 +12,8 @@ import torch
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.seal import SEAL, Seal, SealedFile, encode_seal, parse_seal
-from ckptctl.ops.verify.layouts import stack_checkpoint_at, verify_stack
+from ckptctl.layouts.classify import checkpoint_below
+from ckptctl.ops.verify.engine import verify as verify_stack
 from ckptctl.ops.seal.sealing import seal_checkpoint
 from ckptctl.storage import open_storage
 from helpers import cli, make_checkpoints
@@ -40,7 +41,7 @@ def test_seal_then_a_flipped_byte_is_named_with_its_range(tmp_path):
     assert doc["schema"] == 2 and doc["ok"] is True
     (res,) = doc["checkpoints"]
     assert res["status"] == "sealed" and res["layout"] == "hf-trainer" and res["step"] == 100
-    assert [n for n in res["not_loaded"] if "training_args.bin" in n][0].endswith("opcodes parsed, never run)")
+    assert [n for n in res["not_loaded"] if "training_args.bin" in n][0].endswith("never unpickled")
     assert parse_seal(open(os.path.join(ckpt, SEAL), "rb").read(), "s").not_loaded == tuple(res["not_loaded"])
     assert _files(ckpt) == before  # sealing never touches the checkpoint's own files
     seal = parse_seal(open(os.path.join(ckpt, SEAL), "rb").read(), "seal")
@@ -73,8 +74,10 @@ def test_files_added_removed_resized_after_sealing_are_reported(tmp_path):
     r = cli("verify", ckpt, "--quick", "--json")
     assert r.exit_code == 1
     text = " ".join(p["text"] for p in r.json()["checkpoints"][0]["problems"])
-    assert "extra.pt: added after sealing" in text and "scheduler.pt: removed after sealing" in text
+    assert "scheduler.pt: removed after sealing" in text
     assert "config.json" in text and "resized after sealing" in text
+    # A file the Trainer never reads on resume: reported, never a reason to call it broken.
+    assert "extra.pt" not in text and "extra.pt: added after sealing" in r.json()["checkpoints"][0]["note"]
 
 
 def test_large_files_are_sealed_per_chunk_so_bit_rot_is_located(tmp_path):
@@ -83,7 +86,9 @@ def test_large_files_are_sealed_per_chunk_so_bit_rot_is_located(tmp_path):
     root = str(tmp_path)
     ckpt = hf_checkpoint(root, 3)
     save_file({"w": torch.zeros(3 << 18)}, os.path.join(ckpt, "model.safetensors"))  # 3 MiB and a header
-    layout, st = stack_checkpoint_at(ckpt)
+    found = checkpoint_below(ckpt)
+    assert found is not None
+    layout, st = found.in_layout, found.storage
     res = seal_checkpoint(st, layout, chunk_size=1 << 20)
     assert res.status == "sealed"
     seal = parse_seal(open(os.path.join(ckpt, SEAL), "rb").read(), "seal")

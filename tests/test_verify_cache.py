@@ -9,6 +9,7 @@ import pytest
 
 from ckptctl.ops.retention.prune import plan as make_plan
 from ckptctl.ops.retention.policies import from_options
+from ckptctl.layouts.native import NativeLayout
 from ckptctl.ops.verify.cache import CACHE_KEY, VerifyCache, fingerprint
 from ckptctl.storage import open_storage
 from ckptctl.storage.local import LocalStorage
@@ -78,7 +79,7 @@ def test_reverify_catches_what_no_metadata_shows(root):
     # Make the record match the file's current metadata, as silent corruption would leave it.
     cache = VerifyCache.load(storage)
     entry = cache.entries["step-0000000003"]
-    entry.update(fingerprint(storage.sub("step-0000000003")).to_doc())
+    entry.update(fingerprint(storage.sub("step-0000000003"), NativeLayout()).to_doc())
     with open(os.path.join(root, CACHE_KEY), "w") as f:
         json.dump({"format": "ckptctl-verified", "version": 1, "entries": cache.entries}, f)
     step, v = anchor_of(root)

@@ -15,7 +15,7 @@ import time
 from helpers import ckpt_dir, cli, make_checkpoints
 
 from ckptctl.format.layout import MARKER, step_dir
-from ckptctl.ops.retention.lock import LOCK_KEY
+from ckptctl.ops.lock import LOCK_KEY
 
 
 def steps_in(root: str) -> list[int]:
@@ -78,7 +78,7 @@ def test_rm_takes_the_lock_and_removes_the_marker_first(tmp_path):
     make_checkpoints(root, [1, 2])
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from ckptctl.ops.retention.lock import RootLock
+        from ckptctl.ops.lock import RootLock
         from ckptctl.storage import open_storage
         with RootLock(open_storage({root!r}), command="a prune"):
             print("held", flush=True)

@@ -27,7 +27,7 @@ from ckptctl.format.layout import MANIFEST, MARKER, attempt_name, is_manifest_na
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import Marker
 from ckptctl.layouts.native import read_committed, read_committed_raw
-from ckptctl.ops.verify.checkpoint import verify_checkpoint
+from ckptctl.ops.verify.engine import verify_checkpoint
 from ckptctl.storage import open_storage
 from ckptctl.storage.s3 import S3Storage
 from dist_workers import free_port, launch
@@ -363,7 +363,7 @@ def test_a_manifest_whose_save_id_is_not_hex_is_refused(tmp_path):
 def test_a_checkpoint_with_only_attempt_names_is_still_ckptctls(tmp_path):
     """The dead attempt's leftovers cleaned away by hand: marker, manifest.<id>.json and
     rank-...<id>.safetensors are still read as ckptctl's checkpoint, never as loose files."""
-    from ckptctl.interop.detect import detect
+    from ckptctl.layouts.classify import classify
 
     root = str(tmp_path)
     path = os.path.join(root, step_dir(7))
@@ -372,7 +372,7 @@ def test_a_checkpoint_with_only_attempt_names_is_still_ckptctls(tmp_path):
         ckpt.save(7, state_of(3.0, "restart")).wait()
     for name in planted:
         os.remove(os.path.join(path, name))
-    assert detect(path) == "ckptctl"
+    assert classify(path).in_layout.name == "ckptctl"
     assert cli("inspect", path, "--json").exit_code == 0
     _loads_as(root, 7, "restart", 3.0)
 

@@ -9,8 +9,7 @@ from ckptctl.cli.common import JsonOpt, command, emit_json, human_bytes, print_t
 from ckptctl.ops.verbs import inspect_path
 
 if TYPE_CHECKING:
-    from ckptctl.ops.verify.foreign import ForeignInspect
-    from ckptctl.ops.inspect import InspectResult
+    from ckptctl.ops.inspect import ForeignInspect, InspectResult
 
 
 @command

@@ -18,7 +18,7 @@ _FORMAT_NO_TOTAL = "{desc}: {n_fmt}{unit} [{elapsed}, {rate_fmt}]"
 
 class _Bar:
     """The ``Progress`` callback the CLI passes down: counts bytes from any thread, and takes
-    ``expect(n)`` from operations that know how many bytes are coming (``ops.expect``)."""
+    ``expect(n)`` from operations that know how many bytes are coming (``ckptctl.progress.expect_bytes``)."""
 
     def __init__(self, bar: tqdm) -> None:
         self._bar = bar

@@ -13,24 +13,27 @@ from ckptctl.ops.rm import RmResult, remove_checkpoints
 
 @command
 def rm(
-    ckpts: Annotated[list[str], typer.Argument(help="Checkpoint directories to delete (ROOT/step-XXXXXXXXXX, local or s3://).", metavar="CKPT...")],
+    ckpts: Annotated[list[str], typer.Argument(help="Checkpoints to delete, of any layout (ROOT/step-XXXXXXXXXX, ROOT/checkpoint-N, ...; local or s3://).", metavar="CKPT...")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a terminal).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be deleted and stop.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Also delete the newest checkpoint of its root that passes full verification, or a symlink another stack's pointer names.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Also delete the newest checkpoint of its layout under its root that passes full verification, or what a pointer protects.")] = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Delete the named checkpoints, marker first.
+    """Delete the named checkpoints, commit file first.
 
-    Each CKPT is one checkpoint directory; its parent is its root. The newest checkpoint of a
-    root that passes full verification (the one prune always keeps: found newest first, every
-    checksum and tensor checked, or unchanged since the verification record says so) is refused
-    unless --force, and then nothing at all is deleted. Deleting removes the marker first, so an
-    interrupted rm leaves a partial directory, never a checkpoint that looks whole. A symlink is
-    removed as a link, its target never touched; one another stack's pointer names (DeepSpeed's
-    latest, Megatron's tracker) is refused unless --force. Only ckptctl checkpoints are removed (prune
-    manages other tools' by their rules). Takes the same lock under ROOT as prune and sync;
-    --dry-run takes none and writes nothing.
+    Each CKPT is one checkpoint of any layout (a step-N, checkpoint-N or iter_N directory, a
+    Lightning .ckpt file...); its parent is its root. The newest resumable checkpoint of its
+    layout under the root that passes full verification (the one prune always keeps: found
+    newest first, every checksum and file checked at the load level, or unchanged since the
+    verification record says so) is refused unless --force, and then nothing at all is deleted;
+    so is what a pointer protects (DeepSpeed's latest, Megatron's tracker, a Trainer's best).
+
+    Deleting removes the file the layout's commit rule reads first (ckptctl's marker, DCP's
+    .metadata, the Trainer's trainer_state.json), each file only while it is as listed, so an
+    interrupted rm leaves a partial checkpoint, never one that looks whole. A symlink is removed
+    as a link, its target never touched; a directory no layout claims is never removed. Takes
+    the same lock under ROOT as prune and sync; --dry-run takes none and writes nothing.
 
     Exit status: 0 deleted (or nothing to do); 1 refused for safety or not confirmed; 2 usage
     error (no such checkpoint, not a ckptctl checkpoint, no terminal to confirm on without --yes

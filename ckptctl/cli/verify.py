@@ -14,7 +14,7 @@ from ckptctl.ops.verbs import verify_path
 if TYPE_CHECKING:
     from ckptctl.ops.repoint import PointerCheck
     from ckptctl.ops.verbs import VerifyOutcome
-    from ckptctl.ops.verify.checkpoint import VerifyReport
+    from ckptctl.ops.verify.report import VerifyReport
 
 
 @command

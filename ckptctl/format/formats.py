@@ -3,7 +3,7 @@
 A name says whose checkpoint it is. Some name a *layout* of a root (which directories are
 checkpoints and when one is complete: ``latest --format``, ``repoint --format``, the FORMAT of
 ``ls``, ``layouts.catalog``); some a *file format* a checkpoint can be read from or written to
-(``convert --to``, what ``interop.detect`` finds); ``ckptctl`` and ``dcp`` are both. Whatever
+(``convert --to``, what ``layouts.classify`` finds a file to be); ``ckptctl`` and ``dcp`` are both. Whatever
 the option, a name means the same thing, so ``latest --format dcp`` and ``convert --to dcp``
 speak of the same checkpoints, and a name of the other kind is refused saying what it names.
 

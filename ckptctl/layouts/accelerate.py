@@ -32,8 +32,9 @@ reason). A root's first save has nothing to compare with.
 Files are test-loaded with ``torch.load(weights_only=True)`` allowing numpy's RNG state
 (``random_states_*.pkl`` are ``torch.save`` archives of python's, numpy's and torch's RNG
 state); ``sampler.bin`` pickles accelerate's ``SeedableRandomSampler`` with its dataset and
-``custom_checkpoint_*.pkl`` whatever the user's object returns: they are decoded structurally
-and fail the load level when they name a class outside the allow-list, never unpickled.
+``custom_checkpoint_*.pkl`` whatever the user's object returns: when torch refuses them they
+are decoded structurally (parsed, never unpickled), and fail the load level only when their
+stream is broken.
 FSDP and DeepSpeed ``save_state`` directories (``pytorch_model_fsdp_0/``, ``pytorch_model/``)
 are recognised by name; their contents are checked file by file only.
 """
@@ -47,8 +48,10 @@ from typing import Sequence
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import FileKind, Level, Resume, StackLayout, name_of
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.file_check import FileKind, name_of
+from ckptctl.layouts.stack import StackLayout
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -96,7 +99,12 @@ class AccelerateLayout(StackLayout):
         with f:
             if f.size == 0:
                 return Examined("partial", f"{RNG0} is 0 bytes: save_state's last write did not finish")
-            legacy = f.read(2) == b"\x80\x02"  # a bare pickle (torch.save of old accelerate versions)
+            head = f.read(4)
+            legacy = head[:2] == b"\x80\x02"  # a bare pickle (torch.save of old accelerate versions)
+            if not legacy and head != b"PK\x03\x04":
+                # A cut write still starts as torch.save starts its archive: this one never did.
+                return Examined("corrupt", f"{RNG0} is neither a torch.save archive nor a legacy torch.save pickle "
+                                           f"(it starts with {head.hex()}): not what save_state writes")
             if not legacy and not zipfile.is_zipfile(f):
                 return Examined("partial", f"{RNG0} is not a whole torch.save archive (no zip directory at its end): "
                                            "save_state's last write did not finish")
@@ -124,7 +132,7 @@ class AccelerateLayout(StackLayout):
             return
         prev, their = before
         for missing in sorted(their - own - {RNG0}):  # RNG0's absence is the commit rule's to say
-            out.problems.append(Finding(
+            out.problems.append(Problem(
                 f"missing, though {prev} (the previous complete save_state of this root) has it: save_state writes "
                 "every such file for the accelerator's config, so this save did not finish",
                 file=missing, hint=f"resume from {prev}; if the job's config changed since (fewer processes, no "

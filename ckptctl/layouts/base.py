@@ -1,25 +1,54 @@
-"""What the catalog knows about a checkpoint, and what a layout must answer to be listed.
+"""What a layout is: the whole handler of one tool's checkpoints, and what the catalog lists.
 
-A *layout* is one tool's way of putting checkpoints under a root (ckptctl's own is
-``native.NativeLayout``; other tools' are ``stack.StackLayout`` subclasses: ``dcp``,
-``hf_trainer``, ``megatron``, ``deepspeed``). The catalog asks each layout whether a root's
-child is one of its checkpoints and, if so, what state it is in; everything else about the
-layout stays in its own module.
+A *layout* is one tool's way of putting checkpoints under a root, and everything a verb needs
+to do with one of them: recognise it and its step, tell complete from partial, delete it in
+an order that never leaves something complete-looking, check it at every level, show what it
+holds, seal it, read and write the pointer its tool resumes from, say whether it resumes
+training and with which arguments, and read the metrics its tool recorded. Every verb asks
+the ``Layout`` protocol below and nothing else, so ckptctl's own format (``native``) is one
+implementation beside the other tools' (``dcp``, ``hf_trainer``, ``megatron``, ``deepspeed``,
+``lightning``, ``accelerate``, ``composer``, ``nemo``: those share ``stack.StackLayout``, an
+implementation detail) and beside any plugin's (``registry``: an object with these members,
+subclassing nothing; ``docs/extending.md``).
+
+The order a verb calls them in (every call with a ``Storage`` rooted at the checkpoint; for a
+layout whose checkpoints are files, rooted at the file, key ""):
+
+1. ``for_root(root)``: the layout bound to a root (its pointer file read, once per listing);
+2. ``step_of(child)`` for each child of the root, then ``claims(ckpt, names)`` with one
+   listing of a child some layout named: the first layout that claims it owns it
+   (``classify``: ``claims_alone`` for a path named by itself, whatever its name);
+3. ``examine(ckpt)``: committed, partial or corrupt by the tool's own commit rule (no data
+   read; ``commit_marker``, when set, is the one file whose presence tells partial apart);
+4. ``kind_of_checkpoint(ckpt)``: resumable or a model-only export, from names and headers;
+5. ``check(ckpt, level)``: every file at ``quick``, ``checksums`` or ``load``; a ``Checked``
+   whose problems are in files ``reads_on_resume`` names (what the stack never reads on
+   resume is reported, never a reason to call the checkpoint broken); ``identity(ckpt)``
+   keys a success in the verification record; ``inspect(ckpt)`` shows what it holds;
+6. ``resume(path, step)``: what resumes exactly this checkpoint (``latest``);
+7. deleting (``prune``, ``rm``): ``protected(entries)`` first, then ``removal_order(keys)``:
+   the file the commit rule reads goes first;
+8. pointers (``verify --latest``, ``repoint``, copies): ``pointer_target``, ``pointer_for``,
+   ``pointer_step``, ``assuming_pointer``, for tools that commit by a root-level file.
 
 Ownership is decided from a directory's files, not only from its name: ``step-N`` is both
-ckptctl's and torchtitan's name, so a directory is a layout's own only when that layout
-``claims`` its files. A directory that no layout claims is listed as ``unknown`` and is never
-deleted by anything.
+ckptctl's and torchtitan's name. A directory no layout claims is listed as ``unknown`` and is
+never deleted by anything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol
 
 from ckptctl.errors import CheckpointError
 from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.checked import ALONE, Checked, Level, Split
+from ckptctl.layouts.inspected import Inspected
 from ckptctl.storage.base import ObjectInfo, Storage
+
+if TYPE_CHECKING:
+    from ckptctl.progress import Progress
 
 # committed: complete by its layout's own commit rule (contents not verified); partial: the
 # layout's own checkpoint, not committed yet (being written, or abandoned); corrupt: claims to
@@ -37,21 +66,22 @@ class Checkpoint:
     step: int
     name: str  # the directory's name under the root
     url: str
-    layout: str  # which layout recognised it ("ckptctl" for ckptctl's own, "unknown" for none)
+    layout: str  # which layout recognised it ("unknown" for none)
     status: Status
     reason: str | None = None  # why it is not committed (None when committed)
     storage: Storage | None = None  # rooted at the checkpoint; None for a link (never followed)
-    manifest: Manifest | None = None  # ckptctl's own layout, when committed
+    manifest: Manifest | None = None  # what a layout that keeps one read while examining it
+    owner: "Layout | None" = None  # its layout, bound to the root; None for unknown entries
 
     def to_dict(self) -> dict[str, object]:
-        """The JSON-friendly fields (no storage, no manifest)."""
+        """The JSON-friendly fields (no storage, no manifest, no layout object)."""
         return {"step": self.step, "name": self.name, "url": self.url, "layout": self.layout,
                 "status": self.status, "reason": self.reason}
 
 
 @dataclass(frozen=True)
 class Examined:
-    """A layout's cheap look at one checkpoint directory (marker and manifest, no data)."""
+    """A layout's cheap look at one checkpoint (its commit record, no data)."""
 
     status: Literal["committed", "partial", "corrupt"]
     reason: str | None = None
@@ -80,19 +110,16 @@ class CheckpointKind:
         return {"content": self.kind, "content_reason": self.reason}
 
 
-# A layout that does not tell exports apart (a third-party one) never hides a checkpoint.
+# A layout that does not tell exports apart (a plugin's may not) never hides a checkpoint.
 NOT_TOLD = CheckpointKind("resumable", "its layout does not tell model-only exports apart")
 
 
-def kind_of_checkpoint(layout: object, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
-    """``layout.kind_of_checkpoint(ckpt, manifest)``; ``NOT_TOLD`` for a layout without it
-    (a plugin written before the method existed): such checkpoints stay candidates."""
-    method = getattr(layout, "kind_of_checkpoint", None)
-    if method is None:
-        return NOT_TOLD
+def kind_of_checkpoint(layout: "Layout", ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
+    """``layout.kind_of_checkpoint(ckpt, manifest)``, a checkpoint deleted or damaged while it
+    was read counted as resumable: verify then says what is wrong with it."""
     try:
-        return method(ckpt, manifest)
-    except CheckpointError as e:  # deleted or damaged while read: verify says what is wrong
+        return layout.kind_of_checkpoint(ckpt, manifest)
+    except CheckpointError as e:
         return CheckpointKind("resumable", f"not told apart: {str(e)[:160]}; verify judges it")
 
 
@@ -114,78 +141,122 @@ class Resume:
                 "pointer": self.pointer}
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One problem a layout's check found in a checkpoint, naming the file when it is one."""
-
-    message: str
-    file: str | None = None
-    hint: str | None = None
-
-
-@dataclass
-class Checked:
-    """What a layout's check of one checkpoint found (``StackLayout.check``)."""
-
-    step: int | None = None
-    problems: list[Finding] = field(default_factory=list)
-    files: int = 0
-    bytes_read: int = 0
-    not_loaded: list[str] = field(default_factory=list)  # "NAME: not decoded (...)": fails the load level
-    structural: list[str] = field(default_factory=list)  # "NAME: decoded structurally, ..." (opcodes only)
-    notes: list[str] = field(default_factory=list)  # what this level could not check
-
-
 class Layout(Protocol):
-    """One tool's directory layout, as the catalog uses it."""
+    """The handler of one tool's checkpoints: every verb asks these members and nothing else."""
 
-    name: str
+    name: str  # lower case: ls's FORMAT column, --format, the JSON "layout"
+    title: str  # the tool, in words ("Hugging Face Trainer")
+
+    # --- recognise and step ------------------------------------------------------------------
+
     files_are_checkpoints: bool  # one file per checkpoint (Lightning, Composer), not a directory
-    seal_note: str | None  # why ``seal`` leaves its checkpoints alone; None when it seals them
-    pointer_file: str | None  # the root-level file the stack's default resume reads (DeepSpeed, Megatron)
-    # Its committed checkpoints carry a manifest that records a checksum for every byte: verify
-    # checks them against it (``ops.verify.checkpoint``) and the verification record remembers a success
-    # by the manifest's digest (``ops.verify.cache``). False: the layout's own ``check`` judges
-    # them, and a seal (``ckptctl seal``) is what vouches for their bytes.
-    verified_by_manifest: bool
-    # ckptctl itself writes, commits and deletes these checkpoints (``Checkpointer``): ``rm``
-    # deletes them, and their anchor is the one a prune reports first. False: another tool
-    # writes them; they are read, and pruned by that tool's own rules only.
-    written_by_ckptctl: bool
+
+    def for_root(self, root: Storage) -> "Layout":
+        """This layout as it reads ``root`` (its pointer file read, for tools that have one)."""
+
+    def step_of(self, child: ObjectInfo) -> int | None:
+        """The step a child of the root stands for, by its name; None when it is not one of ours."""
+
+    def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        """Whether a directory named as ours, whose immediate children are ``names``, holds our
+        files (complete or not): a directory no layout claims is never deleted."""
+
+    def claims_alone(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        """Whether a directory holding ``names`` is ours whatever it is called (a path named by
+        the user, not listed under a root: a DCP directory, a ``cp`` destination)."""
+
+    # --- commit rule and removal ---------------------------------------------------------------
+
     # The one file whose presence alone makes a checkpoint more than partial (committed, or
     # corrupt when what it commits does not hold), so a file listing tells partial apart; None
     # when the commit rule reads more than a listing shows (a file's content, a root pointer).
     commit_marker: str | None
-
-    def for_root(self, root: Storage) -> "Layout":
-        """This layout as it reads ``root`` (a pointer file at the root, for some stacks)."""
-
-    def step_of(self, child: ObjectInfo) -> int | None:
-        """The step a child of the root stands for, by its name, or None when it is not one of ours."""
-
-    def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
-        """Whether a directory whose immediate children are ``names`` holds this layout's own
-        files (complete or not): a directory no layout claims is never deleted."""
-
-    def is_marked(self, ckpt: Storage) -> bool:
-        """Whether ``ckpt`` claims to be committed: one cheap lookup (a stat or a HEAD)."""
+    # The files the commit rule reads: a delete takes them first (``removal_order``), a copy
+    # writes them last.
+    commit_files: tuple[str, ...]
 
     def examine(self, ckpt: Storage) -> Examined:
-        """Status from the checkpoint's own metadata; never raises for a checkpoint problem."""
+        """Committed, partial or corrupt by the tool's commit rule, from its metadata only;
+        never raises for a checkpoint problem (only for storage that cannot be read)."""
 
     def removal_order(self, keys: Iterable[str]) -> list[str]:
         """``keys`` in the order a delete takes them: the file the commit rule reads first, so
         that a delete cut short never leaves something that reads as complete."""
 
+    # --- checking and inspecting ---------------------------------------------------------------
+
+    def check(self, ckpt: Storage, level: Level, *, split: Split = ALONE,
+              progress: "Progress | None" = None) -> Checked:
+        """Every file at ``level`` (each level includes the ones before): by the tool's commit
+        rule, the checksums that exist (a manifest's, a seal's, the tool's own CRC-32s),
+        structure, and at ``load`` a test-load of what the stack reads on resume (decoded
+        structurally where torch refuses it, never unpickled). Problems go in the result; it
+        raises only for storage that cannot be read. ``split`` shares the work among the
+        processes of a job; ``progress`` is told the bytes read."""
+
+    def reads_on_resume(self, rel: str) -> bool:
+        """Whether the tool's resume reads the file ``rel`` (relative to the checkpoint): only
+        those must pass the load level; what is wrong with the others is reported only."""
+
+    def identity(self, ckpt: Storage) -> str | None:
+        """What names this checkpoint's contents beyond its files' names, sizes and times
+        (ckptctl's own: the manifest checksum its marker records), keying a success in the
+        verification record; None when nothing does (its checks are then never recorded)."""
+
+    def inspect(self, ckpt: Storage, *, tensors: bool = False) -> Inspected:
+        """What the checkpoint holds (``tensors``: each tensor too). Raises InvalidCheckpoint
+        when nothing reads it (a tool's files of no format ckptctl reads), UsageError when its
+        reader needs a local path and it is on object storage."""
+
+    # --- seal ------------------------------------------------------------------------------------
+
+    # Why ``seal`` leaves its checkpoints alone (its own checksums already cover every byte, or a
+    # checkpoint that is one file has no directory for a seal); None when ``seal`` seals them.
+    seal_note: str | None
+
+    # --- pointers: the root-level file some tools resume from (DeepSpeed, Megatron) ----------------
+
+    pointer_file: str | None  # its key under the root; None when the tool has none
+
+    def pointer_target(self) -> tuple[str, str, int | None] | None:
+        """The root's pointer as read (key, the checkpoint name it names, its step); None when
+        there is none or it is unreadable."""
+
+    def pointer_for(self, name: str, step: int) -> tuple[str, bytes] | None:
+        """The pointer file (key, content) that commits the checkpoint ``name``; None for tools
+        whose commit rule reads no pointer."""
+
+    def pointer_step(self, raw: bytes) -> int | None:
+        """The step an existing pointer's content names (None: unreadable)."""
+
+    def assuming_pointer(self, name: str, step: int) -> "Layout":
+        """This layout as if the root's pointer named ``name`` (a copy checks what it wrote,
+        then commits it by writing the pointer)."""
+
+    def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+        """Names under the root no deletion may touch, with why (a pointer's target, a best
+        checkpoint), given (name, status) of this layout's entries; a pointer that cannot be
+        read protects every entry it might name."""
+
+    # --- resume ----------------------------------------------------------------------------------
+
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
         """Resumable or a model-only export, from names and headers (no tensor data); asked of
-        committed checkpoints only. ``manifest``: the one the catalog read (ckptctl's own)."""
+        committed checkpoints. ``manifest``: the one ``examine`` read, when it keeps one."""
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
-        """What resumes exactly the checkpoint at ``ckpt_path`` (of step ``step``) in the tool
-        that wrote it (``latest``)."""
+        """What resumes exactly the checkpoint at ``ckpt_path`` (of step ``step``) in its tool."""
+
+    # --- metrics ---------------------------------------------------------------------------------
 
     def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
         """Metrics the tool recorded for its committed checkpoints ``(name, step)`` under
-        ``root``, by checkpoint name, read without loading any data (what ``KeepBest`` ranks
-        by); empty when it records none ckptctl reads beside the manifest's own."""
+        ``root``, by name, read without loading data (what ``KeepBest`` ranks by); empty when
+        it records none beside what ``examine`` read."""
+
+    # --- copying (cp, restore, sync, tiers) --------------------------------------------------------
+
+
+# Every member a layout has: what the registry asks of a plugin's object, by name.
+MEMBERS: tuple[str, ...] = tuple(sorted(set(Layout.__annotations__) | {
+    name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}))

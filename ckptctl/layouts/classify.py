@@ -1,19 +1,21 @@
-"""What is at a path or URL: the one answer every verb asks before it acts (``classify``).
+"""What is at a path or URL, and which layout owns a directory: the one answer every verb (and
+the catalog) asks before it acts.
 
 A path given to a verb is one of four things, decided here once, through ``Storage`` (so the
 same on a local filesystem and under an ``s3://`` prefix):
 
 - ``checkpoint``: one checkpoint of a layout, ckptctl's own included, with that layout bound
   to the root above it (its pointer read) and the checkpoint's storage. Recognised first by its
-  name under its parent and its files, as the catalog recognises a root's children (each
-  layout's ``step_of`` and ``claims``: ``step-N``, ``checkpoint-N``, ``iter_N``,
+  name under its parent and its files, as the catalog recognises a root's children (``owner``:
+  each layout's ``step_of`` and ``claims``: ``step-N``, ``checkpoint-N``, ``iter_N``,
   ``global_stepN``, a Lightning ``*step=N*.ckpt`` file); then by its files alone, whatever its
   name (each layout's ``claims_alone``: ckptctl's marker, manifest or shards; DCP's
   ``.metadata`` or ``*.distcp``), so a DCP directory named alone is the DCP layout's checkpoint
   and is verified by that layout's check, exactly as under a root;
-- ``file``: a file format another tool's reader takes (a ``.safetensors`` or ``torch.save``
-  file, a directory of safetensors such as a Hugging Face export);
-- ``root``: a directory holding checkpoints (``entries``: how many the catalog names);
+- ``file``: a file format another tool's reader takes (``files``: a ``.safetensors`` or
+  ``torch.save`` file, a directory of safetensors such as a Hugging Face export), handled by a
+  ``files.FileFormat``;
+- ``root``: a directory holding checkpoints (``entries``: how many some layout names);
 - ``nothing``: ``missing`` (no such path, or an empty prefix), or nothing any rule recognises
   (``reason``, as the errors of ``ops.targets`` say it).
 
@@ -21,9 +23,14 @@ The answers are tried in that order, so one path has one answer: a Trainer's ``o
 holds ``checkpoint-N`` directories *and* its final ``model.safetensors``; as one checkpoint it
 is that export (``file``), and ``ls``, which lists before it asks, still lists its entries. Two
 fallbacks keep the readers' own messages: a directory named like ckptctl's ``step-N`` that no
-layout claims is ckptctl's by name (``claimed`` False: its reader says "not committed"), and
+layout claims is ckptctl's by name (``claimed`` False: its check says "not committed"), and
 on object storage a prefix no layout claims is recognised by the seal it holds (``by_seal``:
 ``cp`` of a sealed copy).
+
+Under a root (the catalog, ``named_children`` and ``owner``): a child is offered to each layout
+that knows its name; since two layouts may share a name, the directory belongs to the first
+one whose files it holds, ckptctl's marker deciding at once; and a partial directory complete
+by another known rule (``rival``) is ``unknown``, never an abandoned save to delete.
 
 The path itself, as the user named it, may be a symlink (users point ``/ckpt`` at a volume):
 it is followed for what its files say, but a link is never taken for a checkpoint by its name,
@@ -34,13 +41,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, StorageError
 from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
-from ckptctl.interop.detect import foreign_format, format_by_name
-from ckptctl.layouts.base import Checkpoint, Layout
-from ckptctl.layouts.catalog import LAYOUTS, NATIVE, count_named, layouts_named, list_checkpoints
+from ckptctl.interop.detect import Format
+from ckptctl.layouts.base import Layout
+from ckptctl.layouts.checked import ALONE, Checked, Level, Split
+from ckptctl.layouts.files import NO_FORMAT_DIR, FileFormat, Unfinished, format_by_name, format_of
+from ckptctl.layouts.inspected import Inspected
+from ckptctl.layouts.native import NativeLayout
+from ckptctl.layouts.registry import LAYOUTS, layouts_named
+from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage
 from ckptctl.storage.base import ObjectInfo
 
@@ -48,7 +60,72 @@ What = Literal["checkpoint", "file", "root", "nothing"]
 
 MISSING = "no such file or directory"
 NO_FORMAT_FILE = "a file of no checkpoint format"
-NO_FORMAT_DIR = "no manifest, marker, DCP .metadata or .safetensors in it"
+_BY_NAME = NativeLayout()  # whose name rule decides a step-N directory no layout claims (yet)
+
+Named = tuple[tuple[Layout, ...], ObjectInfo, int]  # (layouts that know the name, child, step)
+
+
+# --- a root's children -------------------------------------------------------------------------
+
+
+def named_children(root: Storage, layouts: Sequence[Layout]) -> list[Named]:
+    """One listing of ``root``: the children some layout of ``layouts`` names as a checkpoint
+    of some step, oldest first (steps as integers; one step's entries in their names' order)."""
+    bound = [layout.for_root(root) for layout in layouts]
+    found: list[Named] = []
+    for child in root.children():
+        steps = [(layout, layout.step_of(child)) for layout in bound]
+        known = tuple(layout for layout, step in steps if step is not None)
+        if known:
+            found.append((known, child, next(step for _, step in steps if step is not None)))
+    found.sort(key=lambda f: (f[2], f[1].key))
+    return found
+
+
+def _names(ckpt: Storage) -> frozenset[str]:
+    return frozenset(info.key.rsplit("/", 1)[-1] for info in ckpt.children())
+
+
+def marked(layout: Layout, ckpt: Storage) -> bool:
+    """Whether ``ckpt`` claims to be committed by ``layout``'s rule: one lookup of its commit
+    marker where it has one, else its commit rule (committed or corrupt, not partial)."""
+    if layout.commit_marker is not None:
+        return ckpt.stat(layout.commit_marker) is not None
+    return layout.examine(ckpt).status != "partial"
+
+
+def owner(ckpt: Storage, known: Sequence[Layout], kind: str = "dir") -> tuple[Layout | None, bool]:
+    """Which of ``known`` (the layouts that name it, bound to its root) owns ``ckpt``, and
+    whether that was decided by a commit marker (then it is known to be marked without another
+    lookup). A file is a checkpoint only of a layout that stores one per file (Lightning),
+    which claims it by its name and contents."""
+    if kind == "file":
+        return next((layout for layout in known if layout.claims(ckpt, frozenset())), None), False
+    # The first layout's marker decides at once: ckptctl's own, first of the built-in layouts.
+    first = known[0] if known else None
+    if first is not None and first.commit_marker is not None and ckpt.stat(first.commit_marker) is not None \
+            and first.claims(ckpt, frozenset({first.commit_marker})):
+        return first, True
+    names = _names(ckpt)
+    return next((layout for layout in known if layout.claims(ckpt, names)), None), False
+
+
+def rival(root: Storage, ckpt: Storage, own: Layout) -> str | None:
+    """The name of another layout that claims this directory's files and calls it complete
+    (an accelerate ``save_state`` into a directory named ``checkpoint-N`` reads as a Trainer
+    save without ``trainer_state.json``), or None. Asked of partial directories only, so a
+    directory complete by any known rule is never deleted as an abandoned save."""
+    names = _names(ckpt)
+    for layout in LAYOUTS:
+        if layout is own or layout.name == own.name or layout.files_are_checkpoints:
+            continue
+        bound = layout.for_root(root)
+        if bound.claims(ckpt, names) and bound.examine(ckpt).status == "committed":
+            return layout.name
+    return None
+
+
+# --- a path ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -59,8 +136,8 @@ class Found:
     what: What
     storage: Storage  # at the path: the checkpoint (key "" for a one-file checkpoint), the file, the root
     layout: Layout | None = None  # checkpoint: its layout, bound to the root above it
-    format: str | None = None  # file: "safetensors" or "torch"
-    entries: int = 0  # root: how many checkpoints the catalog names under it
+    format: Format | None = None  # file: "safetensors" or "torch"
+    entries: int = 0  # root: how many checkpoints some layout names under it
     missing: bool = False  # nothing: no such path (an empty prefix on object storage)
     reason: str | None = None  # nothing: why not (MISSING, NO_FORMAT_FILE, NO_FORMAT_DIR)
     by_name: bool = False  # checkpoint: recognised by its name under its parent (not by its files alone)
@@ -68,6 +145,8 @@ class Found:
     empty: bool = False  # checkpoint: a directory named like one holding nothing yet
     claimed: bool = True  # checkpoint: its layout claims its files (False: by its name alone)
     is_dir: bool = False
+    name: str = ""  # its name under its parent ("" for a filesystem's / or a bucket)
+    names: frozenset[str] = frozenset()  # a directory's immediate children
     _file_format: str | None = field(default=None, repr=False)
 
     @property
@@ -79,18 +158,25 @@ class Found:
         return self.layout
 
     @property
-    def verified_by_manifest(self) -> bool:
-        """One of ckptctl's own checkpoints (its layout's ``verified_by_manifest``)."""
-        return self.what == "checkpoint" and self.layout is not None and self.layout.verified_by_manifest
+    def handler(self) -> "Layout | FileFormat":
+        """What checks and shows it: its layout, or its file format's handler. Raises
+        ValueError for a root or nothing (ask ``what`` first)."""
+        if self.what == "file" and self.format is not None:
+            return FileFormat(self.format)
+        return self.in_layout
+
+    def check(self, level: Level, *, split: Split = ALONE, progress: Progress | None = None) -> Checked:
+        """``handler.check`` of what is here."""
+        return self.handler.check(self.storage, level, split=split, progress=progress)
+
+    def inspect(self, *, tensors: bool = False) -> Inspected:
+        """``handler.inspect`` of what is here."""
+        return self.handler.inspect(self.storage, tensors=tensors)
 
     @property
     def local(self) -> str | None:
-        """The local path readers of other tools' formats take; None on object storage."""
+        """The local path other tools' readers take; None on object storage."""
         return self.storage.local_path()
-
-    @property
-    def name(self) -> str:
-        return self.storage.url.rstrip("/").rsplit("/", 1)[-1]
 
     @property
     def step(self) -> int | None:
@@ -100,15 +186,25 @@ class Found:
             return None
         return self.layout.step_of(ObjectInfo(self.name, 0, 0.0, "dir" if self.is_dir else "file"))
 
-    def file_format(self) -> str | None:
-        """The format another tool's reader (``interop``) reads this as: a file's own, or for a
-        local checkpoint directory what its files are (DCP, safetensors); None when no reader
-        takes it or it is on object storage (those readers take local paths)."""
+    def reader_format(self) -> Format | None:
+        """The format a reader (``convert``, ``reshard``, ``interop``) reads this as: a file's
+        own; for a directory what its files are (``ckptctl``: its manifest; DCP, safetensors);
+        None when no reader takes it. Raises ``files.Unfinished`` (InvalidCheckpoint) for DCP
+        records without the ``.metadata`` DCP writes last."""
         if self.format is not None:
             return self.format
-        if self._file_format is None and self.local is not None:
-            self._file_format = foreign_format(self.local) or ""
-        return self._file_format or None
+        if self.local is not None:
+            return format_of(self.local)
+        return format_by_name(self.name, "dir" if self.is_dir else "file", self.names)
+
+    def file_format(self) -> Format | None:
+        """``reader_format``, None for an unfinished DCP save too (no reader takes it)."""
+        if self._file_format is None:
+            try:
+                self._file_format = self.reader_format() or ""
+            except Unfinished:
+                self._file_format = ""
+        return self._file_format or None  # type: ignore[return-value]
 
     @property
     def description(self) -> str | None:
@@ -116,17 +212,13 @@ class Found:
         "a dcp checkpoint", "a lightning checkpoint file", "an empty ckptctl checkpoint
         directory"); None for a root, nothing, or a single file no layout claims."""
         if self.what == "checkpoint" and self.layout is not None:
-            if self.empty and self.layout.verified_by_manifest:  # a dead save of ours (others say less)
+            if self.empty:
                 return f"an empty {self.layout.name} checkpoint directory"
             if self.claimed:
                 return f"a {self.layout.name} checkpoint" + (" file" if self.layout.files_are_checkpoints else "")
         if self.what == "file" and self.is_dir:
             return f"a {self.format} checkpoint"
         return None
-
-    def checkpoints(self) -> list[Checkpoint]:
-        """The catalog's entries under the path (a root's checkpoints), oldest first."""
-        return list_checkpoints(self.storage) if self.is_dir else []
 
 
 def _parent(path: str, st: Storage) -> tuple[Storage, str] | None:
@@ -145,24 +237,19 @@ def _parent(path: str, st: Storage) -> tuple[Storage, str] | None:
 
 def _by_name(path: str, root: Storage, name: str, info: ObjectInfo | None, st: Storage) -> Found | None:
     """One checkpoint of a layout by its name under ``root`` and its files, as the catalog
-    decides a root's child (``catalog._owner``); None when no layout claims it."""
+    decides a root's child (``owner``); None when no layout claims it."""
     kind = "file" if info is not None and info.kind == "file" else "dir"
-    ckpt = root.sub(name)
-    names = frozenset(c.key.rsplit("/", 1)[-1] for c in ckpt.children()) if kind == "dir" else frozenset()
+    names = _names(root.sub(name)) if kind == "dir" else frozenset()
     if info is None and not names:
         return None
     child = ObjectInfo(name, 0, 0.0, kind)
-    for layout in LAYOUTS:
-        if layout.step_of(child) is None:  # by name alone: no layout reads its root's pointer for that
-            continue
-        bound = layout.for_root(root)
-        if bound.claims(ckpt, names):
-            # A manifest-verified checkpoint is read as the user named it (its URL as given);
-            # another tool's is bound below its root, never through a link (checked above).
-            where = st if bound.verified_by_manifest else ckpt
-            return Found(path, "checkpoint", where, bound, by_name=True, empty=not names and kind == "dir",
-                         is_dir=kind == "dir")
-    return None
+    known = [layout.for_root(root) for layout in LAYOUTS if layout.step_of(child) is not None]
+    found, _ = owner(root.sub(name), known, kind) if known else (None, False)
+    if found is None:
+        return None
+    # Read as the user named it (its URL as given); never through a link (checked above).
+    return Found(path, "checkpoint", st, found, by_name=True, empty=not names and kind == "dir",
+                 is_dir=kind == "dir", name=name, names=names)
 
 
 def _by_seal(path: str, st: Storage, name: str) -> Found | None:
@@ -184,7 +271,16 @@ def _by_seal(path: str, st: Storage, name: str) -> Found | None:
         raise InvalidCheckpoint(f"{st.url}: named {name!r}, not a {layout.name} checkpoint directory, "
                                 "but sealed as one",
                                 hint="copy the checkpoint under the name it was sealed with")
-    return Found(path, "checkpoint", st, layout, by_seal=True, is_dir=True)
+    return Found(path, "checkpoint", st, layout, by_seal=True, is_dir=True, name=name)
+
+
+def _foreign(local: str | None, name: str, is_dir: bool, names: frozenset[str]) -> Format | None:
+    """The file format a reader of another tool takes this as (never ckptctl's own, a layout's)."""
+    try:
+        fmt = format_of(local) if local is not None else format_by_name(name, "dir" if is_dir else "file", names)
+    except Unfinished:
+        return None
+    return fmt if fmt in ("safetensors", "torch") else None
 
 
 def classify(path: str) -> Found:
@@ -203,35 +299,34 @@ def classify(path: str) -> Found:
             return found
     # The path itself, a link named by the user followed (its files are listed without following).
     is_dir = os.path.isdir(local) if local is not None else (info is None or info.kind == "dir")
-    names = frozenset(c.key.rsplit("/", 1)[-1] for c in st.children()) if is_dir else frozenset()
+    names = _names(st) if is_dir else frozenset()
     name = above[1] if above is not None else ""
     if names:
         bound_to = above[0] if above is not None else st
         for layout in LAYOUTS:
-            claims_alone = getattr(layout, "claims_alone", None)  # a plugin may predate it
-            if claims_alone is not None and claims_alone(st, names):
-                return Found(path, "checkpoint", st, layout.for_root(bound_to), is_dir=True)
+            if layout.claims_alone(st, names):
+                return Found(path, "checkpoint", st, layout.for_root(bound_to), is_dir=True, name=name, names=names)
         if local is None:
             found = _by_seal(path, st, name)
             if found is not None:
                 return found
-    fmt = foreign_format(local) if local is not None else format_by_name(name, "dir" if is_dir else "file", names)
+    fmt = _foreign(local, name, is_dir, names)
     if fmt is not None:
-        return Found(path, "file", st, format=fmt, is_dir=is_dir)
+        return Found(path, "file", st, format=fmt, is_dir=is_dir, name=name, names=names)
     if is_dir:
-        n = count_named(st)
+        n = len(named_children(st, LAYOUTS))
         if n:
-            return Found(path, "root", st, entries=n, is_dir=True)
+            return Found(path, "root", st, entries=n, is_dir=True, name=name, names=names)
         unlinked = info is None or info.kind != "link"
-        named = NATIVE[0].step_of(ObjectInfo(name, 0, 0.0, "dir")) is not None  # ckptctl's own name rule
+        named = _BY_NAME.step_of(ObjectInfo(name, 0, 0.0, "dir")) is not None
         if named and unlinked and (names or local is not None):
             # Named like one of ckptctl's step directories, holding nothing any layout claims
-            # (yet): ckptctl's reader says what is missing ("not committed").
-            return Found(path, "checkpoint", st, NATIVE[0], by_name=True, empty=not names, claimed=False,
-                         is_dir=True)
+            # (yet): ckptctl's check says what is missing ("not committed").
+            return Found(path, "checkpoint", st, _BY_NAME, by_name=True, empty=not names, claimed=False,
+                         is_dir=True, name=name, names=names)
     if local is None and not names and info is None:
         return Found(path, "nothing", st, missing=True, reason=MISSING)  # no object, no prefix
-    return Found(path, "nothing", st, reason=NO_FORMAT_DIR if is_dir else NO_FORMAT_FILE, is_dir=is_dir)
+    return Found(path, "nothing", st, reason=NO_FORMAT_DIR if is_dir else NO_FORMAT_FILE, is_dir=is_dir, name=name)
 
 
 def checkpoint_below(path: str) -> Found | None:
@@ -245,4 +340,5 @@ def checkpoint_below(path: str) -> Found | None:
     return found if found.what == "checkpoint" and found.by_name and found.claimed else None
 
 
-__all__ = ["Found", "MISSING", "NO_FORMAT_DIR", "NO_FORMAT_FILE", "What", "checkpoint_below", "classify"]
+__all__ = ["Found", "MISSING", "NO_FORMAT_DIR", "NO_FORMAT_FILE", "What", "checkpoint_below", "classify",
+           "marked", "named_children", "owner", "rival"]

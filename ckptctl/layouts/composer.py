@@ -46,8 +46,9 @@ from typing import Iterable
 
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import CheckpointKind, Examined
-from ckptctl.layouts.stack import FileKind, Resume, StackLayout, whole_torch_file
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.file_check import FileKind
+from ckptctl.layouts.stack import StackLayout, whole_torch_file
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import open_file
 

@@ -44,17 +44,18 @@ from typing import Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import pickle_scan, safe_load
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.stack import StackLayout, finding_in, undetermined
 from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, finding_in, undetermined
 from ckptctl.storage.base import Storage
 from ckptctl.storage.stored_file import open_file
 
 METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"
 OPTIMIZER_KEYS = frozenset({"optimizer", "optim", "optimizers"})  # the first component of a key
-MAX_NOT_LOADED = 5  # records that need a class outside the allow-list, named one by one
+MAX_NOT_LOADED = 5  # records decoded structurally (or not at all), named one by one
 
 
 class DcpLayout(StackLayout):
@@ -110,7 +111,7 @@ class DcpLayout(StackLayout):
         return metadata_kind(md)
 
     def _load_records(self, ckpt: Storage, md: object, out: Checked) -> None:
-        load_records(ckpt, md, self.allowed, self.name, out)
+        load_records(ckpt, md, self.allowed, out)
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"torchtitan: --checkpoint.load_step {step} (with --checkpoint.folder its root); "
@@ -118,23 +119,23 @@ class DcpLayout(StackLayout):
                       ("--checkpoint.load_step", str(step)))
 
 
-def coverage_findings(md: object) -> list[Finding]:
+def coverage_findings(md: object) -> list[Problem]:
     """Each tensor's saved chunks must cover it exactly once (``format.geometry``) and each
     chunk must have a storage record: ``read_metadata`` checks every record stays inside its
     file, not that the records add up to the tensors. From ``.metadata`` only, no data read."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    found: list[Finding] = []
+    found: list[Problem] = []
     records = getattr(md, "storage_data", None) or {}
     for fqn, meta in (getattr(md, "state_dict_metadata", None) or {}).items():
         if not isinstance(meta, TensorStorageMetadata):
             continue
         for gap in coverage_problems(tuple(meta.size), [box(c.offsets, c.sizes) for c in meta.chunks]):
             hint = "a rank's .distcp file or its entries are missing" if gap.kind == "volume" else None
-            found.append(Finding(f"tensor {fqn}: {gap.message}", file=METADATA, hint=hint))
+            found.append(Problem(f"tensor {fqn}: {gap.message}", file=METADATA, hint=hint))
         for c in meta.chunks:
             if MetadataIndex(fqn, c.offsets) not in records:
-                found.append(Finding(f"tensor {fqn}: chunk at {list(c.offsets)} has no storage record", file=METADATA))
+                found.append(Problem(f"tensor {fqn}: chunk at {list(c.offsets)} has no storage record", file=METADATA))
     return found
 
 
@@ -155,11 +156,11 @@ def metadata_kind(md: object) -> CheckpointKind:
                                     "train_state (torchtitan's model-only last step)")
 
 
-def load_records(ckpt: Storage, md: object, allowed: Sequence[object], layout: str, out: Checked) -> None:
+def load_records(ckpt: Storage, md: object, allowed: Sequence[object], out: Checked) -> None:
     """Decode every storage record of a DCP checkpoint (``md`` checked by ``read_metadata``):
     ``torch.load(weights_only=True)`` of each record's bytes, one at a time; a record that needs
-    a class outside ``allowed`` is decoded structurally (``pickle_scan``) against ``layout``'s
-    list. A record decoded neither way goes to ``out.not_loaded``, which fails the load level.
+    a class outside ``allowed`` is decoded structurally (``pickle_scan``). A record decoded
+    neither way goes to ``out.not_loaded``, which fails the load level.
     Megatron's torch_dist checkpoints are DCP-format and are decoded here too."""
     not_decoded = structural = 0
     for index, info in (getattr(md, "storage_data", None) or {}).items():
@@ -170,16 +171,16 @@ def load_records(ckpt: Storage, md: object, allowed: Sequence[object], layout: s
         rel = os.fspath(info.relative_path)
         f = open_file(ckpt, rel)  # checked regular by read_metadata; never blocks
         if f is None:
-            out.problems.append(Finding(safe_load.NOT_PLAIN, file=rel))
+            out.problems.append(Problem(safe_load.NOT_PLAIN, file=rel))
             return
         with f:
             f.seek(info.offset)
             raw = f.read(info.length)
         out.bytes_read += len(raw)
-        problem, missed, decoded = _load_bytes(raw, allowed, layout)
+        problem, missed, decoded = _load_bytes(raw, allowed)
         where = f"{rel} (record {getattr(index, 'fqn', '?')})"
         if problem is not None:
-            out.problems.append(Finding(problem, file=where))
+            out.problems.append(Problem(problem, file=where))
         elif missed is not None:
             not_decoded += 1
             if not_decoded <= MAX_NOT_LOADED:
@@ -194,7 +195,7 @@ def load_records(ckpt: Storage, md: object, allowed: Sequence[object], layout: s
         out.structural.append(f"... and {structural - MAX_NOT_LOADED} more records decoded structurally")
 
 
-def _load_bytes(raw: bytes, allowed: Sequence[object], layout: str) -> tuple[str | None, str | None, str | None]:
+def _load_bytes(raw: bytes, allowed: Sequence[object]) -> tuple[str | None, str | None, str | None]:
     """Decode one DCP record (a ``torch.save`` of a tensor or a value) from its bytes. Returns
     (problem, not_decoded, structural) as ``safe_load.torch_file``. torch's refusal is never
     taken to mean "a class outside the allow-list": a zeroed record is refused the same way, so
@@ -208,7 +209,7 @@ def _load_bytes(raw: bytes, allowed: Sequence[object], layout: str) -> tuple[str
             torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         return None, None, None
     except pickle.UnpicklingError:
-        scan = pickle_scan.scan_torch_bytes(raw, pickle_scan.allowed_for(layout, allowed))
+        scan = pickle_scan.scan_torch_bytes(raw)
         return (None, *safe_load.structural_text(scan))
     except (RuntimeError, EOFError, ValueError, KeyError, TypeError, OSError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

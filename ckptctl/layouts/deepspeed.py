@@ -25,8 +25,8 @@ CRC-32 checks (``verify``), and why ``latest`` (the command) checks them before 
 A root without ``latest`` has no commit record at all: its tags are reported as broken (never
 deleted as "abandoned"). Optimizer-states files hold DeepSpeed classes (``ZeroStageEnum``,
 ``LossScaler``) that torch's weights-only loader does not build: their pickles are decoded
-structurally (parsed, never run) against the allow-list, which also names ``fragment_address``
-(``FRAGMENT_ADDRESS``).
+structurally (parsed, never run); ``fragment_address`` is built as a ``SimpleNamespace``
+(``FRAGMENT_ADDRESS``), so most of them test-load.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ import types
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.file_check import name_of
+from ckptctl.layouts.stack import StackLayout, top_level_keys, undetermined
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of, top_level_keys, undetermined
 from ckptctl.storage.base import Storage
 
 LATEST = "latest"
@@ -51,7 +53,7 @@ LATEST = "latest"
 # ``param_slice_mappings``, one per parameter. It pickles as NEWOBJ + BUILD of a plain
 # ``__dict__`` (no ``__setstate__``, no ``__reduce__``), so nothing runs when one is built: here
 # torch's weights-only unpickler builds a ``SimpleNamespace`` in its place (attributes only),
-# and the structural decode (``pickle_scan``) accepts the name. Found on real DeepSpeed 0.19
+# the files test-load. Found on real DeepSpeed 0.19
 # files (tests/test_deepspeed_megatron.py).
 FRAGMENT_ADDRESS = ((types.SimpleNamespace, "deepspeed.utils.tensor_fragment.fragment_address"),)
 MODEL = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]{2}_model_states\.pt\Z")
@@ -110,7 +112,7 @@ class DeepSpeedLayout(StackLayout):
         for mp, dps in sorted(ranks.items()):
             missing = sorted(set(range(max(dps) + 1)) - dps)
             if missing:
-                out.problems.append(Finding(f"optimizer states of data-parallel rank(s) {missing} (mp_rank {mp}) are missing",
+                out.problems.append(Problem(f"optimizer states of data-parallel rank(s) {missing} (mp_rank {mp}) are missing",
                                             hint="a rank's save did not finish; use an older tag"))
 
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:

@@ -16,8 +16,10 @@ transformers#35782 resumes from it anyway), and its ``global_step`` must be N.
 checkpoint ``Trainer._sorted_checkpoints`` keeps out of rotation; prune protects it the same way.
 
 Files are test-loaded with ``torch.load(weights_only=True)``; ``rng_state*.pth`` holds numpy's
-RNG state, allowed explicitly. ``training_args.bin`` is a pickle of ``TrainingArguments``: it is
-checked for presence and size only, never unpickled, and the report says so.
+RNG state, allowed explicitly. ``training_args.bin`` is a pickle of ``TrainingArguments`` (or a
+subclass: TRL's ``SFTConfig``): never unpickled, decoded structurally at the load level and
+named in the report. The Trainer never reads it on resume (``resume_files``), so what is wrong
+with it, or with the tokenizer's files, is reported and never makes the checkpoint broken.
 Resumable or export (``kind_of_checkpoint``, from file names only): ``_save_checkpoint`` writes the
 optimizer (``optimizer.pt``; ``optimizer.bin`` or an ``optimizer_0/`` directory under FSDP, a
 ``global_stepN/`` directory under DeepSpeed), ``scheduler.pt`` and ``rng_state*.pth`` unless
@@ -35,9 +37,11 @@ import re
 from typing import Iterable, Sequence
 
 from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.file_check import FileKind
+from ckptctl.layouts.stack import StackLayout
 from ckptctl.format.manifest import MAX_METRIC_NAME, MAX_METRICS, Manifest
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import FileKind, Level, Resume, StackLayout
 from ckptctl.storage.base import Storage
 
 STATE = "trainer_state.json"
@@ -56,6 +60,17 @@ class HfTrainerLayout(StackLayout):
                            r"rng_state(_[0-9]+)?\.pth|config\.json|generation_config\.json|"
                            r"(model|adapter_model)(-[0-9]+-of-[0-9]+)?\.safetensors|"
                            r"pytorch_model(-[0-9]+-of-[0-9]+)?\.bin|.+\.index\.json)\Z")
+    # What ``Trainer.train(resume_from_checkpoint=...)`` reads (``_load_from_checkpoint``,
+    # ``_load_optimizer_and_scheduler``, ``_load_rng_state``, TrainerState.load_from_json):
+    # the state, the config (its version is compared), the weights (or the adapter), the
+    # optimizer, scheduler, scaler and RNG states, and what DeepSpeed or FSDP saved beside them.
+    # Never ``training_args.bin``, the tokenizer's files, a model card or generation_config.json.
+    resume_files = re.compile(r"(trainer_state\.json|config\.json|adapter_config\.json|"
+                              r"(model|adapter_model)(-[0-9]+-of-[0-9]+)?\.safetensors|"
+                              r"(pytorch_model|adapter_model)(-[0-9]+-of-[0-9]+)?\.bin|"
+                              r"(model\.safetensors|pytorch_model\.bin)\.index\.json|optimizer\.(pt|bin)|"
+                              r"rank[0-9]+-of-[0-9]+-optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_[0-9]+)?\.pth|"
+                              r"(global_step[0-9]+|optimizer_[0-9]+|pytorch_model_fsdp_[0-9]+)/.+)\Z")
     claims_empty = True  # Trainer made the directory and died before writing into it
     commit_files = (STATE,)
 
@@ -88,13 +103,13 @@ class HfTrainerLayout(StackLayout):
                 doc, problem = safe_load.json_file(ckpt, index)
                 wm = doc.get("weight_map") if isinstance(doc, dict) else None
                 if problem is not None or not isinstance(wm, dict):
-                    out.problems.append(Finding(problem or "no weight_map", file=index))
+                    out.problems.append(Problem(problem or "no weight_map", file=index))
                     continue
                 for shard in sorted({str(v) for v in wm.values()} - names):
-                    out.problems.append(Finding(f"named by {index} but missing", file=shard,
+                    out.problems.append(Problem(f"named by {index} but missing", file=shard,
                                                 hint="a weight shard was lost; use an older checkpoint"))
         if not names & set(WEIGHTS) and not names & set(INDEXES):
-            out.problems.append(Finding("no model weights (model.safetensors, shards with their index, "
+            out.problems.append(Problem("no model weights (model.safetensors, shards with their index, "
                                         "or pytorch_model.bin)", hint="the save did not write the model"))
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:

@@ -47,9 +47,10 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.file_check import FileKind
+from ckptctl.layouts.stack import StackLayout, top_level_keys, undetermined, whole_torch_file
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.base import CheckpointKind, Examined
-from ckptctl.layouts.stack import FileKind, Resume, StackLayout, whole_torch_file, top_level_keys, undetermined
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import local_copy, open_file
 

@@ -45,9 +45,10 @@ from typing import Iterable, Sequence
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.stack import StackLayout, finding_in, top_level_keys, undetermined
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, finding_in, top_level_keys, undetermined
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import open_file
 
@@ -117,7 +118,7 @@ class MegatronLayout(StackLayout):
                 if level == "load":  # torch_dist is DCP-format: every record decoded as DCP's are
                     from ckptctl.layouts.dcp import load_records
 
-                    load_records(ckpt, md, self.allowed, self.name, out)
+                    load_records(ckpt, md, self.allowed, out)
         if INTEGRITY in files and level != "quick":
             _check_integrity(ckpt, out)
 
@@ -215,15 +216,15 @@ def _check_integrity(ckpt: Storage, out: Checked) -> None:
     doc, problem = safe_load.json_file(ckpt, INTEGRITY)
     table = doc.get("files", doc) if isinstance(doc, dict) else None
     if problem is not None or not isinstance(table, dict):
-        out.problems.append(Finding(problem or "not a JSON object of file -> SHA-256", file=INTEGRITY))
+        out.problems.append(Problem(problem or "not a JSON object of file -> SHA-256", file=INTEGRITY))
         return
     for rel, want in sorted(table.items()):
         if not isinstance(want, str) or ".." in rel.split("/") or rel.startswith("/"):
-            out.problems.append(Finding(f"entry {rel!r} is not a relative path with a SHA-256", file=INTEGRITY))
+            out.problems.append(Problem(f"entry {rel!r} is not a relative path with a SHA-256", file=INTEGRITY))
             continue
         f = open_file(ckpt, rel)
         if f is None:
-            out.problems.append(Finding(f"listed in {INTEGRITY} but missing", file=rel))
+            out.problems.append(Problem(f"listed in {INTEGRITY} but missing", file=rel))
             continue
         h = hashlib.sha256()
         with f:
@@ -231,5 +232,5 @@ def _check_integrity(ckpt: Storage, out: Checked) -> None:
                 h.update(chunk)
                 out.bytes_read += len(chunk)
         if h.hexdigest() != want.lower():
-            out.problems.append(Finding(f"SHA-256 differs from {INTEGRITY}: the bytes changed after the save", file=rel,
+            out.problems.append(Problem(f"SHA-256 differs from {INTEGRITY}: the bytes changed after the save", file=rel,
                                         hint="bit rot or an overwrite; use an older checkpoint"))

@@ -34,7 +34,11 @@ from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
+from ckptctl.layouts.inspected import Inspected, inspect_manifest
+from ckptctl.layouts.native_check import check_manifest
 from ckptctl.layouts.removal import remove_unchanged
+from ckptctl.progress import Progress
 from ckptctl.storage.local_io import TEMPORARY
 from ckptctl.storage.base import ObjectInfo, Storage
 
@@ -314,8 +318,7 @@ def remove_leftovers(ckpt: Storage, names: Iterable[str]) -> list[str]:
     return removed
 
 
-# --- as a catalog layout -------------------------------------------------------------------
-
+# --- as a layout ---------------------------------------------------------------------------
 
 
 def _padded(ckpt: Storage) -> bool:
@@ -328,34 +331,27 @@ def _padded(ckpt: Storage) -> bool:
 
 
 class NativeLayout:
-    """ckptctl's own layout for the catalog: ``step-NNNNNNNNNN`` directories with a marker."""
+    """ckptctl's own layout: ``step-NNNNNNNNNN`` directories with a marker, checked against
+    the manifest the marker commits (``native_check``)."""
 
     name = NAME
+    title = "ckptctl"
     files_are_checkpoints = False
     pointer_file: str | None = None  # load_latest walks the root; no pointer file names a step
     # Why ``seal`` leaves these alone: the manifest already is what a seal would be.
     seal_note: str | None = "a ckptctl checkpoint: its manifest already records a checksum for every byte; no seal needed"
-    verified_by_manifest = True
-    written_by_ckptctl = True
     commit_marker: str | None = MARKER  # no marker: partial; a marker: committed or corrupt
+    commit_files: tuple[str, ...] = (MARKER, MANIFEST)  # the marker, and the manifest it commits
 
-    def resume(self, ckpt_path: str, step: int) -> Resume:
-        return Resume(ckpt_path, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)",
-                      (ckpt_path,))
+    # --- recognise and step
 
-    def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
-        return {}  # a save's metrics are in its manifest, which the catalog has read already
+    def for_root(self, root: Storage) -> "NativeLayout":
+        return self
 
     def step_of(self, child: ObjectInfo) -> int | None:
         if child.kind not in ("dir", "link"):
             return None
         return parse_step_dir(child.key.rsplit("/", 1)[-1])
-
-    def removal_order(self, keys: Iterable[str]) -> list[str]:
-        return removal_order(keys)
-
-    def for_root(self, root: Storage) -> "NativeLayout":
-        return self
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         """Ours when it holds a marker, a manifest, a shard named as we name them, or a
@@ -372,8 +368,7 @@ class NativeLayout:
         """Ours under any name (a ``cp`` destination) by the same files."""
         return bool(names) and self.claims(ckpt, names)
 
-    def is_marked(self, ckpt: Storage) -> bool:
-        return ckpt.stat(MARKER) is not None
+    # --- commit rule and removal
 
     def examine(self, ckpt: Storage) -> Examined:
         state = read_state(ckpt)
@@ -383,6 +378,54 @@ class NativeLayout:
         reason = None if state.status == "partial" else str(state.error)
         return Examined(state.status, reason)
 
+    def removal_order(self, keys: Iterable[str]) -> list[str]:
+        return removal_order(keys)
+
+    # --- checking and inspecting
+
+    def check(self, ckpt: Storage, level: Level, *, split: Split = ALONE, progress: Progress | None = None) -> Checked:
+        state = read_state(ckpt)
+        committed, error = state.committed, state.error
+        problem = Problem(str(error), hint=error.hint) if error is not None else None
+        return check_manifest(ckpt, level, committed.manifest if committed else None,
+                              committed.marker.manifest_checksum if committed else None, problem,
+                              split=split, progress=progress)
+
+    def reads_on_resume(self, rel: str) -> bool:
+        return True  # the manifest names every shard, and a resume reads every one it names
+
+    def identity(self, ckpt: Storage) -> str | None:
+        """The manifest checksum the marker records; None when there is no readable marker."""
+        try:
+            marker_raw = _read_bounded(ckpt, MARKER, MAX_MARKER_BYTES, "a marker may have")
+            return Marker.from_json(marker_raw, ckpt.url_of(MARKER)).manifest_checksum
+        except (NotFound, InvalidCheckpoint):
+            return None
+
+    def inspect(self, ckpt: Storage, *, tensors: bool = False) -> Inspected:
+        manifest, _ = read_committed(ckpt)
+        kind = manifest_kind(manifest)
+        return inspect_manifest(ckpt.url, manifest, kind.kind, kind.reason, tensors=tensors)
+
+    # --- pointers: none, ``load_latest`` walks the root
+
+    def pointer_target(self) -> tuple[str, str, int | None] | None:
+        return None
+
+    def pointer_for(self, name: str, step: int) -> tuple[str, bytes] | None:
+        return None
+
+    def pointer_step(self, raw: bytes) -> int | None:
+        return None
+
+    def assuming_pointer(self, name: str, step: int) -> "NativeLayout":
+        return self
+
+    def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+        return {}
+
+    # --- resume and metrics
+
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
         if manifest is None:
             state = read_state(ckpt)
@@ -390,6 +433,13 @@ class NativeLayout:
                 return CheckpointKind("resumable", "not committed, so not told apart")
             manifest = state.committed.manifest
         return manifest_kind(manifest)
+
+    def resume(self, ckpt_path: str, step: int) -> Resume:
+        return Resume(ckpt_path, "Checkpointer(ROOT).load_latest(state), or Checkpointer.load(PATH, state)",
+                      (ckpt_path,))
+
+    def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        return {}  # a save's metrics are in its manifest, which the catalog has read already
 
 
 def manifest_kind(manifest: Manifest) -> CheckpointKind:

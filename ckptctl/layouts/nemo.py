@@ -28,8 +28,8 @@ so prune keeps every complete ``-last`` one. Resumable: ``weights/.metadata`` li
 ``optimizer.*`` key; the final save at ``max_steps`` is weights only unless
 ``save_optim_on_train_end``, an export.
 
-Records are decoded as Megatron's torch_dist ones are (``dcp.load_records``, Megatron's
-structural allow-list: the same megatron-core writer); ``common.pt`` is test-loaded with
+Records are decoded as Megatron's torch_dist ones are (``dcp.load_records``: the same
+megatron-core writer); ``common.pt`` is test-loaded with
 ``torch.load(weights_only=True)``, decoded structurally if it needs more.
 Weakness: the commit record is the *absence* of a file beside the checkpoint, so a copy of the
 directory without its marker reads as finished; the ``.metadata`` rule is the only guard then.
@@ -47,8 +47,10 @@ from typing import Iterable, Sequence
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Checked, CheckpointKind, Examined, Finding
-from ckptctl.layouts.stack import Level, Resume, StackLayout, name_of, undetermined
+from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.file_check import name_of
+from ckptctl.layouts.stack import StackLayout, undetermined
 from ckptctl.storage.base import Storage
 
 NAME = "nemo"
@@ -58,7 +60,6 @@ CONTEXT = "context"  # CONTEXT_PATH
 METADATA = ".metadata"
 # step=N as Lightning inserts it, never a *.ckpt (Lightning's files, or its sharded directories)
 NAME_RE = re.compile(r"(?!.*\.ckpt\Z)(?:.*[^0-9A-Za-z])?step=([0-9]{1,18})(?:[^0-9].*)?\Z", re.ASCII | re.DOTALL)
-STRUCTURAL_AS = "megatron"  # megatron-core wrote the records: Megatron's structural allow-list applies
 
 
 def marker_of(name: str) -> str:
@@ -105,12 +106,12 @@ class NemoLayout(StackLayout):
         try:
             md = read_metadata(weights)
         except InvalidCheckpoint as e:
-            out.problems.append(Finding(str(e), file=f"{prefix}{METADATA}", hint=e.hint))
+            out.problems.append(Problem(str(e), file=f"{prefix}{METADATA}", hint=e.hint))
             return
         if level == "load":
             from ckptctl.layouts.dcp import load_records
 
-            load_records(weights, md, self.allowed, STRUCTURAL_AS, out)
+            load_records(weights, md, self.allowed, out)
 
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
         from ckptctl.interop.dcp_io import read_metadata  # needs torch

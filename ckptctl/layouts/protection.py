@@ -1,6 +1,6 @@
 """What a root's pointers protect: the entries no deletion may touch, whatever a policy says.
 
-Each stack names its own (``StackLayout.protected``): DeepSpeed's ``latest`` and Megatron's
+Each layout names its own (``Layout.protected``): DeepSpeed's ``latest`` and Megatron's
 tracker name the checkpoint their resume loads, the Trainer's ``best_model_checkpoint`` and
 every Lightning ``ModelCheckpoint``'s ``best_model_path`` the checkpoint their rotation keeps.
 A pointer that cannot be read safely enough to decide protects every entry it might name,
@@ -18,9 +18,7 @@ import os
 from typing import Iterable
 
 from ckptctl.layouts.base import UNKNOWN
-from ckptctl.layouts.catalog import layout_named
-from ckptctl.layouts.native import NAME as NATIVE_NAME
-from ckptctl.layouts.stack import StackLayout
+from ckptctl.layouts.registry import layout_named
 from ckptctl.storage.base import Storage
 
 LINK_KEPT = "a symlink: neither it nor its target is touched"
@@ -32,12 +30,10 @@ def protected(root: Storage, entries: Iterable[tuple[str, str, str]]) -> dict[st
     kept, each with why."""
     entries = list(entries)
     out: dict[str, str] = {}
-    for name in sorted({layout for layout, _n, _s in entries} - {NATIVE_NAME, UNKNOWN}):
+    for name in sorted({layout for layout, _n, _s in entries} - {UNKNOWN}):
         try:
             layout = layout_named(name, root)
         except KeyError:
-            continue
-        if not isinstance(layout, StackLayout):
             continue
         own = [(n, s) for lay, n, s in entries if lay == name]
         for target, why in layout.protected(own).items():

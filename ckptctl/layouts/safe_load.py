@@ -6,9 +6,9 @@ widen it with an explicit allow-list of harmless classes its stack really stores
 state in Hugging Face ``rng_state.pth``, ``argparse.Namespace`` in Megatron's ``args``), given
 to ``torch.serialization.safe_globals`` for that one load. A file that needs anything else is
 *not* unpickled: its opcode stream is decoded structurally (``pickle_scan``: parsed, never run),
-which counts for the load level only when the stream is whole and every class it names is on
-the layout's list; otherwise the file is "not decoded" and the load level fails. A
-``--trust-pickle`` is deliberately not offered.
+which counts for the load level when the stream is whole, whatever classes it names (they are
+named in the report); otherwise the file is "not decoded", and the load level fails when the
+stack reads that file on resume. A ``--trust-pickle`` is deliberately not offered.
 
 ``torch.save`` files are zip archives with a CRC-32 per record, so their bytes can be checked
 without unpickling anything (``zip_crc``): that is the checksum level for those stacks.
@@ -70,11 +70,13 @@ def opened(check: Callable[..., T], missing: T) -> Callable[..., T]:
 
 
 def zip_structure_of(f: StoredFile) -> str | None:
-    """The cheap check of a ``torch.save`` archive (``interop.torch_zip``): its directory and
-    every member's place, method, flags and name, from headers only. A pre-1.6 file (a bare
-    pickle, no zip) passes here; the load level reads it. Returns the problem or None."""
+    """The cheap check of a ``torch.save`` file: an archive's directory and every member's
+    place, method, flags and name, from headers only (``interop.torch_zip``); a pre-1.6 file
+    (the legacy format, no zip) by its pickles and each storage's size, its tensor bytes
+    skipped (``pickle_scan.legacy_problem``). Returns the problem or None."""
     if is_legacy(f):
-        return None
+        problem = pickle_scan.legacy_problem(f)
+        return None if problem is None else f"not a whole legacy torch.save file: {problem}"
     try:
         torch_zip.members(f, f.size)
     except torch_zip.ZipProblem as e:
@@ -99,19 +101,16 @@ def zip_crc_of(f: StoredFile) -> tuple[str | None, int]:
 
 
 def is_legacy(f: BinaryIO) -> bool:
-    """A bare pickle: ``torch.save(_use_new_zipfile_serialization=False)`` (pre-1.6)."""
-    f.seek(0)
-    head = f.read(2)
-    f.seek(0)
-    return head == b"\x80\x02"
+    """``torch.save(_use_new_zipfile_serialization=False)`` (pre-1.6): pickles, no zip."""
+    return pickle_scan.is_legacy_torch(f)
 
 
-def torch_file_of(f: StoredFile, allowed: Allowed = (), layout: str = "") -> tuple[str | None, str | None, str | None]:
+def torch_file_of(f: StoredFile, allowed: Allowed = ()) -> tuple[str | None, str | None, str | None]:
     """Test-load a ``torch.save`` file with ``weights_only=True`` and ``allowed`` as the only
     extra globals. Returns (problem, not_decoded, structural): a problem when the file is
-    damaged; when it needs a class outside the allow-list, its pickle is decoded structurally
-    (``pickle_scan``: opcodes parsed, nothing run): "decoded structurally (...)" when the stream
-    is whole and names only ``layout``'s listed classes, else a "not decoded (...)" text."""
+    damaged; when torch refuses it, its pickle is decoded structurally (``pickle_scan``:
+    opcodes parsed, nothing run): "decoded structurally: names ..." when the stream is whole,
+    else a "not decoded (...)" text."""
     import torch
 
     with local_copy(f) as where:
@@ -127,7 +126,7 @@ def torch_file_of(f: StoredFile, allowed: Allowed = (), layout: str = "") -> tup
             del obj
             return None, None, None
         except pickle.UnpicklingError:
-            return (None, *structural_text(pickle_scan.scan_torch(f, pickle_scan.allowed_for(layout, allowed))))
+            return (None, *structural_text(pickle_scan.scan_torch(f)))
         except (RuntimeError, OSError, EOFError, ValueError, KeyError, TypeError, IndexError, OverflowError,
                 RecursionError, NotImplementedError, UnicodeDecodeError, zipfile.BadZipFile) as e:
             return f"does not load: {_first_line(e)}", None, None
@@ -137,15 +136,17 @@ def structural_text(scan: pickle_scan.Scan) -> tuple[str | None, str | None]:
     """(not_decoded, structural) phrases for a file or record torch's loader refused."""
     if scan.problem is not None:
         return f"not decoded ({scan.problem}; never unpickled)", None
-    what = ", ".join(scan.classes[:3]) or "plain values"
-    return None, f"{STRUCTURAL_MARK}, not test-loaded (pickle of {what}: opcodes parsed, never run)"
+    shown = scan.classes[:pickle_scan.MAX_NAMED]
+    more = f" and {len(scan.classes) - len(shown)} more" if len(scan.classes) > len(shown) else ""
+    what = f"names {', '.join(shown)}{more}" if shown else "plain values only"
+    return None, f"{STRUCTURAL_MARK}: {what}; never unpickled"
 
 
-def pickle_file_of(f: StoredFile, layout: str, allowed: Allowed = ()) -> tuple[str | None, str | None]:
+def pickle_file_of(f: StoredFile) -> tuple[str | None, str | None]:
     """The structural decode alone of a file the layout knows to be a pickle of a class (the
     Trainer's ``training_args.bin``): never handed to any unpickler. Returns (not_decoded,
     structural) as ``structural_text``."""
-    return structural_text(pickle_scan.scan_torch(f, pickle_scan.allowed_for(layout, allowed)))
+    return structural_text(pickle_scan.scan_torch(f))
 
 
 def _first_line(e: BaseException) -> str:

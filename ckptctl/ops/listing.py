@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
 from ckptctl.layouts import catalog
-from ckptctl.layouts.base import Layout, kind_of_checkpoint
+from ckptctl.layouts.base import kind_of_checkpoint
 from ckptctl.layouts.native import total_size
 from ckptctl.storage.base import Storage
 
@@ -53,25 +53,20 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
     """Every checkpoint under ``root``, oldest first, with its size and age."""
     now = time.time() if now is None else now
     out = []
-    bound: dict[str, Layout] = {}  # one layout per name, its root's pointer read once
     for e in catalog.list_checkpoints(root):
         if e.storage is None:  # a link: nothing behind it is looked at
             out.append(Listed(e.step, e.name, e.url, e.status, 0, 0.0, 0.0, e.reason, e.layout))
             continue
         info = root.stat(e.name)
         # A checkpoint that is one file (Lightning's *.ckpt): its own size and time.
-        size, created = (info.size, info.mtime) if info is not None and info.kind == "file" else total_size(e.storage)
-        sealed = catalog.sealed_commit_time(e)  # a sealed checkpoint's own commit time, not its seal's
-        if sealed is not None:
-            created = sealed
-        if e.manifest is not None:
-            created = e.manifest.created
-        elif not created and info is not None and info.mtime:
+        size, newest = (info.size, info.mtime) if info is not None and info.kind == "file" else total_size(e.storage)
+        # A manifest's time, else a seal's commit time (not its own file's), else the newest inside.
+        created = catalog.commit_time(e, newest)
+        if not created and info is not None and info.mtime:
             created = info.mtime  # nothing inside (an empty partial): its directory's time, never the epoch
         content = reason = None
-        if e.status == "committed":
-            told = bound.setdefault(e.layout, catalog.layout_named(e.layout, root))
-            kind = kind_of_checkpoint(told, e.storage, e.manifest)
+        if e.status == "committed" and e.owner is not None:
+            kind = kind_of_checkpoint(e.owner, e.storage, e.manifest)
             content, reason = kind.kind, kind.reason
         out.append(Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout,
                           content, reason))
@@ -152,12 +147,12 @@ def nothing_to_restore(root: Storage) -> CkptError:
     (which restore does not copy: a UsageError saying so), checkpoints none of which is
     committed, one checkpoint or a parent of roots (the wrong level), or truly nothing."""
     rows = catalog.list_checkpoints(root)
-    files = [(e, layout) for e in rows if e.status == "committed"
-             and (layout := catalog.layout_named(e.layout, root)).files_are_checkpoints]
+    files = [(e, e.owner) for e in rows if e.status == "committed" and e.owner is not None
+             and e.owner.files_are_checkpoints]
     if files:
         n, layout = len(files), files[-1][1]
         return UsageError(
-            f"{root.url} holds {n} {getattr(layout, 'title', layout.name)} checkpoint{'' if n == 1 else 's'} "
+            f"{root.url} holds {n} {layout.title} checkpoint{'' if n == 1 else 's'} "
             "(one file each); restore copies checkpoint directories only, not one-file checkpoints",
             hint=f"copy the newest good one as a file: ckptctl cp \"$(ckptctl latest SRC --format {layout.name})\" DST")
     if rows:

@@ -19,11 +19,12 @@ from typing import Any, Sequence
 
 from ckptctl.errors import RefusedForSafety, UsageError
 from ckptctl.storage.stored_file import open_file
-from ckptctl.layouts.catalog import FORMATS, layouts_named, list_checkpoints, newest_marked
-from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.verify.layouts import bound_layout, verify_entry
-from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
-from ckptctl.ops.verify.checkpoint import Level, VerifyReport
+from ckptctl.layouts.base import Layout
+from ckptctl.layouts.catalog import FORMATS, layout_named, layouts_named, list_checkpoints, newest_marked
+from ckptctl.layouts.checked import Level
+from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.verify.engine import verify_entry
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 
@@ -59,7 +60,7 @@ class PointerCheck:
                 "repoint": None if self.ok or self.good is None else self.repoint_command()}
 
 
-def _pointer_layouts(root: Storage, formats: Sequence[str] | None) -> list[StackLayout]:
+def _pointer_layouts(root: Storage, formats: Sequence[str] | None) -> list[Layout]:
     """The stack layouts (of ``formats``) whose pointer file exists under ``root``, bound to it."""
     try:
         layouts = layouts_named(formats)
@@ -71,7 +72,7 @@ def _pointer_layouts(root: Storage, formats: Sequence[str] | None) -> list[Stack
             continue
         if root.stat(layout.pointer_file) is None:
             continue
-        out.append(bound_layout(layout.name, root))
+        out.append(layout_named(layout.name, root))
     return out
 
 
@@ -83,7 +84,7 @@ def _raw_pointer(root: Storage, key: str) -> bytes | None:
         return f.read(MAX_POINTER_BYTES + 1)
 
 
-def check_pointer(root: Storage, layout: StackLayout, level: Level = "checksums", *,
+def check_pointer(root: Storage, layout: Layout, level: Level = "checksums", *,
                   progress: Progress | None = None, known: dict[str, VerifyReport] | None = None,
                   find_good: bool = True) -> PointerCheck:
     """Verify what ``layout``'s pointer (bound to ``root``) names; ``known`` holds reports
@@ -107,7 +108,7 @@ def check_pointer(root: Storage, layout: StackLayout, level: Level = "checksums"
     elif entry.status == "partial":
         check.problem = f"{layout.pointer_file} names {check.target}: {entry.reason or 'incomplete'}"
     else:
-        report = known.get(entry.url) or verify_entry(entry, root, level, progress)
+        report = known.get(entry.url) or verify_entry(entry, level, progress)
         known[entry.url] = report
         check.report, check.ok = report, report.ok
         if not report.ok:
@@ -117,7 +118,7 @@ def check_pointer(root: Storage, layout: StackLayout, level: Level = "checksums"
         for e in newest_marked(root, layouts=layouts_named([layout.name])):
             if e.step >= check.step or e.storage is None:
                 continue  # only backwards: never forward to a save the pointer did not commit
-            rep = known.get(e.url) or verify_entry(e, root, level, progress)
+            rep = known.get(e.url) or verify_entry(e, level, progress)
             known[e.url] = rep
             if rep.ok:
                 check.good, check.good_step, check.good_url = e.name, e.step, e.url
@@ -188,7 +189,7 @@ def repoint(root: Storage, level: Level = "checksums", *, formats: Sequence[str]
 
 
 def _repoint(root: Storage, name: str, level: Level, *, dry_run: bool, progress: Progress | None) -> RepointResult:
-    layout = bound_layout(name, root)  # read under the lock: the pointer as it is now
+    layout = layout_named(name, root)  # read under the lock: the pointer as it is now
     assert layout.pointer_file is not None
     before = _raw_pointer(root, layout.pointer_file)
     known: dict[str, VerifyReport] = {}

@@ -1,18 +1,18 @@
-"""``rm``: delete named checkpoints, marker first, never the last good one by accident.
+"""``rm``: delete named checkpoints, commit file first, never the last good one by accident.
 
-Each CKPT names one checkpoint directory (``ROOT/step-XXXXXXXXXX``, local or ``s3://``); its
-parent is its root. Under each root's lock (the same ``RootLock`` as ``prune``), the plan is
-made for every root first, then shown to ``review`` (to print it and ask), then carried out;
-so a refusal deletes nothing at all.
+Each CKPT names one checkpoint (``ROOT/step-XXXXXXXXXX``, ``ROOT/checkpoint-N``, a Lightning
+``.ckpt`` file..., local or ``s3://``) of any layout; its parent is its root. Under each root's
+lock (the same ``RootLock`` as ``prune``), the plan is made for every root first, then shown to
+``review`` (to print it and ask), then carried out; so a refusal deletes nothing at all.
 
-Safety: the newest checkpoint of a root that passes full verification (``prune``'s anchor,
-found the same way, newest first, with the verification record) is refused unless ``force``:
-deleting it leaves the run with nothing known good to resume from; so is, unless ``force``,
-what a pointer of the root protects (``layouts.protection``: a symlinked step directory
-DeepSpeed's ``latest`` names, for one). Only ckptctl's own
-checkpoints (and step-named symlinks: the link only) are removed; other tools' checkpoints are
-``prune``'s to manage by their own rules. Deleting removes the marker first
-(``layouts.native.remove``), so an interrupted ``rm`` leaves something that reads as partial.
+Safety: the newest resumable checkpoint of its layout under its root that passes full
+verification (``prune``'s anchor, found the same way: newest first, by the one verify engine
+with the verification record) is refused unless ``force``: deleting it leaves the run with
+nothing known good to resume from; so is, unless ``force``, what a pointer of the root protects
+(``layouts.protection``: DeepSpeed's ``latest``, Megatron's tracker, a Trainer's best). A
+directory no layout claims is never deleted, a step-named symlink only as the link. Deleting
+takes the files in their layout's ``removal_order`` (its commit file first), each only while
+it is as listed, so an interrupted ``rm`` leaves something that reads as partial.
 A dry run takes no lock and writes nothing.
 """
 
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ckptctl.errors import CkptError, RefusedForSafety, UsageError
-from ckptctl.layouts.base import Checkpoint
-from ckptctl.layouts.catalog import LAYOUTS, layout_called, list_checkpoints
-from ckptctl.layouts.native import remove, total_size
+from ckptctl.layouts.base import Checkpoint, kind_of_checkpoint
+from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.layouts.protection import protected
-from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.layouts.removal import Snapshot, entry_snapshot, remove_entry
+from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.retention.plan import ANCHOR_LEVEL
 from ckptctl.ops.targets import open_root
 from ckptctl.ops.verify.cache import VerifyCache, verify_cached
@@ -49,7 +49,8 @@ class RmItem:
     bytes: int = 0
     result: str = "planned"  # planned, deleted, failed
     detail: str | None = None
-    anchor: bool = False  # the newest checkpoint of its root that passes full verification
+    anchor: bool = False  # the newest checkpoint of its layout under its root that passes full verification
+    snapshot: Snapshot = ()  # its files as listed: only those are deleted, each only while unchanged
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "name": self.name, "url": self.url, "status": self.status, "bytes": self.bytes,
@@ -103,44 +104,48 @@ def _survey(paths: Sequence[str]) -> list[_Root]:
         root = roots.get(root_path)
         if root is None:
             storage = open_root(root_path)
-            root = roots[root_path] = _Root(storage, {e.name: e for e in list_checkpoints(storage, layouts=LAYOUTS)}, [])
+            root = roots[root_path] = _Root(storage, {e.name: e for e in list_checkpoints(storage)}, [])
         entry = root.entries.get(name)
         if entry is None:
             raise UsageError(f"no such checkpoint: {path}",
                              hint=f"list the checkpoints with `ckptctl ls {root_path}`")
-        if not _deletes(entry) and entry.status != "link":
-            raise UsageError(f"{path} is a {entry.layout} checkpoint; rm deletes ckptctl checkpoints only",
-                             hint="`ckptctl prune` manages other tools' checkpoints by their own rules")
+        if entry.owner is None:
+            raise UsageError(f"{path}: {entry.reason or 'no layout claims its files'}",
+                             hint="rm deletes only what a layout claims as its checkpoint; look at it yourself")
         if any(i.name == name for i in root.items):
             continue  # named twice
-        size = total_size(entry.storage)[0] if entry.storage is not None else 0
-        root.items.append(RmItem(entry.step, name, entry.url, entry.status, size))
+        snap = entry_snapshot(root.storage, name) if entry.storage is not None else ()
+        root.items.append(RmItem(entry.step, name, entry.url, entry.status,
+                                 sum(s[1] for s in snap if s[3] == "file"), snapshot=snap))
     return list(roots.values())
 
 
-def _deletes(entry: Checkpoint) -> bool:
-    """Whether ``rm`` deletes ``entry``: only checkpoints ckptctl writes (``native.remove``)."""
-    layout = layout_called(entry.layout)
-    return layout is not None and layout.written_by_ckptctl
-
-
 def _mark_anchor(root: _Root, cache: VerifyCache, progress: Progress | None) -> None:
-    """Flag the target that is the root's newest checkpoint passing full verification, if any.
-    Verifies newest first, and stops as soon as the answer is known."""
-    targets = {i.name: i for i in root.items if i.status == "committed"}
-    if not targets:
-        return
-    lowest = min(i.step for i in targets.values())
-    committed = [e for e in root.entries.values() if e.status == "committed" and _deletes(e)]
-    for e in sorted(committed, key=lambda e: (e.step, e.name), reverse=True):
-        if e.step < lowest:
-            return  # the anchor, if any, is older than every target
-        assert e.storage is not None
-        report, _cached, fp = verify_cached(e.storage, e.name, cache, level=ANCHOR_LEVEL, progress=progress)
-        if report.ok and fp is not None:
-            if e.name in targets:
-                targets[e.name].anchor = True
-            return
+    """Flag each target that is the newest resumable checkpoint of its layout under the root
+    passing full verification, as prune finds its anchors. Verifies newest first, and stops as
+    soon as the answer is known."""
+    targets: dict[str, dict[str, RmItem]] = {}  # by layout
+    for item in root.items:
+        if item.status == "committed":
+            targets.setdefault(root.entries[item.name].layout, {})[item.name] = item
+    committed: dict[str, list[Checkpoint]] = {}  # by layout
+    for e in root.entries.values():
+        if e.status == "committed":
+            committed.setdefault(e.layout, []).append(e)
+    for layout, mine in targets.items():
+        lowest = min(i.step for i in mine.values())
+        for e in sorted(committed[layout], key=lambda e: (e.step, e.name), reverse=True):
+            if e.step < lowest:
+                break  # the anchor, if any, is older than every target
+            assert e.storage is not None and e.owner is not None
+            if not kind_of_checkpoint(e.owner, e.storage, e.manifest).resumable:
+                continue  # an export is never what a run resumes from
+            report, _cached, fp = verify_cached(e.storage, e.name, cache, layout=e.owner, level=ANCHOR_LEVEL,
+                                               progress=progress)
+            if report.ok and fp is not None:
+                if e.name in mine:
+                    mine[e.name].anchor = True
+                break
 
 
 def _protected_targets(root: _Root) -> list[tuple[RmItem, str]]:
@@ -214,11 +219,15 @@ def remove_checkpoints(
 
 def _delete_one(root: _Root, item: RmItem) -> None:
     entry = root.entries[item.name]
+    assert entry.owner is not None
     try:
         if entry.storage is None:  # a symlink: the link only, never its target
             root.storage.delete(item.name)
+            changed = None
         else:
-            remove(entry.storage)
-        item.result = "deleted"
+            changed = remove_entry(root.storage, item.name, item.snapshot, entry.owner.removal_order)
+        item.result = "deleted" if changed is None else "failed"
+        if changed is not None:
+            item.detail = f"{changed} changed since it was listed; it and the files after it are left in place"
     except CkptError as e:  # report it and go on with the others
         item.result, item.detail = "failed", str(e)

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from ckptctl.errors import UsageError
-from ckptctl.layouts.catalog import NATIVE, newest_committed
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed
 from ckptctl.ops.interval import IntervalAdvice, advise, cost_from_stalls
 from ckptctl.storage.base import Storage
 
@@ -44,7 +44,7 @@ def recent_save_stats(root: Storage, limit: int = RECENT) -> SaveStats:
     stalls: list[float] = []
     writes: list[float] = []
     # Committed ones only: a partial or damaged checkpoint says nothing reliable about saving.
-    for e in newest_committed(root, layouts=NATIVE):
+    for e in newest_committed(root, layouts=CHECKPOINTER_LAYOUTS):
         if len(steps) >= limit:
             break
         manifest = e.manifest

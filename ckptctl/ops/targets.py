@@ -111,26 +111,14 @@ def one_checkpoint(path: str, verb: str = "this verb") -> Found:
 
 
 def ckptctl_checkpoint(found: Found, verb: str) -> Storage:
-    """The storage of ckptctl's own checkpoint ``found``; another tool's checkpoint or file is
-    refused (InvalidCheckpoint), saying that ``verb`` takes ckptctl checkpoints only."""
-    if found.verified_by_manifest:
-        return found.storage
-    what = found.file_format() or (found.in_layout.name if found.what == "checkpoint" else "foreign")
+    """The storage of ``found`` when its files are what ckptctl's own reader takes (a manifest
+    and its shards: ``reshard``, a ``cp`` of one); anything else is refused (InvalidCheckpoint),
+    saying that ``verb`` takes ckptctl checkpoints only and how to make one."""
+    fmt = found.file_format()
+    if fmt == "ckptctl" or (found.what == "checkpoint" and not found.claimed):
+        return found.storage  # (unclaimed: named like ckptctl's step directory; its reader says what is missing)
+    what = fmt or (found.in_layout.name if found.what == "checkpoint" else "foreign")
     raise _not_ckptctl(found.path, what, verb)
 
 
-def reader_path(found: Found, verb: str) -> str:
-    """The local path another tool's reader (``interop``) takes for ``found``. Raises
-    InvalidCheckpoint when no reader takes it (a layout whose files are no single format) and
-    UsageError on object storage, where those readers do not read."""
-    fmt = found.file_format()
-    if found.local is None:
-        what = f"a {fmt} checkpoint" if fmt is not None else found.description or "another tool's checkpoint"
-        raise UsageError(f"{found.path} is {what} on object storage; {verb} reads it from a local path only",
-                         hint="copy it to a local directory first (`ckptctl cp` copies a checkpoint directory)")
-    if fmt is None:
-        raise _not_a_checkpoint(found.path, NO_FORMAT_DIR)
-    return found.local
-
-
-__all__ = ["Found", "ckptctl_checkpoint", "existing", "one_checkpoint", "open_existing", "open_root", "reader_path"]
+__all__ = ["Found", "ckptctl_checkpoint", "existing", "one_checkpoint", "open_existing", "open_root"]

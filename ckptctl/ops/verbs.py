@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from ckptctl.errors import UsageError
+from ckptctl.layouts.checked import LEVELS, Level
 from ckptctl.layouts.native import read_committed
-from ckptctl.layouts.base import kind_of_checkpoint
-from ckptctl.ops.targets import ckptctl_checkpoint, existing, one_checkpoint, open_existing, open_root, reader_path
+from ckptctl.ops.targets import ckptctl_checkpoint, existing, one_checkpoint, open_existing, open_root
 from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage
 
@@ -26,10 +26,9 @@ if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
     from ckptctl.layouts.classify import Found
     from ckptctl.ops.distributed import Job
     from ckptctl.ops.transform.convert import ConvertReport
-    from ckptctl.ops.verify.foreign import ForeignInspect
     from ckptctl.ops.interval import IntervalAdvice
-    from ckptctl.ops.verify.layouts import Latest
-    from ckptctl.ops.inspect import InspectResult
+    from ckptctl.ops.verify.latest import Latest
+    from ckptctl.ops.inspect import ForeignInspect, InspectResult
     from ckptctl.ops.listing import Listed
     from ckptctl.ops.retention.prune import PruneOutcome, PrunePlan
     from ckptctl.ops.repoint import PointerCheck, RepointResult
@@ -37,27 +36,17 @@ if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
     from ckptctl.ops.retention.policies import RetentionPolicy
     from ckptctl.ops.save_stats import SaveStats
     from ckptctl.ops.transfer.copy import CopyResult, RestoreResult, Skipped
-    from ckptctl.ops.verify.checkpoint import VerifyReport
+    from ckptctl.ops.verify.report import VerifyReport
 
 
 # --- inspect and verify ---------------------------------------------------------------------
 
 
 def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | ForeignInspect":
-    """What the checkpoint at ``path`` holds: a ckptctl checkpoint from its manifest, another
-    tool's from its metadata (the result's ``format`` field tells them apart)."""
-    found = one_checkpoint(path, verb="inspect")
-    if found.verified_by_manifest:
-        from ckptctl.ops.inspect import inspect_checkpoint
-
-        return inspect_checkpoint(found.storage, tensors=tensors)
-    from ckptctl.ops.verify.foreign import inspect_foreign  # needs torch
-
-    result = inspect_foreign(reader_path(found, "inspect"), tensors=tensors)
-    if found.what == "checkpoint":  # another stack's checkpoint: its layout tells resumable from export
-        kind = kind_of_checkpoint(found.in_layout, found.storage)
-        result.content, result.content_reason = kind.kind, kind.reason
-    return result
+    """What the checkpoint at ``path`` holds, by its handler (``ops.inspect``): a ckptctl
+    checkpoint from its manifest, another tool's through its files' reader (the result's
+    ``format`` field tells them apart)."""
+    return one_checkpoint(path, verb="inspect").inspect(tensors=tensors)
 
 
 @dataclass
@@ -88,44 +77,35 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
-    from ckptctl.ops.verify.checkpoint import LEVELS
     from ckptctl.ops.torchrun import torchrun_job
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
     # Under torchrun every rank runs the same walk; each checkpoint's files are split over the
-    # ranks (``ops.verify.checkpoint``) and every rank gets the whole report, so every rank
+    # ranks (``ops.verify.engine``) and every rank gets the whole report, so every rank
     # makes the same decisions and exits with the same status.
     with torchrun_job():
-        return _verify_path(path, level, which, progress, any_)
+        return _verify_path(path, level, which, progress, any_)  # type: ignore[arg-type]
 
 
-def _verify_path(path: str, level: str, which: Literal["one", "latest", "all"], progress: Progress | None,
+def _verify_path(path: str, level: Level, which: Literal["one", "latest", "all"], progress: Progress | None,
                  any_: bool) -> VerifyOutcome:
-    from ckptctl.ops.distributed import current, on_root
-    from ckptctl.ops.verify.layouts import verify_root
+    from ckptctl.ops.verify.latest import verify_root
 
     if which != "one":
         root = open_root(path)
         exports: list = []  # model-only exports --latest passed over (unless any_)
-        reports = verify_root(root, which=which, level=level, progress=progress, any_=any_,  # type: ignore[arg-type]
-                              exports=exports)
+        reports = verify_root(root, which=which, level=level, progress=progress, any_=any_, exports=exports)
         if which == "latest":
             outcome = _with_pointers(root, level, reports, progress)
             outcome.exports = [e.to_dict() for e in exports]
             outcome.note = "; ".join(str(e) for e in exports) or None
             return outcome
         return VerifyOutcome(all(r.ok for r in reports), level, reports[::-1])
-    found = one_checkpoint(path, verb="verify")
-    if found.what == "checkpoint":  # one checkpoint of a layout: its own rules, as under a root
-        from ckptctl.ops.verify.layouts import verify_in_layout
+    from ckptctl.ops.verify.engine import verify
 
-        report = verify_in_layout(found.storage, found.in_layout, level, progress)  # type: ignore[arg-type]
-        return VerifyOutcome(report.ok, level, [report], report.note)
-    from ckptctl.ops.verify.foreign import verify_foreign  # needs torch
-
-    local = reader_path(found, "verify")
-    report = on_root(current(), lambda: verify_foreign(local, level, progress))  # type: ignore[arg-type]
+    found = one_checkpoint(path, verb="verify")  # one checkpoint of a layout (as under a root) or a file
+    report = verify(found.storage, found.handler, level, progress)
     return VerifyOutcome(report.ok, level, [report], report.note)
 
 
@@ -148,7 +128,6 @@ def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | N
                  dry_run: bool = False, progress: Progress | None = None) -> "RepointResult":
     """``ops.repoint.repoint`` of the root at ``root``."""
     from ckptctl.ops.repoint import repoint
-    from ckptctl.ops.verify.checkpoint import LEVELS
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -157,11 +136,10 @@ def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | N
 
 def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | None = None,
                progress: Progress | None = None, *, any_: bool = False) -> "Latest":
-    """``ops.verify.layouts.latest_checkpoint`` of the root at ``root``: the newest complete
+    """``ops.verify.latest.latest_checkpoint`` of the root at ``root``: the newest complete
     checkpoint of any layout (or of ``formats``) that verifies, and what its stack's resume
     option takes."""
-    from ckptctl.ops.verify.layouts import latest_checkpoint
-    from ckptctl.ops.verify.checkpoint import LEVELS
+    from ckptctl.ops.verify.latest import latest_checkpoint
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
@@ -256,7 +234,7 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
 
     with torchrun_job() as job:
         found = one_checkpoint(src, verb="cp")
-        if found.what == "checkpoint" and not found.verified_by_manifest:  # another tool's: one rank copies it
+        if found.what == "checkpoint" and found.file_format() != "ckptctl":  # another tool's: one rank copies it
             return on_root(job, lambda: _copy_found(found, dst, progress))
         return _copy_found(found, dst, progress)
 

@@ -18,6 +18,7 @@ bounded by the piece size whatever the file's size, and the copy is removed on e
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import tempfile
@@ -52,7 +53,9 @@ class _ReaderIO(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
         if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
+            # OSError, as a real file raises: readers probing a file too short for what they
+            # look for (``zipfile.is_zipfile`` seeks 22 bytes back from the end) expect it.
+            raise OSError(errno.EINVAL, f"negative seek position {base + offset}")
         self._pos = base + offset
         return self._pos
 

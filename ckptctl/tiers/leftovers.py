@@ -36,9 +36,9 @@ from collections.abc import Collection, Sequence
 
 from ckptctl.errors import CkptError
 from ckptctl.format.layout import parse_step_dir
-from ckptctl.layouts.catalog import NATIVE, list_checkpoints
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, list_checkpoints
 from ckptctl.ops.retention.execute import execute
-from ckptctl.ops.retention.lock import RootLock
+from ckptctl.ops.lock import RootLock
 from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S, PlanItem, PrunePlan
 from ckptctl.ops.retention.plan import survey  # prune's classification of one entry, not a copy of it
 from ckptctl.ops.retention.policies import KeepLast, RetentionPolicy
@@ -58,7 +58,7 @@ def abandoned(root: Storage, *, partial_after_s: float = PARTIAL_AFTER_S, quiet:
     StorageError (listing)."""
     now = time.time() if now is None else now
     found = []
-    for entry in list_checkpoints(root, layouts=NATIVE):  # another layout's, or complete by its rule: unknown
+    for entry in list_checkpoints(root, layouts=CHECKPOINTER_LAYOUTS):  # another layout's, or complete by its rule: unknown
         if entry.status != "partial" or entry.name in keep or (below is not None and entry.step >= below):
             continue
         item = survey(root, entry, now, 0.0 if entry.name in quiet else partial_after_s)
@@ -75,13 +75,14 @@ def remove(root: Storage, anchor: str, items: Sequence[PlanItem], *, command: st
     LockHeld (a prune runs) or StorageError."""
     if not items:
         return []
-    layout = NATIVE[0]
+    layout = CHECKPOINTER_LAYOUTS[0]
     step = parse_step_dir(anchor)
     kept = PlanItem(step if step is not None else 0, anchor, root.url_of(anchor), "committed", "keep",
-                    "the newest committed checkpoint, verified before any deletion", layout=layout.name)
+                    "the newest committed checkpoint, verified before any deletion", layout=layout.name,
+                    owner=layout, fingerprint=fingerprint(root.sub(anchor), layout))
     p = PrunePlan(root, RetentionPolicy.of(KeepLast(1)), partial_after_s, delete_broken=False, reverify=False,
                   now=time.time(), items=list(items), anchor=kept, anchors={layout.name: kept},
-                  anchor_fingerprint=fingerprint(root.sub(anchor)), managed={layout.name: layout})
+                  managed={layout.name: layout})
     with RootLock(root, command=command) as lock:
         outcome = execute(p, lock=lock)
     for o in outcome.failed + outcome.skipped:

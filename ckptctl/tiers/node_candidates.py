@@ -33,7 +33,7 @@ from collections.abc import Collection, Iterator
 
 from ckptctl.errors import CkptError
 from ckptctl.format.layout import parse_step_dir
-from ckptctl.layouts.catalog import NATIVE, newest_committed
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
 
@@ -90,7 +90,7 @@ class NodeSteps:
 
     def _listed(self) -> list[str]:
         try:
-            return [e.name for e in newest_committed(self.root, layouts=NATIVE)]
+            return [e.name for e in newest_committed(self.root, layouts=CHECKPOINTER_LAYOUTS)]
         except CkptError as e:  # a disk that cannot be listed offers nothing; the others still do
             log.warning("tiers: cannot list %s for the candidates: %s", self.root.url, e)
             return []

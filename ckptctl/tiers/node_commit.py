@@ -16,7 +16,7 @@ next tier once promoted. The save's own protocol already made the shards durable
 0's commit, so the leader checks presence and sizes here, and the bytes when retention is
 about to delete something older (``check_node_files``).
 
-May import: ``layouts.native``, ``ops.verify.shard_scan``, ``ops.verify.problem``, ``format``, ``storage``, leaves.
+May import: ``layouts.native``, ``layouts.shard_scan``, ``layouts.checked``, ``format``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.marker import Marker
 from ckptctl.layouts.native import Committed, commit_copy, read_committed_raw
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.storage.base import Storage
 
 log = logging.getLogger("ckptctl")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ckptctl.errors import CkptError
 from ckptctl.format.layout import MARKER, parse_step_dir
-from ckptctl.layouts.catalog import NATIVE, newest_committed
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed
 from ckptctl.layouts.native import remove
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
 from ckptctl.ops.retention.base import Candidate
@@ -61,7 +61,7 @@ class PrunePlan:
 def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], to: str) -> PrunePlan | None:
     """What retention deletes on every node, from rank 0's node's first tier (possibly
     nothing: each node still removes its abandoned partials); None when nothing is committed."""
-    entries = [e for e in newest_committed(root, layouts=NATIVE) if e.manifest is not None]
+    entries = [e for e in newest_committed(root, layouts=CHECKPOINTER_LAYOUTS) if e.manifest is not None]
     if not entries:
         return None
     policy = RetentionPolicy.of(guarded(RetentionPolicy.of(rules), pins, to))

@@ -16,7 +16,7 @@ import logging
 from typing import Iterator
 
 from ckptctl.errors import CkptError
-from ckptctl.layouts.catalog import NATIVE, newest_committed
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed
 from ckptctl.storage.base import Storage
 
 log = logging.getLogger("ckptctl")
@@ -26,7 +26,7 @@ def committed_across(roots: list[Storage]) -> Iterator[tuple[int, str]]:
     """``(tier index, checkpoint name)`` of every committed checkpoint (ckptctl's own; contents
     not verified) on ``roots``, newest step first, nearest tier first within a step."""
     if len(roots) == 1:
-        yield from ((0, e.name) for e in newest_committed(roots[0], layouts=NATIVE))
+        yield from ((0, e.name) for e in newest_committed(roots[0], layouts=CHECKPOINTER_LAYOUTS))
         return
     streams = [_tagged(i, root) for i, root in enumerate(roots)]
     for _, i, name in heapq.merge(*streams):
@@ -42,6 +42,6 @@ def _tagged(i: int, root: Storage) -> Iterator[tuple[int, int, str]]:
 
 def _listed(root: Storage) -> Iterator:
     try:
-        yield from newest_committed(root, layouts=NATIVE)
+        yield from newest_committed(root, layouts=CHECKPOINTER_LAYOUTS)
     except CkptError as e:
         log.warning("cannot list %s, trying the other tiers: %s", root.url, e)

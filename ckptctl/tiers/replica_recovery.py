@@ -43,8 +43,8 @@ from ckptctl.errors import CkptError, CoordinationError
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.layouts.native import Committed, read_committed_raw
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.node_commit import commit_here, parse_committed
 from ckptctl.tiers.replica_link import Ring, recv_files, send_files

@@ -6,7 +6,7 @@ each chunk's checksum, the file checksum the manifest records), read once and wr
 same pieces: a file whose bytes do not check out is aborted at the destination, never
 published. No manifest, no marker: those are rank 0's, once every rank's files are durable.
 
-May import: ``ops.verify.shard_scan``, ``ops.transfer.uploads``, ``ops.verify.problem``, ``format``, ``storage``, leaves.
+May import: ``layouts.shard_scan``, ``ops.transfer.uploads``, ``layouts.checked``, ``format``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.manifest import FileEntry, Manifest
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.storage.base import Storage
 

@@ -4,9 +4,9 @@
   checkpoint is kept (``KeepLast(3) | KeepEvery(1000)``), shared by the CLI and the library;
 * ``plan``, ``execute`` and ``prune``: restic-style: plan first (anchors verified), print the
   plan, then execute against the snapshot the plan was made from;
-* ``background``: the library's retention after each commit (``Checkpointer(retention=...)``);
-* ``lock`` and ``lock_info``: the root's lock, recording host, pid and time, going stale.
+* ``background``: the library's retention after each commit (``Checkpointer(retention=...)``).
 
-May import: ``format``, ``storage``, ``layouts``, ``ops.verify``, ``ops.seal``,
-``ops.transfer.uploads`` and the leaves; never ``cli``.
+May import: ``format``, ``storage``, ``layouts``, ``ops.verify``, ``ops.seal``, ``ops.lock`` (the
+root's lock, shared with ``rm``, ``sync`` and ``repoint``), ``ops.transfer.uploads`` and the
+leaves; never ``cli``.
 """

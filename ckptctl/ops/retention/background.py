@@ -33,16 +33,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ckptctl.errors import CheckpointError, CkptError
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard_identity import header_matches
-from ckptctl.layouts.catalog import NATIVE
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS
 from ckptctl.layouts.native import read_committed, read_header
+from ckptctl.layouts.shard_scan import stream_file
 from ckptctl.ops.retention.prune import prune
 from ckptctl.ops.retention.policies import KeepEvery, KeepLast, Policy, RetentionPolicy
-from ckptctl.ops.verify.shard_scan import stream_file
-from ckptctl.ops.verify.checkpoint import VerifyReport
 from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, fingerprint
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.storage.base import Storage
 
 log = logging.getLogger("ckptctl")
+
+SAVED = CHECKPOINTER_LAYOUTS[0]  # the layout the Checkpointer saves: what this retention prunes
 
 
 class BackgroundRetention:
@@ -64,7 +66,7 @@ class BackgroundRetention:
 
     def snapshot(self, ckpt: Storage) -> Fingerprint | None:
         """Rank 0, before the ranks re-read their shards: the checkpoint's fingerprint."""
-        return fingerprint(ckpt)
+        return fingerprint(ckpt, SAVED)
 
     def check_shard(self, ckpt: Storage, entry: FileEntry) -> str | None:
         """Every rank: re-read the shard this rank wrote, as ``verify --level load`` reads each
@@ -75,7 +77,7 @@ class BackgroundRetention:
         """Rank 0, once every rank's shard checked out: remember the verification, vouched for
         by a fingerprint unchanged since before the re-reads; the retention thread writes it
         to the verification record before it prunes."""
-        if before is None or fingerprint(ckpt) != before:
+        if before is None or fingerprint(ckpt, SAVED) != before:
             return
         name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
         with self._lock:
@@ -147,7 +149,7 @@ class BackgroundRetention:
                     return
             # ckptctl's own checkpoints only: other tools' in the same root are theirs to manage.
             plan, outcome = prune(self.root, self.policy, command=f"Checkpointer retention after step {owed}",
-                                  layouts=NATIVE)
+                                  layouts=CHECKPOINTER_LAYOUTS)
         except CkptError as e:  # lock held by a cron prune, nothing verifies, storage trouble
             # Still owed: the next save's run tries again, even if that save fails.
             log.warning("retention after step %d did not run: %s", owed, e)

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckptctl.errors import CkptError, RefusedForSafety
-from ckptctl.layouts.catalog import layout_named
-from ckptctl.layouts.removal import entry_snapshot, remove_unchanged
-from ckptctl.ops.retention.lock import RootLock
+from ckptctl.layouts.removal import entry_snapshot, remove_entry
+from ckptctl.ops.lock import RootLock
 from ckptctl.ops.retention.plan import Action, PlanItem, PrunePlan, cached_names, raise_if_refused
 from ckptctl.ops.verify.cache import fingerprint
 from ckptctl.storage.base import Storage
@@ -88,10 +87,9 @@ def _execute(plan: PrunePlan, lock: RootLock) -> PruneOutcome:
     assert plan.anchor is not None
     for name, item in plan.anchors.items():
         anchor = plan.root.sub(item.name)
-        # By what vouched for it when planned: its manifest's digest, else the files as planned.
-        same = (fingerprint(anchor) == plan.anchor_fingerprint if plan.managed[name].verified_by_manifest
-                else entry_snapshot(plan.root, item.name) == item.snapshot)
-        if not same:
+        layout = item.owner or plan.managed[name]
+        # By what vouched for it when planned: its files (and its layout's identity) as verified.
+        if item.fingerprint is None or fingerprint(anchor, layout) != item.fingerprint:
             raise RefusedForSafety(
                 f"{anchor.url} changed after it was verified; nothing was deleted",
                 hint="run prune again: it verifies the checkpoints afresh",
@@ -105,7 +103,7 @@ def _execute(plan: PrunePlan, lock: RootLock) -> PruneOutcome:
         try:
             why = _changed_since_plan(plan, item)
             if why is None:
-                _delete(plan.root, item)
+                _delete(plan, item)
                 outcome.items.append(ItemOutcome(item.step, item.name, "delete", "deleted", _left_over(plan.root, item)))
             else:
                 outcome.items.append(ItemOutcome(item.step, item.name, "delete", "skipped", why))
@@ -136,25 +134,18 @@ def _changed_since_plan(plan: PrunePlan, item: PlanItem) -> str | None:
     return None
 
 
-def _delete(root: Storage, item: PlanItem) -> None:
+def _delete(plan: PrunePlan, item: PlanItem) -> None:
     """Commit file first (the layout's ``removal_order``), only the files the plan saw, each
     only while unchanged; then the directory, when empty."""
     if item.kind == "link":
-        root.delete(item.name)
+        plan.root.delete(item.name)
         return
-    expected = {key: (size, mtime) for key, size, mtime, _kind in item.snapshot}
-    if "" in expected:  # a checkpoint that is one file (Lightning's *.ckpt)
-        now = root.stat(item.name)
-        if now is not None and (now.kind, now.size, now.mtime) != ("file", *expected[""]):
-            raise _Changed(f"{root.url_of(item.name)} changed while deleting; left in place")
-        if now is not None:
-            root.delete(item.name)
-        return
+    layout = plan.layout_of(item)
+    assert layout is not None, "the plan deletes only what it manages"
     # The entry's own layout says which file un-commits it: that one goes first.
-    order = layout_named(item.layout, root).removal_order(expected)
-    changed = remove_unchanged(root.sub(item.name), order, expected)
+    changed = remove_entry(plan.root, item.name, item.snapshot, layout.removal_order)
     if changed is not None:
-        raise _Changed(f"{changed} changed while deleting; the rest is left in place")
+        raise _Changed(f"{changed} changed while deleting; the rest (or it) is left in place")
 
 
 def _left_over(root: Storage, item: PlanItem) -> str | None:

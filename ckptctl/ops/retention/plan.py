@@ -5,10 +5,11 @@
 plan out.
 
 A root may hold checkpoints of several layouts (ckptctl's own, torchtitan/DCP, the Hugging
-Face Trainer, Megatron-LM, DeepSpeed: ``layouts.catalog``). Each layout's checkpoints are
-planned on their own: their own anchor (the newest that passes full verification by that
-layout's rules), the policies counted within the layout, their pointer targets and Trainer's
-best checkpoint protected. Only a layout's *own* incomplete checkpoints are subject to
+Face Trainer, Megatron-LM, DeepSpeed, ...: ``layouts.catalog``). Each layout's checkpoints are
+planned on their own: their own anchor (the newest resumable one that passes full
+verification by that layout's rules: the one verify engine at ``ANCHOR_LEVEL``, so ``verify``
+at that level and ``prune`` never disagree about a checkpoint), the policies counted within the
+layout, what its pointers and best checkpoints name protected. Only a layout's *own* incomplete checkpoints are subject to
 ``partial_after_s``; a directory no layout claims (``unknown``) is never deleted.
 """
 
@@ -16,23 +17,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence, cast
+from typing import Any, Callable, Literal, Sequence
 
 from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
 from ckptctl.format.seal import SEAL
-from ckptctl.layouts.base import Checkpoint, Layout, kind_of_checkpoint
-from ckptctl.layouts.catalog import LAYOUTS, layout_called, layout_named, list_checkpoints, recorded_metrics, sealed_commit_time
-from ckptctl.layouts.native import NAME as NATIVE_NAME
+from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout, kind_of_checkpoint
+from ckptctl.layouts.catalog import LAYOUTS, commit_time, list_checkpoints, recorded_metrics
+from ckptctl.layouts.checked import Level
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.removal import Snapshot, entry_snapshot
-from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.verify.layouts import verify_stack_detail
-from ckptctl.ops.seal.sealing import write_seal
 from ckptctl.ops.retention.policies import Candidate, KeepSteps, RetentionPolicy
-from ckptctl.ops.verify.checkpoint import Level, VerifyReport
+from ckptctl.ops.seal.sealing import write_seal
+from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, fingerprint, verify_cached
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
-from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, verify_cached
 from ckptctl.storage.base import Storage
 
 DEFAULT_PARTIAL_AFTER_S = 6 * 3600.0
@@ -57,8 +56,10 @@ class PlanItem:
     modified: float | None = None  # newest modification inside (partial ones)
     verification: dict[str, Any] | None = None  # summary of a verification, when one ran
     snapshot: Snapshot = ()  # the files as planned; execute deletes only if they are unchanged
-    layout: str = NATIVE_NAME  # whose checkpoint it is (layouts.catalog)
+    layout: str = UNKNOWN  # whose checkpoint it is (layouts.catalog)
     metrics: dict[str, float] = field(default_factory=dict)  # recorded at save time (KeepBest ranks by them)
+    owner: Layout | None = None  # its layout, bound to the root (None for an unknown entry)
+    fingerprint: Fingerprint | None = None  # an anchor: what its verification vouched for
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,10 +79,9 @@ class PrunePlan:
     reverify: bool
     now: float
     items: list[PlanItem] = field(default_factory=list)  # ordered by step, then name
-    anchor: PlanItem | None = None  # ckptctl's own anchor when there is one, else the newest layout's
+    anchor: PlanItem | None = None  # the first managed layout's anchor (catalog order: ckptctl's own first)
     refused: str | None = None  # why nothing may be deleted (no checkpoint verifies)
     notes: list[str] = field(default_factory=list)
-    anchor_fingerprint: Fingerprint | None = None
     cache: VerifyCache | None = None
     anchors: dict[str, PlanItem] = field(default_factory=dict)  # layout -> its anchor
     seal: bool = False  # seal the other stacks' anchors it verified (``prune --seal``)
@@ -195,24 +195,24 @@ def plan(
 
 
 def cached_names(p: PrunePlan) -> set[str]:
-    """The checkpoints whose verification the record keeps."""
-    return {i.name for i in p.items if i.kind in ("committed", "broken")
-            and (layout := p.layout_of(i)) is not None and layout.verified_by_manifest}
+    """The checkpoints whose verification the record keeps (those whose layout names an
+    identity: the record holds no other)."""
+    return {i.name for i in p.items if i.kind in ("committed", "broken") and p.layout_of(i) is not None}
 
 
 def survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float) -> PlanItem:
     """Classify one catalog entry from its status and a snapshot of its files (no data read)."""
     step, name, url, ckpt = entry.step, entry.name, entry.url, entry.storage
-    if entry.status == "unknown":
+    if entry.status == "unknown" or entry.owner is None:
         return PlanItem(step, name, url, "unknown", "skip", entry.reason or "no layout recognises it", layout=entry.layout)
     if ckpt is None:  # a link
         return PlanItem(step, name, url, "link", "delete",
-                        "symlink: the link is removed, never followed; its target is not touched", layout=entry.layout)
+                        "symlink: the link is removed, never followed; its target is not touched", layout=entry.layout,
+                        owner=entry.owner)
     snap = entry_snapshot(root, name)
     item = PlanItem(step, name, url, "partial", size=sum(s[1] for s in snap if s[3] == "file"), snapshot=snap,
-                    layout=entry.layout)
-    layout = layout_called(entry.layout)
-    assert layout is not None, "the catalog lists a checkpoint under its layout's name"
+                    layout=entry.layout, owner=entry.owner)
+    layout = entry.owner
     # From the snapshot execute deletes by: a marker newer than the catalog's look is a commit.
     marker = layout.commit_marker
     if (marker is not None and not any(key == marker for key, *_ in snap)) or (marker is None and entry.status == "partial"):
@@ -232,15 +232,11 @@ def survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float)
         # Committed between the catalog's look and the snapshot: judged on the next run.
         item.reason = "committed while this plan was made; left alone until the next prune"
         return item
-    if entry.status != "committed" or (layout.verified_by_manifest and entry.manifest is None):
+    if entry.status != "committed":
         item.kind, item.reason = "broken", entry.reason or entry.status
         return item
     item.kind = "committed"
-    # Other stacks record no creation time: the commit time their seal recorded stands for it
-    # (the seal's own file is newer), else the newest modification inside.
-    sealed = sealed_commit_time(entry) if entry.manifest is None else None
-    item.created = (entry.manifest.created if entry.manifest is not None else sealed if sealed is not None
-                    else max((s[2] for s in snap), default=0.0))
+    item.created = commit_time(entry, max((s[2] for s in snap), default=0.0))
     return item
 
 
@@ -279,30 +275,24 @@ def _choose_anchor(p: PrunePlan, layout: str, members: list[PlanItem], progress:
     """The newest resumable checkpoint of ``layout`` (of ``members``) that passes full verification
     by its own rules: an export (model only; kept by policy) is never what a deletion relies on."""
     committed = [i for i in members if i.kind == "committed"]
-    told = layout_named(layout, p.root)
     for item in reversed(committed):
         if heartbeat:
             heartbeat()
         ckpt = p.root.sub(item.name)
+        told = item.owner
+        assert told is not None, "a committed entry has its layout"
         if not (kind := kind_of_checkpoint(told, ckpt)).resumable:
             p.notes.append(f"{item.name}: not the anchor: an export ({kind.reason})")
             continue
-        if told.verified_by_manifest:
-            report, cached, fp = verify_cached(ckpt, item.name, p.cache, level=ANCHOR_LEVEL,
-                                               reverify=p.reverify, progress=progress)
-            vouched = fp is not None
-        else:
-            bound = cast(StackLayout, told)
-            # A sealed checkpoint whose every byte matches its seal was test-loaded when sealed.
-            report, not_loaded = verify_stack_detail(ckpt, bound, ANCHOR_LEVEL, trust_seal=True)
-            cached, vouched = False, report.ok and entry_snapshot(p.root, item.name) == item.snapshot
-            if vouched and p.seal:
-                _seal_anchor(p, item, ckpt, bound, report, not_loaded)
+        # ``verify`` at ANCHOR_LEVEL, or its recorded success for this very fingerprint.
+        report, cached, fp = verify_cached(ckpt, item.name, p.cache, layout=told, level=ANCHOR_LEVEL,
+                                           reverify=p.reverify, progress=progress)
+        if fp is not None and report.ok and p.seal and told.seal_note is None and not cached:
+            fp = _seal_anchor(p, item, ckpt, told, report, fp)
         item.verification = _summary(report, cached)
-        if report.ok and vouched:
+        if report.ok and fp is not None:
             p.anchors[layout] = item
-            if told.verified_by_manifest:  # execute checks this digest before deleting
-                p.anchor_fingerprint = fp
+            item.fingerprint = fp  # execute checks it is unchanged before deleting anything
             return
         item.kind = "broken"
         item.reason = ("changed while it was being verified" if report.ok
@@ -310,32 +300,35 @@ def _choose_anchor(p: PrunePlan, layout: str, members: list[PlanItem], progress:
                        + (f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""))
 
 
-def _seal_anchor(p: PrunePlan, item: PlanItem, ckpt: Storage, layout: StackLayout, report: VerifyReport,
-                 not_loaded: list[str]) -> None:
+def _seal_anchor(p: PrunePlan, item: PlanItem, ckpt: Storage, layout: Layout, report: VerifyReport,
+                 fp: Fingerprint) -> Fingerprint:
     """``prune --seal``: seal the anchor just test-loaded (unless sealed already), and take the
-    seal into the anchor's snapshot so that execute still finds it as verified."""
+    seal into the anchor's snapshot and fingerprint so that execute still finds it as verified.
+    Returns the fingerprint that vouches for it now."""
     if any(key == SEAL for key, *_ in item.snapshot) or report.level != "load":
-        return
+        return fp
     if not p.record:
         p.notes.append(f"{item.name}: would be sealed (--seal; not on a dry run)")
-        return
+        return fp
     try:
-        done = write_seal(ckpt, layout, report, not_loaded, expected=item.snapshot)
+        done = write_seal(ckpt, layout, report, expected=item.snapshot)
     except InvalidCheckpoint as e:
         p.notes.append(f"{item.name}: not sealed: {e}")
-        return
+        return fp
     after = entry_snapshot(p.root, item.name)
     if tuple(s for s in after if s[0] != SEAL) == item.snapshot:
         item.snapshot = after
+        fp = fingerprint(ckpt, layout)
     p.notes.append(f"{item.name}: {done.status} ({done.files} files, test-loaded by this prune)")
+    return fp
 
 
 def _pick_primary_anchor(p: PrunePlan, groups: list[str], members: dict[str, list[PlanItem]]) -> None:
-    """``anchor`` is ckptctl's own anchor when there is one, else the newest of the others';
-    ``refused`` is set when no layout has one (then nothing at all is deleted)."""
+    """``anchor`` is the anchor of the first managed layout, in the catalog's order (ckptctl's
+    own first), that has one; ``refused`` is set when no layout has one (then nothing at all
+    is deleted)."""
     if p.anchors:
-        own = [a for name, a in p.anchors.items() if p.managed[name].written_by_ckptctl]
-        p.anchor = own[0] if own else max(p.anchors.values(), key=lambda a: a.step)
+        p.anchor = next(p.anchors[name] for name in p.managed if name in p.anchors)
         for name in groups:
             if name not in p.anchors and any(i.kind in ("committed", "broken") for i in members[name]):
                 p.notes.append(f"no {name} checkpoint passes full verification: none of them is deleted")

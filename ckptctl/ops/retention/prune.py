@@ -43,7 +43,7 @@ from ckptctl.errors import NotFound
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import LAYOUTS
 from ckptctl.ops.transfer import uploads
-from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.retention.execute import ItemOutcome, PruneOutcome, Result, execute
 from ckptctl.ops.retention.plan import (
     ANCHOR_LEVEL,

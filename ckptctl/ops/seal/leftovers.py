@@ -39,11 +39,6 @@ def writer_running(pid: int) -> bool:
     return True
 
 
-def is_temporary(key: str) -> bool:
-    """Whether ``key``'s last part is one of ckptctl's own temporary names."""
-    return temporary_of(key.rsplit("/", 1)[-1]) is not None
-
-
 def remove_temporaries(ckpt: Storage) -> list[str]:
     """Remove, at any depth of the local directory ``ckpt``, the temporaries of ckptctl writers
     that are no longer running. Returns the keys removed (nothing on object storage, where

@@ -1,10 +1,12 @@
 """``seal``: give another tool's checkpoint the checksums it never had.
 
-A checkpoint of the Hugging Face Trainer, torchtitan/DCP, Megatron-LM or DeepSpeed is checked
-by its layout's commit rule and test-loaded fully once (the ``load`` level of ``verify``: every file, ``torch.load(weights_only=True)`` with the layout's
-allow-list, nothing unpickled; a pickle of another class decoded structurally and listed in the
-seal's ``not_loaded``, and a checkpoint with anything not decoded refused), then every file is hashed (XXH3-64, and per 64 MiB chunk for
-larger files) and the sidecar ``.ckptctl-seal.json`` (``format.seal``) is created with
+A checkpoint of the Hugging Face Trainer, torchtitan/DCP, Megatron-LM, DeepSpeed or any other
+layout that seals (``seal_note`` None) is checked by its layout's commit rule and test-loaded
+fully once (the ``load`` level of ``verify``, the one engine: every file the stack reads on
+resume loaded with ``torch.load(weights_only=True)`` and the layout's allow-list, nothing
+unpickled; what torch refuses decoded structurally and listed in the seal's ``not_loaded``, and
+a checkpoint with anything not decoded refused), then every file is hashed (XXH3-64, and per
+64 MiB chunk for larger files) and the sidecar ``.ckptctl-seal.json`` (``format.seal``) is created with
 write-if-absent semantics: an existing seal is never replaced, a concurrent sealer cannot
 clobber another's seal, and the checkpoint's own files are never modified.
 
@@ -21,25 +23,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal, cast
+from typing import Literal
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.seal import CHUNK_SIZE, SEAL, Seal, SealedFile, encode_seal
+from ckptctl.layouts.base import Layout
+from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.layouts.classify import classify
-from ckptctl.layouts.catalog import layout_named, list_checkpoints
-from ckptctl.layouts.native import NAME as NATIVE_NAME
-from ckptctl.layouts.native import NativeLayout
-from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.seal.leftovers import is_temporary, remove_temporaries
-from ckptctl.ops.verify.layouts import bound_layout, verify_stack_detail
-from ckptctl.ops.seal.check import hash_object, read_seal
-from ckptctl.ops.verify.checkpoint import VerifyReport
+from ckptctl.layouts.seal_check import hash_object, is_temporary, read_seal
+from ckptctl.ops.seal.leftovers import remove_temporaries
+from ckptctl.ops.verify.engine import verify
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 from ckptctl.version import tool_info
 
 SealStatus = Literal["sealed", "already sealed", "not needed", "skipped", "failed"]
-NATIVE_NOTE = NativeLayout.seal_note
 
 
 @dataclass
@@ -87,19 +86,27 @@ def commit_time(snapshot: tuple[tuple[str, int, float, str], ...]) -> float:
     return max((mtime for key, _size, mtime, kind in snapshot if key != SEAL and not is_temporary(key)), default=0.0)
 
 
-def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loaded: list[str], *,
+def unsealed(layout: Layout) -> SealStatus:
+    """What ``seal`` says of a checkpoint of a layout it leaves alone (its ``seal_note``):
+    "skipped" for one that is a file (no directory for a seal), else "not needed" (its own
+    checksums cover every byte)."""
+    return "skipped" if layout.files_are_checkpoints else "not needed"
+
+
+def write_seal(ckpt: Storage, layout: Layout, report: VerifyReport, *,
                progress: Progress | None = None,
                expected: tuple[tuple[str, int, float, str], ...] | None = None,
                chunk_size: int = CHUNK_SIZE) -> SealResult:
     """Hash every file of ``ckpt`` and create its seal, given a passing ``load``-level
-    ``report`` of it (``seal_checkpoint``, or prune's anchor verification) and the files it could
-    not test-load (``ops.verify.layouts.verify_stack_detail``). ``expected`` is the
-    listing the report was made on: a checkpoint that differs from it now is refused
-    (InvalidCheckpoint). Returns status "already sealed" when a seal appeared meanwhile."""
+    ``report`` of it (``seal_checkpoint``, or prune's anchor verification), whose ``untested``
+    files the seal lists as such. ``expected`` is the listing the report was made on: a
+    checkpoint that differs from it now is refused (InvalidCheckpoint). Returns status
+    "already sealed" when a seal appeared meanwhile."""
     t0 = time.perf_counter()
     name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
     assert report.ok and report.level == "load", "only a checkpoint that test-loaded is sealed"
-    # ``not_loaded`` holds only files decoded structurally: the load level fails on the others.
+    # ``untested`` holds only files decoded structurally: the load level fails on the others.
+    not_loaded = list(report.untested)
     before = _snapshot(ckpt) if expected is None else expected
     files: list[SealedFile] = []
     for key, _size, _mtime, kind in before:
@@ -127,7 +134,7 @@ def write_seal(ckpt: Storage, layout: StackLayout, report: VerifyReport, not_loa
     return result
 
 
-def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | None = None, *,
+def seal_checkpoint(ckpt: Storage, layout: Layout, progress: Progress | None = None, *,
                     chunk_size: int = CHUNK_SIZE) -> SealResult:
     """Seal one checkpoint of another tool (``layout`` bound to its root): test-load every
     file, then hash and write the seal. An existing seal is left as is ("already sealed").
@@ -135,7 +142,7 @@ def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | Non
     t0 = time.perf_counter()
     name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
     if layout.seal_note is not None:
-        return SealResult(ckpt.url, name, layout.name, None, "skipped", reason=layout.seal_note)
+        return SealResult(ckpt.url, name, layout.name, None, unsealed(layout), reason=layout.seal_note)
     # A seal killed between writing its temporary and linking or unlinking it left that
     # temporary: removed first, so it is neither sealed as a file of the checkpoint nor mistaken
     # for one added after sealing (a seal linked into place is complete: written, then linked).
@@ -149,13 +156,13 @@ def seal_checkpoint(ckpt: Storage, layout: StackLayout, progress: Progress | Non
         raise InvalidCheckpoint(f"{ckpt.url}: not a complete {layout.name} checkpoint ({seen.reason or seen.status}); not sealed",
                                 hint="only a checkpoint its stack has finished writing is sealed; seal an older one")
     before = _snapshot(ckpt)
-    report, not_loaded = verify_stack_detail(ckpt, layout, "load")
+    report = verify(ckpt, layout, "load")
     if not report.ok:
         first = report.problems[0]
         more = f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
         raise InvalidCheckpoint(f"{ckpt.url}: fails `verify --load`, not sealed: {first}{more}",
                                 hint=first.hint or "a seal would vouch for damaged bytes; use an older checkpoint")
-    result = write_seal(ckpt, layout, report, not_loaded, progress=progress, expected=before, chunk_size=chunk_size)
+    result = write_seal(ckpt, layout, report, progress=progress, expected=before, chunk_size=chunk_size)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -166,21 +173,19 @@ def seal_root(root: Storage, progress: Progress | None = None) -> list[SealResul
     its test-load is reported "failed" and the others are still sealed."""
     results: list[SealResult] = []
     for entry in list_checkpoints(root):
-        if entry.status in ("link", "unknown") or entry.storage is None:
+        layout = entry.owner
+        if entry.status in ("link", "unknown") or entry.storage is None or layout is None:
             results.append(SealResult(entry.url, entry.name, entry.layout, entry.step, "skipped",
                                       reason=entry.reason or entry.status))
             continue
-        layout = layout_named(entry.layout, root)
-        if layout.seal_note is not None:  # ckptctl's own (the manifest is its seal), one-file checkpoints
-            results.append(SealResult(entry.url, entry.name, entry.layout, entry.step,
-                                      "skipped" if layout.files_are_checkpoints else "not needed",
+        if layout.seal_note is not None:  # its own checksums cover every byte, or it is one file
+            results.append(SealResult(entry.url, entry.name, entry.layout, entry.step, unsealed(layout),
                                       reason=layout.seal_note))
             continue
         if entry.status != "committed":
             results.append(SealResult(entry.url, entry.name, entry.layout, entry.step, "skipped",
                                       reason=f"{entry.status}: {entry.reason}"))
             continue
-        layout = bound_layout(entry.layout, root)
         try:
             results.append(seal_checkpoint(entry.storage, layout, progress))
         except InvalidCheckpoint as e:
@@ -199,15 +204,17 @@ def seal_path(path: str, progress: Progress | None = None) -> SealOutcome:
         raise UsageError(f"no such file or directory: {path}", hint="check the path for a typo")
     st, local = found.storage, found.local
     outcome = SealOutcome(path)
-    if found.what == "checkpoint" and found.claimed and found.by_name and not found.verified_by_manifest:
-        outcome.results.append(seal_checkpoint(st, cast(StackLayout, found.in_layout), progress))
+    layout = found.layout if found.what == "checkpoint" and found.claimed else None
+    if layout is not None and layout.seal_note is not None:  # its own checksums cover every byte, or a file
+        outcome.results.append(SealResult(st.url, found.name, layout.name, None, unsealed(layout),
+                                          reason=layout.seal_note))
+        return outcome
+    if layout is not None and found.by_name:
+        outcome.results.append(seal_checkpoint(st, layout, progress))
         return outcome
     if local is not None and not found.is_dir:
         raise InvalidCheckpoint(f"not a checkpoint of another tool: {path}",
                                 hint="give a checkpoint directory (checkpoint-N, step-N, iter_N, global_stepN) or its root")
-    if found.verified_by_manifest and found.claimed:
-        outcome.results.append(SealResult(st.url, found.name, NATIVE_NAME, None, "not needed", reason=NATIVE_NOTE))
-        return outcome
     outcome.results = seal_root(st, progress)
     if not outcome.results:
         raise InvalidCheckpoint(f"no checkpoint to seal under {path}",

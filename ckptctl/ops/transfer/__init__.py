@@ -9,8 +9,8 @@ the way and the commit file written last.
   ranks' shards (copied, or re-sharded straight from the source).
 
 May import: ``format``, ``storage``, ``layouts``, ``ops.verify``, ``ops.seal``,
-``ops.transform`` (a re-sharding restore), ``ops.retention.lock`` (sync takes the root's lock),
-``ops.listing``, ``ops.targets``, ``ops.expect``, ``ops.distributed`` (work split over torchrun
+``ops.transform`` (a re-sharding restore), ``ops.lock`` (sync takes the root's lock),
+``ops.listing``, ``ops.targets``, ``ops.distributed`` (work split over torchrun
 ranks), ``load`` and ``state`` (a node's shards re-sharded from the source) and the leaves;
 never ``cli``.
 """

@@ -45,11 +45,11 @@ from ckptctl.layouts.native import (
     uncommit,
 )
 from ckptctl.ops.distributed import Job, agree, attempt, current, gathered, mine, on_root, unanimous
-from ckptctl.ops.expect import expect_bytes
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.progress import expect_bytes
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.ops.transfer.uploads import before_copy
-from ckptctl.ops.verify.checkpoint import verify_checkpoint
+from ckptctl.ops.verify.engine import verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage.base import Storage

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, RefusedForSafety
-from ckptctl.ops.verify.layouts import bound_layout, verify_stack
+from ckptctl.layouts.registry import layout_named
+from ckptctl.ops.verify.engine import verify
 from ckptctl.ops.transfer.stack_copy import StackSource, describe, source_problems
 from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.progress import Progress
@@ -55,7 +56,7 @@ def copy_stack_file(src: StackSource, dst_root: Storage, progress: Progress | No
         writer.commit()
     result.files = 1
     copy = dst_root.sub(src.name)
-    problems = verify_stack(copy, bound_layout(src.layout.name, dst_root), "checksums").problems
+    problems = verify(copy, layout_named(src.layout.name, dst_root), "checksums").problems
     if problems:
         dst_root.delete(src.name)
         raise InvalidCheckpoint(describe(problems, f"{result.dst} (the copy, verified)"),

@@ -7,7 +7,7 @@ and rank 0 verifies the whole result there. Here each node has a destination of 
 by node:
 
 1. the source's structure is checked (``quick``: marker, manifest, every header), its header
-   reads shared by the ranks (``ops.verify.checkpoint`` splits them);
+   reads shared by the ranks (``ops.verify.engine`` splits them);
 2. every rank plans the same target layout (``reshard.plan_layout``), takes its share of its
    node's target shards (``own_targets``) and writes each one with reshard's two passes,
    reading from the source only the chunks those shards need, each checked against its
@@ -41,8 +41,8 @@ from ckptctl.ops.transform.reshard import (
 )
 from ckptctl.ops.transform.reshard_source import checked_source_checksums
 from ckptctl.ops.transform.stream_shard import ChunkSpec, write_shard_streaming
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.progress import Progress
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage.base import Storage

@@ -49,8 +49,8 @@ from ckptctl.ops.transfer.copy import (
     skip_candidate,
 )
 from ckptctl.ops.transfer.uploads import before_copy
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.verify.shard_scan import check_file, stream_file
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage.base import Storage

@@ -43,12 +43,13 @@ from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts.catalog import NATIVE, newest_marked, other_tools_committed
 from ckptctl.layouts.classify import Found, classify
 from ckptctl.layouts.stack import StackLayout
-from ckptctl.ops.verify.layouts import bound_layout, verify_stack
+from ckptctl.layouts.registry import layout_named
+from ckptctl.ops.verify.engine import verify
 from ckptctl.ops.seal.leftovers import remove_temporaries
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.seal.check import check_against_seal, compare, hash_object, read_seal
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.seal_check import check_against_seal, compare, hash_object, read_seal
 from ckptctl.ops.transfer.copy import CopyResult, RestoreResult, Skipped
-from ckptctl.ops.verify.checkpoint import Level
+from ckptctl.layouts.checked import Level
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage import open_storage
@@ -75,7 +76,7 @@ def stack_source(found: Found) -> StackSource | None:
     root, or on object storage by its seal), ready to copy; None for ckptctl's own, a file
     format, nothing, or a checkpoint whose name gives no step (a DCP directory named alone:
     nothing says which step it is under a destination root)."""
-    if found.what != "checkpoint" or found.verified_by_manifest:
+    if found.what != "checkpoint" or found.file_format() == "ckptctl":
         return None
     step = found.step
     if step is None:
@@ -110,8 +111,8 @@ def destination_for(src: StackSource, dst: str) -> tuple[Storage, Storage]:
 
 def source_problems(src: StackSource) -> list[Problem]:
     """The cheap checks before a byte is copied: the stack's commit rule and files, and the
-    files and sizes the seal names when there is one (``verify_stack`` at quick)."""
-    return list(verify_stack(src.storage, src.layout, "quick").problems)
+    files and sizes the seal names when there is one (``verify`` at quick)."""
+    return list(verify(src.storage, src.layout, "quick").problems)
 
 
 def describe(problems: list[Problem], where: str) -> str:
@@ -255,9 +256,9 @@ def _check_destination(src: StackSource, dst: Storage, dst_root: Storage) -> Non
     commit rule and files and the seal's list of files and sizes (nothing added, as a leftover
     of a killed copy would be). On object storage the test-load streams each file to a
     temporary local file (``storage.stored_file.local_copy``): a sealed copy avoids that."""
-    layout = bound_layout(src.layout.name, dst_root).assuming_pointer(src.name, src.step)
+    layout = layout_named(src.layout.name, dst_root).assuming_pointer(src.name, src.step)
     level: Level = "quick" if src.seal is not None else "load"
-    problems = verify_stack(dst, layout, level).problems
+    problems = verify(dst, layout, level).problems
     what = "the copy, verified" if src.seal is not None else "the copy, test-loaded"
     if problems:
         raise InvalidCheckpoint(describe(problems, f"{dst.url} ({what})"),
@@ -298,7 +299,7 @@ def stack_sources(root: Storage, step: int | None = None, *, with_files: bool = 
     entries = [e for e in other_tools_committed(root) if step is None or e.step == step]
     for e in sorted(entries, key=lambda e: (e.step, e.name), reverse=True):
         assert e.storage is not None
-        layout = bound_layout(e.layout, root)
+        layout = layout_named(e.layout, root)
         if layout.files_are_checkpoints:
             if with_files:
                 yield StackSource(e.storage, e.name, layout, e.step, None)

@@ -16,7 +16,7 @@ a pointer never moved backwards; ``delete`` never removes them.
 
 Resumable: a sync killed at any point leaves DST's copy in progress without a marker (never
 mistaken for a checkpoint); the next run copies it again, keeping on a filesystem the files
-whose bytes already verify, and breaks the lock of the dead run (``ops.retention.lock``).
+whose bytes already verify, and breaks the lock of the dead run (``ops.lock``).
 
 ``delete``: committed checkpoints of DST whose name SRC no longer has are removed (marker
 first), except DST's newest checkpoint that verifies, which is never deleted. A source that
@@ -37,14 +37,14 @@ from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, RefusedForSaf
 from ckptctl.layouts.base import Checkpoint
 from ckptctl.layouts.catalog import NATIVE, list_checkpoints
 from ckptctl.layouts.native import read_committed_raw, remove, uncommit
-from ckptctl.ops.expect import counting_only, expect_bytes
-from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.progress import counting_only, expect_bytes
+from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.targets import open_root
 from ckptctl.ops.transfer.copy import copy_checkpoint
 from ckptctl.ops.transfer import uploads
 from ckptctl.ops.transfer.stack_sync import has_stack_checkpoints, sync_stacks
 from ckptctl.ops.transfer.uploads import UPLOAD_IDLE_S
-from ckptctl.ops.verify.checkpoint import VerifyReport
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.ops.verify.cache import VerifyCache, fingerprint, verify_cached
 from ckptctl.progress import Progress
 from ckptctl.storage import open_storage
@@ -174,7 +174,7 @@ def _bytes_to_read(sources: list[Checkpoint], dst: Storage, have: dict[str, Chec
     for entry in sources:
         there = have.get(entry.name)
         if there is not None and there.status == "committed":
-            fp = fingerprint(dst.sub(entry.name))
+            fp = fingerprint(dst.sub(entry.name), NATIVE[0])
             if fp is not None and cache.lookup(entry.name, fp, CHECK_LEVEL) is not None:
                 continue
         total += _size(entry)
@@ -197,7 +197,7 @@ def _one(entry: Checkpoint, dst_root: Storage, there: Checkpoint | None, cache: 
             if dry_run:
                 item.action, item.detail = "present", "same manifest; its bytes are checked by a real run"
                 return item
-            report, cached, _fp = verify_cached(dst, entry.name, cache, level=CHECK_LEVEL, progress=progress)
+            report, cached, _fp = verify_cached(dst, entry.name, cache, layout=NATIVE[0], level=CHECK_LEVEL, progress=progress)
             if report.ok:
                 item.action = "present"
                 item.detail = "unchanged since verified" if cached else "verified in place"
@@ -210,7 +210,7 @@ def _one(entry: Checkpoint, dst_root: Storage, there: Checkpoint | None, cache: 
             return item
         copied = copy_checkpoint(entry.storage, dst, progress)
         item.action, item.bytes = "copied", copied.bytes_copied
-        fp = fingerprint(dst)
+        fp = fingerprint(dst, NATIVE[0])
         if fp is not None:  # checked on the way: the next sync need not download it again
             cache.record(entry.name, fp, VerifyReport(dst.url, CHECK_LEVEL, step=entry.step, files=copied.files))
     except NotFound as e:  # pruned at SRC while we looked: nothing to mirror any more
@@ -227,7 +227,7 @@ def _delete_extra(src: Storage, dst: Storage, sources: list[Checkpoint], cache: 
     newest_ok = None
     for e in reversed(committed):  # DST's newest checkpoint that verifies is never deleted
         assert e.storage is not None
-        report, _c, fp = verify_cached(e.storage, e.name, cache, level=CHECK_LEVEL)
+        report, _c, fp = verify_cached(e.storage, e.name, cache, layout=NATIVE[0], level=CHECK_LEVEL)
         if report.ok and fp is not None:
             newest_ok = e.name
             break

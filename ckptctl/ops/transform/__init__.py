@@ -6,7 +6,7 @@
 * ``stream_shard``: writing one shard in two passes with bounded memory, and
   ``reshard_source``: checking the source chunks as they are read.
 
-May import: ``format``, ``storage``, ``load``, ``state``, ``interop``, ``layouts.native``,
-``ops.verify.checkpoint`` (a source is verified before it is read) and the leaves; never ``cli`` nor the
+May import: ``format``, ``storage``, ``load``, ``state``, ``interop``, ``layouts``,
+``ops.verify`` (a source is verified before it is read) and the leaves; never ``cli`` nor the
 rest of ``ops`` (docs/architecture.md).
 """

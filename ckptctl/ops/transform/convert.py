@@ -1,7 +1,7 @@
 """``convert``: read a checkpoint in any supported format and write it in another, one tensor
 at a time.
 
-Input formats, detected from what is on disk (``detect``):
+Input formats, as ``layouts.classify`` finds them at the path (``source_format``):
 
 - ``ckptctl``: a directory with ``manifest.json`` and the ``COMMITTED`` marker (verified first);
 - ``dcp``: a directory with ``.metadata`` (PyTorch Distributed Checkpoint);
@@ -58,8 +58,10 @@ from ckptctl.format.layout import MANIFEST, MARKER, shard_name
 from ckptctl.format.manifest import Manifest, TensorEntry
 from ckptctl.interop import steps
 from ckptctl.interop.base import Source, TensorMeta
-from ckptctl.interop.detect import Format, detect, format_named
+from ckptctl.interop.detect import Format, format_named
+from ckptctl.interop.sources import open_foreign
 from ckptctl.interop.steps import StepClue
+from ckptctl.layouts.classify import classify
 from ckptctl.layouts.native import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.ops.transform.convert_tree import filter_tree, strip_names, strip_tree, tree_of
@@ -126,40 +128,38 @@ class CkptctlSource(Source):
         self.reader.close()
 
 
+def source_format(path: str) -> Format:
+    """The format convert reads ``path`` as: what ``layouts.classify`` finds there (ckptctl's
+    own, DCP, safetensors, torch.save). Raises UsageError naming the path when it is none of
+    them, and InvalidCheckpoint for a DCP directory whose save did not finish (no ``.metadata``)."""
+    found = classify(path)
+    fmt = found.reader_format()
+    if fmt == "ckptctl" or (fmt is not None and found.local is not None):
+        return fmt
+    if found.local is None:
+        raise UsageError(f"{path}: only ckptctl checkpoints are read from object storage",
+                         hint="copy foreign checkpoints to a local directory first")
+    if found.missing:
+        raise UsageError(f"{path} does not exist")
+    if found.is_dir:
+        raise UsageError(f"{path}: no manifest.json (ckptctl), .metadata (DCP) or *.safetensors here",
+                         hint="point at the checkpoint directory or file itself")
+    raise UsageError(f"{path}: not a .safetensors or torch.save (.pt/.pth/.bin) file")
+
+
 def open_source(path: str, fmt: Format | None = None) -> Source:
     """The checkpoint at ``path`` as a ``Source``; ``step`` is what every record of it agrees on
     (ckptctl's manifest; another tool's own records and its directory name, ``interop.steps``)."""
-    fmt = fmt or detect(path)
-    if fmt == "ckptctl":
-        st = open_storage(path)
-        if st.stat(MARKER) is None:
-            from ckptctl.errors import NotFound
+    fmt = fmt or source_format(path)
+    if fmt != "ckptctl":
+        return open_foreign(path, fmt)
+    st = open_storage(path)
+    if st.stat(MARKER) is None:
+        from ckptctl.errors import NotFound
 
-            raise NotFound(f"{st.url}: no {MARKER} marker, so the checkpoint is not committed",
-                           hint="it is still being written or its save failed; use a committed checkpoint")
-        return CkptctlSource(st)
-    src: Source
-    if fmt == "dcp":
-        from ckptctl.interop.dcp_io import DcpSource
-
-        src = DcpSource(path)
-    elif fmt == "safetensors":
-        from ckptctl.interop.hf_trainer_io import HfTrainerSource, is_trainer_checkpoint
-        from ckptctl.interop.safetensors_io import SafetensorsSource
-
-        from ckptctl.interop.accelerate_io import AccelerateSource, is_accelerate_checkpoint
-
-        if is_trainer_checkpoint(path):
-            src = HfTrainerSource(path)
-        else:  # an accelerate save_state directory carries (or lists as dropped) its training state
-            src = AccelerateSource(path) if is_accelerate_checkpoint(path) else SafetensorsSource(path)
-    else:
-        from ckptctl.interop.torch_io import TorchSource
-
-        src = TorchSource(path)
-    src.step_clues.extend(steps.from_name(path))
-    src.settle_step()
-    return src
+        raise NotFound(f"{st.url}: no {MARKER} marker, so the checkpoint is not committed",
+                       hint="it is still being written or its save failed; use a committed checkpoint")
+    return CkptctlSource(st)
 
 
 def parse_size(text: str) -> int:
@@ -199,7 +199,7 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
     if to in ("torch", "dcp") and "://" in dst_path and not dst_path.startswith("file://"):
         raise UsageError(f"--to {to} writes local files only, not {dst_path}",
                          hint="write to a local path, or use --to ckptctl or safetensors for object storage")
-    src_fmt = detect(src_path)
+    src_fmt = source_format(src_path)
     _refuse_same(src_path, dst_path)
     if src_fmt == "ckptctl":
         require_verified(open_storage(src_path))  # every checksum, before anything is written

@@ -55,7 +55,9 @@ from ckptctl.layouts.native import check_target_name, commit, read_committed, re
 from ckptctl.format.checksum import file_checksum
 from ckptctl.ops.transform.reshard_source import checked_source_checksums
 from ckptctl.ops.transform.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
-from ckptctl.ops.verify.checkpoint import Level, VerifyReport, verify_checkpoint
+from ckptctl.layouts.checked import Level
+from ckptctl.ops.verify.engine import verify_checkpoint
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.settings import MAX_WORLD_SIZE, STREAM_PIECE
 from ckptctl.state.buffers import TensorBuffer

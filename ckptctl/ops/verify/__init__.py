@@ -1,15 +1,12 @@
 """Verification: whether a checkpoint is what it claims, at a level (quick, checksums, load).
 
-* ``checkpoint``: ckptctl's own checkpoints, against the manifest's checksums (``verify_checkpoint``);
-* ``layouts``: any layout's checkpoint, asking the layout (``verify_entry``, ``latest_checkpoint``);
-* ``foreign``: one file or directory another tool wrote (DCP, safetensors, torch.save);
-* ``shard_scan``: one shard file's header and one streaming read of its chunks; ``decode``:
-  the load level's test-decode of chunk bytes;
-* ``cache``: the record that lets prune skip re-reading a checkpoint it verified before;
-* ``problem``: ``Problem``, one thing wrong, located as precisely as it can be.
+* ``engine``: the one road for every checkpoint of every layout (and every file format): its
+  handler's ``check`` (``layouts``), split over a torchrun job's ranks, made a report;
+* ``report``: ``VerifyReport``, what ``verify`` prints and its JSON;
+* ``latest``: a root's checkpoints newest first (``verify --latest/--all``, ``latest``);
+* ``cache``: the record that lets prune skip re-reading a checkpoint it verified before.
 
-May import: ``format``, ``storage``, ``layouts``, ``interop``, ``state``, ``progress``, the
-leaves, ``ops.expect``, ``ops.seal.check`` (a sealed checkpoint is checked against its seal) and
-``ops.transform.convert`` (a foreign file is opened as convert opens it), ``ops.distributed`` (under
-torchrun each rank checks its share of a checkpoint's files); never ``cli``.
+May import: ``format``, ``storage``, ``layouts``, ``progress``, the leaves and
+``ops.distributed`` (under torchrun each rank checks its share of a checkpoint's files); never
+``cli``, nor another package of ``ops``.
 """

@@ -1,9 +1,11 @@
 """Remember full verifications, so that the next prune does not re-read an unchanged checkpoint.
 
 Verifying at level ``load`` reads every byte; on terabytes that is the expensive part of a prune.
-After a checkpoint verifies, its *fingerprint* is recorded: the manifest checksum its marker
-commits, and for every file in the checkpoint directory its key, size and modification time,
-plus, on POSIX, the nanosecond mtime, the ctime and the inode. A later run trusts the recorded
+After a checkpoint verifies, its *fingerprint* is recorded: its layout's ``identity`` (ckptctl's
+own: the manifest checksum its marker commits), and for every file in the checkpoint directory
+its key, size and modification time, plus, on POSIX, the nanosecond mtime, the ctime and the
+inode. A checkpoint whose layout names no identity is never recorded: each run checks it afresh
+(or by its seal), and its fingerprint still tells whether it changed while it was read. A later run trusts the recorded
 "ok" only when a fresh fingerprint is equal in every field. Changing a file's bytes through the
 filesystem changes its ctime even when its size and mtime are put back (``os.utime`` cannot set
 ctime), so on POSIX such an edit is caught without ``--reverify``; what a fingerprint cannot see
@@ -29,9 +31,10 @@ from typing import Any
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError
 from ckptctl.format import parse
-from ckptctl.format.layout import MARKER
-from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
-from ckptctl.ops.verify.checkpoint import LEVELS, Level, VerifyReport, verify_checkpoint
+from ckptctl.layouts.base import Layout
+from ckptctl.layouts.checked import LEVELS, Level
+from ckptctl.ops.verify.engine import verify
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 
@@ -46,7 +49,7 @@ Stamp = tuple[str, int, float, int | None, int | None, int | None]
 
 @dataclass(frozen=True)
 class Fingerprint:
-    manifest_checksum: str
+    manifest_checksum: str | None  # the layout's identity (the record's key keeps its first name)
     stamps: tuple[Stamp, ...]
 
     def to_doc(self) -> dict[str, Any]:
@@ -90,15 +93,8 @@ def _entry(doc: Any) -> dict[str, Any] | None:
     return doc if Fingerprint.from_doc(doc) is not None else None
 
 
-def fingerprint(ckpt: Storage) -> Fingerprint | None:
-    """The fingerprint of a checkpoint as it is now; None when it has no readable marker."""
-    info = ckpt.stat(MARKER)
-    if info is None or info.size > MAX_MARKER_BYTES:  # an oversized marker is no marker here
-        return None
-    try:
-        marker = Marker.from_json(ckpt.read(MARKER, max_size=MAX_MARKER_BYTES), ckpt.url_of(MARKER))
-    except (NotFound, InvalidCheckpoint):
-        return None
+def fingerprint(ckpt: Storage, layout: Layout) -> Fingerprint:
+    """The fingerprint of a checkpoint of ``layout`` as it is now."""
     stamps = []
     for info in ckpt.list():
         mtime_ns = ctime_ns = inode = None
@@ -110,7 +106,7 @@ def fingerprint(ckpt: Storage) -> Fingerprint | None:
             except FileNotFoundError:
                 pass  # deleted since listed: the stamp differs from any recorded one anyway
         stamps.append((info.key, info.size, info.mtime, mtime_ns, ctime_ns, inode))
-    return Fingerprint(marker.manifest_checksum, tuple(sorted(stamps)))
+    return Fingerprint(layout.identity(ckpt), tuple(sorted(stamps)))
 
 
 class VerifyCache:
@@ -155,6 +151,8 @@ class VerifyCache:
 
     def lookup(self, name: str, fp: Fingerprint, level: Level) -> dict[str, Any] | None:
         """The recorded success for ``name`` if it covers ``level`` and ``fp`` is unchanged."""
+        if fp.manifest_checksum is None:
+            return None  # nothing names its contents: never recorded
         entry = self.entries.get(name)
         if entry is None or entry.get("level") not in LEVELS:
             return None
@@ -163,7 +161,7 @@ class VerifyCache:
         return entry if Fingerprint.from_doc(entry) == fp else None
 
     def record(self, name: str, fp: Fingerprint, report: VerifyReport) -> None:
-        if not report.ok:  # failures are never remembered: they must be re-checked every time
+        if not report.ok or fp.manifest_checksum is None:  # failures are never remembered: re-checked every time
             self.forget(name)
             return
         self.entries[name] = {
@@ -203,18 +201,21 @@ def verify_cached(
     name: str,
     cache: VerifyCache | None,
     *,
+    layout: Layout,
     level: Level = "load",
     reverify: bool = False,
     progress: Progress | None = None,
 ) -> tuple[VerifyReport, bool, Fingerprint | None]:
-    """Verify ``ckpt`` (directory ``name`` under the cache's root) at ``level``.
+    """Verify ``ckpt`` (directory ``name`` under the cache's root, a checkpoint of ``layout``)
+    at ``level``: the same check ``verify`` makes (``ops.verify.engine``), or a success the
+    record holds for this very fingerprint.
 
     Returns the report, whether it came from the record (no data read), and the fingerprint the
     report vouches for: taken before reading and again after, and None unless both agree, so
     neither the record nor a caller ever trusts a result for bytes that changed while read.
     """
-    before = fingerprint(ckpt)
-    if cache is not None and before is not None and not reverify:
+    before = fingerprint(ckpt, layout)
+    if cache is not None and not reverify:
         hit = cache.lookup(name, before, level)
         if hit is not None:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(hit.get("verified_at", 0))))
@@ -222,8 +223,8 @@ def verify_cached(
                                   tensors=int(hit.get("tensors", 0)),
                                   note=f"verified at {when}; unchanged since (--reverify re-reads it)")
             return report, True, before
-    report = verify_checkpoint(ckpt, level, progress)
-    vouched = before if before is not None and fingerprint(ckpt) == before else None
+    report = verify(ckpt, layout, level, progress)
+    vouched = before if fingerprint(ckpt, layout) == before else None
     if cache is not None:
         if report.ok and vouched is not None:
             cache.record(name, vouched, report)

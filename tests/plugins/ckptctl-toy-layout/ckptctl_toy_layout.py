@@ -5,10 +5,12 @@
         DONE            written last: {"step": N, "files": {"a.bin": SIZE, ...}}
 
 A ``toy-N`` directory is a checkpoint of step N once ``DONE`` is there and agrees with the
-directory's name and the files' sizes. The layout is registered by the ``ckptctl.layouts``
-entry point of this package; ``build_checkpoint`` and ``commit_sidecar`` are its fixture for
-ckptctl's layout conformance suite (tests/test_layout_conformance.py). It imports neither torch
-nor anything slow: every ckptctl command loads the installed layouts.
+directory's name and the files' sizes. The layout implements ckptctl's ``Layout`` protocol
+(``ckptctl.layouts.base``) and subclasses nothing; the checking of its files is ckptctl's
+(``check_files``). It is registered by the ``ckptctl.layouts`` entry point of this package;
+``build_checkpoint`` and ``commit_sidecar`` are its fixture for ckptctl's layout conformance
+suite (tests/test_layout_conformance.py). It imports neither torch nor anything slow: every
+ckptctl command loads the installed layouts.
 """
 
 from __future__ import annotations
@@ -16,33 +18,52 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Iterable
 
+from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import Examined
-from ckptctl.layouts.stack import FileKind, Resume, StackLayout
-from ckptctl.storage.base import Storage
+from ckptctl.layouts.base import NOT_TOLD, Examined, Resume
+from ckptctl.layouts.checked import ALONE
+from ckptctl.layouts.file_check import check_files, name_of
+from ckptctl.layouts.removal import commit_files_first
+from ckptctl.storage.base import ObjectInfo, Storage
 
 DONE = "DONE"
+_NAME = re.compile(r"toy-([0-9]{1,18})\Z", re.ASCII)  # a directory's name -> its step
+_OWN = re.compile(r"(DONE|[A-Za-z0-9_.-]+\.bin)\Z", re.ASCII)  # files that make a directory ours
 _DATA = re.compile(r"[A-Za-z0-9_.-]+\.bin\Z", re.ASCII)
 
 
-class ToyLayout(StackLayout):
+class ToyLayout:
     name = "toy"  # as ls's FORMAT column and --format spell it
     title = "toy (ckptctl's test plugin)"
-    pattern = re.compile(r"toy-([0-9]{1,18})\Z", re.ASCII)  # a directory's name -> its step
-    own_files = re.compile(r"(DONE|[A-Za-z0-9_.-]+\.bin)\Z", re.ASCII)  # files that make it ours
-    claims_empty = False  # an empty toy-N may be anybody's: never ours to delete
+    files_are_checkpoints = False  # a directory per checkpoint
+    commit_marker = DONE  # without it partial; with it committed, or corrupt when it does not hold
     commit_files = (DONE,)  # deleted first, copied last
+    seal_note = None  # `ckptctl seal` gives its checkpoints the checksums they lack
+    pointer_file = None  # no root-level pointer names a checkpoint
 
-    def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
+    def for_root(self, root: Storage) -> "ToyLayout":
+        return self
+
+    def step_of(self, child: ObjectInfo) -> int | None:
+        m = _NAME.match(child.key.rsplit("/", 1)[-1])
+        return int(m.group(1)) if m is not None and child.kind in ("dir", "link") else None
+
+    def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        return any(_OWN.match(n) for n in names)  # an empty toy-N may be anybody's: never ours
+
+    def claims_alone(self, ckpt: Storage, names: frozenset[str]) -> bool:
+        return False  # only under its own names
+
+    def examine(self, ckpt: Storage) -> Examined:
         if ckpt.stat(DONE) is None:
             return Examined("partial", f"no {DONE}: the toy writes it last, so this save did not finish")
         doc, problem = safe_load.json_file(ckpt, DONE)  # bounded size and nesting; never raises
         if problem is not None:
             return Examined("corrupt", f"{DONE}: {problem}")
-        got = doc.get("step") if isinstance(doc, dict) else None
-        files = doc.get("files") if isinstance(doc, dict) else None
+        step = self.step_of(ObjectInfo(name_of(ckpt), 0, 0.0, "dir"))
+        got, files = (doc.get("step"), doc.get("files")) if isinstance(doc, dict) else (None, None)
         if not isinstance(got, int) or isinstance(got, bool) or not isinstance(files, dict):
             return Examined("corrupt", f"{DONE} has no integer step or no files")
         if step is not None and got != step:
@@ -55,11 +76,44 @@ class ToyLayout(StackLayout):
                 return Examined("corrupt", f"{name}: missing or not the {size} bytes {DONE} records")
         return Examined("committed")
 
-    def kind_of(self, rel: str) -> FileKind:
-        return "json" if rel == DONE else "other"  # *.bin are opaque bytes here
+    def removal_order(self, keys: Iterable[str]) -> list[str]:
+        return commit_files_first(keys, self.commit_files)
+
+    def check(self, ckpt: Storage, level: str, *, split: Any = ALONE, progress: Any = None) -> Any:
+        return check_files(self, ckpt, level, kind_of=lambda rel: "json" if rel == DONE else "other", split=split)
+
+    def reads_on_resume(self, rel: str) -> bool:
+        return True  # its resume reads every file
+
+    def identity(self, ckpt: Storage) -> str | None:
+        return None  # nothing names its contents: each prune checks it afresh (or by its seal)
+
+    def inspect(self, ckpt: Storage, *, tensors: bool = False) -> Any:
+        raise InvalidCheckpoint(f"{ckpt.url}: a toy checkpoint holds opaque *.bin files; nothing reads tensors there")
+
+    def pointer_target(self) -> None:
+        return None
+
+    def pointer_for(self, name: str, step: int) -> None:
+        return None
+
+    def pointer_step(self, raw: bytes) -> None:
+        return None
+
+    def assuming_pointer(self, name: str, step: int) -> "ToyLayout":
+        return self
+
+    def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+        return {}  # no pointer, no best checkpoint
+
+    def kind_of_checkpoint(self, ckpt: Storage, manifest: object = None) -> Any:
+        return NOT_TOLD  # exports are not told apart: every committed one may resume
 
     def resume(self, ckpt_path: str, step: int) -> Resume:
         return Resume(ckpt_path, f"--resume {ckpt_path}", ("--resume", ckpt_path))
+
+    def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
+        return {}  # the toy records no metrics
 
 
 def open_toyfs(url: str, **kwargs: Any) -> Storage:

@@ -1,6 +1,6 @@
 """What a root lock records about its holder, and when that holder is taken to be gone.
 
-See ``ops.retention.lock`` for how the lock is taken, refreshed and broken.
+See ``ops.lock`` for how the lock is taken, refreshed and broken.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Callable
 
 from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, LockHeld, NotFound, StorageError
-from ckptctl.ops.retention.lock_info import LOCK_KEY, MAX_LOCK_BYTES, LockInfo, _proc_start, stale_reason  # noqa: F401 (_proc_start: tests)
+from ckptctl.ops.lock_info import LOCK_KEY, MAX_LOCK_BYTES, LockInfo, _proc_start, stale_reason  # noqa: F401 (_proc_start: tests)
 from ckptctl.storage.base import Storage
 
 GUARD_KEY = ".ckptctl-lock.break"

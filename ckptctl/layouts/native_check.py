@@ -1,4 +1,4 @@
-"""``verify``: is this checkpoint whole and uncorrupted?
+"""Checking one ckptctl checkpoint against its manifest: ``NativeLayout.check``.
 
 Levels, each including the one before:
 
@@ -11,85 +11,33 @@ Levels, each including the one before:
 - ``load``: also decodes every chunk as its dtype, and checks that safetensors itself accepts
   each local shard.
 
-One file's checks are ``ops.verify.shard_scan``'s: files stream through in fixed-size pieces (memory:
+One file's checks are ``shard_scan``'s: files stream through in fixed-size pieces (memory:
 pieces in flight, never a whole file) and are checked in parallel. Every problem found is
-reported, not just the first.
-
-One ckptctl checkpoint only: a root's checkpoints, of every layout, are ``ops.verify.layouts``'s
-(``verify_root``), which calls ``verify_checkpoint`` for ckptctl's own.
+reported, not just the first. Under a split (a torchrun ``verify``) each process checks its
+share of the files, balanced by bytes, and every process gets the whole result.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field
 
-from ckptctl.errors import CoordinationError, InvalidCheckpoint, NotFound
+from ckptctl.errors import CoordinationError
 from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
-from ckptctl.layouts.native import read_committed
-from ckptctl.ops.verify.problem import Problem
-from ckptctl.ops.verify.shard_scan import check_file, stream_file
-from ckptctl.ops.distributed import agree, attempt, current, everyone, mine
-from ckptctl.ops.expect import expect_bytes
-from ckptctl.progress import Progress
+from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Share, Split
+from ckptctl.layouts.shard_scan import check_file, stream_file
+from ckptctl.progress import Progress, expect_bytes
 from ckptctl.settings import VERIFY_THREADS
 from ckptctl.storage.base import Storage
-
-__all__ = ["LEVELS", "Level", "Problem", "RankShare", "VerifyReport", "coverage", "verify_checkpoint"]
-
-Level = Literal["quick", "checksums", "load"]
-LEVELS: tuple[Level, ...] = ("quick", "checksums", "load")
-
-
-@dataclass
-class VerifyReport:
-    url: str
-    level: Level
-    step: int | None = None
-    problems: list[Problem] = field(default_factory=list)
-    files: int = 0
-    tensors: int = 0
-    bytes_read: int = 0
-    seconds: float = 0.0
-    note: str | None = None
-    # Under torchrun: what each rank read (its share of the files), by rank; empty otherwise.
-    ranks: list["RankShare"] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["ok"] = self.ok
-        d["problems"] = [{**asdict(p), "text": str(p)} for p in self.problems]
-        if not self.ranks:  # a plain run's document is unchanged
-            del d["ranks"]
-        return d
-
-
-@dataclass
-class RankShare:
-    """What one rank of a torchrun job verified: its share of the files (``ops.distributed.share``)."""
-
-    rank: int
-    node: str
-    files: int
-    bytes_read: int
-    seconds: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
 class _Part:
-    """One rank's checks of its share of the files, each problem keyed by its file so that the
-    report lists them in the manifest's order whichever rank found them."""
+    """One process's checks of its share of the files, each problem keyed by its file so that
+    the result lists them in the manifest's order whichever process found them."""
 
     quick: dict[str, list[Problem]] = field(default_factory=dict)
     headers: dict[str, ShardHeader] = field(default_factory=dict)
@@ -99,56 +47,46 @@ class _Part:
     bytes_read: int = 0
 
 
-def verify_checkpoint(ckpt: Storage, level: Level = "checksums", progress: Progress | None = None) -> VerifyReport:
-    """Check one checkpoint at ``level``; never raises for a problem in the checkpoint itself
-    (those are in the report), only for operational failures (StorageError).
-
-    Under a torchrun verb (``ops.distributed.current``) every rank reads the manifest and checks
-    its share of the files (balanced by bytes); the parts are gathered, so every rank returns
-    the same whole report, with ``ranks`` saying what each one read."""
+def check_manifest(ckpt: Storage, level: Level, manifest: Manifest | None, identity: str | None,
+                   problem: Problem | None = None, *, split: Split = ALONE,
+                   progress: Progress | None = None) -> Checked:
+    """Check the checkpoint ``ckpt`` at ``level`` against ``manifest``, the one its marker
+    commits (``identity``: the manifest checksum the marker records), or report ``problem``
+    (why there is none: not committed, corrupt). Never raises for a problem in the checkpoint,
+    only for storage that cannot be read."""
     t0 = time.perf_counter()
-    job = current()
-    report = VerifyReport(ckpt.url, level)
-    manifest: Manifest | None = None
-    identity: str | None = None
-    try:
-        manifest, marker = read_committed(ckpt)
-        identity = marker.manifest_checksum
-    except (NotFound, InvalidCheckpoint) as e:
-        report.problems.append(Problem(str(e), hint=e.hint))
+    out = Checked(level)
+    if problem is not None:
+        out.problems.append(problem)
     files = manifest.files if manifest is not None else []
-    part, failure = attempt(lambda: _check_part(ckpt, manifest, [files[i] for i in mine(job, [f.size for f in files])],
-                                                level, progress) if manifest is not None else _Part())
-    if job is None:
-        if failure is not None:
-            raise failure
-        parts = [part]
-    else:
-        gathered = everyone(job, (ckpt.url, identity, part, failure, time.perf_counter() - t0))
-        if len({(g[0], g[1]) for g in gathered}) > 1:
-            raise CoordinationError(f"{ckpt.url}: the ranks of this torchrun job read different checkpoints here "
-                                    "(it changed while being verified)",
-                                    hint="verify it again once nothing writes to it")
-        agree(job, failure)
-        parts = [g[2] for g in gathered]
-        report.ranks = [RankShare(r, job.nodes[r], g[2].files, g[2].bytes_read, g[4]) for r, g in enumerate(gathered)]
+    mine = split.mine([f.size for f in files])
+
+    def work() -> tuple[str, str | None, _Part, float]:
+        part = _check_part(ckpt, manifest, [files[i] for i in mine], level, progress) if manifest else _Part()
+        return ckpt.url, identity, part, time.perf_counter() - t0
+
+    gathered = split.each(work)
+    if len({(g[0], g[1]) for g in gathered}) > 1:
+        raise CoordinationError(f"{ckpt.url}: the processes of this job read different checkpoints here "
+                                "(it changed while being verified)", hint="verify it again once nothing writes to it")
+    parts = [g[2] for g in gathered]
+    if split is not ALONE:
+        out.shares = [Share(g[2].files, g[2].bytes_read, g[3]) for g in gathered]
     if manifest is None:
-        report.seconds = time.perf_counter() - t0
-        return report
-    report.step, report.files, report.tensors = manifest.step, len(manifest.files), len(manifest.tensors)
+        return out
+    out.step, out.files, out.tensors = manifest.step, len(manifest.files), len(manifest.tensors)
     quick = {k: v for p in parts for k, v in p.quick.items()}
     headers = {k: v for p in parts for k, v in p.headers.items()}
     data = {k: v for p in parts for k, v in p.data.items()}
     for f in manifest.files:
-        report.problems.extend(quick.get(f.name, []))
+        out.problems.extend(quick.get(f.name, []))
     if len(headers) == len(manifest.files):  # else a file is already reported missing or bad
-        report.problems.extend(coverage(manifest, headers))
+        out.problems.extend(coverage(manifest, headers))
     for f in manifest.files:
-        report.problems.extend(data.get(f.name, []))
-    report.problems.extend(p for part_ in parts for p in part_.loaded)
-    report.bytes_read = sum(p.bytes_read for p in parts)
-    report.seconds = time.perf_counter() - t0
-    return report
+        out.problems.extend(data.get(f.name, []))
+    out.problems.extend(p for part in parts for p in part.loaded)
+    out.bytes_read = sum(p.bytes_read for p in parts)
+    return out
 
 
 def _check_part(ckpt: Storage, manifest: Manifest, files: list[FileEntry], level: Level,

@@ -15,16 +15,23 @@ from typing import Callable, Literal
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.checksum import Hasher
 from ckptctl.format.seal import SEAL, Seal, SealedFile, chunk_count, parse_seal
-from ckptctl.ops.seal.leftovers import is_temporary
-from ckptctl.ops.verify.problem import Problem
+from ckptctl.layouts.checked import Problem
+from ckptctl.layouts.safe_load import STRUCTURAL_MARK
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_PIECE
 from ckptctl.storage.base import Storage
+from ckptctl.storage.local_io import temporary_of
 
 SealLevel = Literal["quick", "checksums"]
 MAX_RANGES = 8  # bad chunks named one by one in a file; the rest are counted
 LEFTOVER = "run the interrupted `ckptctl seal` (or `ckptctl cp`) again: it removes the leftover first"
 RESEAL = "if the change was intended, delete the seal and run `ckptctl seal` again; otherwise restore this checkpoint from a good copy"
+
+
+def is_temporary(key: str) -> bool:
+    """Whether ``key``'s last part is one of ckptctl's own temporary names (a killed ``seal`` or
+    ``cp`` left it: ``ops.seal.leftovers`` removes those before a rerun decides)."""
+    return temporary_of(key.rsplit("/", 1)[-1]) is not None
 
 
 def read_seal(ckpt: Storage) -> Seal | None:
@@ -144,3 +151,10 @@ def seal_problem(ckpt: Storage) -> tuple[Seal | None, Problem | None]:
         return read_seal(ckpt), None
     except InvalidCheckpoint as e:
         return None, Problem(str(e), file=SEAL, hint="the seal is damaged; delete it and run `ckptctl seal` again")
+
+
+def decoded_when_sealed(seal: Seal) -> bool:
+    """Whether the seal was made by an honest load level: every file it lists as not
+    test-loaded was decoded structurally. An older seal may list files nothing decoded
+    ("presence and size only", "not test-loaded"): its checksums then do not stand for load."""
+    return all(STRUCTURAL_MARK in entry for entry in seal.not_loaded)

@@ -2,8 +2,8 @@
 the manifest (``check_file``), and one streaming read of the file that hashes every chunk and
 rebuilds the file checksum (``stream_file``).
 
-``ops.verify.checkpoint`` runs these for every file of a checkpoint at its levels; ``ops.transfer.copy`` streams
-a copy through ``stream_file``'s ``sink``, so copying and checking read the source once. Memory
+``native_check`` runs these for every file of a checkpoint at its levels; a copy streams
+through ``stream_file``'s ``sink``, so copying and checking read the source once. Memory
 is two ``settings.VERIFY_PIECE`` pieces per read in flight, never a whole file.
 """
 
@@ -17,10 +17,9 @@ from ckptctl.errors import CheckpointError
 from ckptctl.format.checksum import Hasher, digest, file_checksum
 from ckptctl.format.geometry import box, fits
 from ckptctl.format.manifest import FileEntry, Manifest
-from ckptctl.format.shard import Chunk, ShardHeader
+from ckptctl.format.shard import Chunk, ShardHeader, read_header_with
 from ckptctl.format.shard_identity import header_mismatch
-from ckptctl.layouts.native import read_header
-from ckptctl.ops.verify.problem import Problem
+from ckptctl.layouts.checked import Problem
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_PIECE
 from ckptctl.storage.base import Storage
@@ -42,7 +41,8 @@ def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[P
         problems.append(Problem(f"has {info.size} bytes, manifest says {f.size}", file=f.name, hint="the shard is truncated or was replaced"))
         return None
     try:
-        h = read_header(ckpt, f.name)
+        with ckpt.open_reader(f.name) as r:  # at most two small ranged reads
+            h = read_header_with(r.read, r.size, ckpt.url_of(f.name))
     except CheckpointError as e:  # a bad header; storage trouble (exit 3) is not the checkpoint's fault
         problems.append(Problem(str(e), file=f.name, hint=e.hint))
         return None
@@ -150,7 +150,7 @@ def _scan(
     if decode_chunks:
         # Only the load level needs torch; the default levels must not import it (seconds of
         # start-up in every cron `verify` and `latest`), so it is imported here, on demand.
-        from ckptctl.ops.verify.decode import decode_problem as decode
+        from ckptctl.layouts.decode import decode_problem as decode
     header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
     size = min(VERIFY_PIECE, max(end - start, 1))

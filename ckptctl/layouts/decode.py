@@ -1,8 +1,8 @@
 """The ``load`` verification level's test-decode of chunk bytes, which needs torch.
 
-It lives apart from ``ops.verify.checkpoint`` so that the default levels (``quick``, ``checksums``) never
+It lives apart from ``shard_scan`` so that the default levels (``quick``, ``checksums``) never
 import torch: ``ckptctl verify`` and ``ckptctl latest`` run in shell loops and cron jobs, where
-importing torch (seconds) would cost more than the check itself. ``ops.verify.checkpoint`` imports this
+importing torch (seconds) would cost more than the check itself. ``shard_scan`` imports this
 module only when the level is ``load``.
 """
 
