@@ -15,10 +15,11 @@ deleted by anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol
+from typing import Iterable, Literal, Protocol, Sequence, Union
 
 from ckptctl.errors import CheckpointError
-from ckptctl.format.manifest import Manifest
+from ckptctl.format.manifest import FileEntry, Manifest
+from ckptctl.format.seal import SealedFile
 from ckptctl.storage.base import ObjectInfo, Storage
 
 # committed: complete by its layout's own commit rule (contents not verified); partial: the
@@ -136,6 +137,81 @@ class Checked:
     notes: list[str] = field(default_factory=list)  # what this level could not check
 
 
+# --- copying: what a copy of one checkpoint writes, in which order (``ops.transfer.engine``) ----
+#
+# One engine copies a checkpoint of any layout (``cp``, ``restore``, ``sync``, tier promotion);
+# it asks the checkpoint's layout what to write, in order, and what proves each file's bytes
+# while it streams (the check while copying). The layout answers in data, so the engine never
+# asks who wrote a checkpoint: ``CopySource`` below, from ``Layout.copy_source``.
+
+
+@dataclass(frozen=True)
+class ByManifest:
+    """A file proven by ckptctl's manifest: its header must be the one the manifest commits
+    (and its chunks fit the manifest's tensors), every chunk must match its checksum and the
+    file its checksum, checked as it streams."""
+
+    entry: FileEntry
+    manifest: Manifest
+
+
+@dataclass(frozen=True)
+class BySeal:
+    """A file proven by a seal (``ckptctl seal``): its size, XXH3-64 and chunk digests."""
+
+    sealed: SealedFile
+    chunk_size: int
+
+
+# What proves a file's bytes while it is copied; None: nothing does (an unsealed checkpoint of
+# another tool), and the copy is checked at the destination instead (``CopySource.check_after``).
+Proof = Union[ByManifest, BySeal, None]
+
+CheckLevel = Literal["quick", "checksums", "load"]
+
+
+@dataclass(frozen=True)
+class ToCopy:
+    """One file of a checkpoint, as a copy writes it."""
+
+    name: str  # relative to the checkpoint; for a checkpoint that is one file, its own name
+    size: int
+    proof: Proof
+    # Read by the layout's commit rule (``trainer_state.json``, DCP's ``.metadata``): written
+    # after every other file, so that a copy cut short never reads as complete to the stack.
+    commit: bool = False
+    ranks: frozenset[int] | None = None  # the ranks that read it (ckptctl's shards); None: every rank
+
+
+@dataclass(frozen=True)
+class CopySource:
+    """One committed checkpoint as a copy reads it (``Layout.copy_source``): its files in the
+    order a copy writes them, each with what proves it, and what the layout commits a copy with.
+    Plain data, so that a torchrun job's rank 0 reads it once and sends it to every rank."""
+
+    name: str  # its name under its root: the name its copy takes under a destination root
+    step: int
+    files: tuple[ToCopy, ...]  # the data files, then the commit files, in writing order
+    # The layout's own record of the checkpoint (ckptctl's: the manifest and marker as read; a
+    # sealed checkpoint's: its seal): what ``commit_copy`` writes, last.
+    record: object
+    # Bytes that are equal for two copies of one checkpoint and differ otherwise (ckptctl's
+    # manifest; a seal), so that a damaged copy of this very checkpoint is repaired in place
+    # while anything else committed there is refused; b"" when the layout has none (an
+    # unsealed checkpoint of another tool: a destination is this checkpoint only byte for byte).
+    identity: bytes
+    check_before: CheckLevel | None = None  # the source's check before a byte is copied
+    check_after: CheckLevel | None = None  # the copy's check once its files are in, before it is reported
+    note: str | None = None  # how the copy is checked, in words (``CopyResult.note``)
+    world_size: int | None = None  # the ranks it was saved by, when ckptctl can re-shard it
+
+
+# What a destination already commits (``Layout.copy_committed``): "nothing"; "this" checkpoint,
+# told by its record; or one of this layout's checkpoints its record cannot tell apart
+# ("unproven": an unsealed one, or a sealed source over a copy whose seal was never written).
+AtDestination = Literal["nothing", "this", "unproven"]
+
+
 class Layout(Protocol):
     """One tool's directory layout, as the catalog uses it."""
 
@@ -189,3 +265,41 @@ class Layout(Protocol):
         """Metrics the tool recorded for its committed checkpoints ``(name, step)`` under
         ``root``, by checkpoint name, read without loading any data (what ``KeepBest`` ranks
         by); empty when it records none ckptctl reads beside the manifest's own."""
+
+    # --- copying (``ops.transfer.engine``): in the order a copy calls them -----------------
+
+    def copy_source(self, ckpt: Storage) -> CopySource:
+        """What a copy of the committed checkpoint ``ckpt`` writes, in order, and what proves
+        each file. Raises NotFound (not committed) or InvalidCheckpoint (its commit record does
+        not hold). Reads the commit record and lists the files; no data."""
+
+    def copy_committed(self, source: CopySource, dst: Storage) -> "AtDestination":
+        """What ``dst`` (where the copy goes) already commits by this layout's rule: nothing,
+        this very checkpoint (by its record: a damaged file of it is then replaced), or a
+        checkpoint the record cannot tell apart (present only when every file holds the
+        source's bytes). Raises RefusedForSafety when it commits something else: that is never
+        replaced."""
+
+    def uncommit_copy(self, source: CopySource, dst: Storage) -> None:
+        """Make a damaged copy of ``source`` at ``dst`` read as partial again, its commit
+        record first, so that it can be completed; only ever called when ``source.identity``
+        showed the copy is this very checkpoint."""
+
+    def commit_copy(self, source: CopySource, dst: Storage, published: Sequence[str] = ()) -> None:
+        """Commit the copy at ``dst`` once every file of ``source`` is there and proven: the
+        commit record, written last and only where nothing has its name (a no-op when ``dst``
+        commits this very checkpoint already). Raises RefusedForSafety when another writer
+        committed the step first, having deleted the files this copy ``published`` that the
+        winner does not name; nothing a commit names is ever replaced or deleted."""
+
+    def pointer_after_copy(self, source: CopySource) -> tuple[str, bytes] | None:
+        """The root-level pointer (key, content) that makes the copy the one its stack's
+        default resume loads (DeepSpeed's ``latest``, Megatron's tracker), written after the
+        commit and never moved to an older step; None for layouts without one."""
+
+    def pointer_step(self, raw: bytes) -> int | None:
+        """The step an existing pointer file's content names (None: unreadable)."""
+
+    def assuming_pointer(self, name: str, step: int) -> "Layout":
+        """This layout as it will read its root once the pointer names ``name`` (a copy is
+        checked before its pointer is written)."""

@@ -31,6 +31,7 @@ from ckptctl.format.seal import SEAL, Seal
 from ckptctl.layouts import safe_load
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.base import NOT_TOLD, Checked, CheckpointKind, Examined, Finding, Resume
+from ckptctl.layouts.stack_copying import StackCopying
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import StoredFile, local_copy, open_file
 
@@ -51,9 +52,10 @@ def name_of(ckpt: Storage) -> str:
     return ckpt.url.rstrip("/").rsplit("/", 1)[-1]
 
 
-class StackLayout:
+class StackLayout(StackCopying):
     """Base of the layouts of other tools; subclasses set the class attributes and override
-    ``commit_state`` and ``kind_of`` (and ``extra_checks``, ``protected``, ``resume``)."""
+    ``commit_state`` and ``kind_of`` (and ``extra_checks``, ``protected``, ``resume``). How
+    their checkpoints are copied is ``layouts.stack_copying``'s."""
 
     name = "?"
     title = "?"  # the stack, as the man page names it

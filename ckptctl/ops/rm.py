@@ -108,7 +108,7 @@ def _survey(paths: Sequence[str]) -> list[_Root]:
         if entry is None:
             raise UsageError(f"no such checkpoint: {path}",
                              hint=f"list the checkpoints with `ckptctl ls {root_path}`")
-        if not _deletes(entry) and entry.status != "link":
+        if not deletes(entry) and entry.status != "link":
             raise UsageError(f"{path} is a {entry.layout} checkpoint; rm deletes ckptctl checkpoints only",
                              hint="`ckptctl prune` manages other tools' checkpoints by their own rules")
         if any(i.name == name for i in root.items):
@@ -118,7 +118,7 @@ def _survey(paths: Sequence[str]) -> list[_Root]:
     return list(roots.values())
 
 
-def _deletes(entry: Checkpoint) -> bool:
+def deletes(entry: Checkpoint) -> bool:
     """Whether ``rm`` deletes ``entry``: only checkpoints ckptctl writes (``native.remove``)."""
     layout = layout_called(entry.layout)
     return layout is not None and layout.written_by_ckptctl
@@ -131,7 +131,7 @@ def _mark_anchor(root: _Root, cache: VerifyCache, progress: Progress | None) -> 
     if not targets:
         return
     lowest = min(i.step for i in targets.values())
-    committed = [e for e in root.entries.values() if e.status == "committed" and _deletes(e)]
+    committed = [e for e in root.entries.values() if e.status == "committed" and deletes(e)]
     for e in sorted(committed, key=lambda e: (e.step, e.name), reverse=True):
         if e.step < lowest:
             return  # the anchor, if any, is older than every target

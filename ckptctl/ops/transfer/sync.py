@@ -1,30 +1,35 @@
 """``sync``: mirror every committed checkpoint of one root into another (local <-> S3).
 
 The "save to fast local NVMe, mirror to object storage in the background" workflow, as one
-command a cron job runs. In step order, each committed ckptctl checkpoint of SRC that DST
-lacks is copied by ``ops.transfer.copy.copy_checkpoint``: every byte checked against the source's
-checksums on the way, the marker written last. One that DST already commits is skipped only
-after checking it: the same manifest (sizes and checksums of every file) and its bytes verify
-(``checksums`` level, remembered in DST's verification record by fingerprint, so an unchanged
-copy is not downloaded again on every run; a copy this command made is recorded as it is
-written, having been checked on the way). A damaged copy is uncommitted (marker first) and
-copied again.
+command a cron job runs. In step order (oldest first, so a stack's pointer at DST ends on SRC's
+newest), each committed checkpoint of SRC, of every layout, is copied by the one copy engine
+(``ops.transfer.engine``) as ``cp`` copies it: every byte checked on the way as its layout says
+(ckptctl's manifest, a seal; an unsealed checkpoint of another tool is test-loaded at DST), the
+commit record last, a stack's pointer after it and never moved backwards. One that DST already
+commits is checked, not copied again: the same record and every byte matching it, or for a
+ckptctl checkpoint its entry in DST's verification record (``checksums`` level, by
+fingerprint, so an unchanged copy is not downloaded again on every run; a copy this command
+made is recorded as it is written, having been checked on the way). A damaged copy of the same
+checkpoint is completed again (its commit record first); anything else under the same name is
+left as is and reported.
 
-Other tools' complete checkpoints (Trainer, DCP, Megatron, DeepSpeed, Lightning) are mirrored
-too, after ckptctl's own, by ``ops.transfer.stack_sync``: their commit files and pointers written last,
-a pointer never moved backwards; ``delete`` never removes them.
+Cost: an unsealed checkpoint of another tool has no checksums to compare, so one already
+present is read at both ends on every run. Seal SRC's checkpoints first (``ckptctl seal ROOT``)
+and later runs check DST against the seal instead.
 
-Resumable: a sync killed at any point leaves DST's copy in progress without a marker (never
-mistaken for a checkpoint); the next run copies it again, keeping on a filesystem the files
-whose bytes already verify, and breaks the lock of the dead run (``ops.retention.lock``).
+Resumable: a sync killed at any point leaves DST's copy in progress without its commit record
+(never mistaken for a checkpoint); the next run completes it, keeping the files that already
+hold their proven bytes, and breaks the lock of the dead run (``ops.retention.lock``).
 
-``delete``: committed checkpoints of DST whose name SRC no longer has are removed (marker
-first), except DST's newest checkpoint that verifies, which is never deleted. A source that
-holds no committed checkpoint at all is refused (``RefusedForSafety``, before anything is
-copied or deleted) unless ``allow_empty_source``: that is what an unmounted volume looks like.
-Partial or corrupt entries of DST are left alone (a save may be writing there; evidence).
-Everything runs under DST's lock, the one ``prune`` and ``rm`` take. A corrupt source
-checkpoint is reported and the others are copied; the result says which failed.
+``delete``: committed checkpoints of DST whose name SRC no longer has and that ``rm`` would
+delete (ckptctl's own: other stacks' are managed by their own rules, and their pointer files
+would have to be rewritten under their feet) are removed (marker first), except DST's newest
+checkpoint that verifies, which is never deleted. A source that holds no committed checkpoint
+at all is refused (``RefusedForSafety``, before anything is copied or deleted) unless
+``allow_empty_source``: that is what an unmounted volume looks like. Partial or corrupt entries
+of DST are left alone (a save may be writing there; evidence). Everything runs under DST's lock,
+the one ``prune`` and ``rm`` take. A checkpoint that does not check out is reported and the
+others are copied; the result says which failed.
 """
 
 from __future__ import annotations
@@ -33,16 +38,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, RefusedForSafety
-from ckptctl.layouts.base import Checkpoint
-from ckptctl.layouts.catalog import NATIVE, list_checkpoints
-from ckptctl.layouts.native import read_committed_raw, remove, uncommit
+from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, RefusedForSafety
+from ckptctl.layouts.base import Checkpoint, Layout
+from ckptctl.layouts.catalog import layout_named, list_checkpoints
+from ckptctl.layouts.native import remove
 from ckptctl.ops.expect import counting_only, expect_bytes
 from ckptctl.ops.retention.lock import DEFAULT_STALE_AFTER_S, RootLock
+from ckptctl.ops.rm import deletes
 from ckptctl.ops.targets import open_root
-from ckptctl.ops.transfer.copy import copy_checkpoint
 from ckptctl.ops.transfer import uploads
-from ckptctl.ops.transfer.stack_sync import has_stack_checkpoints, sync_stacks
+from ckptctl.ops.transfer.engine import copy_in_layout
 from ckptctl.ops.transfer.uploads import UPLOAD_IDLE_S
 from ckptctl.ops.verify.checkpoint import VerifyReport
 from ckptctl.ops.verify.cache import VerifyCache, fingerprint, verify_cached
@@ -64,7 +69,7 @@ class SyncItem:
     action: SyncAction
     bytes: int = 0  # copied (or to copy, on a dry run), or freed
     detail: str | None = None
-    layout: str = "ckptctl"  # whose checkpoint (another stack's: ``ops.transfer.stack_sync``)
+    layout: str = "ckptctl"  # whose checkpoint
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "name": self.name, "url": self.url, "action": self.action, "bytes": self.bytes,
@@ -96,7 +101,9 @@ class SyncResult:
 
 
 def _committed(root: Storage) -> list[Checkpoint]:
-    return [e for e in list_checkpoints(root, layouts=NATIVE) if e.status == "committed" and e.storage is not None]
+    """The committed checkpoints of ``root``, of every layout, oldest first."""
+    entries = [e for e in list_checkpoints(root) if e.status == "committed" and e.storage is not None]
+    return sorted(entries, key=lambda e: (e.step, e.name))
 
 
 def sync(
@@ -120,7 +127,8 @@ def sync(
     """
     t0 = time.perf_counter()
     result = SyncResult(src.url, dst.url, dry_run)
-    if delete and not allow_empty_source and not _committed(src) and not has_stack_checkpoints(src):
+    sources = _committed(src)
+    if delete and not allow_empty_source and not sources:
         # An unmounted volume or a mistyped path reads as an empty root: mirroring it would
         # delete every checkpoint of DST but its newest.
         raise RefusedForSafety(
@@ -134,25 +142,19 @@ def sync(
         if lock is not None:
             result.notes.extend(lock.notes)
         cache = VerifyCache.load(dst, read_only=dry_run)
-        sources = _committed(src)
-        have = {e.name: e for e in list_checkpoints(dst, layouts=NATIVE)}
+        have = {e.name: e for e in list_checkpoints(dst)}
         if not dry_run and callable(getattr(progress, "expect", None)):
-            expect_bytes(progress, _bytes_to_read(sources, dst, have, cache))
+            expect_bytes(progress, _bytes_to_read(src, sources, dst, have, cache))
         for entry in sources:
             if lock is not None:
                 lock.refresh()
-            result.items.append(_one(entry, dst, have.get(entry.name), cache, dry_run, progress))
-        for done in sync_stacks(src, dst, dry_run=dry_run, progress=progress):  # other tools' checkpoints
-            if lock is not None:
-                lock.refresh()
-            result.items.append(SyncItem(done.step, done.name, done.url, done.action, done.bytes,  # type: ignore[arg-type]
-                                         done.detail, done.layout))
+            result.items.append(_one(entry, layout_named(entry.layout, src), dst, cache, dry_run, progress))
         if delete:
             _delete_extra(src, dst, sources, cache, result, lock)
         # Uploads a killed sync (or save) left open in DST's checkpoints (ops.transfer.uploads).
-        uploads.in_root(dst, idle_for_s=UPLOAD_IDLE_S, notes=result.notes, dry_run=dry_run, layouts=NATIVE)
+        uploads.in_root(dst, idle_for_s=UPLOAD_IDLE_S, notes=result.notes, dry_run=dry_run)
         if not dry_run:
-            cache.retain({e.name for e in list_checkpoints(dst, layouts=NATIVE) if e.status in ("committed", "corrupt")})
+            cache.retain({e.name for e in list_checkpoints(dst) if e.status in ("committed", "corrupt")})
             cache.save()
             result.notes.extend(cache.notes)
     finally:
@@ -162,56 +164,66 @@ def sync(
     return result
 
 
-def _size(entry: Checkpoint) -> int:
-    return sum(f.size for f in entry.manifest.files) if entry.manifest is not None else 0
+def _size(layout: Layout, entry: Checkpoint) -> int:
+    """The bytes a copy of ``entry`` reads (what its layout lists to copy; 0 when it cannot tell)."""
+    if entry.manifest is not None:
+        return sum(f.size for f in entry.manifest.files)
+    assert entry.storage is not None
+    try:
+        return sum(f.size for f in layout.copy_source(entry.storage).files)
+    except CheckpointError:
+        return 0
 
 
-def _bytes_to_read(sources: list[Checkpoint], dst: Storage, have: dict[str, Checkpoint], cache: VerifyCache) -> int:
+def _recorded(cache: VerifyCache, name: str, ckpt: Storage) -> bool:
+    """Whether DST's verification record vouches for the copy ``name`` as it is now."""
+    fp = fingerprint(ckpt)
+    return fp is not None and cache.lookup(name, fp, CHECK_LEVEL) is not None
+
+
+def _bytes_to_read(src: Storage, sources: list[Checkpoint], dst: Storage, have: dict[str, Checkpoint],
+                   cache: VerifyCache) -> int:
     """What the sync will read, for a progress bar's total: every checkpoint to copy, and
-    every copy at DST to verify (those the verification record vouches for cost nothing).
+    every copy at DST to check (those the verification record vouches for cost nothing).
     Only computed for a bar: it lists each DST checkpoint once more."""
     total = 0
     for entry in sources:
         there = have.get(entry.name)
-        if there is not None and there.status == "committed":
-            fp = fingerprint(dst.sub(entry.name))
-            if fp is not None and cache.lookup(entry.name, fp, CHECK_LEVEL) is not None:
-                continue
-        total += _size(entry)
+        if there is not None and there.status == "committed" and _recorded(cache, entry.name, dst.sub(entry.name)):
+            continue
+        total += _size(layout_named(entry.layout, src), entry)
     return total
 
 
-def _one(entry: Checkpoint, dst_root: Storage, there: Checkpoint | None, cache: VerifyCache, dry_run: bool,
+def _one(entry: Checkpoint, layout: Layout, dst_root: Storage, cache: VerifyCache, dry_run: bool,
          bar: Progress | None) -> SyncItem:
     assert entry.storage is not None
     dst = dst_root.sub(entry.name)
-    size = _size(entry)
     progress = counting_only(bar)  # the bytes were announced up front (_bytes_to_read)
-    item = SyncItem(entry.step, entry.name, dst.url, "failed")
+    item = SyncItem(entry.step, entry.name, dst.url, "failed", layout=entry.layout)
+    vouched = False
+
+    def recorded(ckpt: Storage) -> bool:
+        nonlocal vouched
+        vouched = _recorded(cache, entry.name, ckpt)
+        return vouched
+
     try:
-        if there is not None and there.status == "committed":
-            if read_committed_raw(dst).manifest_raw != read_committed_raw(entry.storage).manifest_raw:
-                item.detail = (f"{dst.url} holds a different checkpoint under the same name; left as is "
-                               "(delete it, or sync into another root)")
-                return item
-            if dry_run:
-                item.action, item.detail = "present", "same manifest; its bytes are checked by a real run"
-                return item
-            report, cached, _fp = verify_cached(dst, entry.name, cache, level=CHECK_LEVEL, progress=progress)
-            if report.ok:
-                item.action = "present"
-                item.detail = "unchanged since verified" if cached else "verified in place"
-                return item
-            uncommit(dst)  # damaged copy: read as partial from now on, and copied again below
-            expect_bytes(bar, size)
-            item.detail = f"the copy at DST failed verification ({report.problems[0]}); copied again"
         if dry_run:
-            item.action, item.bytes = "would copy", size
+            there = layout.copy_committed(layout.copy_source(entry.storage), dst)  # records only: no data read
+            if there == "nothing":
+                item.action, item.bytes = "would copy", _size(layout, entry)
+            else:
+                item.action, item.detail = "present", "committed there; its bytes are checked by a real run"
             return item
-        copied = copy_checkpoint(entry.storage, dst, progress)
-        item.action, item.bytes = "copied", copied.bytes_copied
+        copied = copy_in_layout(layout, entry.storage, dst_root, progress=progress, vouched=recorded)
+        if copied.status == "already present":
+            item.action = "present"
+            item.detail = "unchanged since verified" if vouched else (copied.note or "verified in place")
+        else:
+            item.action, item.bytes, item.detail = "copied", copied.bytes_copied, copied.note
         fp = fingerprint(dst)
-        if fp is not None:  # checked on the way: the next sync need not download it again
+        if fp is not None and not vouched:  # checked on the way: the next sync need not download it again
             cache.record(entry.name, fp, VerifyReport(dst.url, CHECK_LEVEL, step=entry.step, files=copied.files))
     except NotFound as e:  # pruned at SRC while we looked: nothing to mirror any more
         item.action, item.detail = "skipped", f"gone from SRC during the sync: {e}"
@@ -222,8 +234,8 @@ def _one(entry: Checkpoint, dst_root: Storage, there: Checkpoint | None, cache: 
 
 def _delete_extra(src: Storage, dst: Storage, sources: list[Checkpoint], cache: VerifyCache, result: SyncResult,
                   lock: RootLock | None) -> None:
-    at_src = {e.name for e in list_checkpoints(src, layouts=NATIVE)}
-    committed = sorted(_committed(dst), key=lambda e: (e.step, e.name))
+    at_src = {e.name for e in list_checkpoints(src)}
+    committed = [e for e in _committed(dst) if deletes(e)]
     newest_ok = None
     for e in reversed(committed):  # DST's newest checkpoint that verifies is never deleted
         assert e.storage is not None
