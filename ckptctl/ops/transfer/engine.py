@@ -118,6 +118,8 @@ def copy_in_layout(layout: Layout, src: Storage, into: Storage, *, into_root: bo
     if todo is not None and not todo:
         result.status = "already present"
         _finish(lambda: layout.commit_copy(source, dst), dst, job)  # a record part a killed copy never wrote (a seal)
+        if source.check_after is not None:
+            _check_after(layout, source, ends, None, job)
     else:
         files = [f for f in source.files if todo is None or f.name in todo]
         copied = _copy_all(layout, source, ends, files, progress, threads, job)
@@ -252,10 +254,12 @@ def _merged(a: Copied | None, b: Copied) -> Copied:
     return a
 
 
-def _check_after(layout: Layout, source: CopySource, ends: Ends, published: list[str], job: Job | None) -> None:
+def _check_after(layout: Layout, source: CopySource, ends: Ends, published: list[str] | None, job: Job | None) -> None:
     """The copy as ``verify`` will judge it, as its stack will read it once the pointer names
-    it; one that fails is taken back (its record and commit files first, then what it
-    published), so that "copied" is never said of a copy that does not verify."""
+    it, so that neither "copied" nor "already present" is said of a copy that does not verify
+    (nor its pointer written). A copy that fails is taken back (its record and commit files
+    first, then what it ``published``); one found already there (``published`` None) is left
+    as it is."""
     dst_root = ends.dst_root
     assert dst_root is not None and source.check_after is not None
     bound = layout.for_root(dst_root).assuming_pointer(ends.name, source.step)
@@ -263,6 +267,11 @@ def _check_after(layout: Layout, source: CopySource, ends: Ends, published: list
     problems = verify_in_layout(checked, bound, source.check_after).problems
     if not problems:
         return
+    what = "the copy, test-loaded" if source.check_after == "load" else "the copy, verified"
+    fail = InvalidCheckpoint(describe_problems(problems, f"{checked.url} ({what})"),
+                             hint="the source does not load either, or changed while copied; copy an older checkpoint")
+    if published is None:
+        raise fail
 
     def take_back() -> None:
         if not _whole(source):
@@ -275,9 +284,7 @@ def _check_after(layout: Layout, source: CopySource, ends: Ends, published: list
             ends.dst.remove_dir("")  # only if now empty
 
     _finish(take_back, ends.dst, job)
-    what = "the copy, test-loaded" if source.check_after == "load" else "the copy, verified"
-    raise InvalidCheckpoint(describe_problems(problems, f"{checked.url} ({what})"),
-                            hint="the source does not load either, or changed while copied; copy an older checkpoint")
+    raise fail
 
 
 def _write_pointer(layout: Layout, source: CopySource, dst_root: Storage, result: CopyResult) -> None:
