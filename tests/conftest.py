@@ -58,3 +58,55 @@ def s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     bucket = f"ckptctl-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
     yield f"s3://{bucket}/prefix"
+
+
+@pytest.fixture
+def atomic_s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Like ``s3_url``, on a moto server that handles one request at a time. S3 makes a
+    conditional write atomic; moto checks, then writes, and two PUTs with ``If-None-Match: *``
+    that meet between its check and its write would both succeed. Serialised, moto keeps the
+    guarantee the code relies on, so a failed trial is ours, never moto's. As S3 does (and moto
+    5.2 does not: it answers 500), a part or completion of an upload that was aborted meanwhile
+    is refused with NoSuchUpload: racing writers of one object abort each other's uploads."""
+    import threading
+    from typing import Any, Callable, Iterable
+
+    import boto3
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from moto.s3.exceptions import NoSuchUpload
+    from moto.s3.models import S3Backend
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    for method in ("upload_part", "complete_multipart_upload"):
+        def known_upload(self: Any, bucket_name: str, multipart_id: str, *args: Any,
+                         _original: Callable[..., Any] = getattr(S3Backend, method), **kwargs: Any) -> Any:
+            if multipart_id not in self.get_bucket(bucket_name).multiparts:
+                raise NoSuchUpload(upload_id=multipart_id)
+            return _original(self, bucket_name, multipart_id, *args, **kwargs)
+
+        monkeypatch.setattr(S3Backend, method, known_upload)
+
+    class Quiet(MotoRequestHandler):
+        def log(self, *args: Any) -> None:  # a line per request would cost more than the request
+            pass
+
+    app = DomainDispatcherApplication(create_backend_app)
+    lock = threading.Lock()
+
+    def one_at_a_time(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        with lock:
+            return list(app(environ, start_response))
+
+    server = make_server("127.0.0.1", 0, one_at_a_time, threaded=True, request_handler=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    bucket = f"ckptctl-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    try:
+        yield f"s3://{bucket}/prefix"
+    finally:
+        server.shutdown()
+        thread.join(10)

@@ -198,11 +198,7 @@ def test_the_layout_name_allow_list_has_no_stale_entry() -> None:
 # copy engines, until their rewrite asks the Layout protocol (issue 28, the copy side). Only
 # files under MAY_BE_TRANSITIONAL may be listed, and the list may only shrink: a listed file that
 # exists and no longer uses one fails, so nothing comes back under its cover.
-TRANSITIONAL_FLAG_USERS: frozenset[str] = frozenset({
-    "ckptctl/ops/transfer/copy.py",
-    "ckptctl/ops/transfer/stack_copy.py",
-    "ckptctl/ops/transfer/sync.py",
-})
+TRANSITIONAL_FLAG_USERS: frozenset[str] = frozenset()
 MAY_BE_TRANSITIONAL = ("ckptctl/ops/transfer/", "ckptctl/tiers/upload.py")
 
 

@@ -19,7 +19,9 @@ import torch
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
 from ckptctl.storage.plain_file import open_plain
-from ckptctl.ops.transfer.stack_copy import copy_stack_checkpoint, destination_for, stack_source_at
+from ckptctl.layouts.classify import classify
+from ckptctl.ops.transfer.copy import copy_found
+from ckptctl.storage import open_storage
 from helpers import cli
 from test_foreign_trust import deadline
 from test_layouts import deepspeed_tag, hf_checkpoint, megatron_iter
@@ -111,11 +113,10 @@ def test_open_plain_refuses_fifos_links_and_missing(tmp_path: Any) -> None:
 def _copy(src_path: str, dst: str) -> tuple[int, Any]:
     """``cp`` through the library, counting every byte copied."""
     copied = [0]
-    src = stack_source_at(src_path)
-    assert src is not None
-    ckpt, root = destination_for(src, dst)
+    src = classify(src_path)
+    assert src.what == "checkpoint"
     try:
-        copy_stack_checkpoint(src, ckpt, root, lambda n: copied.__setitem__(0, copied[0] + n))
+        copy_found(src.in_layout, src.storage, open_storage(dst), lambda n: copied.__setitem__(0, copied[0] + n))
     except InvalidCheckpoint as e:
         return copied[0], e
     return copied[0], None

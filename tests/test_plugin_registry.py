@@ -104,9 +104,9 @@ def test_storage_backends_by_scheme_built_in_and_by_entry_point(tmp_path, capsys
 
 
 def test_the_layout_in_docs_extending_is_a_plugin_that_gets_the_verbs(tmp_path, monkeypatch) -> None:
-    """The forty lines of docs/extending.md, as a module a distribution would ship: registered
-    by entry point (every member of the protocol, nothing subclassed), listed, verified at
-    every level and deleted, by the same functions the verbs call (the toy plugin, installed,
+    """The forty-odd lines of docs/extending.md, as a module a distribution would ship:
+    registered by entry point (every member of the protocol, nothing subclassed), listed,
+    verified at every level, copied and deleted, by the same functions the verbs call (the toy plugin, installed,
     goes through every verb: tests/test_layout_conformance.py)."""
     import json
     import os
@@ -115,6 +115,7 @@ def test_the_layout_in_docs_extending_is_a_plugin_that_gets_the_verbs(tmp_path, 
 
     from ckptctl.layouts.catalog import list_checkpoints
     from ckptctl.layouts.removal import entry_snapshot, remove_entry
+    from ckptctl.ops.transfer.engine import copy_in_layout
     from ckptctl.ops.verify.engine import verify_entry
     from ckptctl.storage import open_storage
 
@@ -139,6 +140,12 @@ def test_the_layout_in_docs_extending_is_a_plugin_that_gets_the_verbs(tmp_path, 
         assert verify_entry(entries[1], level).ok  # type: ignore[arg-type]
     (root / "ckpt_2" / "DONE").write_text(json.dumps({"step": 7}))
     assert not verify_entry(entries[1], "quick").ok
+    # Copied as cp, restore and sync copy: data first, the commit file last (ops.transfer.engine).
+    copied = copy_in_layout(layouts[-1], entries[0].storage, open_storage(str(tmp_path / "mirror")))
+    assert copied.status == "copied" and (tmp_path / "mirror" / "ckpt_1" / "DONE").read_bytes() == \
+        (root / "ckpt_1" / "DONE").read_bytes()
+    assert [(e.name, e.status) for e in list_checkpoints(open_storage(str(tmp_path / "mirror")),
+                                                         layouts=[layouts[-1]])] == [("ckpt_1", "committed")]
     # Deleted as prune and rm delete: its commit file first, each file only while as listed.
     assert layouts[-1].removal_order(["weights.bin", "DONE"]) == ["DONE", "weights.bin"]
     assert remove_entry(st, "ckpt_1", entry_snapshot(st, "ckpt_1"), layouts[-1].removal_order) is None

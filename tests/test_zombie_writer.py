@@ -14,9 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import random
-import threading
-import uuid
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -122,42 +120,6 @@ def _race(writers: Writers, base: str, seed: int) -> None:
 @pytest.mark.slow
 def test_two_writers_of_one_step_locally_leave_one_good_checkpoint(writers, tmp_path):
     _race(writers, str(tmp_path), seed=1)
-
-
-@pytest.fixture
-def atomic_s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Like ``s3_url``, on a moto server that handles one request at a time. S3 makes a
-    conditional write atomic; moto checks, then writes, and two PUTs with ``If-None-Match: *``
-    that meet between its check and its write would both succeed. Serialised, moto keeps the
-    guarantee the code relies on, so a failed trial is ours, never moto's."""
-    import boto3
-    from moto.moto_server.werkzeug_app import MotoRequestHandler
-    from moto.server import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
-
-    class Quiet(MotoRequestHandler):
-        def log(self, *args: Any) -> None:  # a line per request would cost more than the request
-            pass
-
-    app = DomainDispatcherApplication(create_backend_app)
-    lock = threading.Lock()
-
-    def one_at_a_time(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        with lock:
-            return list(app(environ, start_response))
-
-    server = make_server("127.0.0.1", 0, one_at_a_time, threaded=True, request_handler=Quiet)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    bucket = f"ckptctl-test-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-    try:
-        yield f"s3://{bucket}/prefix"
-    finally:
-        server.shutdown()
-        thread.join(10)
 
 
 @pytest.mark.slow

@@ -26,6 +26,9 @@ def cp(
     last, so an interrupted or failed copy never looks committed. When DST's last component is
     not a step directory (step-XXXXXXXXXX), DST is a root and the copy goes below it. A DST
     that already holds the same checkpoint is left as is; a different one is refused.
+    Nothing at DST is ever replaced: a file already there holding exactly the bytes it should
+    (an interrupted copy run again) is kept, anything else under its name is refused for
+    safety (exit 1), and of two copies racing into one step at most one commits.
     Prints the copy's path or URL.
 
     Another tool's checkpoint (checkpoint-N, step-N, iter_N, global_stepN) is copied file by
@@ -37,10 +40,10 @@ def cp(
     *.ckpt) is copied whole into DST, then its zip records' CRC-32s are checked there.
 
     Under torchrun (DST shared by the ranks: object storage or a shared filesystem) each rank
-    copies and checks its share of the shards, balanced by bytes; rank 0 writes the manifest
-    and marker once every rank's files are durable and checked, and prints the result. Every
-    rank exits with the same status; a failing rank fails the job and commits nothing.
-    Another tool's checkpoint is copied by rank 0 alone.
+    copies and checks its share of the files, balanced by bytes; rank 0 writes the commit
+    files, manifest and marker once every rank's files are durable and checked, and prints the
+    result. Every rank exits with the same status; a failing rank fails the job and commits
+    nothing.
     """
     with rank0_speaks(json) as speaker:
         with byte_progress("cp", quiet=quiet or not speaker) as progress:

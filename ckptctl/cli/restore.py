@@ -34,10 +34,11 @@ def restore(
     the copy is staged in a hidden directory under DST, re-sharded into the step directory and
     verified there, then the staging copy is removed (DST needs room for both meanwhile).
 
-    A root of other tools' checkpoints (and no ckptctl one) gets the newest checkpoint that is
-    complete by its stack's own rule, copied as `ckptctl cp` copies it: checked against its seal,
-    or test-loaded at DST without one; it lands in DST under its own name, and the path printed
-    is what that stack resumes from (the checkpoint; for Megatron-LM, DST with its tracker).
+    The newest checkpoint of any layout is taken: another tool's is the newest complete by its
+    stack's own rule, copied as `ckptctl cp` copies it: checked against its seal, or test-loaded
+    at DST without one; it lands in DST under its own name, and the path printed is what that
+    stack resumes from (the checkpoint; for Megatron-LM, DST with its tracker). Nothing at DST is
+    ever replaced: a file already holding exactly its bytes is kept, anything else is refused.
     Lightning's checkpoints are one .ckpt file each, which restore does not copy: a root of them
     (or one such file) is a usage error saying so (exit 2); copy the file itself.
 

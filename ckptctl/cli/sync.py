@@ -24,7 +24,7 @@ def sync(
 
     Checkpoints are copied in step order, every byte checked against the source's checksums on
     the way and the marker written last, so DST_ROOT never holds a half copy that looks
-    committed. One that DST_ROOT already holds is skipped only after checking it: same manifest
+    committed; nothing at DST_ROOT is ever replaced (a file holding exactly its bytes is kept). One that DST_ROOT already holds is skipped only after checking it: same manifest
     (the size and checksum of every file) and its bytes verify; an unchanged copy is not read
     again (ROOT/.ckptctl-verified.json), a damaged one is copied again. A sync killed at any
     point is resumed by running it again. Partial (uncommitted) checkpoints of SRC_ROOT are not

@@ -29,7 +29,12 @@ layout whose checkpoints are files, rooted at the file, key ""):
 7. deleting (``prune``, ``rm``): ``protected(entries)`` first, then ``removal_order(keys)``:
    the file the commit rule reads goes first;
 8. pointers (``verify --latest``, ``repoint``, copies): ``pointer_target``, ``pointer_for``,
-   ``pointer_step``, ``assuming_pointer``, for tools that commit by a root-level file.
+   ``pointer_step``, ``assuming_pointer``, for tools that commit by a root-level file;
+9. copying (``cp``, ``restore``, ``sync``, tier promotion: ``ops.transfer.engine``):
+   ``copy_source(ckpt)`` (the files in writing order, each with what proves its bytes:
+   ``layouts.copying``), then at the destination ``copy_committed``, ``uncommit_copy`` (only
+   for a damaged copy of this very checkpoint), ``commit_copy`` (last, write-if-absent) and
+   ``pointer_after_copy``.
 
 Ownership is decided from a directory's files, not only from its name: ``step-N`` is both
 ckptctl's and torchtitan's name. A directory no layout claims is listed as ``unknown`` and is
@@ -39,12 +44,13 @@ never deleted by anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal, Protocol
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence
 
 from ckptctl.errors import CheckpointError
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.checked import ALONE, Checked, Level, Split
 from ckptctl.layouts.inspected import Inspected
+from ckptctl.layouts.copying import AtDestination, CopySource
 from ckptctl.storage.base import ObjectInfo, Storage
 
 if TYPE_CHECKING:
@@ -254,7 +260,36 @@ class Layout(Protocol):
         ``root``, by name, read without loading data (what ``KeepBest`` ranks by); empty when
         it records none beside what ``examine`` read."""
 
-    # --- copying (cp, restore, sync, tiers) --------------------------------------------------------
+    # --- copying (``ops.transfer.engine``): in the order a copy calls them -----------------
+
+    def copy_source(self, ckpt: Storage) -> CopySource:
+        """What a copy of the committed checkpoint ``ckpt`` writes, in order, and what proves
+        each file. Raises NotFound (not committed) or InvalidCheckpoint (its commit record does
+        not hold). Reads the commit record and lists the files; no data."""
+
+    def copy_committed(self, source: CopySource, dst: Storage) -> AtDestination:
+        """What ``dst`` (where the copy goes) already commits by this layout's rule: nothing,
+        this very checkpoint (by its record: a damaged file of it is then replaced), or a
+        checkpoint the record cannot tell apart (present only when every file holds the
+        source's bytes). Raises RefusedForSafety when it commits something else: that is never
+        replaced."""
+
+    def uncommit_copy(self, source: CopySource, dst: Storage) -> None:
+        """Make a damaged copy of ``source`` at ``dst`` read as partial again, its commit
+        record first, so that it can be completed; only ever called when ``source.identity``
+        showed the copy is this very checkpoint."""
+
+    def commit_copy(self, source: CopySource, dst: Storage, published: Sequence[str] = ()) -> None:
+        """Commit the copy at ``dst`` once every file of ``source`` is there and proven: the
+        commit record, written last and only where nothing has its name (a no-op when ``dst``
+        commits this very checkpoint already). Raises RefusedForSafety when another writer
+        committed the step first, having deleted the files this copy ``published`` that the
+        winner does not name; nothing a commit names is ever replaced or deleted."""
+
+    def pointer_after_copy(self, source: CopySource) -> tuple[str, bytes] | None:
+        """The root-level pointer (key, content) that makes the copy the one its stack's
+        default resume loads (DeepSpeed's ``latest``, Megatron's tracker), written after the
+        commit and never moved to an older step; None for layouts without one."""
 
 
 # Every member a layout has: what the registry asks of a plugin's object, by name.

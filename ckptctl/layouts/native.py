@@ -34,6 +34,7 @@ from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.shard import ShardHeader, read_header_with
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.copying import AtDestination, ByManifest, CopySource, ToCopy
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.inspected import Inspected, inspect_manifest
 from ckptctl.layouts.native_check import check_manifest
@@ -198,8 +199,9 @@ def commit(ckpt: Storage, manifest: Manifest, *, published: Sequence[str] = ()) 
 
     When the marker is there already, or another writer's lands first, raises
     RefusedForSafety naming the URL, leaving that writer's files untouched; first this save's
-    own files are deleted by their exact names: its manifest and ``published``, the shards it
-    published (names this save took with ``Writer.publish``, so nobody else's)."""
+    own files are deleted by their exact names (its manifest and ``published``, the shards it
+    published with ``Writer.publish``), except any the winner's manifest names: a copy may have
+    found one of them holding its own bytes and used it (``ops.transfer.engine``)."""
     step = manifest.step
     check_target_name(ckpt, step)
     # Looked at first so that a writer far behind (a zombie) writes no manifest into a
@@ -212,7 +214,8 @@ def commit(ckpt: Storage, manifest: Manifest, *, published: Sequence[str] = ()) 
     if not ckpt.write_if_absent(name, raw):  # another attempt's: never replaced, never deleted
         name = attempt_name(MANIFEST, manifest.save_id or new_save_id())
         if not ckpt.write_if_absent(name, raw):
-            _discard(ckpt, published)
+            # No marker decided the step yet, so nothing of this save is deleted: another
+            # writer may be using a shard it published (see ``_discard``).
             raise RefusedForSafety(
                 f"{ckpt.url}: {MANIFEST} and {name} both exist; this save of step {step} was not committed",
                 hint="another writer is saving this step under the same save id; stop the other job",
@@ -226,19 +229,37 @@ def commit(ckpt: Storage, manifest: Manifest, *, published: Sequence[str] = ()) 
     return name
 
 
-def commit_copy(ckpt: Storage, source: Committed) -> None:
+def commit_copy(ckpt: Storage, source: Committed, published: Sequence[str] = ()) -> None:
     """Commit a copy with the exact bytes of another checkpoint's manifest (under the name its
-    marker gives) and marker. Its name is fixed by those marker bytes, so a manifest a killed
-    earlier copy left there is replaced (a copy's shards are too: ``ops.transfer.copy``); only the
-    marker is written if absent. Two copies racing into one destination step are not guarded
-    here as saves are (``commit``): the first marker wins, and verify finds a manifest the
-    other replaced under it."""
-    check_target_name(ckpt, source.manifest.step)
+    marker gives) and marker, once every file it names is in place and proven: the manifest,
+    then the marker, each written only where nothing has its name. A name that already holds
+    exactly these bytes is this checkpoint's (a copy of it run again, or two at once), so a
+    copy of the same checkpoint that finds it committed succeeds too.
+
+    Raises RefusedForSafety when another writer took the step: its marker is there or lands
+    first (then the files this copy ``published`` that the winner's manifest does not name are
+    deleted), or the manifest's name holds other bytes (nothing is deleted then: no marker has
+    decided the step yet, and another writer may be using what this copy published)."""
+    step = source.manifest.step
+    check_target_name(ckpt, step)
+    name = source.marker.manifest_name
     if ckpt.stat(MARKER) is not None:
-        raise _other_writer(ckpt, source.manifest.step)
-    ckpt.write_atomic(source.marker.manifest_name, source.manifest_raw)
+        if _holds(ckpt, MARKER, source.marker_raw) and _holds(ckpt, name, source.manifest_raw):
+            return  # this very checkpoint, committed by another copy of it (or an earlier run)
+        _discard(ckpt, published)
+        raise _other_writer(ckpt, step)
+    if not ckpt.write_if_absent(name, source.manifest_raw) and not _holds(ckpt, name, source.manifest_raw):
+        raise RefusedForSafety(
+            f"{ckpt.url_of(name)} already exists and is another checkpoint's manifest: another writer is "
+            f"writing step {step} here (or a killed one left it); nothing was replaced and this copy was not committed",
+            hint="let the other writer finish; if none is running, remove the partial step "
+            f"(`ckptctl rm {ckpt.url} --force`) and copy again",
+        )
     if not ckpt.write_if_absent(MARKER, source.marker_raw):
-        raise _other_writer(ckpt, source.manifest.step)
+        if _holds(ckpt, MARKER, source.marker_raw):
+            return  # ours after all, or a twin copy's: the same checkpoint either way
+        _discard(ckpt, [*published, name])
+        raise _other_writer(ckpt, step)
 
 
 def _holds(ckpt: Storage, key: str, data: bytes) -> bool:
@@ -251,10 +272,21 @@ def _holds(ckpt: Storage, key: str, data: bytes) -> bool:
 
 
 def _discard(ckpt: Storage, names: Iterable[str]) -> None:
-    """Delete the files this save published, by their exact names, after it lost the step to
-    another writer. A failure is logged, not raised: the refusal is the outcome that matters,
-    and a file left behind is not named by the winner's manifest, so it is harmless."""
+    """After losing the step to another writer's marker, delete the files this writer
+    published (``names``, exact), except those the winner's committed manifest names: a copy
+    that found one of them holding exactly its own bytes used it instead of writing its own
+    (``ops.transfer.engine``), so deleting it would break the committed checkpoint. When the
+    winner's commit cannot be read, nothing is deleted. A failure is logged, not raised: the
+    refusal is the outcome that matters, and a file left behind is not named by the winner's
+    manifest, so it is harmless."""
+    state = read_state(ckpt)
+    if state.committed is None:
+        log.warning("%s: the other writer's commit cannot be read (%s); this writer's files are left", ckpt.url, state.error)
+        return
+    kept = {state.committed.marker.manifest_name, *(f.name for f in state.committed.manifest.files)}
     for name in names:
+        if name in kept:
+            continue
         try:
             ckpt.delete(name)
         except (StorageError, InvalidCheckpoint) as e:
@@ -302,20 +334,6 @@ def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = 
 # A POSIX writer streams into ``.NAME.tmp-PID-RANDOM`` and renames it into place on commit
 # (storage/local_io.py); a writer killed mid-file leaves that temporary behind.
 _TEMPORARY = TEMPORARY  # the writer's own pattern (storage.local_io): one pattern for every leftover
-
-
-def remove_leftovers(ckpt: Storage, names: Iterable[str]) -> list[str]:
-    """Remove the temporaries a killed writer left for ``names`` (or the manifest or marker)
-    in a checkpoint that has just been committed complete: nothing may still be writing them.
-    Returns the keys removed."""
-    ours = set(names) | {MANIFEST, MARKER}
-    removed = []
-    for info in ckpt.children():
-        m = _TEMPORARY.match(info.key)
-        if info.kind == "file" and m is not None and (m.group(1) in ours or is_manifest_name(m.group(1))):
-            ckpt.delete(info.key)
-            removed.append(info.key)
-    return removed
 
 
 # --- as a layout ---------------------------------------------------------------------------
@@ -415,6 +433,45 @@ class NativeLayout:
     def pointer_for(self, name: str, step: int) -> tuple[str, bytes] | None:
         return None
 
+    # --- copying (``layouts.copying``; the engine is ``ops.transfer.engine``)
+
+    def copy_source(self, ckpt: Storage) -> CopySource:
+        """The shards, each proven by the manifest as it streams; the manifest and marker are
+        the record, written by ``commit_copy`` with the exact bytes read, last."""
+        committed = read_committed_raw(ckpt)
+        m = committed.manifest
+        return CopySource(step_dir(m.step), m.step, files_to_copy(m), committed, committed.manifest_raw,
+                          world_size=m.world_size)
+
+    def copy_committed(self, source: CopySource, dst: Storage) -> AtDestination:
+        check_target_name(dst, source.step)
+        if dst.stat(MARKER) is None:
+            return "nothing"
+        try:
+            existing = read_committed_raw(dst)
+        except CheckpointError as e:
+            raise RefusedForSafety(
+                f"{dst.url} already has a {MARKER} marker but is not a valid checkpoint ({e})",
+                hint=f"inspect it with `ckptctl verify {dst.url}`; remove it (marker first) to replace it",
+            ) from None
+        if existing.manifest_raw != source.identity:
+            raise RefusedForSafety(
+                f"{dst.url} already holds a different committed checkpoint (step {existing.manifest.step})",
+                hint="choose another destination, or delete that checkpoint first",
+            )
+        return "this"
+
+    def uncommit_copy(self, source: CopySource, dst: Storage) -> None:
+        uncommit(dst)
+
+    def commit_copy(self, source: CopySource, dst: Storage, published: Sequence[str] = ()) -> None:
+        committed = source.record
+        assert isinstance(committed, Committed)
+        commit_copy(dst, committed, published)
+
+    def pointer_after_copy(self, source: CopySource) -> tuple[str, bytes] | None:
+        return None  # load_latest walks the root: no pointer names a step
+
     def pointer_step(self, raw: bytes) -> int | None:
         return None
 
@@ -440,6 +497,12 @@ class NativeLayout:
 
     def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
         return {}  # a save's metrics are in its manifest, which the catalog has read already
+
+
+def files_to_copy(manifest: Manifest) -> tuple[ToCopy, ...]:
+    """The shards of the checkpoint ``manifest`` describes, as a copy writes them: each proven
+    by the manifest (header, every chunk, the file checksum) and read by its own rank."""
+    return tuple(ToCopy(f.name, f.size, ByManifest(f, manifest), ranks=frozenset({f.rank})) for f in manifest.files)
 
 
 def manifest_kind(manifest: Manifest) -> CheckpointKind:

@@ -32,15 +32,17 @@ from ckptctl.layouts.file_check import FileKind, check_files, kind_by_suffix, na
 from ckptctl.layouts.files import inspect_local
 from ckptctl.layouts.inspected import Inspected
 from ckptctl.layouts.removal import commit_files_first
+from ckptctl.layouts.stack_copying import StackCopying
 from ckptctl.format.seal import Seal
 from ckptctl.progress import Progress
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import local_copy, open_file
 
 
-class StackLayout:
+class StackLayout(StackCopying):
     """Base of the built-in layouts of other tools; subclasses set the class attributes and
-    override ``commit_state`` and ``kind_of`` (and ``extra_checks``, ``protected``, ``resume``)."""
+    override ``commit_state`` and ``kind_of`` (and ``extra_checks``, ``protected``, ``resume``).
+    How their checkpoints are copied is ``layouts.stack_copying``'s."""
 
     name = "?"
     title = "?"  # the stack, as the man page names it

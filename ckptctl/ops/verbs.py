@@ -225,46 +225,33 @@ class CopyOutcome:
 
 
 def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome:
-    """Copy the committed checkpoint at ``src`` to ``dst`` (a step directory, or a root to put
-    it under), checked on the fly (``ops.transfer.copy.copy_checkpoint``). Under torchrun the
-    ranks share the files of a ckptctl checkpoint (``dst`` must be shared by them: object
-    storage or a shared filesystem); another tool's is copied by rank 0 alone."""
-    from ckptctl.ops.distributed import on_root
+    """Copy the committed checkpoint at ``src`` to ``dst`` (where its layout names one of its
+    checkpoints, or a root to put it under), checked on the fly (``ops.transfer.copy``). Under
+    torchrun the ranks share its files (``dst`` must be shared by them: object storage or a
+    shared filesystem)."""
     from ckptctl.ops.torchrun import torchrun_job
 
-    with torchrun_job() as job:
-        found = one_checkpoint(src, verb="cp")
-        if found.what == "checkpoint" and found.file_format() != "ckptctl":  # another tool's: one rank copies it
-            return on_root(job, lambda: _copy_found(found, dst, progress))
-        return _copy_found(found, dst, progress)
+    with torchrun_job():
+        return _copy_found(one_checkpoint(src, verb="cp"), dst, progress)
 
 
 def _copy_found(found: "Found", dst: str, progress: Progress | None) -> CopyOutcome:
-    from ckptctl.ops.transfer.file_copy import copy_stack_file
-    from ckptctl.ops.transfer.stack_copy import copy_stack_checkpoint, destination_for, stack_source
-    from ckptctl.ops.transfer.copy import checkpoint_dir_for, copy_checkpoint
+    from ckptctl.ops.transfer.copy import copy_found
 
-    stack = stack_source(found)
-    if stack is not None and stack.layout.files_are_checkpoints:  # one file (Lightning's .ckpt), into DST
-        done = copy_stack_file(stack, open_storage(dst), progress)
-        return CopyOutcome(open_storage(dst).local_path(stack.name) or done.dst, done)
-    if stack is not None:  # another tool's checkpoint (ops.transfer.stack_copy)
-        dest, dest_root = destination_for(stack, dst)
-        done = copy_stack_checkpoint(stack, dest, dest_root, progress)
-        return CopyOutcome(dest.local_path() or dest.url, done)
-    source = ckptctl_checkpoint(found, "cp")
-    manifest, _ = read_committed(source)
-    dest = checkpoint_dir_for(open_storage(dst), manifest.step)
-    result = copy_checkpoint(source, dest, progress)
-    return CopyOutcome(dest.local_path() or dest.url, result)
+    if found.what != "checkpoint":  # a file format: cp copies checkpoints (ops.targets says what it is)
+        ckptctl_checkpoint(found, "cp")
+    into = open_storage(dst)
+    result = copy_found(found.in_layout, found.storage, into, progress)
+    copied = open_storage(result.dst)
+    return CopyOutcome(copied.local_path() or copied.url, result)
 
 
 def restore_into(src_root: str, dst_root: str, step: int | None = None, progress: Progress | None = None, *,
                  world_size: int | None = None, on_skip: "Callable[[Skipped], None] | None" = None) -> "RestoreResult":
     """``ops.transfer.copy.restore_latest`` from the root at ``src_root`` (which must exist) into
     ``dst_root`` (created when missing). Under torchrun ``dst_root`` is each node's own disk and
-    each node gets only its ranks' shards (``ops.transfer.node_restore``); another tool's
-    checkpoint is copied whole to each node by its leader. Every rank returns rank 0's result."""
+    each node gets only the files its ranks read (``ops.transfer.node_restore``). Every rank
+    returns rank 0's result."""
     from ckptctl.ops.torchrun import torchrun_job
 
     with torchrun_job() as job:
@@ -273,8 +260,6 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
 
 def _restore_into(src_root: str, dst_root: str, step: int | None, progress: Progress | None, *,
                   world_size: int | None, on_skip: "Callable[[Skipped], None] | None", job: "Job | None") -> "RestoreResult":
-    from ckptctl.ops.distributed import agree, alone, attempt, everyone
-    from ckptctl.ops.transfer.stack_copy import restore_stack, wants_stack_restore
     from ckptctl.ops.transfer.copy import restore_latest
 
     found = existing(src_root)
@@ -284,19 +269,6 @@ def _restore_into(src_root: str, dst_root: str, step: int | None, progress: Prog
         what = found.description or "a file"
         raise UsageError(f"{src_root} is {what}; restore copies checkpoint directories from a root of them",
                          hint="copy the file itself (cp, rsync, aws s3 cp)")
-    if wants_stack_restore(found):  # other tools' checkpoints, and no ckptctl one (ops.transfer.stack_copy)
-        if world_size is not None:
-            raise UsageError("--world-size re-shards ckptctl checkpoints only",
-                             hint="restore without it, or `ckptctl convert --to ckptctl` first")
-        if job is None:
-            return restore_stack(found, open_storage(dst_root), step, progress, on_skip=on_skip)
-        result, failure = None, None
-        if job.leader:  # no manifest to split by: each node's leader copies it whole to its node
-            with alone():
-                result, failure = attempt(lambda: restore_stack(found, open_storage(dst_root), step, progress,
-                                                                on_skip=on_skip if job.rank == 0 else None))
-        agree(job, failure)
-        return everyone(job, result)[0]
     if job is not None:
         from ckptctl.ops.transfer.node_restore import restore_to_nodes
 

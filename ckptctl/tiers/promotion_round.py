@@ -29,10 +29,12 @@ and when, and runs one round per attempt through ``RoundLeader.copy`` (its copy 
 
 A rank that dies mid-round leaves files without a marker: the next tier's newest committed
 checkpoint is still the one before, and a later round of the same step (this run's or the
-next run's) writes the same names again: each rank's writer first aborts the open uploads of
-its keys (``ops.transfer.uploads.before_copy``), then replaces the object, every byte checked
-on the way; the manifest is replaced too, and the marker is written only if absent. The
-workers are threads of their own on every rank: training and the saver's writer never wait
+next run's) resumes it: each rank's writer first aborts the open uploads of its keys
+(``ops.transfer.uploads.before_copy``), keeps a file already there holding exactly its bytes
+(proven by reading it back) and publishes the others only where nothing has their name; the
+manifest and the marker are written only if absent (``layouts.native.commit_copy``). A name
+holding other bytes (another job promoting the same step) is never replaced: that round is
+refused for safety, and the step given up. The workers are threads of their own on every rank: training and the saver's writer never wait
 for a round.
 
 May import: ``tiers.channel``, ``tiers.upload``, ``tiers.leftovers``, ``ops.transfer.copy`` (its
@@ -171,7 +173,8 @@ def _already_present(dst: Storage, source: Committed) -> bool:
     and every file that manifest lists is there at its recorded size (one listing). The bytes
     are not read back (that would download the checkpoint): see docs/protocol.md for the trust
     this gives. The same checkpoint with a file missing or of another size is uncommitted
-    (marker first), as ``copy_checkpoint`` does, so that the round uploads it again; another
+    (marker first, then those files), as ``copy_checkpoint`` does, so that the round uploads
+    them again; another
     committed checkpoint there is refused, never replaced. Raises RefusedForSafety, StorageError."""
     if dst.stat(MARKER) is None:
         return False
@@ -192,6 +195,8 @@ def _already_present(dst: Storage, source: Committed) -> bool:
                 source.manifest.step, f.name, "missing" if f.name not in sizes else f"{sizes[f.name]} bytes", f.size,
                 f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else "")
     uncommit(dst)
+    for f in wrong:  # damaged files of this very checkpoint: published again, never written over
+        dst.delete(f.name)
     return False
 
 

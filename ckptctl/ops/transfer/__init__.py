@@ -1,9 +1,11 @@
 """Moving checkpoints between storages: ``cp``, ``restore`` and ``sync``, every byte checked on
 the way and the commit file written last.
 
-* ``copy``: one ckptctl checkpoint (``copy_checkpoint``, ``restore_latest``);
-* ``stack_copy`` and ``file_copy``: another tool's checkpoint, a directory or one file;
-* ``sync`` and ``stack_sync``: a whole root mirrored, ckptctl's own then the other stacks';
+* ``engine``: the one copy engine every copy goes through (cp, restore, sync, tier promotion),
+  driven by each checkpoint's layout (``layouts.base``, its copying section); ``files``: its
+  file copier (each file streamed, checked, published without replacing anything);
+* ``copy``: ``cp`` and ``restore`` of one checkpoint of any layout;
+* ``sync``: a whole root mirrored, every layout's checkpoints;
 * ``uploads``: unfinished S3 multipart uploads a killed writer left, and aborting them;
 * ``node_restore`` and ``node_reshard``: ``restore`` under torchrun, each node getting only its
   ranks' shards (copied, or re-sharded straight from the source).

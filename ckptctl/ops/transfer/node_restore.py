@@ -8,10 +8,13 @@ restore job has as many ranks as the checkpoint will be loaded by (``--world-siz
 the saved world size), else an equal block per node (``Job.node_targets``).
 
 * Saved with that many ranks: the node's ranks share the node's shard files (balanced by
-  bytes) and each copies its share from the source, checked on the fly
-  (``ops.transfer.copy.copy_files``).
+  bytes) and each copies its share from the source, checked on the fly, published only where
+  nothing has its name (``ops.transfer.files.copy_files``).
 * Saved with another number: every rank writes its share of its node's target shards,
   re-sharded straight from the source (``ops.transfer.node_reshard``).
+* A checkpoint whose layout does not say which rank reads which file (another tool's: no
+  ``CopySource.world_size``): each node's leader copies it whole to its node
+  (``ops.transfer.engine.copy_in_layout``).
 
 Once every rank of the job reports its files durable and checked (the all-ok collective),
 each node's leader (its lowest rank) writes the manifest, then the marker, into its node's
@@ -32,22 +35,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, RefusedForSafety
+from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, RefusedForSafety, UsageError
 from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest
-from ckptctl.layouts.native import Committed, commit_copy, read_committed_raw, remove_leftovers, uncommit
-from ckptctl.ops.distributed import Job, agree, attempt, everyone, gathered, mine, on_root
-from ckptctl.ops.transfer.copy import (
-    CopyResult,
-    RestoreResult,
-    Skipped,
-    candidates,
-    at_destination,
-    describe_problems,
-    copy_files,
-    nothing_restored,
-    skip_candidate,
-)
+from ckptctl.layouts.base import Layout
+from ckptctl.layouts.catalog import layout_named
+from ckptctl.layouts.native import Committed, commit_copy, files_to_copy, read_committed_raw, uncommit
+from ckptctl.ops.distributed import Job, agree, alone, attempt, everyone, gathered, mine, on_root
+from ckptctl.ops.seal.leftovers import remove_temporaries
+from ckptctl.ops.transfer.copy import RestoreResult, Skipped, candidates, nothing_restored, skip_candidate
+from ckptctl.ops.transfer.engine import CopyResult, copy_in_layout
+from ckptctl.ops.transfer.files import Ends, at_destination, copy_files, describe_problems
 from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.layouts.checked import Problem
 from ckptctl.layouts.shard_scan import check_file, stream_file
@@ -75,35 +73,54 @@ def restore_to_nodes(src_root: Storage, dst_root: Storage, job: Job, step: int |
 
         check_world_size(world_size)
     skipped: list[Skipped] = []
-    found_steps = candidates(src_root, step) if job.rank == 0 else None
+    found = candidates(src_root, step) if job.rank == 0 else None
 
-    def next_candidate() -> tuple[int, str] | None:
-        assert found_steps is not None
-        found = next(found_steps, None)
-        return None if found is None else (found[0], found[1].url)
+    def next_candidate() -> tuple[str, int, str] | None:
+        assert found is not None
+        cand = next(found, None)
+        return None if cand is None else (cand[0].name, cand[2], cand[1].url)
 
     while True:
-        cand = on_root(job, next_candidate)  # rank 0 lists (lazily: a HEAD per candidate tried)
+        cand = on_root(job, next_candidate)  # rank 0 lists (lazily: a look per candidate tried)
         if cand is None:
             break
-        cand_step, url = cand
+        layout_name, cand_step, url = cand
+        layout = layout_named(layout_name, src_root)
         src = src_root if url == src_root.url else src_root.sub(url.rstrip("/").rsplit("/", 1)[-1])
-        dst = dst_root.sub(step_dir(cand_step))
         try:
-            copied = _restore_one(src, dst, job, world_size, progress, threads)
+            copied = _restore_one(layout, src, dst_root, job, world_size, progress, threads)
         except (InvalidCheckpoint, NotFound) as e:
             if step is not None:
                 raise
             skip_candidate(skipped, Skipped(src.url, cand_step, str(e)), on_skip)
             continue
-        return RestoreResult(dst.local_path() or dst.url, cand_step, copied, skipped)
+        dst = dst_root.sub(copied.dst.rstrip("/").rsplit("/", 1)[-1])
+        return RestoreResult(layout.resume(dst.local_path() or dst.url, copied.step).path, copied.step, copied, skipped)
     raise nothing_restored(src_root, step, skipped)
 
 
-def _restore_one(src: Storage, dst: Storage, job: Job, world_size: int | None, progress: Progress | None,
-                 threads: int) -> CopyResult:
+def _restore_one(layout: Layout, src: Storage, dst_root: Storage, job: Job, world_size: int | None,
+                 progress: Progress | None, threads: int) -> CopyResult:
+    source = on_root(job, lambda: layout.copy_source(src))  # one read of the record, sent to every rank
+    if source.world_size is None:  # no rank reads a file of its own: each node's leader copies it whole
+        if world_size is not None:
+            raise UsageError(f"--world-size re-shards ckptctl checkpoints only; {src.url} is a {layout.name} checkpoint",
+                             hint="restore without it, or `ckptctl convert --to ckptctl` first")
+        done, failure = None, None
+        if job.leader:
+            with alone():
+                done, failure = attempt(lambda: copy_in_layout(layout, src, dst_root, progress=progress, threads=threads))
+        agree(job, failure)
+        return everyone(job, done)[0]  # type: ignore[return-value]
     t0 = time.perf_counter()
-    source = on_root(job, lambda: read_committed_raw(src))  # one read of the manifest, sent to every rank
+    committed = source.record
+    assert isinstance(committed, Committed)
+    return _restore_split(committed, src, dst_root.sub(step_dir(source.step)), job, world_size, progress, threads, t0)
+
+
+def _restore_split(source: Committed, src: Storage, dst: Storage, job: Job, world_size: int | None,
+                   progress: Progress | None, threads: int, t0: float) -> CopyResult:
+    """A checkpoint whose shards say which rank reads them: each node gets its ranks' shards."""
     saved = source.manifest.world_size
     target_ws = saved if world_size is None else world_size
     targets = job.node_targets(target_ws)
@@ -137,7 +154,8 @@ def _restore_one(src: Storage, dst: Storage, job: Job, world_size: int | None, p
         committed = resharded.committed
         done = _NodeDone(resharded.written, sum(f.size for f in resharded.written), 0)
     parts = everyone(job, done)
-    _commit_nodes(dst, committed, targets, job)
+    published = [f.name for r, p in enumerate(parts) if job.nodes[r] == job.node for f in p.files]
+    _commit_nodes(dst, committed, targets, job, published)
     result.files = len(committed.manifest.files)
     result.bytes_copied = sum(p.bytes_copied for p in parts)
     result.files_reused = sum(p.reused for p in parts)
@@ -152,32 +170,35 @@ def _restore_one(src: Storage, dst: Storage, job: Job, world_size: int | None, p
 def _copy_node_files(src: Storage, dst: Storage, source: Committed, targets: list[int], job: Job, present: bool,
                      progress: Progress | None, threads: int) -> _NodeDone:
     """Saved with as many ranks as will load it: the node's files, shared by the node's ranks,
-    copied and checked on the way (nothing, when the node's copy is ``present`` already)."""
-    node_files = [] if present else [f for f in source.manifest.files if f.rank in targets]
+    copied and checked on the way (nothing, when the node's copy is ``present`` already). A
+    corrupt source commits nothing, and each rank takes back the files it published."""
+    node_files = [] if present else [f for f in files_to_copy(source.manifest) if f.ranks and f.ranks & set(targets)]
     failure = None
     if job.leader and node_files:  # a killed earlier run's uploads
         _, failure = attempt(lambda: at_destination(dst, lambda: before_copy(dst, [f.name for f in node_files])))
     agree(job, failure)
     files = [node_files[i] for i in mine(job, [f.size for f in node_files], job.node_ranks)]
-    done, failure = attempt(lambda: copy_files(src, dst, source, files, progress, threads=threads))
+    done, failure = attempt(lambda: copy_files(Ends(src, dst), files, progress, threads=threads))
     parts = gathered(job, done, failure)
     assert done is not None
-    problems = [p for f in source.manifest.files for d in parts if d is not None for p in d.problems.get(f.name, [])]
-    if problems:  # a corrupt source: each rank takes back what it wrote
-        _, failure = attempt(lambda: at_destination(dst, lambda: done.take_back(dst)))
+    problems = [p for d in parts if d is not None for found in d.problems.values() for p in found]
+    if problems:  # a corrupt source: each rank takes back what it published
+        _, failure = attempt(lambda: at_destination(dst, lambda: [dst.delete(name) for name in done.published]))
         agree(job, failure)  # every rank's files are gone before the directory is removed
         if job.leader:
             at_destination(dst, lambda: dst.remove_dir(""))  # only if now empty; a no-op on S3
         raise InvalidCheckpoint(describe_problems(problems, src.url), hint=problems[0].hint or
                                 "the source was modified after it was written; restore an older checkpoint")
-    return _NodeDone([f for f in files if f.name in done.written], done.bytes_copied, done.reused)
+    by_name = {f.name: f for f in source.manifest.files}
+    return _NodeDone([by_name[n] for n in done.published], done.bytes_copied, done.reused)
 
 
 def _node_present(dst: Storage, source: Committed, world_size: int, targets: list[int]) -> bool:
     """The node leader's look at its node's copy: True when it commits this checkpoint (for
     ``world_size`` ranks) and every byte of the node's files verifies. Another checkpoint
     committed there is refused (RefusedForSafety); this one damaged is uncommitted (marker
-    first), to be copied again."""
+    first), and its damaged files removed, to be copied again (a file at the destination is
+    never replaced: ``ops.transfer.engine``)."""
     if dst.stat(MARKER) is None:
         return False
     try:
@@ -202,6 +223,8 @@ def _node_present(dst: Storage, source: Committed, world_size: int, targets: lis
     if not problems:
         return True
     uncommit(dst)
+    for name in {p.file for p in problems if p.file is not None}:
+        dst.delete(name)
     return False
 
 
@@ -210,10 +233,12 @@ def _layout_free(m: Manifest, world_size: int) -> tuple:
     return (m.step, world_size, {n: (t.dtype, t.shape, t.group) for n, t in m.tensors.items()}, m.state)
 
 
-def _commit_nodes(dst: Storage, committed: Committed, targets: list[int], job: Job) -> None:
+def _commit_nodes(dst: Storage, committed: Committed, targets: list[int], job: Job, published: list[str]) -> None:
     """Every rank's files are durable and checked: each node's leader commits its copy (the
-    manifest, then the marker, the same bytes on every node). When any leader fails, the
-    others take their marker back, so that no node holds a copy the others lack."""
+    manifest, then the marker, the same bytes on every node, each written only if absent;
+    ``published``: the files this node's ranks published, deleted by a leader that lost the
+    step to another writer unless the winner names them). When any leader fails, the others
+    take their marker back, so that no node holds a copy the others lack."""
     wrote = False
     failure = None
     if job.leader:
@@ -221,9 +246,10 @@ def _commit_nodes(dst: Storage, committed: Committed, targets: list[int], job: J
             nonlocal wrote
             if dst.stat(MARKER) is not None and read_committed_raw(dst).manifest_raw == committed.manifest_raw:
                 return  # this node's copy was committed and verified already (a rerun)
-            at_destination(dst, lambda: commit_copy(dst, committed))
+            at_destination(dst, lambda: commit_copy(dst, committed, published))
             wrote = True
-            at_destination(dst, lambda: remove_leftovers(dst, [f.name for f in committed.manifest.files if f.rank in targets]))
+            # A killed earlier run's temporaries (never a running writer's: their process is alive).
+            at_destination(dst, lambda: remove_temporaries(dst))
 
         _, failure = attempt(commit)
     if any(f is not None for f in everyone(job, failure)):

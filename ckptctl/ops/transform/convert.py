@@ -54,7 +54,7 @@ from typing import Any, Sequence
 import torch
 
 from ckptctl.errors import UsageError
-from ckptctl.format.layout import MANIFEST, MARKER, shard_name
+from ckptctl.format.layout import MARKER, shard_name
 from ckptctl.format.manifest import Manifest, TensorEntry
 from ckptctl.interop import steps
 from ckptctl.interop.base import Source, TensorMeta
@@ -319,9 +319,9 @@ def _write_ckptctl(dst: Storage, metas: dict[str, TensorMeta], fill: Any, *, tre
         extra={"converted_from": {"url": source.url, "format": source.kind, "checksums": source.has_checksums},
                **({"safetensors_metadata": metadata} if metadata else {})},
     )
-    commit(dst, manifest)
+    name = commit(dst, manifest, published=[w.file.name for w in written])  # another writer's marker wins: ours go
     require_verified(dst, after_write=True)
-    return [dst.url_of(w.file.name) for w in written] + [dst.url_of(MANIFEST), dst.url_of(MARKER)]
+    return [dst.url_of(w.file.name) for w in written] + [dst.url_of(name), dst.url_of(MARKER)]
 
 
 def _cast_meta(m: TensorMeta, cast: str | None) -> TensorMeta:

@@ -48,7 +48,7 @@ import torch
 
 from ckptctl.errors import CkptError, InvalidCheckpoint, RefusedForSafety, UsageError
 from ckptctl.format import dtypes
-from ckptctl.format.layout import shard_name
+from ckptctl.format.layout import MARKER, shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.layouts.native import check_target_name, commit, read_committed, remove, uncommit
@@ -207,8 +207,7 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
             mine = [f for g in gathered for f in g[0]]
             report.bytes_read = sum(g[1] for g in gathered)
     if failure is not None:
-        if me == 0:
-            _remove_partial(dst, world_size)
+        _remove_written(dst, mine)  # each rank its own files (their exact names: never another writer's)
         raise failure
     files = mine
     failure = None
@@ -232,7 +231,8 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
         # multipart assembly) that corrupts or drops data on the way, and another process
         # touching DST before the marker; it costs one read (page cache on local disks, ~10%
         # of the run measured), so it is kept.
-        failure = _attempt(lambda: (commit(dst, manifest), require_verified(dst, after_write=True)))
+        published = [f.name for f in files]  # deleted by commit if another writer's marker wins
+        failure = _attempt(lambda: (commit(dst, manifest, published=published), require_verified(dst, after_write=True)))
         report.files = len(files)
         report.shard_bytes = [f.size for f in files]
         report.bytes_written = sum(report.shard_bytes)
@@ -277,8 +277,10 @@ def _agree(dist_on: bool, failure: CkptError | None) -> None:
 
 def prepare_target(src: Storage, dst: Storage, *, overwrite: bool, step: int | None = None) -> None:
     """Refuse to write onto the source, into the directory of another step than ``step`` or,
-    without ``overwrite``, onto anything that exists. With ``overwrite`` the old target is
-    removed, marker first."""
+    without ``overwrite``, onto anything that exists. With ``overwrite`` a committed target is
+    removed, marker first; an uncommitted one's files (an interrupted run's) are left alone:
+    the new shards are published beside them without replacing any (their names taken, under
+    the attempt's own), and only the files the manifest names count."""
     if same_place(src, dst):
         raise UsageError(f"{dst.url} is the source itself", hint="write the result to a new directory; the source is never modified")
     if step is not None:
@@ -289,17 +291,17 @@ def prepare_target(src: Storage, dst: Storage, *, overwrite: bool, step: int | N
     if not overwrite:
         raise RefusedForSafety(f"{dst.url} already exists and holds {len(existing)} file(s)",
                                hint="choose a new directory, or pass --overwrite to replace it")
-    remove(dst)  # marker first: an interrupted overwrite must never leave a committed-looking target
+    if dst.stat(MARKER) is not None:
+        remove(dst)  # marker first: an interrupted overwrite must never leave a committed-looking target
 
 
-def _remove_partial(dst: Storage, world_size: int) -> None:
-    """After a refused or failed write, remove the shard files this run wrote. ``prepare_target``
-    found DST empty (or emptied it), so those names are ours; nothing else is touched, and no
-    marker exists yet. A file that cannot be removed stays: it is unmarked, so nothing reads
-    it, and ``prune`` or a rerun with ``--overwrite`` clears it."""
-    for r in range(world_size):
+def _remove_written(dst: Storage, written: list[FileEntry]) -> None:
+    """After a refused or failed write, remove the shard files this rank wrote, by the names
+    their publishes took (nobody else's); no marker exists yet. A file that cannot be removed
+    stays: it is unmarked, so nothing reads it, and ``prune`` or a rerun clears it."""
+    for f in written:
         try:
-            dst.delete(shard_name(r, world_size))
+            dst.delete(f.name)
         except (CkptError, OSError):
             return
     dst.remove_dir("")  # only if empty; a directory the user named is kept, empty

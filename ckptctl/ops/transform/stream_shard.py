@@ -33,8 +33,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ckptctl.errors import InvalidCheckpoint
+from ckptctl.errors import InvalidCheckpoint, RefusedForSafety
 from ckptctl.format import dtypes
+from ckptctl.format.layout import attempt_name, new_save_id
 from ckptctl.format.checksum import Hasher, file_checksum
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
@@ -124,7 +125,8 @@ def write_shard_streaming(
         chunks.append(Chunk(s.name, s.dtype, s.shape, s.offsets, pos, pos + s.nbytes, c))
         pos += s.nbytes
     header = build_header(chunks, rank=rank, rank_state=rank_state)
-    with storage.open_writer(name) as w:  # an exception aborts: no partial file is published
+    w = storage.open_writer(name)
+    try:
         w.write(header)
         for s, c in zip(ordered, chunks):  # pass 2: read again, write, check
             h = Hasher()
@@ -141,6 +143,17 @@ def write_shard_streaming(
                     f"reads, or do not match the source checksum, while writing {storage.url_of(name)}",
                     hint="the source is being modified or is corrupt; verify it and retry",
                 )
-    result.file = FileEntry(name, len(header) + pos, file_checksum(header, checksums), rank, len(chunks))
+        # Never replacing a file (``docs/protocol.md``, "Every writer of a step"): a name taken
+        # by another attempt (an interrupted run's leftover, a concurrent writer) is left alone
+        # and this shard takes its attempt's name, which the manifest then records.
+        fallback = attempt_name(name, new_save_id())
+        taken = w.publish([fallback])
+    except BaseException:
+        w.abort()
+        raise
+    if taken is None:  # S3 multipart: the key was fixed before the bytes went out
+        raise RefusedForSafety(f"{storage.url_of(name)} already exists: another writer is writing {storage.url}; "
+                               "nothing was replaced", hint="let the other writer finish, or write into a new directory")
+    result.file = FileEntry((name, fallback)[taken], len(header) + pos, file_checksum(header, checksums), rank, len(chunks))
     result.chunks = chunks
     return result

@@ -21,7 +21,7 @@ import re
 from typing import Any, Iterable
 
 from ckptctl.errors import InvalidCheckpoint
-from ckptctl.layouts import safe_load
+from ckptctl.layouts import safe_load, stack_copying
 from ckptctl.layouts.base import NOT_TOLD, Examined, Resume
 from ckptctl.layouts.checked import ALONE
 from ckptctl.layouts.file_check import check_files, name_of
@@ -114,6 +114,24 @@ class ToyLayout:
 
     def recorded_metrics(self, root: Storage, checkpoints: Iterable[tuple[str, int]]) -> dict[str, dict[str, float]]:
         return {}  # the toy records no metrics
+
+    # Copying (cp, restore, sync): data files first, DONE last, each checked against a seal
+    # when there is one, by ckptctl's rules for other tools' checkpoints.
+
+    def copy_source(self, ckpt: Storage) -> Any:
+        return stack_copying.copy_source(self, ckpt)
+
+    def copy_committed(self, source: Any, dst: Storage) -> Any:
+        return stack_copying.copy_committed(self, source, dst)
+
+    def uncommit_copy(self, source: Any, dst: Storage) -> None:
+        stack_copying.uncommit_copy(self, source, dst)
+
+    def commit_copy(self, source: Any, dst: Storage, published: Any = ()) -> None:
+        stack_copying.commit_copy(self, source, dst, published)
+
+    def pointer_after_copy(self, source: Any) -> None:
+        return None
 
 
 def open_toyfs(url: str, **kwargs: Any) -> Storage:
