@@ -27,7 +27,7 @@ import zipfile
 from typing import Iterable, Literal, Sequence
 
 from ckptctl.errors import NotFound
-from ckptctl.format.seal import SEAL, Seal
+from ckptctl.format.seal import SEAL, Seal, is_seal_file
 from ckptctl.layouts import safe_load
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts.base import NOT_TOLD, Checked, CheckpointKind, Examined, Finding, Resume
@@ -187,7 +187,7 @@ class StackLayout:
         # The seal (``ckptctl seal``) is ckptctl's sidecar, not one of the stack's files; it is
         # checked against by ``ops.verify.layouts``. A checkpoint that is one file is key "".
         listed = ([ObjectInfo("", 0, 0.0)] if self.files_are_checkpoints
-                  else [f for f in files_below(ckpt) if f.key != SEAL])
+                  else [f for f in files_below(ckpt) if not is_seal_file(f.key)])
         files = [f.key for f in listed]
         out.files = len(files)
         unchecksummed: set[str] = set()

@@ -100,7 +100,7 @@ def check_pointer(root: Storage, layout: StackLayout, level: Level = "checksums"
     _key, check.target, check.step = named
     entry = next((e for e in list_checkpoints(root, layouts=layouts_named([layout.name])) if e.name == check.target),
                  None)
-    if entry is None:
+    if entry is None or entry.status == "unknown":  # absent, or not its files (a FIFO under its name)
         check.problem = f"{layout.pointer_file} names {check.target}, which is not a {layout.title} checkpoint here"
     elif entry.storage is None:
         check.problem = f"{layout.pointer_file} names {check.target}, a symlink (never followed)"
