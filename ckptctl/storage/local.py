@@ -262,6 +262,15 @@ class LocalStorage(Storage):
         with self.open_writer(key) as writer:
             writer.write(data)
 
+    def compare_and_swap(self, key: str, expected: bytes | None, data: bytes) -> bytes | None:
+        writer = self.open_writer(key)
+        try:
+            writer.write(data)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.commit_if(expected)
+
     def write_if_absent(self, key: str, data: bytes) -> bool:
         writer = self.open_writer(key)
         try:
