@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
+from ckptctl.cli.common import JsonOpt, QuietOpt, answer, command, emit_json, err, human_bytes
 from ckptctl.cli.progress import byte_progress
 from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.ops.verbs import copy_to
@@ -53,7 +53,7 @@ def cp(
             # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); dst, bytes_copied kept
             emit_json({**outcome.result.to_dict(), "url": outcome.path, "bytes": outcome.result.bytes_copied})
         else:
-            say(outcome.path)  # the answer a script captures: printed under -q too
+            answer(outcome.path)  # what a script captures, byte for byte: printed under -q too
 
 
 def report_copy(verb: str, where: str, result: "CopyResult") -> None:

@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import MAX_STEP, JsonOpt, QuietOpt, bounded_int, command, emit_json, err, say
+from ckptctl.cli.common import MAX_STEP, JsonOpt, QuietOpt, answer, bounded_int, command, emit_json, err, say
 from ckptctl.cli.cp import report_copy
 from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.cli.progress import byte_progress
@@ -68,4 +68,4 @@ def restore(
             # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); path kept
             emit_json({**result.to_dict(), "url": result.path, "bytes": result.copy.bytes_copied})
         else:
-            say(result.path)  # the answer a script captures: printed under -q too
+            answer(result.path)  # what a script captures, byte for byte: printed under -q too
