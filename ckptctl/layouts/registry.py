@@ -9,7 +9,8 @@ target is a layout class (instantiated with no arguments) or instance (docs/exte
     toy = "ckptctl_toy_layout:ToyLayout"
 
 Plugins come after every built-in layout, so a directory that a built-in layout claims stays
-that layout's whatever a plugin says. A plugin is skipped, with one warning on stderr naming
+that layout's whatever a plugin says. Each is held as a guest (``layouts.guest``): its code
+runs with stdout kept for ckptctl, and a call that raises fails only what it claims. A plugin is skipped, with one warning on stderr naming
 its entry point and the fix (``ckptctl.plugins``), when it cannot be imported, when it is no
 ``StackLayout``, or when its name is already taken: by a built-in layout, by any name or alias
 of the format vocabulary (``format.formats``: ``--format hf`` must keep meaning the Trainer),
@@ -25,6 +26,7 @@ from typing import Iterable, Sequence
 from ckptctl import plugins
 from ckptctl.format.formats import canonical
 from ckptctl.layouts.base import UNKNOWN, Layout
+from ckptctl.layouts.guest import guest_layout
 from ckptctl.layouts.stack import StackLayout
 
 GROUP = "ckptctl.layouts"
@@ -48,7 +50,7 @@ def registered(builtins: Sequence[Layout], found: Iterable[EntryPoint] | None = 
             plugins.refuse(ep, why)
             continue
         taken.add(layout.name)
-        out.append(layout)
+        out.append(guest_layout(ep, layout))  # its calls hosted: a failure fails only what it claims
     return tuple(out)
 
 
