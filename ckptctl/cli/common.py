@@ -34,6 +34,7 @@ from ckptctl.cli.errors import describe
 from ckptctl.cli.json_names import SCHEMA, named, requested_schema
 from ckptctl.cli.locations import check_locations
 from ckptctl.cli.text import visible
+from ckptctl.cli.torchrun import torchrun_command
 from ckptctl.errors import EXIT_OPERATIONAL, CkptError, UsageError
 
 
@@ -116,7 +117,8 @@ def command(fn: F) -> F:
             if as_json:
                 requested_schema()  # a bad CKPTCTL_JSON_SCHEMA is a usage error before any work
             check_locations(fn.__name__, kwargs)
-            return fn(*args, **kwargs)
+            with torchrun_command(fn.__name__, kwargs):  # every rank of a torchrun job agrees first
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, TyperException):
             raise  # typer's own exits and usage errors carry their code already
         except CkptError as e:

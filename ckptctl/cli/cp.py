@@ -40,7 +40,9 @@ def cp(
     copies and checks its share of the shards, balanced by bytes; rank 0 writes the manifest
     and marker once every rank's files are durable and checked, and prints the result. Every
     rank exits with the same status; a failing rank fails the job and commits nothing.
-    Another tool's checkpoint is copied by rank 0 alone.
+    Another tool's checkpoint is copied by rank 0 alone. Every rank must be given the same
+    command line: ranks that differ (another DST, another SRC) all stop with exit 2 before
+    anything is written.
     """
     with rank0_speaks(json) as speaker:
         with byte_progress("cp", quiet=quiet or not speaker) as progress:

@@ -45,6 +45,8 @@ def restore(
     will read, plus the manifest and marker: the ranks of a node share its files, and each
     node's leader commits its copy once every rank's files are durable and checked, so a
     node-local tier (Tier(DST, node_local=True)) resumes from it; no node holds a full copy.
+    The ranks of one node must be given the same command line (exit 2 otherwise); each node
+    may name its own DST.
     A node holds the shards of its own ranks when the job has --world-size ranks (default: the
     saved number), else an equal block per node; with another --world-size than the saved one
     each rank re-shards its own target shards straight from SRC. Rank 0 prints the result.

@@ -89,6 +89,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
     from ckptctl.ops.verify.checkpoint import LEVELS
+    from ckptctl.ops.rollcall import Command, resolved
     from ckptctl.ops.torchrun import torchrun_job
 
     if level not in LEVELS:
@@ -96,7 +97,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     # Under torchrun every rank runs the same walk; each checkpoint's files are split over the
     # ranks (``ops.verify.checkpoint``) and every rank gets the whole report, so every rank
     # makes the same decisions and exits with the same status.
-    with torchrun_job():
+    with torchrun_job(Command("verify", {"path": resolved(path), "level": level, "which": which, "any": str(any_)})):
         return _verify_path(path, level, which, progress, any_)
 
 
@@ -252,9 +253,10 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
     ranks share the files of a ckptctl checkpoint (``dst`` must be shared by them: object
     storage or a shared filesystem); another tool's is copied by rank 0 alone."""
     from ckptctl.ops.distributed import on_root
+    from ckptctl.ops.rollcall import Command, resolved
     from ckptctl.ops.torchrun import torchrun_job
 
-    with torchrun_job() as job:
+    with torchrun_job(Command("cp", {"src": resolved(src), "dst": resolved(dst)})) as job:
         found = one_checkpoint(src, verb="cp")
         if found.what == "checkpoint" and not found.verified_by_manifest:  # another tool's: one rank copies it
             return on_root(job, lambda: _copy_found(found, dst, progress))
@@ -287,9 +289,12 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
     ``dst_root`` (created when missing). Under torchrun ``dst_root`` is each node's own disk and
     each node gets only its ranks' shards (``ops.transfer.node_restore``); another tool's
     checkpoint is copied whole to each node by its leader. Every rank returns rank 0's result."""
+    from ckptctl.ops.rollcall import Command, resolved
     from ckptctl.ops.torchrun import torchrun_job
 
-    with torchrun_job() as job:
+    command = Command("restore", {"src": resolved(src_root), "dst": resolved(dst_root), "step": str(step),
+                                  "world_size": str(world_size)}, per_node=("dst",))  # each node's own disk
+    with torchrun_job(command) as job:
         return _restore_into(src_root, dst_root, step, progress, world_size=world_size, on_skip=on_skip, job=job)
 
 
@@ -340,9 +345,13 @@ def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False
     from ckptctl.ops.transform.reshard import reshard
     from ckptctl.ops.torchrun import torchrun_group
 
+    from ckptctl.ops.rollcall import Command, resolved
+
     source = ckptctl_checkpoint(one_checkpoint(src, verb="reshard"), "reshard")
     return_freed_memory()  # memory stays one tensor, not a heap of freed ones
-    with torchrun_group() as rank:
+    command = Command("reshard", {"src": resolved(src), "dst": resolved(dst), "world_size": str(world_size),
+                                  "overwrite": str(overwrite)})
+    with torchrun_group(command) as rank:
         report = reshard(source, open_storage(dst), world_size, overwrite=overwrite, progress=progress)
     return report if rank == 0 else None
 

@@ -124,7 +124,8 @@ def verify_checkpoint(ckpt: Storage, level: Level = "checksums", progress: Progr
             raise failure
         parts = [part]
     else:
-        gathered = everyone(job, (ckpt.url, identity, part, failure, time.perf_counter() - t0))
+        gathered = everyone(job, (ckpt.url, identity, part, failure, time.perf_counter() - t0, level))
+        report.level = min((g[5] for g in gathered), key=LEVELS.index)  # what every rank checked, at least
         if len({(g[0], g[1]) for g in gathered}) > 1:
             raise CoordinationError(f"{ckpt.url}: the ranks of this torchrun job read different checkpoints here "
                                     "(it changed while being verified)",
