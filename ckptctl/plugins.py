@@ -96,7 +96,7 @@ _warned: set[int] = set()  # the entry points whose failure was told already (on
 
 class Guest:
     """A plugin's object as ckptctl holds it: every attribute read and call is ``hosted``, and
-    what it returns that is the plugin's own (an instance of a class from outside ckptctl, a
+    what it returns that is the plugin's own (an instance of a class of its package, a
     generator) is held as a guest too. ``failed(name, args, kwargs, failure)`` answers for a
     call that failed: a fallback value, or an error of its own. ``isinstance`` sees the
     plugin's class (so a guest layout is still a ``StackLayout``)."""
@@ -173,11 +173,11 @@ _ABSENT = object()
 def _guest_iterator(ep: EntryPoint, it: Iterator[Any], failed: Callable[..., Any]) -> Iterator[Any]:
     while True:
         try:
-            item = hosted(ep, "iterating", next, it)
-        except StopIteration:
-            return
+            item = hosted(ep, "iterating", next, it, _ABSENT)  # its end is no failure
         except GuestFailed as e:
             failed("iterating", (), {}, e)
+            return
+        if item is _ABSENT:
             return
         yield Guest(ep, item, failed) if _owned(ep, type(item)) else item
 

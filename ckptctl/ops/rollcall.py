@@ -45,8 +45,8 @@ class Command:
     args: dict[str, str] = field(default_factory=dict)
     per_node: tuple[str, ...] = ()  # arguments that may differ between nodes (never within one)
 
-    def shown(self) -> str:
-        return " ".join([self.verb, *(f"{k}={v}" for k, v in self.args.items())])
+    def doc(self, node: str) -> dict:
+        return {"verb": self.verb, "args": self.args, "per_node": list(self.per_node), "node": node}
 
 
 def agree(store: Any, rank: int, world_size: int, node: str, command: Command,
@@ -55,7 +55,7 @@ def agree(store: Any, rank: int, world_size: int, node: str, command: Command,
     UsageError naming the ranks and what differs, or CoordinationError naming the ranks that
     never published. The same on every rank, which all read the same documents."""
     n = next(_rounds)
-    doc = json.dumps({"verb": command.verb, "args": command.args, "node": node})
+    doc = json.dumps(command.doc(node))
     keys = [f"{_PREFIX}/command/{n}/{r}" for r in range(world_size)]
     with _store_errors("agreeing on the command"):
         store.set(keys[rank], doc)
@@ -63,42 +63,38 @@ def agree(store: Any, rank: int, world_size: int, node: str, command: Command,
         if missing:
             raise CoordinationError(
                 f"rank(s) {_ranks(missing)} of this torchrun job did not start `ckptctl {command.verb}` within "
-                f"{timeout_s:g}s: every rank must run the same command (rank {rank} ran {command.shown()})",
+                f"{timeout_s:g}s: every rank must run the same command (rank {rank} ran {_shown(command.doc(node))})",
                 hint="launch the same ckptctl command line on every rank; see the missing ranks' logs "
                      "(CKPTCTL_TORCHRUN_TIMEOUT sets how long to wait)")
         docs = [json.loads(raw) for raw in store.multi_get(keys)]
-    _compare(docs, command)
+    _compare(docs)
 
 
-def _compare(docs: list[dict], command: Command) -> None:
+def _compare(docs: list[dict]) -> None:
     """UsageError when the ranks' commands differ (``per_node`` arguments: within a node)."""
-    def key(d: dict, *, within_node: bool) -> str:
-        args = {k: v for k, v in d["args"].items() if within_node or k not in command.per_node}
-        return json.dumps([d["verb"], args], sort_keys=True)
+    per_node = sorted({name for d in docs for name in d["per_node"]})
+
+    def compared(d: dict, within_node: bool) -> dict:
+        return {k: v for k, v in d["args"].items() if within_node or k not in per_node}
 
     for within_node in (False, True):
-        groups: dict[tuple[str, str], list[int]] = {}
+        parts: dict[tuple[str, str], list[int]] = {}  # (node or "", the command compared) -> ranks
         for r, d in enumerate(docs):
-            scope = d["node"] if within_node else ""
-            groups.setdefault((scope, key(d, within_node=within_node)), []).append(r)
-        by_scope: dict[str, list[list[int]]] = {}
-        for (scope, _k), ranks in groups.items():
-            by_scope.setdefault(scope, []).append(ranks)
-        for scope, parts in by_scope.items():
-            if len(parts) < 2:
+            what = json.dumps([d["verb"], compared(d, within_node)], sort_keys=True)
+            parts.setdefault((d["node"] if within_node else "", what), []).append(r)
+        for scope in dict.fromkeys(scope for scope, _what in parts):
+            groups = [ranks for (s, _what), ranks in parts.items() if s == scope]
+            if len(groups) < 2:
                 continue
-            firsts = [docs[p[0]] for p in parts]
-            differs = sorted({"verb"} if len({d["verb"] for d in firsts}) > 1 else
-                             {k for d in firsts for k in set(d["args"]) | set(firsts[0]["args"])
-                              if d["args"].get(k) != firsts[0]["args"].get(k)})
-            where = f" on {scope}" if scope else ""
-            shown = "; ".join(f"rank {_ranks(p)}: {_shown(docs[p[0]])}" for p in parts[:4])
+            firsts = [compared(docs[g[0]], within_node) for g in groups]
+            differs = (["verb"] if len({docs[g[0]]["verb"] for g in groups}) > 1 else
+                       sorted({k for a in firsts for k in set(a) | set(firsts[0]) if a.get(k) != firsts[0].get(k)}))
+            shown = "; ".join(f"rank {_ranks(g)}: {_shown(docs[g[0]])}" for g in groups[:4])
             raise UsageError(
-                f"the ranks of this torchrun job{where} were given different commands ({', '.join(differs)} "
-                f"differ): {shown}; nothing was done",
+                f"the ranks of this torchrun job{f' on {scope}' if scope else ''} were given different commands "
+                f"({', '.join(differs)} differ): {shown}; nothing was done",
                 hint="give every rank the same command line" +
-                     (f" (each node may name its own {', '.join(command.per_node)}, the same on all its ranks)"
-                      if command.per_node else ""))
+                     (f" (each node may name its own {', '.join(per_node)}, the same on all its ranks)" if per_node else ""))
 
 
 def _shown(doc: dict) -> str:
