@@ -164,6 +164,10 @@ class Listless(LocalStorage):
     def list(self, prefix=""):
         raise OSError("the backend lost its connection")
 
+    def children(self, prefix=""):
+        yield from ()
+        raise OSError("the backend lost its connection")  # a generator failing as it is iterated
+
 def open_listless(url, **kwargs):
     print("opening on stdout")
     return Listless(url[len("listless://"):], url=url)
