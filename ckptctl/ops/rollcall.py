@@ -34,7 +34,6 @@ from datetime import timedelta
 from typing import Any, Iterator
 
 from ckptctl.errors import CoordinationError, UsageError
-from ckptctl.settings import TORCHRUN_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,11 @@ class Command:
 
 
 def agree(store: Any, rank: int, world_size: int, node: str, command: Command,
-          timeout_s: float = TORCHRUN_TIMEOUT_S) -> None:
+          timeout_s: float | None = None) -> None:
     """Return once every rank published the same ``command`` (see the module docstring);
     UsageError naming the ranks and what differs, or CoordinationError naming the ranks that
     never published. The same on every rank, which all read the same documents."""
+    timeout_s = timeout_s or timeout()
     n = next(_rounds)
     doc = json.dumps(command.doc(node))
     keys = [f"{_PREFIX}/command/{n}/{r}" for r in range(world_size)]
@@ -89,7 +89,8 @@ def _compare(docs: list[dict]) -> None:
             firsts = [compared(docs[g[0]], within_node) for g in groups]
             differs = (["verb"] if len({docs[g[0]]["verb"] for g in groups}) > 1 else
                        sorted({k for a in firsts for k in set(a) | set(firsts[0]) if a.get(k) != firsts[0].get(k)}))
-            shown = "; ".join(f"rank {_ranks(g)}: {_shown(docs[g[0]])}" for g in groups[:4])
+            only = None if differs == ["verb"] else differs  # the arguments that differ, or all of them
+            shown = "; ".join(f"rank {_ranks(g)}: {_shown(docs[g[0]], only)}" for g in groups[:4])
             raise UsageError(
                 f"the ranks of this torchrun job{f' on {scope}' if scope else ''} were given different commands "
                 f"({', '.join(differs)} differ): {shown}; nothing was done",
@@ -97,8 +98,9 @@ def _compare(docs: list[dict]) -> None:
                      (f" (each node may name its own {', '.join(per_node)}, the same on all its ranks)" if per_node else ""))
 
 
-def _shown(doc: dict) -> str:
-    text = " ".join([doc["verb"], *(f"{k}={v}" for k, v in doc["args"].items())])
+def _shown(doc: dict, only: list[str] | None = None) -> str:
+    args = doc["args"] if only is None else {k: doc["args"].get(k) for k in only}
+    text = " ".join([doc["verb"], *(f"{k}={v}" for k, v in args.items())])
     return text if len(text) <= 300 else text[:300] + "..."
 
 
@@ -106,9 +108,9 @@ class Presence:
     """This rank's sign of life in the store, and ``arrive``: every rank at the same point, or
     the ranks that stopped named (see the module docstring)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float = TORCHRUN_TIMEOUT_S) -> None:
-        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
-        self.beat_s = min(max(timeout_s / 10, 0.2), 5.0)
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float | None = None) -> None:
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s or timeout()
+        self.beat_s = min(max(self.timeout_s / 10, 0.2), 5.0)
         self._points = itertools.count()
         self.lost: list[int] = []  # ranks found gone: never waited for again
         self._session = next(_sessions)  # every rank makes its presences in the same order
@@ -215,8 +217,16 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
 
 
-def store_timeout(timeout_s: float = TORCHRUN_TIMEOUT_S) -> timedelta:
-    return timedelta(seconds=timeout_s)
+def timeout() -> float:
+    """``settings.TORCHRUN_TIMEOUT_S``, read when first needed: the command line checks the
+    environment (exit 2 for a malformed CKPTCTL_* variable) only after it imported this module."""
+    from ckptctl.settings import TORCHRUN_TIMEOUT_S
+
+    return TORCHRUN_TIMEOUT_S
+
+
+def store_timeout() -> timedelta:
+    return timedelta(seconds=timeout())
 
 
 def resolved(location: str) -> str:
