@@ -10,6 +10,7 @@ the variable (the CLI turns it into exit 2), never a silent fallback to the defa
 - ``COPY_THREADS`` (``CKPTCTL_COPY_THREADS``): files copied at once (cp, restore)
 - ``STREAM_THREADS`` (``CKPTCTL_STREAM_THREADS``): checksum threads of reshard and convert
 - ``WRITE_BEHIND`` (``CKPTCTL_WRITE_BEHIND_MIB``, 0 = off): the POSIX writer's write-behind window
+- ``TORCHRUN_TIMEOUT_S`` (``CKPTCTL_TORCHRUN_TIMEOUT``): how long a verb run by torchrun waits for a rank
 - ``VERIFY_PIECE``, ``STREAM_PIECE``, ``WRITE_PIECE``: bytes per read, buffer and write call
   (fixed: they trade memory against per-call overhead, not something to tune per machine)
 """
@@ -85,6 +86,15 @@ WRITE_PIECE = 64 << 20
 # fresh page-cache memory ran 5-10x slower save after save (docs/decisions.md, "Time to
 # durable"). Files smaller than one window are left alone (manifests, markers).
 WRITE_BEHIND = env_int("CKPTCTL_WRITE_BEHIND_MIB", 32, minimum=0, maximum=4096) << 20
+
+# --- torchrun ---------------------------------------------------------------------------------
+
+# How long a verb run by torchrun waits for a rank (``CKPTCTL_TORCHRUN_TIMEOUT``, seconds): to
+# start the same command, and, once it did, between two signs of life while others wait for
+# it (``ops.rollcall``). Ranks start within seconds of each other and a live rank beats every
+# few seconds however long its work takes, so this bounds how late a rank that is gone (killed,
+# never started, its host down) is reported, never how long the work may take.
+TORCHRUN_TIMEOUT_S = env_int("CKPTCTL_TORCHRUN_TIMEOUT", 300, minimum=1, maximum=24 * 3600)
 
 # --- limits (not user settings: bounds that keep a typo from running away) ------------------
 

@@ -253,3 +253,22 @@ def test_a_save_state_into_a_trainer_style_name_is_never_deleted_as_a_partial(ro
     r = cli("prune", root, "--keep-last", "1", "--partial-after", "0s", "--yes", "--json")
     assert r.exit_code in (0, 1), r.stdout + r.stderr
     assert os.path.isdir(os.path.join(root, "checkpoint-7"))
+
+
+@pytest.mark.parametrize("name", ["random_states_0.pkl", "optimizer.bin", "model.safetensors", ".ckptctl-seal.json"])
+def test_a_hostile_record_or_sidecar_is_a_corrupt_checkpoint_and_latest_skips_it(root, name):
+    """Issue 29, item 6: each file save_state writes (its commit record included) and ckptctl's
+    seal beside them, as a FIFO, a 100 GB sparse file, random bytes, a directory or a symlink
+    to /dev/zero: exit 0 or 1 everywhere, the checkpoint fails verify naming the file, and
+    ``latest`` skips it for the older complete save."""
+    from test_hostile_inputs import SPECIAL_FILES, assert_hostile_checkpoints_skipped, make_special
+
+    hostile = {}
+    for i, how in enumerate(SPECIAL_FILES):
+        ckpt = os.path.join(root, f"checkpoint_{3 + i}")
+        shutil.copytree(os.path.join(root, "checkpoint_2"), ckpt)
+        if name == ".ckptctl-seal.json":
+            assert cli("seal", ckpt).exit_code == 0
+        make_special(os.path.join(ckpt, name), how)
+        hostile[ckpt] = name
+    assert_hostile_checkpoints_skipped(root, os.path.join(root, "checkpoint_2"), hostile)

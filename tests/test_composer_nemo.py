@@ -249,3 +249,43 @@ def test_man_page_gives_each_new_layout_its_source_and_says_which_were_not_run()
                    "nemo/lightning/pytorch/callbacks/model_checkpoint.py"):
         assert source in page, source
     assert page.count("unverified against a real run") >= 2  # Composer and NeMo: built from their sources
+
+
+# --- hostile files (issue 29, item 6) ---------------------------------------------------------
+
+
+def test_composer_hostile_newest_file_is_skipped_and_its_pointer_fails_verify_latest(tmp_path):
+    """The newest ``ep*-rank0.pt`` as a FIFO, a 100 GB sparse file, random bytes, a directory or
+    a symlink to /dev/zero, with ``latest-rank0.pt`` naming it: ``verify ROOT --latest`` was
+    ``internal error: KeyError: 'unknown'`` for the FIFO; now it is exit 1 naming the pointer
+    and the file, and ``latest`` skips to the older complete save."""
+    from test_hostile_inputs import SPECIAL_FILES, assert_hostile_checkpoints_skipped, make_special
+
+    for how in SPECIAL_FILES:
+        root = str(tmp_path / how.replace(" ", "-"))
+        good = composer_save(root, 1, 4)
+        newest = composer_save(root, 2, 8)  # latest-rank0.pt names it
+        make_special(newest, how)
+        # a file that is no torch.save archive is Composer's partial, one that is no file at all
+        # nobody's: neither is listed as a checkpoint to verify, so only the root verbs run here
+        assert_hostile_checkpoints_skipped(root, good, {})
+        r = cli("verify", root, "--latest")
+        assert r.exit_code == 1 and "internal error" not in r.stderr, (how, r.stdout, r.stderr)
+        assert "latest-rank0.pt" in r.stdout and "ep2-ba8-rank0.pt" in r.stdout, (how, r.stdout)
+
+
+@pytest.mark.parametrize("name", ["weights/.metadata", "weights/common.pt", "weights/metadata.json",
+                                  "weights/__0_0.distcp", "context/io.json"])
+def test_nemo_hostile_record_or_sidecar_is_a_corrupt_checkpoint_and_latest_skips_it(tmp_path, name):
+    from test_hostile_inputs import SPECIAL_FILES, assert_hostile_checkpoints_skipped, make_special
+
+    root = str(tmp_path / "checkpoints")
+    good = nemo_save(root, 100)
+    hostile = {}
+    for i, how in enumerate(SPECIAL_FILES):
+        if name == "weights/__0_0.distcp" and how == "sparse 100 GB":
+            continue  # zeros decode as data: the records record no checksums (man page, DCP's weakness)
+        ckpt = nemo_save(root, 200 + i)
+        make_special(os.path.join(ckpt, name), how)
+        hostile[ckpt] = name
+    assert_hostile_checkpoints_skipped(root, good, hostile)

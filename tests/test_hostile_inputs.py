@@ -855,3 +855,70 @@ def test_a_hostile_accelerate_rng_pickle_is_a_checkpoint_problem_named(tmp_path:
     if case != "zip data.pkl":  # a whole archive with whole CRC-32s: only decoding its pickle tells
         r = cli("verify", newest, "--quick")
         assert r.exit_code == 1 and "random_states_0.pkl" in r.stdout + r.stderr, (case, r.stdout, r.stderr)
+
+
+# --- hostile files in the newer layouts' records and sidecars (issue 29, item 6) -------------
+# Not a document but the file itself: what a full disk, a sparse copy or an attacker leaves
+# under a record's name. Each is a corrupt checkpoint (exit 1, named), and `latest` skips it.
+
+SPECIAL_FILES = ["fifo", "sparse 100 GB", "random bytes", "a directory", "a symlink to /dev/zero"]
+
+
+def make_special(path: str, how: str) -> None:
+    """Replace the file at ``path`` with ``how`` (one of ``SPECIAL_FILES``)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        import shutil
+
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "sparse 100 GB":
+        with open(path, "wb") as f:
+            f.truncate(100 * 10**9)  # no block written: any filesystem holds it
+    elif how == "random bytes":
+        with open(path, "wb") as f:
+            f.write(random.Random(f"{path}:{SEED}").randbytes(3000))
+    elif how == "a directory":
+        os.makedirs(path)
+    else:
+        assert how == "a symlink to /dev/zero"
+        os.symlink("/dev/zero", path)
+
+
+def assert_hostile_checkpoints_skipped(root: str, good: str, hostile: dict[str, str], *,
+                                       verify_named: bool = True) -> None:
+    """``hostile`` maps each newer checkpoint of ``root`` to the file made hostile in it: the
+    root-wide verbs end with 0 or 1 (never 3, never an internal error), ``latest`` prints
+    ``good`` (older than every hostile one), and each hostile checkpoint fails ``verify``
+    (exit 1) naming its file."""
+    for args in (["ls", root], ["ls", root, "--json"], ["du", root], ["verify", root, "--all"],
+                 ["prune", root, "--keep-last", "1", "--dry-run"]):
+        r = cli(*args)
+        assert r.exit_code in (0, 1) and "internal error" not in r.stderr and "Traceback" not in r.stderr, \
+            (args, r.exit_code, r.stdout[-2000:], r.stderr[-2000:])
+    r = cli("latest", root)
+    assert r.exit_code == 0 and r.stdout == good + "\n", (r.stdout, r.stderr)
+    for ckpt, name in hostile.items():
+        r = cli("verify", ckpt)
+        assert r.exit_code == 1 and "internal error" not in r.stderr, (ckpt, name, r.exit_code, r.stdout, r.stderr)
+        if verify_named:
+            assert os.path.basename(name) in r.stdout + r.stderr, (ckpt, name, r.stdout, r.stderr)
+
+
+def test_a_special_or_huge_seal_is_a_corrupt_checkpoint_and_latest_skips_it(tmp_path: Any) -> None:
+    """A 100 GB sparse ``.ckptctl-seal.json`` was exit 3 (a "storage error") and made ``latest``
+    give up instead of skipping that checkpoint."""
+    from test_layouts import hf_checkpoint
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    good = hf_checkpoint(root, 100)
+    hostile = {}
+    for i, how in enumerate(SPECIAL_FILES):
+        ckpt = hf_checkpoint(root, 200 + i)
+        assert cli("seal", ckpt).exit_code == 0
+        make_special(os.path.join(ckpt, ".ckptctl-seal.json"), how)
+        hostile[ckpt] = ".ckptctl-seal.json"
+    assert_hostile_checkpoints_skipped(root, good, hostile)

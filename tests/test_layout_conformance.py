@@ -230,7 +230,7 @@ def fixture_of(name: str) -> Fixture:
     if name in BUILTIN_FIXTURES:
         return BUILTIN_FIXTURES[name]
     layout = next(layout for layout in catalog.LAYOUTS if layout.name == name)
-    module = sys.modules[type(layout).__module__]
+    module = sys.modules[layout.__class__.__module__]  # a plugin layout is held as a guest (layouts.guest)
     build, sidecar = getattr(module, "build_checkpoint", None), getattr(module, "commit_sidecar", None)
     if build is None or sidecar is None:
         pytest.fail(f"layout {name!r} has no conformance fixture: give {module.__name__} the functions "

@@ -147,3 +147,92 @@ def test_repoint_takes_the_roots_lock_and_a_dry_run_does_not(tmp_path):
         assert cli("repoint", root, "--dry-run").exit_code == 0
     assert cli("repoint", root).exit_code == 0
     assert open(os.path.join(root, "latest")).read() == "global_step20"
+
+
+# --- a save that rewrites the pointer while repoint runs (issue 29, item 3) -----------------
+# The concurrent writer is a real second process doing what DeepSpeed's save_checkpoint does
+# last: ``open(ROOT/latest, "w").write(tag)`` in place. It runs while repoint's new pointer is
+# being made durable (a slowed fsync) or just before repoint's rename, through a wrapper of the
+# operating system call that repoint's storage makes; nothing of ckptctl's is replaced.
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _save_rewrites_latest(root: str, tag: str) -> None:
+    subprocess.run([sys.executable, "-c", f"open({os.path.join(root, 'latest')!r}, 'w').write({tag!r})"], check=True)
+
+
+def _is_pointer_temporary(path: str) -> bool:
+    return os.path.basename(path).startswith(".latest.tmp-")
+
+
+@pytest.mark.parametrize("when", ["while the new pointer is fsynced", "just before the rename"])
+def test_repoint_never_moves_latest_back_over_a_newer_tag_a_save_wrote_meanwhile(tmp_path, monkeypatch, when):
+    root = str(tmp_path)
+    _deepspeed_root(root)  # latest names global_step30, which is cut short; global_step20 verifies
+    deepspeed_tag(root, 99, latest=False)  # the save in flight: its files are written, `latest` comes last
+    real_fsync, real_rename, fired = os.fsync, os.rename, []
+
+    def fire() -> None:
+        if not fired:
+            fired.append(when)
+            _save_rewrites_latest(root, "global_step99")
+
+    def slow_fsync(fd: int) -> None:
+        if when == "while the new pointer is fsynced" and _is_pointer_temporary(os.readlink(f"/proc/self/fd/{fd}")):
+            fire()
+        real_fsync(fd)
+
+    def late_rename(src, dst, **kwargs) -> None:
+        if when == "just before the rename" and _is_pointer_temporary(str(src)) and str(dst) == "latest":
+            fire()
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    monkeypatch.setattr(os, "rename", late_rename)
+    r = cli("repoint", root)
+    monkeypatch.undo()
+    assert fired == [when]
+    assert open(os.path.join(root, "latest")).read() == "global_step99", r.stderr  # the save's pointer stands
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert "'global_step30'" in r.stderr and "'global_step99'" in r.stderr and "not moved to global_step20" in r.stderr
+    assert not [n for n in os.listdir(root) if ".tmp-" in n]  # nothing left behind
+    assert cli("verify", root, "--latest").exit_code == 0
+
+
+def test_compare_and_swap_on_s3_loses_to_a_writer_between_its_read_and_its_write(s3_server, s3_url):
+    """On S3 the swap is one PUT with ``If-Match``: another client's PUT that lands after the
+    swap read the pointer (made here by the proxy, just before forwarding the swap's PUT) wins."""
+    import boto3
+
+    from ckptctl.storage import open_storage
+    from s3_fault_proxy import FaultProxy
+
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    other = boto3.client("s3", endpoint_url=s3_server)
+    proxy = FaultProxy(s3_server).start()
+    try:
+        st = open_storage(s3_url, endpoint_url=proxy.url)
+        st.write_atomic("latest", b"global_step30")
+        assert st.compare_and_swap("latest", b"global_step10", b"global_step20") == b"global_step30"  # judged stale
+        assert st.read("latest") == b"global_step30"
+
+        def rule(method: str, path: str) -> None:
+            if method == "PUT" and path.split("?")[0].endswith("/latest") and not proxy.injected:
+                proxy.injected.append(("write", method, path))
+                other.put_object(Bucket=bucket, Key=f"{prefix}/latest", Body=b"global_step99")
+            return None
+
+        proxy.rule = rule
+        assert st.compare_and_swap("latest", b"global_step30", b"global_step20") == b"global_step99"
+        assert other.get_object(Bucket=bucket, Key=f"{prefix}/latest")["Body"].read() == b"global_step99"
+        proxy.rule = lambda method, path: None
+        assert st.compare_and_swap("latest", b"global_step99", b"global_step20") == b"global_step99"  # swapped
+        assert st.read("latest") == b"global_step20"
+        assert st.compare_and_swap("new", None, b"x") is None and st.read("new") == b"x"  # absent: If-None-Match
+        assert st.compare_and_swap("new", None, b"y") == b"x" and st.read("new") == b"x"
+    finally:
+        proxy.stop()

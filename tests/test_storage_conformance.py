@@ -171,6 +171,22 @@ def test_ranged_reads(store: Storage) -> None:
         store.read("blob", max_size=10)
 
 
+def test_compare_and_swap_writes_only_over_what_was_expected(store: Storage) -> None:
+    """What a pointer mover relies on (``ops.repoint``; concurrent writers in tests/test_repoint.py)."""
+    assert store.compare_and_swap("ptr", None, b"tag10") is None  # absent: created
+    assert store.compare_and_swap("ptr", None, b"tag20") == b"tag10" and store.read("ptr") == b"tag10"
+    assert store.compare_and_swap("ptr", b"tag1", b"tag20") == b"tag10"  # a prefix is not the content
+    assert store.compare_and_swap("ptr", b"tag10", b"tag20") == b"tag10" and store.read("ptr") == b"tag20"
+    assert store.compare_and_swap("ptr", b"tag10", b"tag30") == b"tag20" and store.read("ptr") == b"tag20"
+    assert [i.key for i in store.list()] == ["ptr"]  # no temporary left, whatever the outcome
+    local = store.local_path()
+    if local is not None:  # a link under the name is never followed, nor replaced
+        os.symlink("/dev/null", os.path.join(local, "link"))
+        with pytest.raises(InvalidCheckpoint, match="symlink"):
+            store.compare_and_swap("link", b"", b"x")
+        assert os.path.islink(os.path.join(local, "link")) and sorted(os.listdir(local)) == ["link", "ptr"]
+
+
 def test_truncated_read_is_invalid_checkpoint(store: Storage) -> None:
     store.write_atomic("short", b"0123456789")
     with store.open_reader("short") as reader:

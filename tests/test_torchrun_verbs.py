@@ -226,3 +226,91 @@ def test_the_split_is_deterministic_balanced_by_bytes_and_nodes_get_their_ranks_
     assert job.node_targets(8) == [4, 5, 6, 7]  # else an equal block per node, in node order
     with pytest.raises(UsageError, match="does not split evenly over the 2 nodes"):
         job.node_targets(3)
+
+
+# --- ranks that disagree or are gone (issue 29, item 2) ----------------------------------------
+
+def _two_checkpoints(tmp_path) -> tuple[str, str, str]:
+    """(a checkpoint of 4 shards under ROOT, ROOT, another checkpoint)."""
+    torch.manual_seed(0)
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        one = ck.save(5, {"model": {f"w{i}": torch.randn(64 * (i + 1), 32) for i in range(4)}, "extra": {}}).wait()
+        other = ck.save(6, {"model": {"w": torch.randn(8, 8)}, "extra": {}}).wait()
+    good = str(tmp_path / "root" / step_dir(5))
+    assert cli("reshard", one, good, "--world-size", "4").exit_code == 0
+    return good, str(tmp_path / "root"), other
+
+
+def test_ranks_given_different_commands_stop_before_any_work_and_a_rank_that_never_starts_is_named(tmp_path) -> None:
+    """One node, 2 ranks, each given its own command line. Before: `cp SRC D0` | `cp SRC D1`
+    both exited 0 (a committed copy that failed verify), `verify A` | `verify A --quick` said
+    "ok (checksums)" for a rank that read nothing, and `verify A` | `ls ROOT` (or `cp A D`,
+    `cp B D'`) hung until killed. Now every rank exits 2 naming both commands and what differs,
+    having written nothing; and a rank that never starts the command is named (exit 3)."""
+    a, root, b = _two_checkpoints(tmp_path)
+    out = {name: str(tmp_path / name) for name in ("D", "D2", "D0", "D1", "N0", "N1")}
+    pairs = [
+        (["verify", a], ["ls", root], "verb"),
+        (["verify", a], ["cp", a, out["D"]], "verb"),
+        (["cp", b, out["D2"]], ["verify", a], "verb"),
+        (["verify", a], ["verify", a, "--quick"], "quick"),
+        (["cp", a, out["D0"]], ["cp", a, out["D1"]], "dst"),
+        (["restore", root, out["N0"]], ["restore", root, out["N1"]], "dst"),
+    ]
+    commands = [{"0": r0, "1": r1} for r0, r1, _ in pairs]
+    commands += [["verify", a, "--json"], {"0": ["verify", a], "1": ["--version"]}]
+    ran = launch(str(tmp_path / "run"), [commands], env=[{"CKPTCTL_TORCHRUN_TIMEOUT": "20"}])
+    assert all(len(ran[r]) == len(commands) for r in (0, 1)), (ran, logs(str(tmp_path / "run"), 1))
+    for i, (r0, r1, differs) in enumerate(pairs):
+        assert [ran[r][i].exit for r in (0, 1)] == [2, 2], (i, ran[0][i], ran[1][i])
+        text = ran[0][i].stderr
+        assert "were given different commands" in text and f"({differs} differ" in text, (i, text)
+        assert f"rank 0: {r0[0]}" in text and f"rank 1: {r1[0]}" in text, (i, text)
+    assert "on node-0" in ran[0][5].stderr  # restore's DST may differ between nodes, never within one
+    assert not any(os.path.exists(p) for p in out.values()), [p for p in out.values() if os.path.exists(p)]
+    # The ranks still agree on the next command, in the same group: it runs.
+    assert [ran[r][len(pairs)].exit for r in (0, 1)] == [0, 0] and json.loads(ran[0][len(pairs)].stdout)["ok"] is True
+    last = [ran[r][-1] for r in (0, 1)]
+    assert last[1].exit == 0 and last[0].exit == 3, last
+    assert "rank(s) 1 of this torchrun job did not start `ckptctl verify` within 20s" in last[0].stderr, last[0].stderr
+
+
+def test_a_rank_that_stops_answering_is_named_within_the_timeout(tmp_path, s3_server: str, s3_url: str) -> None:
+    """Rank 1 is stopped (SIGSTOP: a hung or cut-off host, which torchrun does not notice) while
+    it reads its share: rank 0, done with its own, is told which rank is gone within
+    CKPTCTL_TORCHRUN_TIMEOUT instead of waiting for ever, and exits 3 naming it."""
+    import signal
+    import time
+
+    a, _root, _b = _two_checkpoints(tmp_path)
+    assert cli("cp", a, s3_url).exit_code == 0
+    sizes = [os.path.getsize(os.path.join(a, shard_name(r, 4))) for r in range(4)]
+    theirs = {shard_name(i, 4) for i in share(sizes, 2)[1]}  # the files rank 1 reads
+    run = str(tmp_path / "run")
+    stopped: list[int] = []
+
+    def stop_rank1(method: str, path: str) -> None:
+        if method == "GET" and path.split("?")[0].rsplit("/", 1)[-1] in theirs and not stopped:
+            pid = int(open(os.path.join(run, "rank1.pid")).read())
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+            threading.Thread(target=release, args=(pid,), daemon=True).start()
+        return None
+
+    def release(pid: int) -> None:  # once rank 0 has answered, rank 1 is put out of its misery
+        deadline = time.monotonic() + 110
+        while not os.path.exists(os.path.join(run, "rank0.0.exit")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+
+    proxy = FaultProxy(s3_server).start()
+    proxy.rule = stop_rank1  # type: ignore[assignment]
+    try:
+        ran = launch(run, [[["verify", f"{s3_url}/{step_dir(5)}"]]],
+                     env=[{"AWS_ENDPOINT_URL": proxy.url, "CKPTCTL_TORCHRUN_TIMEOUT": "20"}])
+    finally:
+        proxy.stop()
+    assert stopped, logs(run, 1)
+    assert len(ran[0]) == 1 and ran[0][0].exit == 3, (ran, logs(run, 1))
+    assert "rank(s) 1 of this torchrun job stopped answering (no sign of life for 20s)" in ran[0][0].stderr, \
+        ran[0][0].stderr

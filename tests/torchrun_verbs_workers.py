@@ -3,7 +3,8 @@ torchrun processes, one node or two "nodes" on one host.
 
 ``python torchrun_verbs_workers.py OUT ARGV_JSON`` is what torchrun starts on every rank: it
 runs each command line of ARGV_JSON (a list of argument lists, one after the other, the
-command line's own code unchanged) with this rank's stdout and stderr in
+command line's own code unchanged; an entry may be ``{"RANK": argv, ...}``, each rank running
+its own, to give ranks different commands) with this rank's stdout and stderr in
 ``OUT/rankR.N.stdout`` / ``.stderr`` and its exit status in ``OUT/rankR.N.exit``, N the
 command's index. One command joins the process group itself, exactly as under a user's
 torchrun; several share a group this worker joins first. Before exiting, each rank waits (bounded) until every rank recorded its last
@@ -96,8 +97,12 @@ def _main() -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
+    with open(os.path.join(out, f"rank{rank}.pid"), "w") as f:  # for a test that stops or kills one rank
+        f.write(str(os.getpid()))
     code = 0
     for n, argv in enumerate(argvs):
+        if isinstance(argv, dict):
+            argv = argv[str(rank)]
         base = os.path.join(out, f"rank{rank}.{n}")
         sys.stdout.flush()
         sys.stderr.flush()

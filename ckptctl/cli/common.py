@@ -33,20 +33,28 @@ from rich.table import Table
 from ckptctl.cli.errors import describe
 from ckptctl.cli.json_names import SCHEMA, named, requested_schema
 from ckptctl.cli.locations import check_locations
+from ckptctl.cli.text import visible
+from ckptctl.cli.torchrun import torchrun_command
 from ckptctl.errors import EXIT_OPERATIONAL, CkptError, UsageError
 
 
 class _Console(Console):
-    """rich's Console, except that a closed pipe is left to ``command()``: rich's own handler
-    exits 1, which under ``set -o pipefail`` makes a healthy root read as bad."""
+    """rich's Console for what a person reads: text is shown with its control characters
+    escaped (``cli.text.visible``: a name can neither split a line nor drive the terminal),
+    never as markup or emoji; and a closed pipe is left to ``command()``: rich's own handler
+    exits 1, which under ``set -o pipefail`` makes a healthy root read as bad. What a script
+    captures goes through ``answer`` instead, byte for byte."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        super().print(*(visible(o) if isinstance(o, str) else o for o in objects), **kwargs)
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
         raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
 
 
-out = _Console(soft_wrap=True)  # data
-err = _Console(stderr=True, soft_wrap=True)  # diagnostics, progress
+out = _Console(soft_wrap=True, markup=False, highlight=False, emoji=False)  # data
+err = _Console(stderr=True, soft_wrap=True, markup=False, highlight=False, emoji=False)  # diagnostics, progress
 
 JsonOpt = Annotated[bool, typer.Option(
     "--json",
@@ -91,7 +99,7 @@ def check_environment() -> None:
         requested_schema()
     except CkptError as e:
         text, code = describe(e)
-        sys.stderr.write(text + "\n")
+        sys.stderr.write(visible(text) + "\n")
         sys.exit(code)
 
 
@@ -109,7 +117,8 @@ def command(fn: F) -> F:
             if as_json:
                 requested_schema()  # a bad CKPTCTL_JSON_SCHEMA is a usage error before any work
             check_locations(fn.__name__, kwargs)
-            return fn(*args, **kwargs)
+            with torchrun_command(fn.__name__, kwargs):  # every rank of a torchrun job agrees first
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, TyperException):
             raise  # typer's own exits and usage errors carry their code already
         except CkptError as e:
@@ -211,9 +220,18 @@ def _default(o: Any) -> Any:
 
 
 def say(text: str, *, console: Console | None = None) -> None:
-    """One line of data (stdout) or of diagnostics (``console=err``), printed verbatim."""
+    """One line of data (stdout) or of diagnostics (``console=err``) for a person to read:
+    control characters in it are shown escaped."""
     console = console or out
     console.print(text, markup=False, highlight=False, emoji=False)
+
+
+def answer(text: str) -> None:
+    """The one line a script captures (``CKPT=$(ckptctl latest ROOT)``): ``text`` exactly, byte
+    for byte, then a newline; never through rich, which would turn a TAB into spaces, drop a
+    carriage return or wrap."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, right: Collection[str] = (),
@@ -221,6 +239,7 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, right:
     """A table with a header. On a terminal rich fits it to the width; otherwise each record
     is one line in columns as wide as their widest cell (never cut with "…", never wrapped)."""
     console = console or out
+    rows = [[visible(cell) for cell in row] for row in rows]  # a name's TAB or newline never splits a record
     if console.is_terminal:
         table = Table(box=None, pad_edge=False)
         for col in columns:

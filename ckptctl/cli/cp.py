@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, say
+from ckptctl.cli.common import JsonOpt, QuietOpt, answer, command, emit_json, err, human_bytes
 from ckptctl.cli.progress import byte_progress
 from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.ops.verbs import copy_to
@@ -43,7 +43,8 @@ def cp(
     copies and checks its share of the files, balanced by bytes; rank 0 writes the commit
     files, manifest and marker once every rank's files are durable and checked, and prints the
     result. Every rank exits with the same status; a failing rank fails the job and commits
-    nothing.
+    nothing. Every rank must be given the same command line: ranks that differ (another DST,
+    another SRC) all stop with exit 2 before anything is written.
     """
     with rank0_speaks(json) as speaker:
         with byte_progress("cp", quiet=quiet or not speaker) as progress:
@@ -56,7 +57,7 @@ def cp(
             # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); dst, bytes_copied kept
             emit_json({**outcome.result.to_dict(), "url": outcome.path, "bytes": outcome.result.bytes_copied})
         else:
-            say(outcome.path)  # the answer a script captures: printed under -q too
+            answer(outcome.path)  # what a script captures, byte for byte: printed under -q too
 
 
 def report_copy(verb: str, where: str, result: "CopyResult") -> None:

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import shlex
 from typing import Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, say
+from ckptctl.cli.common import JsonOpt, QuietOpt, answer, command, emit_json, err, say
+from ckptctl.cli.text import shell_join, shell_quote
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT
 from ckptctl.ops.verbs import latest_for
@@ -27,7 +27,8 @@ def latest(
         metavar="FORMAT")] = None,
     resume_args: Annotated[bool, typer.Option(
         "--resume-args", help="Print the stack's resume arguments for exactly this checkpoint, shell-quoted on one "
-                              "line (e.g. --load ROOT --ckpt-step 25), instead of a path.")] = False,
+                              "line (e.g. --load ROOT --ckpt-step 25), instead of a path; an argument with a control "
+                              "character is quoted as $'...' (bash, zsh, ksh).")] = False,
     any_: AnyOpt = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -65,14 +66,14 @@ def latest(
                    "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad], **found.kind.to_dict(),
                    "skipped_exports": [e.to_dict() for e in found.exports]})
     elif resume_args:
-        say(shlex.join(resume.argv))
+        answer(shell_join(resume.argv))
     elif resume.exact:
-        say(resume.path)
+        answer(resume.path)
     else:
         # The root resumes what its pointer names, not the checkpoint that verified: printing
         # it would hand a launcher the broken one.
         say(f"{good.url} (step {found.step}) is the newest that verifies, but {resume.pointer}: "
             f"resuming {resume.path} would load that one, not this", console=err)
-        say(f"use `ckptctl latest {shlex.quote(root)} --resume-args` ({shlex.join(resume.argv)}), "
-            f"or move the pointer back with `ckptctl repoint {shlex.quote(root)}`", console=err)
+        say(f"use `ckptctl latest {shell_quote(root)} --resume-args` ({shell_join(resume.argv)}), "
+            f"or move the pointer back with `ckptctl repoint {shell_quote(root)}`", console=err)
         raise typer.Exit(EXIT_CHECKPOINT)

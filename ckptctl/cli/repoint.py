@@ -27,6 +27,9 @@ def repoint(
     pointer is rewritten (temp file, fsync, rename, directory fsync) to the newest older
     checkpoint of the same stack that does; never forward, never to one that did not verify.
     A pointer whose target verifies is left alone. Runs under the root's lock, like prune.
+    The rewrite is a compare-and-swap: it replaces the pointer only while it still holds what
+    was judged, checked once the new one is durable, and a newer pointer a training job wrote
+    in place meanwhile is put back (If-Match on S3); then the exit is 1, naming both values.
 
     Exit 0: the pointer names a checkpoint that verifies (now, or already: nothing to do; or,
     with --dry-run, after the rewrite shown). 1: it does not, and nothing older verifies, the

@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import MAX_STEP, JsonOpt, QuietOpt, bounded_int, command, emit_json, err, say
+from ckptctl.cli.common import MAX_STEP, JsonOpt, QuietOpt, answer, bounded_int, command, emit_json, err, say
 from ckptctl.cli.cp import report_copy
 from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.cli.progress import byte_progress
@@ -46,6 +46,8 @@ def restore(
     will read, plus the manifest and marker: the ranks of a node share its files, and each
     node's leader commits its copy once every rank's files are durable and checked, so a
     node-local tier (Tier(DST, node_local=True)) resumes from it; no node holds a full copy.
+    The ranks of one node must be given the same command line (exit 2 otherwise); each node
+    may name its own DST.
     A node holds the shards of its own ranks when the job has --world-size ranks (default: the
     saved number), else an equal block per node; with another --world-size than the saved one
     each rank re-shards its own target shards straight from SRC. Rank 0 prints the result.
@@ -69,4 +71,4 @@ def restore(
             # "url" and "bytes" as in every verb's JSON (ckptctl-json(7)); path kept
             emit_json({**result.to_dict(), "url": result.path, "bytes": result.copy.bytes_copied})
         else:
-            say(result.path)  # the answer a script captures: printed under -q too
+            answer(result.path)  # what a script captures, byte for byte: printed under -q too

@@ -43,7 +43,8 @@ def verify(
 
     Under torchrun each rank reads its share of every checkpoint's files (balanced by bytes;
     --json gives each rank's files and bytes_read under "ranks"); rank 0 prints the report of
-    the whole, and every rank exits with its status.
+    the whole, and every rank exits with its status. Every rank must be given the same command
+    line: ranks that differ (another level, another path) all stop with exit 2 before reading.
     """
     if quick and load:
         raise UsageError("--quick and --load are exclusive", hint="pick one verification level")

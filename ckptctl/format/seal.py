@@ -25,6 +25,7 @@ This module is pure: bytes in, a ``Seal`` or ``InvalidCheckpoint`` out (``format
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -37,6 +38,9 @@ VERSION = 1
 CHUNK_SIZE = 64 << 20  # per-chunk digests locate bit rot to 64 MiB; 8 bytes of digest each
 MAX_SEAL_BYTES = 64 << 20
 MAX_FILES = 1 << 20
+# The temporary a local writer fills before it renames or links it to SEAL (``.NAME.tmp-PID-HEX``,
+# ``storage.local_io``): a ``seal`` killed before it removed it leaves it beside the seal.
+_SEAL_TEMPORARY = re.compile(re.escape(f".{SEAL}") + r"\.tmp-[0-9]+-[0-9a-f]+\Z", re.ASCII)
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -81,6 +85,21 @@ class Seal:
 
     def by_name(self) -> dict[str, SealedFile]:
         return {f.name: f for f in self.files}
+
+
+def is_seal_file(key: str) -> bool:
+    """Whether ``key`` (relative to a checkpoint) is its seal or a temporary a killed ``seal``
+    left of it: ckptctl's sidecar, never one of the checkpoint's own files, and never read as
+    its seal (a killed seal must not make an intact checkpoint fail verify)."""
+    return key == SEAL or _SEAL_TEMPORARY.match(key) is not None
+
+
+def check_seal_size(size: int, where: str) -> None:
+    """Raise InvalidCheckpoint (a corrupt checkpoint, not a storage error) for a seal of more
+    than ``MAX_SEAL_BYTES``, before anything reads it (a sparse 100 GB file costs no disk)."""
+    if size > MAX_SEAL_BYTES:
+        raise invalid(where, f"{size} bytes, more than the {MAX_SEAL_BYTES} a seal may have",
+                      hint="the seal is damaged; delete it and run `ckptctl seal` again")
 
 
 def chunk_count(size: int, chunk_size: int) -> int:

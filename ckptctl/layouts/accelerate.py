@@ -63,6 +63,7 @@ CUSTOM = re.compile(r"custom_checkpoint_([0-9]{1,9})\.pkl\Z")
 # DeepSpeed's own sub-directories (their checkpoint engines write inside).
 MODEL = re.compile(r"(model(_[0-9]+)?\.safetensors|pytorch_model(_[0-9]+)?\.bin|"
                    r"pytorch_model_fsdp_[0-9]+(\.bin)?|pytorch_model(_[0-9]+)?)\Z")
+FILE_SUFFIX = re.compile(r"\.(pkl|bin|pt|safetensors)\Z")  # OWN names save_state writes as files
 OPTIMIZER = re.compile(r"(optimizer(_[0-9]+)?\.bin|optimizer_[0-9]+)\Z")
 OWN = re.compile(r"(random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl|"
                  r"(optimizer|scheduler|sampler|dl_state_dict)(_[0-9]+)?\.bin|optimizer_[0-9]+|scaler\.pt|"
@@ -89,7 +90,11 @@ class AccelerateLayout(StackLayout):
         return any(OWN.match(n) for n in names)
 
     def commit_state(self, ckpt: Storage, step: int | None) -> Examined:
-        names = {c.key for c in ckpt.children()}
+        children = ckpt.children()
+        names = {c.key for c in children}
+        for c in children:  # save_state writes files under file names, directories (FSDP, DeepSpeed) under bare ones
+            if OWN.match(c.key) and (c.kind == "file") != bool(FILE_SUFFIX.search(c.key)):
+                return Examined("corrupt", f"{c.key} is a {c.kind}, which save_state never writes under that name")
         if RNG0 not in names:
             return Examined("partial", f"no {RNG0}: accelerate's save_state writes it after the model, optimizer, "
                                        "scheduler and sampler files, so this save did not finish")

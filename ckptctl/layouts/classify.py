@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, StorageError
-from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
+from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, check_seal_size, parse_seal
 from ckptctl.interop.detect import Format
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.checked import ALONE, Checked, Level, Split
@@ -256,8 +256,10 @@ def _by_seal(path: str, st: Storage, name: str) -> Found | None:
     """A prefix on object storage recognised by the seal it holds (``ckptctl seal``, then
     ``cp``): the layout the seal names. Raises InvalidCheckpoint for a seal of a layout this
     ckptctl does not know, or under a name that layout gives no checkpoint."""
-    if st.stat(SEAL) is None:
+    info = st.stat(SEAL)
+    if info is None:
         return None
+    check_seal_size(info.size, st.url_of(SEAL))
     seal = parse_seal(st.read(SEAL, max_size=MAX_SEAL_BYTES), st.url_of(SEAL))
     try:
         known = layouts_named([seal.layout])

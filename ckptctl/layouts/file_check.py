@@ -31,7 +31,7 @@ import os
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from ckptctl.errors import NotFound
-from ckptctl.format.seal import SEAL, Seal
+from ckptctl.format.seal import SEAL, Seal, is_seal_file
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split, by_one
 from ckptctl.layouts.seal_check import check_against_seal, decoded_when_sealed, seal_note, seal_problem
@@ -157,7 +157,7 @@ def _check_dir(layout: "Layout", ckpt: Storage, level: Level, out: Checked, kind
         out.problems.append(Problem(seen.reason or seen.status, hint="it is not a complete checkpoint; use an older one"))
     # The seal is ckptctl's sidecar, not one of the stack's files. A checkpoint that is one file is key "".
     listed = ([ObjectInfo("", 0, 0.0)] if layout.files_are_checkpoints
-              else [f for f in files_below(ckpt) if f.key != SEAL])
+              else [f for f in files_below(ckpt) if not is_seal_file(f.key)])
     files = [f.key for f in listed]
     out.files = len(files)
     unchecksummed: set[str] = set()

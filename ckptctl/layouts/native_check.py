@@ -27,7 +27,7 @@ from ckptctl.errors import CoordinationError
 from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
-from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Share, Split
+from ckptctl.layouts.checked import ALONE, LEVELS, Checked, Level, Problem, Share, Split
 from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.progress import Progress, expect_bytes
 from ckptctl.settings import VERIFY_THREADS
@@ -61,11 +61,12 @@ def check_manifest(ckpt: Storage, level: Level, manifest: Manifest | None, ident
     files = manifest.files if manifest is not None else []
     mine = split.mine([f.size for f in files])
 
-    def work() -> tuple[str, str | None, _Part, float]:
+    def work() -> tuple[str, str | None, _Part, float, Level]:
         part = _check_part(ckpt, manifest, [files[i] for i in mine], level, progress) if manifest else _Part()
-        return ckpt.url, identity, part, time.perf_counter() - t0
+        return ckpt.url, identity, part, time.perf_counter() - t0, level
 
     gathered = split.each(work)
+    out.level = min((g[4] for g in gathered), key=LEVELS.index)  # what every process checked, at least
     if len({(g[0], g[1]) for g in gathered}) > 1:
         raise CoordinationError(f"{ckpt.url}: the processes of this job read different checkpoints here "
                                 "(it changed while being verified)", hint="verify it again once nothing writes to it")

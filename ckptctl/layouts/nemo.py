@@ -99,6 +99,11 @@ class NemoLayout(StackLayout):
 
     def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
         weights, prefix = self._weights(ckpt)
+        for where, sub in ((prefix, weights), (f"{CONTEXT}/", ckpt.sub(CONTEXT))):
+            for c in sub.children():  # a directory under a file's name holds nothing the listing checks
+                if c.kind == "dir" and (self.kind_of(c.key) != "other" or c.key.endswith((".yaml", METADATA))):
+                    out.problems.append(Problem("a directory where NeMo writes a file", file=f"{where}{c.key}",
+                                                hint="the checkpoint was altered; use an older one"))
         if f"{prefix}{METADATA}" not in files:
             return  # the commit rule said so already
         from ckptctl.interop.dcp_io import read_metadata  # needs torch

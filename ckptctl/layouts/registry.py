@@ -12,8 +12,9 @@ no arguments) or instance (docs/extending.md):
 
 A plugin's layout is any object with every member of the ``Layout`` protocol
 (``base.MEMBERS``); it subclasses nothing. Plugins come after every built-in layout, so a
-directory that a built-in layout claims stays that layout's whatever a plugin says. A plugin
-is skipped, with one warning on stderr naming its entry point and the fix
+directory that a built-in layout claims stays that layout's whatever a plugin says. Each is
+held as a guest (``layouts.guest``): its code runs with stdout kept for ckptctl, and a call
+that raises fails only what it claims. A plugin is skipped, with one warning on stderr naming its entry point and the fix
 (``ckptctl.plugins``), when it cannot be imported, when it lacks a member of the protocol, or
 when its name is already taken: by a built-in layout, by any name or alias of the format
 vocabulary (``format.formats``: ``--format hf`` must keep meaning the Trainer), by
@@ -32,6 +33,7 @@ from ckptctl.layouts.accelerate import AccelerateLayout
 from ckptctl.layouts.base import MEMBERS, UNKNOWN, Layout
 from ckptctl.layouts.composer import ComposerLayout
 from ckptctl.layouts.dcp import DcpLayout
+from ckptctl.layouts.guest import guest_layout
 from ckptctl.layouts.deepspeed import DeepSpeedLayout
 from ckptctl.layouts.hf_trainer import HfTrainerLayout
 from ckptctl.layouts.lightning import LightningLayout
@@ -79,7 +81,7 @@ def registered(builtins: Sequence[Layout], found: Iterable[EntryPoint] | None = 
             plugins.refuse(ep, why)
             continue
         taken.add(layout.name)
-        out.append(layout)
+        out.append(guest_layout(ep, layout))  # its calls hosted: a failure fails only what it claims
     return tuple(out)
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Literal
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.checksum import Hasher
-from ckptctl.format.seal import SEAL, Seal, SealedFile, chunk_count, parse_seal
+from ckptctl.format.seal import SEAL, Seal, SealedFile, check_seal_size, chunk_count, is_seal_file, parse_seal
 from ckptctl.layouts.checked import Problem
 from ckptctl.layouts.safe_load import STRUCTURAL_MARK
 from ckptctl.progress import Progress
@@ -37,8 +37,10 @@ def is_temporary(key: str) -> bool:
 def read_seal(ckpt: Storage) -> Seal | None:
     """The checkpoint's seal, or None when it has none. Raises InvalidCheckpoint for a seal
     that does not parse (a damaged seal is never silently ignored)."""
-    if ckpt.stat(SEAL) is None:
+    info = ckpt.stat(SEAL)
+    if info is None:
         return None
+    check_seal_size(info.size, ckpt.url_of(SEAL))
     return parse_seal(ckpt.read(SEAL, max_size=64 << 20), ckpt.url_of(SEAL))
 
 
@@ -107,7 +109,7 @@ def check_against_seal(ckpt: Storage, seal: Seal, level: SealLevel = "checksums"
     added (``quick``), and every byte hashed and compared (``checksums``). Returns the problems
     and the bytes read; nothing raises for a checkpoint problem."""
     problems: list[Problem] = []
-    now = {i.key: i for i in ckpt.list() if i.key != SEAL}
+    now = {i.key: i for i in ckpt.list() if not is_seal_file(i.key)}  # a killed seal's temporary is no file of it
     sealed = seal.by_name()
     for name in sorted(set(now) - set(sealed)):
         if is_temporary(name):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, RefusedForSafety
-from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
+from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, is_seal_file, parse_seal
 from ckptctl.layouts.copying import AtDestination, BySeal, CopySource, ToCopy
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import regular_size
@@ -70,7 +70,7 @@ def copy_source(layout: "_Copied", ckpt: Storage) -> CopySource:
                           check_after="checksums", note=CHECKED_FILE)
     seal_raw = ckpt.read(SEAL, max_size=MAX_SEAL_BYTES) if ckpt.stat(SEAL) is not None else None
     seal = parse_seal(seal_raw, ckpt.url_of(SEAL)) if seal_raw is not None else None
-    sizes = {i.key: i.size for i in ckpt.list() if i.key != SEAL}
+    sizes = {i.key: i.size for i in ckpt.list() if not is_seal_file(i.key)}
     if seal is not None and set(sizes) != set(seal.by_name()):
         raise InvalidCheckpoint(f"{ckpt.url}: its files differ from its seal", hint="verify it: `ckptctl verify SRC`")
     commit = [k for k in layout.commit_files if k in sizes]

@@ -24,7 +24,10 @@ holds what every such verb needs:
 * ``on_root``: work that only one rank should do (another tool's checkpoint, verified or
   copied whole), done on rank 0 and its answer (or failure) given to every rank.
 
-May import: leaves only (``errors``).
+Every collective here is entered once every rank arrived at it (``collective``, with
+``ops.rollcall``): a rank that is gone is named within ``settings.TORCHRUN_TIMEOUT_S``.
+
+May import: leaves only (``errors``), and ``ops.rollcall``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from ckptctl.errors import CkptError, CoordinationError, UsageError
+from ckptctl.ops.rollcall import current_presence
 
 T = TypeVar("T")
 
@@ -118,7 +122,7 @@ def joined() -> Iterator[Job | None]:
         yield None
         return
     nodes: list = [None] * dist.get_world_size()
-    _collective(lambda: dist.all_gather_object(nodes, node_id()))
+    collective(lambda: dist.all_gather_object(nodes, node_id()), "joining the job")
     token = _current.set(Job(dist.get_rank(), tuple(nodes)))
     try:
         yield _current.get()
@@ -183,7 +187,7 @@ def everyone(job: Job | None, value: T) -> list[T]:
     import torch.distributed as dist
 
     out: list = [None] * job.world_size
-    _collective(lambda: dist.all_gather_object(out, value))
+    collective(lambda: dist.all_gather_object(out, value), "an exchange of results")
     return out
 
 
@@ -233,16 +237,20 @@ def on_root(job: Job | None, fn: Callable[[], T]) -> T:
     box = [(result, failure)]
     import torch.distributed as dist
 
-    _collective(lambda: dist.broadcast_object_list(box, src=0))
+    collective(lambda: dist.broadcast_object_list(box, src=0), "rank 0's answer")
     result, failure = box[0]
     if failure is not None:
         raise failure
     return result  # type: ignore[return-value]
 
 
-def _collective(fn: Callable[[], object]) -> None:
-    """A collective that a rank which died (killed, or out of memory) turns into one line and
-    exit 3 on the others, instead of gloo's traceback."""
+def collective(fn: Callable[[], object], what: str = "a collective") -> None:
+    """A collective, entered once every rank has arrived at it (``rollcall.Presence.arrive``:
+    a rank that is gone is named within the timeout, not waited for); a rank that died during
+    it (killed, or out of memory) is one line and exit 3 on the others, not gloo's traceback."""
+    presence = current_presence()
+    if presence is not None:
+        presence.arrive(what)
     try:
         fn()
     except RuntimeError as e:  # gloo reports a peer that closed its connection this way

@@ -7,8 +7,10 @@ DeepSpeed's ``load_checkpoint(ROOT)`` loads the tag ``ROOT/latest`` names, Megat
 pointer that names a truncated checkpoint resumes it. ``check_pointers`` verifies what each
 pointer names and, when it does not verify, finds the newest older checkpoint of that stack
 that does. ``repoint`` rewrites the pointer to that one, atomically (temp + fsync + rename +
-directory fsync), under the root's lock, only backwards, and only while the pointer still holds
-what was judged (a training job that saved meanwhile wins; nothing is overwritten blindly).
+directory fsync), under the root's lock, only backwards, and by compare-and-swap
+(``Storage.compare_and_swap``): only while the pointer still holds what was judged, checked
+after the new pointer is durable and re-checked after the rename, so a training job that
+rewrote it meanwhile, even in place as DeepSpeed and Megatron do, wins.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def check_pointer(root: Storage, layout: Layout, level: Level = "checksums", *,
     _key, check.target, check.step = named
     entry = next((e for e in list_checkpoints(root, layouts=layouts_named([layout.name])) if e.name == check.target),
                  None)
-    if entry is None:
+    if entry is None or entry.status == "unknown":  # absent, or not its files (a FIFO under its name)
         check.problem = f"{layout.pointer_file} names {check.target}, which is not a {layout.title} checkpoint here"
     elif entry.storage is None:
         check.problem = f"{layout.pointer_file} names {check.target}, a symlink (never followed)"
@@ -189,9 +191,12 @@ def repoint(root: Storage, level: Level = "checksums", *, formats: Sequence[str]
 
 
 def _repoint(root: Storage, name: str, level: Level, *, dry_run: bool, progress: Progress | None) -> RepointResult:
-    layout = layout_named(name, root)  # read under the lock: the pointer as it is now
-    assert layout.pointer_file is not None
-    before = _raw_pointer(root, layout.pointer_file)
+    pointer_file = layouts_named([name])[0].pointer_file
+    assert pointer_file is not None
+    # Read before the layout reads it (under the lock): the swap below writes only if the
+    # pointer still holds these bytes, so what was judged is never older than what is replaced.
+    before = _raw_pointer(root, pointer_file)
+    layout = layout_named(name, root)
     known: dict[str, VerifyReport] = {}
     check = check_pointer(root, layout, level, progress=progress, known=known)
     checked = list(known.values())
@@ -213,12 +218,20 @@ def _repoint(root: Storage, name: str, level: Level, *, dry_run: bool, progress:
     key, content = pointer
     message = f"{layout.pointer_file}: {check.target} -> {check.good} ({check.problem})"
     if not dry_run:
-        if _raw_pointer(root, key) != before:
-            raise RefusedForSafety(f"{root.url}/{key} changed while it was being judged (a save committed meanwhile?); "
-                                   "not rewritten", hint="run `ckptctl verify ROOT --latest` again")
-        root.write_atomic(key, content)
+        # Compare-and-swap: written only if the pointer still holds what was judged, checked once
+        # the new one is durable, and put back if a save rewrote it in place meanwhile.
+        found = root.compare_and_swap(key, before, content)
+        if found != before:
+            raise RefusedForSafety(
+                f"{root.url_of(key)} changed while repoint judged it: it held {_shown(before)}, now {_shown(found)} "
+                f"(a save committed meanwhile?); left as it is, not moved to {check.good}",
+                hint="run `ckptctl verify ROOT --latest` again")
     return RepointResult(**base, new=content.decode("utf-8"), new_target=check.good,  # type: ignore[arg-type]
                          new_step=check.good_step, changed=not dry_run, message=message)
+
+
+def _shown(raw: bytes | None) -> str:
+    return "nothing" if raw is None else repr(raw[:MAX_POINTER_BYTES].decode("utf-8", "replace").strip())
 
 
 __all__ = ["PointerCheck", "RepointResult", "check_pointer", "check_pointers", "repoint"]

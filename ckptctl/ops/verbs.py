@@ -77,6 +77,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     """Verify the checkpoint at ``path`` (``one``), or the checkpoints of the root at ``path``:
     newest first until one passes (``latest``: the reports in that order), or all of them
     (``all``: the reports oldest first, newest last, the order ``ls`` lists them in)."""
+    from ckptctl.ops.rollcall import Command, resolved
     from ckptctl.ops.torchrun import torchrun_job
 
     if level not in LEVELS:
@@ -84,7 +85,7 @@ def verify_path(path: str, level: str = "checksums", *, which: Literal["one", "l
     # Under torchrun every rank runs the same walk; each checkpoint's files are split over the
     # ranks (``ops.verify.engine``) and every rank gets the whole report, so every rank
     # makes the same decisions and exits with the same status.
-    with torchrun_job():
+    with torchrun_job(Command("verify", {"path": resolved(path), "level": level, "which": which, "any": str(any_)})):
         return _verify_path(path, level, which, progress, any_)  # type: ignore[arg-type]
 
 
@@ -229,9 +230,10 @@ def copy_to(src: str, dst: str, progress: Progress | None = None) -> CopyOutcome
     checkpoints, or a root to put it under), checked on the fly (``ops.transfer.copy``). Under
     torchrun the ranks share its files (``dst`` must be shared by them: object storage or a
     shared filesystem)."""
+    from ckptctl.ops.rollcall import Command, resolved
     from ckptctl.ops.torchrun import torchrun_job
 
-    with torchrun_job():
+    with torchrun_job(Command("cp", {"src": resolved(src), "dst": resolved(dst)})):
         return _copy_found(one_checkpoint(src, verb="cp"), dst, progress)
 
 
@@ -252,9 +254,12 @@ def restore_into(src_root: str, dst_root: str, step: int | None = None, progress
     ``dst_root`` (created when missing). Under torchrun ``dst_root`` is each node's own disk and
     each node gets only the files its ranks read (``ops.transfer.node_restore``). Every rank
     returns rank 0's result."""
+    from ckptctl.ops.rollcall import Command, resolved
     from ckptctl.ops.torchrun import torchrun_job
 
-    with torchrun_job() as job:
+    command = Command("restore", {"src": resolved(src_root), "dst": resolved(dst_root), "step": str(step),
+                                  "world_size": str(world_size)}, per_node=("dst",))  # each node's own disk
+    with torchrun_job(command) as job:
         return _restore_into(src_root, dst_root, step, progress, world_size=world_size, on_skip=on_skip, job=job)
 
 
@@ -290,9 +295,13 @@ def reshard_path(src: str, dst: str, world_size: int, *, overwrite: bool = False
     from ckptctl.ops.transform.reshard import reshard
     from ckptctl.ops.torchrun import torchrun_group
 
+    from ckptctl.ops.rollcall import Command, resolved
+
     source = ckptctl_checkpoint(one_checkpoint(src, verb="reshard"), "reshard")
     return_freed_memory()  # memory stays one tensor, not a heap of freed ones
-    with torchrun_group() as rank:
+    command = Command("reshard", {"src": resolved(src), "dst": resolved(dst), "world_size": str(world_size),
+                                  "overwrite": str(overwrite)})
+    with torchrun_group(command) as rank:
         report = reshard(source, open_storage(dst), world_size, overwrite=overwrite, progress=progress)
     return report if rank == 0 else None
 

@@ -13,7 +13,9 @@ subclass, or any callable, taking ``(url, **kwargs)`` and returning a ``Storage`
 
 Plugins are looked up only for a scheme no built-in backend has, once per process, so a local
 path or ``s3://`` never pays for importing them. A built-in scheme cannot be taken over, and a
-plugin that fails to import is skipped with one warning naming it (``ckptctl.plugins``).
+plugin that fails to import is skipped with one warning naming it (``ckptctl.plugins``); its
+opener and the storage it gives run as guests: what they print goes to stderr, and what they
+raise is a ``StorageError`` naming the plugin.
 """
 
 from __future__ import annotations
@@ -90,8 +92,26 @@ def registered_openers(found: Any) -> dict[str, Opener]:
             continue
         opener = plugins.load(ep, _as_opener)
         if opener is not None:
-            out[scheme] = opener
+            out[scheme] = _hosted_opener(ep, opener)
     return out
+
+
+def _hosted_opener(ep: Any, opener: Opener) -> Opener:
+    """``opener`` run as a guest (``plugins.hosted``), and the storage it gives held as one:
+    whatever the plugin's code raises (but an interrupt or one of ckptctl's errors) is a
+    storage error naming the plugin (exit 3), never an internal error."""
+
+    def failed(name: str, args: tuple, kwargs: dict, failure: plugins.GuestFailed) -> Any:
+        raise StorageError(str(failure), hint=failure.fix)
+
+    def open_(url: str, **kwargs: Any) -> Storage:
+        try:
+            storage = plugins.hosted(ep, f"opening {url}", opener, url, **kwargs)
+        except plugins.GuestFailed as failure:
+            raise StorageError(str(failure), hint=failure.fix) from None
+        return plugins.adopt(ep, storage, failed)
+
+    return open_
 
 
 def _as_opener(target: object) -> Opener:

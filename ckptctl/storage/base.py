@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterator, Literal, Sequence
 
-from ckptctl.errors import StorageError
+from ckptctl.errors import NotFound, StorageError
 
 EntryKind = Literal["file", "dir", "link"]
 
@@ -162,6 +162,29 @@ class Storage(ABC):
     def write_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist; False if it already did. Atomic against
         concurrent callers (O_EXCL; S3 ``If-None-Match: *``)."""
+
+    def compare_and_swap(self, key: str, expected: bytes | None, data: bytes) -> bytes | None:
+        """Write ``data`` under ``key`` only if ``key`` still holds ``expected`` (None: absent),
+        checked once ``data`` is ready to take its place: a pointer moved by a tool must not
+        undo what another writer put there meanwhile. Returns what ``key`` held (``expected``
+        when ``data`` took its place; otherwise the content found, its first 4 KiB past the
+        length of ``expected``, and nothing was written).
+
+        This default, for backends that cannot do better, checks by reading just before an
+        atomic write; ``LocalStorage`` and ``S3Storage`` close that gap (a hard link and a
+        rename, re-checked after; ``If-Match``)."""
+        found = self._content(key, len(expected or b"") + 4096)
+        if found == expected:
+            self.write_atomic(key, data)
+        return found
+
+    def _content(self, key: str, limit: int) -> bytes | None:
+        """The first ``limit`` bytes of ``key``, or None when there is no such object."""
+        try:
+            with self.open_reader(key) as r:
+                return r.read(0, min(r.size, limit))
+        except NotFound:
+            return None
 
     @abstractmethod
     def delete(self, key: str) -> bool:

@@ -262,14 +262,21 @@ class LocalStorage(Storage):
         with self.open_writer(key) as writer:
             writer.write(data)
 
+    def compare_and_swap(self, key: str, expected: bytes | None, data: bytes) -> bytes | None:
+        return self._filled(key, data).commit_if(expected)
+
     def write_if_absent(self, key: str, data: bytes) -> bool:
+        return self._filled(key, data).commit_if_absent()
+
+    def _filled(self, key: str, data: bytes) -> LocalWriter:
+        """A writer for ``key`` holding ``data``, not committed yet (nothing left if writing fails)."""
         writer = self.open_writer(key)
         try:
             writer.write(data)
         except BaseException:
             writer.abort()
             raise
-        return writer.commit_if_absent()
+        return writer
 
     # --- removing --------------------------------------------------------------------------
 

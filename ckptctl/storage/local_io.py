@@ -60,6 +60,33 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 _HAVE_PREADV = hasattr(os, "preadv")
 
 
+def _peek(dir_fd: int, name: str, limit: int, shown: str) -> bytes | None:
+    """The first ``limit`` bytes of the regular file ``name`` (None: no such file); never a
+    link followed or a FIFO waited on."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise InvalidCheckpoint(f"{shown} is a symlink; never followed",
+                                    hint="replace it with a regular file by hand") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidCheckpoint(f"{shown} is not a regular file", hint="replace it with a regular file by hand")
+        return os.pread(fd, limit, 0)
+    finally:
+        os.close(fd)
+
+
+def _inode(dir_fd: int, name: str) -> int | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return None
+
+
 class LocalReader(Reader):
     """Positional reads from one open file descriptor (kept open until ``close``).
 
@@ -223,6 +250,59 @@ class LocalWriter(Writer):
             raise os_error(err, self._shown) from err
         self._close_dir()
         return taken
+
+    def commit_if(self, expected: bytes | None) -> bytes | None:
+        """``commit``, only while the final name holds ``expected`` (None: nothing there); see
+        ``Storage.compare_and_swap``. The file is made durable first (the slow part), then the
+        name is checked and replaced at once. The file it replaces stays linked under a
+        temporary name until it is read again after the rename: a writer that had it open and
+        wrote in place meanwhile (DeepSpeed and Megatron write their pointers so) gets its
+        file back under the name. Returns what the name held when checked, or that newer
+        content; ``expected`` when this writer's content took the name."""
+        fd = self._require_open()
+        dir_fd = self._dir_fd
+        assert dir_fd is not None
+        limit = len(expected or b"") + 4096
+        kept: str | None = temporary_name(self._name)  # the file under the name, pinned
+        try:
+            os.fsync(fd)
+            try:
+                os.link(self._name, kept, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                kept = None
+            except OSError as err:
+                if err.errno not in _NO_HARDLINKS:
+                    raise
+                kept = None  # cannot pin it here: compared by name only
+            found = _peek(dir_fd, self._name if kept is None else kept, limit, self._shown)
+            if kept is not None and _inode(dir_fd, self._name) != _inode(dir_fd, kept):
+                found = _peek(dir_fd, self._name, limit, self._shown)  # replaced since it was pinned
+            if found != expected:
+                return found
+            if found is None:  # nothing was there: take the name only if nothing took it meanwhile
+                if not self._link_if_absent(fd, dir_fd, self._name):
+                    return _peek(dir_fd, self._name, limit, self._shown)
+                os.unlink(self._tmp, dir_fd=dir_fd)
+            else:
+                os.rename(self._tmp, self._name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+            if kept is not None:
+                after = _peek(dir_fd, kept, limit, self._shown)
+                if after != expected:  # written in place meanwhile: the newer file goes back
+                    os.rename(kept, self._name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    kept = None
+                    os.fsync(dir_fd)
+                    return after
+            return expected
+        except OSError as err:
+            raise os_error(err, self._shown) from err
+        finally:
+            if kept is not None:
+                try:
+                    os.unlink(kept, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+            self._discard()  # closes it, and removes the temporary unless it took the name
 
     def _link_if_absent(self, fd: int, dir_fd: int, name: str, *, routing: bool = False) -> bool:
         try:

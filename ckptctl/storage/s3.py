@@ -21,7 +21,7 @@ from typing import Any, Callable, Collection, Iterator
 
 from botocore.exceptions import ClientError
 
-from ckptctl.errors import InvalidCheckpoint, NotFound, UsageError
+from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError, UsageError
 from ckptctl.storage.base import ObjectInfo, Storage, check_key
 from ckptctl.storage.s3_bucket import Bucket
 from ckptctl.storage.s3_client import Client
@@ -227,6 +227,35 @@ class S3Storage(Storage):
         key = check_key(key)
         return self._bucket.if_absent(self.url_of(key), lambda: self._client.s3.put_object(
             Bucket=self._bucket.name, Key=self._obj_key(key), Body=data, IfNoneMatch="*", **self._bucket.checksum_args()))
+
+    def compare_and_swap(self, key: str, expected: bytes | None, data: bytes) -> bytes | None:
+        """One conditional PUT: ``If-Match`` the ETag of the content just compared
+        (``If-None-Match: *`` when it was absent), so S3 refuses it once anything else wrote."""
+        key = check_key(key)
+        shown, obj = self.url_of(key), self._obj_key(key)
+        limit = len(expected or b"") + 4096
+        for _attempt in range(3):  # a rewrite of the same bytes meanwhile changes the ETag alone
+            found, etag = None, None
+            with self._bucket.errors(shown):
+                try:
+                    got = self._client.s3.get_object(Bucket=self._bucket.name, Key=obj)
+                    etag, found = got["ETag"], got["Body"].read(limit)
+                    got["Body"].close()
+                except ClientError as err:
+                    if not is_missing(err):
+                        raise
+            if found != expected:
+                return found
+            condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+            # ``if_absent`` runs any conditional request: False on a failed precondition (412)
+            if self._bucket.if_absent(shown, lambda: self._client.s3.put_object(
+                    Bucket=self._bucket.name, Key=obj, Body=data, **condition, **self._bucket.checksum_args())):
+                return expected
+            found = self._content(key, limit)
+            if found != expected:
+                return found
+        raise StorageError(f"{shown} keeps being rewritten with the same content; not replaced",
+                           hint="stop the other writer, then run the command again")
 
     # --- removing --------------------------------------------------------------------------
 

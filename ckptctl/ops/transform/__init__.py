@@ -7,6 +7,7 @@
   ``reshard_source``: checking the source chunks as they are read.
 
 May import: ``format``, ``storage``, ``load``, ``state``, ``interop``, ``layouts``,
-``ops.verify`` (a source is verified before it is read) and the leaves; never ``cli`` nor the
-rest of ``ops`` (docs/architecture.md).
+``ops.verify`` (a source is verified before it is read), ``ops.distributed`` (reshard's
+collectives under torchrun, each bounded by the ranks' presence) and the leaves; never ``cli``
+nor the rest of ``ops`` (docs/architecture.md).
 """

@@ -53,6 +53,7 @@ from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.layouts.native import check_target_name, commit, read_committed, remove, uncommit
 from ckptctl.format.checksum import file_checksum
+from ckptctl.ops.distributed import collective
 from ckptctl.ops.transform.reshard_source import checked_source_checksums
 from ckptctl.ops.transform.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
 from ckptctl.layouts.checked import Level
@@ -201,7 +202,7 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
         del buf
     if dist_on:
         gathered: list = [None] * n
-        dist.all_gather_object(gathered, (mine, report.bytes_read, failure))
+        collective(lambda: dist.all_gather_object(gathered, (mine, report.bytes_read, failure)), "the written shards")
         failure = next((g[2] for g in gathered if g[2] is not None), None)
         if failure is None:
             mine = [f for g in gathered for f in g[0]]
@@ -269,7 +270,7 @@ def _agree(dist_on: bool, failure: CkptError | None) -> None:
         import torch.distributed as dist
 
         box = [failure]
-        dist.broadcast_object_list(box, src=0)
+        collective(lambda: dist.broadcast_object_list(box, src=0), "rank 0's commit")
         failure = box[0]
     if failure is not None:
         raise failure
