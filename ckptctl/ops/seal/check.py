@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from ckptctl.errors import InvalidCheckpoint
-from ckptctl.format.checksum import Hasher
-from ckptctl.format.seal import SEAL, Seal, SealedFile, chunk_count, parse_seal
+from ckptctl.format.seal import SEAL, FileDigest, Seal, SealedFile, parse_seal
 from ckptctl.ops.seal.leftovers import is_temporary
 from ckptctl.ops.verify.problem import Problem
 from ckptctl.progress import Progress
@@ -47,34 +46,26 @@ class Hashed:
 def hash_object(st: Storage, key: str, chunk_size: int, *, progress: Progress | None = None,
                 sink: Callable[[memoryview | bytes], None] | None = None,
                 stop: threading.Event | None = None) -> Hashed | None:
-    """Read ``key`` once, in pieces that never cross a chunk boundary, hashing the whole and each
-    chunk (when the file is larger than one chunk); every piece goes to ``sink`` too (a copy's
-    writer). Returns None when ``stop`` was set meanwhile."""
+    """Read ``key`` once, hashing the whole and each chunk (when the file is larger than one
+    chunk: ``format.seal.FileDigest``); every piece goes to ``sink`` too (a copy's writer).
+    Returns None when ``stop`` was set meanwhile."""
     with st.open_reader(key) as r:
         size = r.size
-        whole = Hasher()
-        chunked = chunk_count(size, chunk_size) > 0
-        chunks: list[str] = []
-        piece_h = Hasher()
+        digest = FileDigest(chunk_size)
         offset = 0
         while offset < size:
             if stop is not None and stop.is_set():
                 return None
-            chunk_end = min(size, (offset // chunk_size + 1) * chunk_size)
-            n = min(VERIFY_PIECE, chunk_end - offset)
+            n = min(VERIFY_PIECE, size - offset)  # FileDigest splits at chunk boundaries itself
             data = r.read(offset, n)
-            whole.update(data)
-            if chunked:
-                piece_h.update(data)
+            digest.update(data)
             if sink is not None:
                 sink(data)
             offset += n
-            if chunked and offset == chunk_end:
-                chunks.append(piece_h.hexdigest())
-                piece_h = Hasher()
             if progress is not None:
                 progress(n)
-    return Hashed(size, whole.hexdigest(), tuple(chunks))
+    got = digest.sealed(key)
+    return Hashed(got.size, got.xxh3, got.chunks)
 
 
 def compare(f: SealedFile, got: Hashed, chunk_size: int) -> list[Problem]:
