@@ -25,81 +25,11 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from ckptctl.format.seal import CHUNK_SIZE, FileDigest, SealedFile
+from ckptctl.integrations.stream import StorageStream
 from ckptctl.storage import open_storage
-from ckptctl.storage.base import Storage, Writer, byte_view
+from ckptctl.storage.base import Storage
 
 METADATA = ".metadata"
-SMALL_WRITE = 64 << 10  # torch.save writes headers and padding in tiny pieces: gathered before a syscall
-GATHER = 1 << 20
-
-
-class SealingStream:
-    """One file being written: every byte hashed, then handed to ``writer`` (small writes
-    gathered first); ``close`` commits the file and reports its digest. A ``with`` block that
-    raises aborts the write instead, so a failed save leaves no file under the final name."""
-
-    def __init__(self, name: str, writer: Writer | None, chunk_size: int, done: Callable[[SealedFile, bytes], None]):
-        self.name = name
-        self._writer = writer  # None: kept in memory (DCP's ``.metadata``), handed to ``done``
-        self._memory = bytearray()
-        self._gathered = bytearray()
-        self._digest = FileDigest(chunk_size)
-        self._done = done
-        self._pos = 0
-        self.closed = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        view = byte_view(data)
-        self._digest.update(view)
-        self._pos += len(view)
-        if self._writer is None:
-            self._memory += view
-        elif len(view) < SMALL_WRITE:
-            self._gathered += view
-            if len(self._gathered) >= GATHER:
-                self._flush_gathered()
-        else:
-            self._flush_gathered()
-            self._writer.write(view)
-        return len(view)
-
-    def _flush_gathered(self) -> None:
-        if self._gathered and self._writer is not None:
-            self._writer.write(self._gathered)
-            self._gathered = bytearray()
-
-    def tell(self) -> int:
-        return self._pos
-
-    def writable(self) -> bool:
-        return True
-
-    def flush(self) -> None:
-        """Nothing: bytes become durable on ``close`` (the writer's commit)."""
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._writer is not None:
-            self._flush_gathered()
-            self._writer.commit()
-        self._done(self._digest.sealed(self.name), bytes(self._memory))
-
-    def abort(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self._writer is not None:
-                self._writer.abort()
-
-    def __enter__(self) -> "SealingStream":
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class SealingFiles:
@@ -122,15 +52,6 @@ class SealingFiles:
             out, self._written = self._written, []
         return out
 
-    def _record(self, name: str) -> Callable[[SealedFile, bytes], None]:
-        def done(entry: SealedFile, held: bytes) -> None:
-            with self._lock:
-                if name.endswith(".tmp"):  # a commit file DCP renames into place: kept until then
-                    self._held[name] = (entry, held)
-                else:
-                    self._written.append(entry)
-        return done
-
     # --- torch.distributed.checkpoint.filesystem.FileSystemBase ------------------------------
 
     @contextmanager
@@ -138,10 +59,18 @@ class SealingFiles:
         key = os.fspath(path)
         if mode != "wb":
             raise ValueError(f"{self.storage.url_of(key)}: the sealing writer only writes (mode {mode!r})")
-        held = key.endswith(".tmp")
-        writer = None if held else self.storage.open_writer(key)
-        with SealingStream(key, writer, self.chunk_size, self._record(key)) as stream:
+        digest = FileDigest(self.chunk_size)
+        if key.endswith(".tmp"):  # a commit file DCP renames into place: kept in memory until then
+            held = io.BytesIO()
+            yield held
+            digest.update(held.getbuffer())
+            with self._lock:
+                self._held[key] = (digest.sealed(key), held.getvalue())
+            return
+        with StorageStream(self.storage.open_writer(key), tap=digest.update) as stream:
             yield stream  # type: ignore[misc]
+        with self._lock:
+            self._written.append(digest.sealed(key))
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         # DCP only ever joins a file name onto the checkpoint's own path: keys are relative to it.
