@@ -17,10 +17,12 @@ structure (a checkpoint that is one file has no directory to hold a seal, ``layo
 
 ``asynchronous=True`` works as Lightning's ``AsyncCheckpointIO``: the training thread only
 clones the tensors (a consistent snapshot; the stall is that copy), and one background thread
-serialises and writes. ``remove_checkpoint`` and ``load_checkpoint`` of a file still being
-written wait for it; an error of a background write is raised at the next save or at
-``teardown``. ``ModelCheckpoint``'s ``save_top_k`` removes its files through this plugin as it
-always does.
+serialises and writes. ``ModelCheckpoint``'s ``save_top_k`` removes its files through this
+plugin as it always does, but a removal runs on that thread after every write handed over
+before it, and not at all once a write has failed: Lightning's own ``AsyncCheckpointIO``
+deletes the displaced file while the new one is still being written, so a job killed then has
+lost both. ``load_checkpoint`` of a file still being written waits for it; an error of a
+background write is raised at the next save or at ``teardown``.
 
 Loading: the file is verified as ``ckptctl verify`` verifies it (zip structure and every
 record's CRC-32: ``ops.verify.layouts.verify_stack``) before anything is unpickled, then read
@@ -32,6 +34,7 @@ does (more with ``torch.serialization.add_safe_globals``); a damaged file raises
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +51,7 @@ from ckptctl.ops.verify.layouts import verify_stack
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import Storage
 
+log = logging.getLogger("ckptctl")
 
 def _where(path: str | os.PathLike[str]) -> tuple[Storage, str]:
     """The storage of the file's directory and the file's name in it."""
@@ -67,7 +71,8 @@ class CheckpointIO(_LightningCheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # raised at the next save or teardown
+        self._failed = False  # a background write failed: removals are dropped from then on
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -90,8 +95,9 @@ class CheckpointIO(_LightningCheckpointIO):
         with self._lock:
             if self._pending.get(key) is future:
                 del self._pending[key]
-            if future.exception() is not None and self._error is None:
-                self._error = future.exception()
+            if future.exception() is not None:
+                self._failed = True
+                self._error = self._error or future.exception()
 
     def _raise_error(self) -> None:
         with self._lock:
@@ -125,9 +131,23 @@ class CheckpointIO(_LightningCheckpointIO):
             return torch.load(io.BytesIO(st.read(name, max_size=1 << 40)), map_location=map_location, weights_only=True)
 
     def remove_checkpoint(self, path: Any) -> None:
-        self.wait(path)
-        st, name = _where(path)
-        st.delete(name)
+        key = os.fspath(path)
+        if self._executor is None:
+            _remove(key)
+            return
+        # ModelCheckpoint removes the file a new save displaces right after handing that save
+        # over: the removal waits its turn behind every write handed over before it, and is
+        # dropped if one of them failed, so an older checkpoint never goes before the newer one
+        # is durable (a job killed meanwhile keeps both).
+        self._executor.submit(self._remove_if_written, key)
+
+    def _remove_if_written(self, key: str) -> None:
+        with self._lock:
+            failed = self._failed
+        if failed:
+            log.warning("ckptctl: kept %s: a newer checkpoint's write failed", key)
+            return
+        _remove(key)
 
     def teardown(self) -> None:
         self.wait()
@@ -135,6 +155,11 @@ class CheckpointIO(_LightningCheckpointIO):
             self._executor.shutdown(wait=True)
             self._executor = None
         self._raise_error()
+
+
+def _remove(path: str) -> None:
+    st, name = _where(path)
+    st.delete(name)
 
 
 def _write(checkpoint: dict[str, Any], path: str) -> None:
