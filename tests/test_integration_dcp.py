@@ -148,3 +148,23 @@ def test_s3_save_verify_and_refused_load(s3_url: str) -> None:
     with pytest.raises(CheckpointException, match="__0_0.distcp bytes"):
         dcp.load(target, storage_reader=Reader(url), no_dist=True)
     assert torch.equal(target["model"]["w"], torch.zeros(4096))
+
+
+def test_the_torchtitan_recipe_in_docs_extending_routes_checkpoint_id_through_writer_and_reader(tmp_path,
+                                                                                                 monkeypatch) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    text = open(os.path.join(HERE, "..", "docs", "extending.md")).read()
+    recipe = text.split("torchtitan calls `dcp.save`", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    for name in ("save", "async_save", "load"):  # put torch's functions back afterwards
+        monkeypatch.setattr(dcp, name, getattr(dcp, name))
+    exec(compile(recipe, "docs/extending.md", "exec"), {})
+    path = str(tmp_path / "step-10")
+    dcp.save({"w": torch.arange(8.0)}, checkpoint_id=path, no_dist=True)  # as torchtitan calls it
+    assert os.path.exists(os.path.join(path, SEAL)) and cli("verify", path).exit_code == 0
+    back = {"w": torch.zeros(8)}
+    dcp.load(back, checkpoint_id=path, no_dist=True)
+    assert torch.equal(back["w"], torch.arange(8.0))
+    _flip(os.path.join(path, "__0_0.distcp"), 600)
+    with pytest.raises(CheckpointException, match="__0_0.distcp bytes"):
+        dcp.load({"w": torch.zeros(8)}, checkpoint_id=path, no_dist=True)

@@ -153,11 +153,11 @@ class Reader(FileSystemReader):
         self.fs = _CheckedFiles()  # type: ignore[assignment]
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.fs = _CheckedFiles()  # type: ignore[assignment]
         super().reset(checkpoint_id)
         if checkpoint_id:
             self.storage = open_storage(os.fspath(checkpoint_id))
-            self.path = os.fspath(checkpoint_id)  # type: ignore[assignment]
-        self.fs = _CheckedFiles()  # type: ignore[assignment]
+        self._seal = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         st = self.storage
@@ -274,6 +274,9 @@ class _CheckedFiles:
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return suffix
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)
 
     def close(self) -> None:
         for reader, spool in self._open.values():

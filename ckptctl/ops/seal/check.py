@@ -52,12 +52,17 @@ def hash_object(st: Storage, key: str, chunk_size: int, *, progress: Progress | 
     with st.open_reader(key) as r:
         size = r.size
         digest = FileDigest(chunk_size)
+        # Read into one buffer reused piece after piece (``Reader.read`` would allocate and copy
+        # each piece twice: hashing from the page cache is then mostly memcpy); a sink gets a
+        # fresh buffer per piece, since it may keep what it is given.
+        reused = bytearray(min(VERIFY_PIECE, size)) if sink is None else None
         offset = 0
         while offset < size:
             if stop is not None and stop.is_set():
                 return None
             n = min(VERIFY_PIECE, size - offset)  # FileDigest splits at chunk boundaries itself
-            data = r.read(offset, n)
+            data = memoryview(reused if reused is not None else bytearray(n))[:n]
+            r.read_into(offset, data)
             digest.update(data)
             if sink is not None:
                 sink(data)
