@@ -92,13 +92,15 @@ class FileDigest:
     """A file's seal entry computed from its bytes as they stream past, in order, once: what
     ``ckptctl seal`` reads back from storage, or what an integration's writer hands to storage
     (``ckptctl.integrations``), so that no byte is read twice to be sealed. ``update`` takes
-    pieces of any size; they are split at ``chunk_size`` boundaries here."""
+    pieces of any size; they are split at ``chunk_size`` boundaries here. The first chunk's
+    digest is the whole-file hash's state at its end, so a file of one chunk (most files) is
+    hashed once, and a larger one hashed twice from its second chunk on only."""
 
     def __init__(self, chunk_size: int = CHUNK_SIZE) -> None:
         self.chunk_size = chunk_size
         self.size = 0
         self._whole = Hasher()
-        self._piece = Hasher()
+        self._piece = Hasher()  # the current chunk's, from the second chunk on
         self._chunks: list[str] = []
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
@@ -107,10 +109,11 @@ class FileDigest:
             room = self.chunk_size - self.size % self.chunk_size
             part, view = view[:room], view[room:]
             self._whole.update(part)
-            self._piece.update(part)
+            if self.size >= self.chunk_size:
+                self._piece.update(part)
             self.size += part.nbytes
             if self.size % self.chunk_size == 0:
-                self._chunks.append(self._piece.hexdigest())
+                self._chunks.append((self._whole if self.size == self.chunk_size else self._piece).hexdigest())
                 self._piece = Hasher()
 
     def sealed(self, name: str) -> SealedFile:
