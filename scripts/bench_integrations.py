@@ -12,9 +12,10 @@ medians. Two figures per save:
   stall    how long the training thread is blocked: the save call (``dcp.async_save`` and the
            asynchronous Lightning plugins: until they hand the write to their thread)
   durable  from the save call to the checkpoint durable on disk and, with the integration,
-           sealed: DCP's own writer fsyncs its files; Lightning, the Trainer and accelerate do
-           not, so for them both arms end with an fsync of every file the save wrote (and of
-           its directory); with the integration the wait for its background seal is included
+           sealed: both arms end with an fsync of every file the save wrote and of its
+           directory (DCP fsyncs its files but no directory; Lightning, the Trainer and
+           accelerate fsync nothing; the integrations fsync all, so theirs is a no-op), and
+           with the integration the wait for its background seal is included
 
   dcp         ``dcp.save`` (FileSystemWriter, sync_files=True) vs ``Writer``
   dcp-async   ``dcp.async_save`` (FileSystemWriter) vs ``Writer``, until the future is done
@@ -95,6 +96,7 @@ def dcp_pair(state: dict[str, torch.Tensor], asynchronous: bool) -> tuple[Callab
         else:
             dcp.save(state, storage_writer=writer, no_dist=True)
             stall = time.perf_counter() - t0
+        fsync_tree(path)
         return stall, time.perf_counter() - t0
 
     return (lambda p: run(p, FileSystemWriter(p, sync_files=True)), lambda p: run(p, Writer(p)))

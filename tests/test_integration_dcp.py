@@ -160,11 +160,17 @@ def test_the_torchtitan_recipe_in_docs_extending_routes_checkpoint_id_through_wr
         monkeypatch.setattr(dcp, name, getattr(dcp, name))
     exec(compile(recipe, "docs/extending.md", "exec"), {})
     path = str(tmp_path / "step-10")
-    dcp.save({"w": torch.arange(8.0)}, checkpoint_id=path, no_dist=True)  # as torchtitan calls it
+    saved = {"model": {"w": torch.arange(8.0)}, "train_state": {"step": 10}}  # resumable: not a model-only export
+    dcp.save(saved, checkpoint_id=path, no_dist=True)  # as torchtitan calls it
     assert os.path.exists(os.path.join(path, SEAL)) and cli("verify", path).exit_code == 0
-    back = {"w": torch.zeros(8)}
+    # A seal taken while writing vouches for the bytes, not for a test-load: prune's anchor
+    # check still test-loads the checkpoint rather than take the seal for the load level.
+    plan = json.loads(cli("prune", str(tmp_path), "--keep-last", "1", "--dry-run", "--json").stdout)["plan"]
+    anchor = next(i for i in plan["items"] if i["name"] == "step-10")["verification"]
+    assert anchor["ok"] and anchor["level"] == "load" and "stand for the load level" not in anchor["note"], anchor
+    back = {"model": {"w": torch.zeros(8)}, "train_state": {"step": 0}}
     dcp.load(back, checkpoint_id=path, no_dist=True)
-    assert torch.equal(back["w"], torch.arange(8.0))
+    assert torch.equal(back["model"]["w"], saved["model"]["w"]) and back["train_state"]["step"] == 10
     _flip(os.path.join(path, "__0_0.distcp"), 600)
     with pytest.raises(CheckpointException, match="__0_0.distcp bytes"):
-        dcp.load({"w": torch.zeros(8)}, checkpoint_id=path, no_dist=True)
+        dcp.load({"model": {"w": torch.zeros(8)}, "train_state": {"step": 0}}, checkpoint_id=path, no_dist=True)

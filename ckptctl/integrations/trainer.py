@@ -9,7 +9,8 @@ optionally, applies a ckptctl retention policy instead of ``save_total_limit``.
                       callbacks=[SealCallback(retention=KeepBest(2, "eval_loss") | KeepLast(2))])
 
 ``on_save`` runs after the Trainer's save has finished, ``trainer_state.json`` (its commit
-file) included: on the main process, the checkpoint is handed to a background thread that
+file) included; the processes of a distributed job wait for each other there (each writes its
+own RNG file). Then, on the main process, the checkpoint is handed to a background thread that
 hashes each file once and writes the seal ``ckptctl seal`` writes (``integrations.sealer``),
 then runs ``ckptctl prune``'s retention on ``output_dir``: the newest checkpoint verified
 and test-loaded before anything older is deleted, the Trainer's best checkpoint
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ckptctl.integrations.sealer import BackgroundSealer
@@ -40,6 +42,9 @@ class SealCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
+        # Every process writes its own RNG file into the checkpoint: the seal waits for all.
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
         if state.is_world_process_zero:
             root = args.output_dir or "."
             self.sealer.submit(os.path.join(root, f"{PREFIX}-{state.global_step}"), root)

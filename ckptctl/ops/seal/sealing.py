@@ -15,6 +15,11 @@ need no seal (a no-op that says so); an incomplete or corrupt checkpoint is refu
 
 The seal records the checkpoint's commit time (``commit_time``): the catalog reads a sealed
 checkpoint's age from it, so sealing a root never changes what an age or calendar rule keeps.
+
+The same sidecar is written by ``ckptctl.integrations`` inside a stack's own save, from
+checksums taken as the files were written (``seal_as_written``: DCP's writer) or read back right
+after (``seal_just_written``: the Trainer, accelerate); nothing is test-loaded there, and the
+seal says so (``test_loaded: "written"``), so prune test-loads such a checkpoint itself.
 """
 
 from __future__ import annotations
