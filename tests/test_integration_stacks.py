@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -35,13 +37,27 @@ def _seal(ckpt: str):  # type: ignore[no-untyped-def]
         return parse_seal(f.read(), SEAL)
 
 
+def _data_offset(path: str) -> int:
+    """Where to flip a bit so that it lands in tensor bytes: the middle of the largest record of
+    a ``torch.save`` archive (its zip headers and padding are not covered by the records'
+    CRC-32s, all a one-file checkpoint has), or three quarters into any other file (a
+    safetensors file's tensors come after its small header)."""
+    if not zipfile.is_zipfile(path):
+        return os.path.getsize(path) * 3 // 4
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+
 def _flip_in_data(path: str) -> None:
-    """Flip one bit in the middle of the file's tensor bytes (past its header)."""
-    size = os.path.getsize(path)
+    at = _data_offset(path)
     with open(path, "r+b") as f:
-        f.seek(size * 3 // 4)
+        f.seek(at)
         b = f.read(1)
-        f.seek(size * 3 // 4)
+        f.seek(at)
         f.write(bytes([b[0] ^ 0x04]))
 
 
