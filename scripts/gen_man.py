@@ -7,7 +7,9 @@
 Everything a page says about a verb (summary, description, synopsis, options and defaults)
 comes from the command's own help, so a new verb gets its page by re-running this script. The
 only hand-kept part is EXAMPLES below: a verb without an entry gets a generic example built
-from its synopsis. man/ckptctl-format.5 is written by hand and never touched here.
+from its synopsis. ckptctl-integrations(7) is made from the docstrings of
+ckptctl/integrations/*.py (read, not imported: no framework is needed). man/ckptctl-format.5
+is written by hand and never touched here.
 
 Output is deterministic (no clock): pages are stamped with the package version.
 """
@@ -15,6 +17,7 @@ Output is deterministic (no clock): pages are stamped with the package version.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from enum import Enum
@@ -416,7 +419,53 @@ def overview_page(group: Any, registered: list[tuple[str, Any]]) -> str:
          + bold("-of-") + ital("WWWWW") + bold(".safetensors"),
          "One shard per writing rank. See ckptctl-format(5)."),
     ])]
-    lines += see_also([*((f"ckptctl-{v}", 1) for v, _ in registered), ("ckptctl-format", 5), ("ckptctl-json", 7)])
+    lines += see_also([*((f"ckptctl-{v}", 1) for v, _ in registered), ("ckptctl-format", 5), ("ckptctl-json", 7),
+                       ("ckptctl-integrations", 7)])
+    return finish(lines)
+
+
+# The modules of ckptctl.integrations, in the order the page presents them.
+INTEGRATIONS = ("dcp", "lightning", "trainer", "accelerate")
+
+
+def docstring_body(text: str) -> list[str]:
+    """A module docstring as roff: blank lines separate paragraphs, an indented block is shown
+    as it is (code), a paragraph of "- " items (with indented continuation lines) becomes a
+    bullet list; reStructuredText's double backquotes are dropped."""
+    out: list[str] = []
+    for block in re.split(r"\n\s*\n", text.strip()):
+        raw = block.strip("\n").splitlines()
+        if raw[0].startswith("    "):
+            out += [".PP", ".RS 4", ".nf", *(esc(ln[4:].rstrip()) for ln in raw), ".fi", ".RE"]
+            continue
+        items: list[list[str]] = []
+        for ln in raw:
+            if ln.startswith(("- ", "* ")):
+                items.append([ln[2:].strip()])
+            elif items:
+                items[-1].append(ln.strip())
+        if raw[0].startswith(("- ", "* ")):
+            for item in items:
+                out += [".IP \\(bu 2", esc(" ".join(item).replace("``", ""))]
+        else:
+            out += [".PP", esc(" ".join(ln.strip() for ln in raw).replace("``", ""))]
+    return out
+
+
+def integrations_page() -> str:
+    """ckptctl-integrations(7), from the package's and each module's docstring."""
+    def doc(name: str) -> str:
+        return ast.get_docstring(ast.parse((REPO / "ckptctl" / "integrations" / f"{name}.py").read_text())) or ""
+
+    lines = header("ckptctl-integrations", 7)
+    lines += [".SH NAME", "ckptctl\\-integrations \\- " + esc("checksums taken while DCP, Lightning, the Hugging Face "
+                                                             "Trainer, TRL and accelerate save, checked when they load")]
+    lines += [".SH DESCRIPTION", *docstring_body(doc("__init__"))]
+    lines += [".SH INTEGRATIONS"]
+    for name in INTEGRATIONS:
+        lines += [f".SS ckptctl.integrations.{name}", *docstring_body(doc(name))]
+    lines += see_also([("ckptctl", 1), ("ckptctl-seal", 1), ("ckptctl-verify", 1), ("ckptctl-prune", 1),
+                       ("ckptctl-layouts", 7)])
     return finish(lines)
 
 
@@ -425,7 +474,8 @@ def render() -> Page:
     group = typer.main.get_command(app)
     registered = list(verbs(group))
     names = ["-".join(path) for path, _ in registered]
-    pages = {"ckptctl.1": overview_page(group, [("-".join(p), cmd) for p, cmd in registered])}
+    pages = {"ckptctl.1": overview_page(group, [("-".join(p), cmd) for p, cmd in registered]),
+             "ckptctl-integrations.7": integrations_page()}
     for path, cmd in registered:
         pages[f"ckptctl-{'-'.join(path)}.1"] = verb_page(path, cmd, names)
     return pages

@@ -39,6 +39,7 @@ REQUIRED_SECTIONS = {
         "NON-TENSOR STATE", "COMMIT PROTOCOL", "COMPATIBILITY", "SEE ALSO",
     ],
     "ckptctl-json.7": ["NAME", "DESCRIPTION", "CONVENTIONS", "ERRORS", "VERBS", "EXAMPLES", "SEE ALSO"],
+    "ckptctl-integrations.7": ["NAME", "DESCRIPTION", "INTEGRATIONS", "SEE ALSO"],
     "ckptctl-layouts.7": [
         "NAME", "DESCRIPTION", "LAYOUTS", "RULES AND SOURCES", "VERIFY LEVELS", "PRUNE", "EXAMPLES", "SEE ALSO",
     ],

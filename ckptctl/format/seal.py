@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ckptctl.format.checksum import ALGORITHM
+from ckptctl.format.checksum import ALGORITHM, Hasher
 from ckptctl.format.parse import INT64_MAX, MAX_TIME, Obj, check_version, invalid, load_json
 
 SEAL = ".ckptctl-seal.json"
@@ -105,6 +105,42 @@ def check_seal_size(size: int, where: str) -> None:
 def chunk_count(size: int, chunk_size: int) -> int:
     """How many piece digests a file of ``size`` bytes records (0: the whole-file one only)."""
     return 0 if size <= chunk_size else -(-size // chunk_size)
+
+
+class FileDigest:
+    """A file's seal entry computed from its bytes as they stream past, in order, once: what
+    ``ckptctl seal`` reads back from storage, or what an integration's writer hands to storage
+    (``ckptctl.integrations``), so that no byte is read twice to be sealed. ``update`` takes
+    pieces of any size; they are split at ``chunk_size`` boundaries here. The first chunk's
+    digest is the whole-file hash's state at its end, so a file of one chunk (most files) is
+    hashed once, and a larger one hashed twice from its second chunk on only."""
+
+    def __init__(self, chunk_size: int = CHUNK_SIZE) -> None:
+        self.chunk_size = chunk_size
+        self.size = 0
+        self._whole = Hasher()
+        self._piece = Hasher()  # the current chunk's, from the second chunk on
+        self._chunks: list[str] = []
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            room = self.chunk_size - self.size % self.chunk_size
+            part, view = view[:room], view[room:]
+            self._whole.update(part)
+            if self.size >= self.chunk_size:
+                self._piece.update(part)
+            self.size += part.nbytes
+            if self.size % self.chunk_size == 0:
+                self._chunks.append((self._whole if self.size == self.chunk_size else self._piece).hexdigest())
+                self._piece = Hasher()
+
+    def sealed(self, name: str) -> SealedFile:
+        """The entry for ``name``: piece digests only when the file is larger than one chunk."""
+        chunks = tuple(self._chunks) if chunk_count(self.size, self.chunk_size) else ()
+        if chunks and self.size % self.chunk_size:
+            chunks += (self._piece.hexdigest(),)
+        return SealedFile(name, self.size, self._whole.hexdigest(), chunks)
 
 
 def sealed_name(name: Any) -> bool:

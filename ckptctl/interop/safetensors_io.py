@@ -25,7 +25,7 @@ import torch
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format import dtypes, parse
-from ckptctl.format.shard import MAX_HEADER_BYTES, header_length, read_header_with
+from ckptctl.format.shard import MAX_HEADER_BYTES, read_header_with
 from ckptctl.interop.base import Fill, Source, TensorMeta, Written, group_of
 from ckptctl.state.buffers import TensorBuffer, tensor_bytes as byte_view
 from ckptctl.interop.detect import SAFETENSORS_INDEX as INDEX

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from ckptctl.errors import InvalidCheckpoint
-from ckptctl.format.checksum import Hasher
-from ckptctl.format.seal import SEAL, Seal, SealedFile, check_seal_size, chunk_count, is_seal_file, parse_seal
+from ckptctl.format.seal import SEAL, FileDigest, Seal, SealedFile, check_seal_size, is_seal_file, parse_seal
 from ckptctl.layouts.checked import Problem
 from ckptctl.layouts.safe_load import STRUCTURAL_MARK
 from ckptctl.progress import Progress
@@ -56,34 +55,31 @@ class Hashed:
 def hash_object(st: Storage, key: str, chunk_size: int, *, progress: Progress | None = None,
                 sink: Callable[[memoryview | bytes], None] | None = None,
                 stop: threading.Event | None = None) -> Hashed | None:
-    """Read ``key`` once, in pieces that never cross a chunk boundary, hashing the whole and each
-    chunk (when the file is larger than one chunk); every piece goes to ``sink`` too (a copy's
-    writer). Returns None when ``stop`` was set meanwhile."""
+    """Read ``key`` once, hashing the whole and each chunk (when the file is larger than one
+    chunk: ``format.seal.FileDigest``); every piece goes to ``sink`` too (a copy's writer).
+    Returns None when ``stop`` was set meanwhile."""
     with st.open_reader(key) as r:
         size = r.size
-        whole = Hasher()
-        chunked = chunk_count(size, chunk_size) > 0
-        chunks: list[str] = []
-        piece_h = Hasher()
+        digest = FileDigest(chunk_size)
+        # Read into one buffer reused piece after piece (``Reader.read`` would allocate and copy
+        # each piece twice: hashing from the page cache is then mostly memcpy); a sink gets a
+        # fresh buffer per piece, since it may keep what it is given.
+        reused = bytearray(min(VERIFY_PIECE, size)) if sink is None else None
         offset = 0
         while offset < size:
             if stop is not None and stop.is_set():
                 return None
-            chunk_end = min(size, (offset // chunk_size + 1) * chunk_size)
-            n = min(VERIFY_PIECE, chunk_end - offset)
-            data = r.read(offset, n)
-            whole.update(data)
-            if chunked:
-                piece_h.update(data)
+            n = min(VERIFY_PIECE, size - offset)  # FileDigest splits at chunk boundaries itself
+            data = memoryview(reused if reused is not None else bytearray(n))[:n]
+            r.read_into(offset, data)
+            digest.update(data)
             if sink is not None:
                 sink(data)
             offset += n
-            if chunked and offset == chunk_end:
-                chunks.append(piece_h.hexdigest())
-                piece_h = Hasher()
             if progress is not None:
                 progress(n)
-    return Hashed(size, whole.hexdigest(), tuple(chunks))
+    got = digest.sealed(key)
+    return Hashed(got.size, got.xxh3, got.chunks)
 
 
 def compare(f: SealedFile, got: Hashed, chunk_size: int) -> list[Problem]:

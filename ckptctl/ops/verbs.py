@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from ckptctl.errors import UsageError
 from ckptctl.layouts.checked import LEVELS, Level
-from ckptctl.layouts.native import read_committed
 from ckptctl.ops.targets import ckptctl_checkpoint, existing, one_checkpoint, open_existing, open_root
 from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage

@@ -17,13 +17,18 @@ need no seal (a no-op that says so); an incomplete or corrupt checkpoint is refu
 
 The seal records the checkpoint's commit time (``commit_time``): the catalog reads a sealed
 checkpoint's age from it, so sealing a root never changes what an age or calendar rule keeps.
+
+The same sidecar is written by ``ckptctl.integrations`` inside a stack's own save, from
+checksums taken as the files were written (``seal_as_written``: DCP's writer) or read back right
+after (``seal_just_written``: the Trainer, accelerate); nothing is test-loaded there, and the
+seal says so (``test_loaded: "written"``), so prune test-loads such a checkpoint itself.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.seal import CHUNK_SIZE, SEAL, Seal, SealedFile, encode_seal
@@ -35,10 +40,12 @@ from ckptctl.ops.seal.leftovers import remove_temporaries
 from ckptctl.ops.verify.engine import verify
 from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
-from ckptctl.storage.base import Storage
+from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.version import tool_info
 
 SealStatus = Literal["sealed", "already sealed", "not needed", "skipped", "failed"]
+WRITTEN = "written"  # ``test_loaded`` of a seal whose checksums were taken as the files were written
+WRITTEN_NOTE = "every file: checksums taken as it was written, not test-loaded"
 
 
 @dataclass
@@ -108,17 +115,7 @@ def write_seal(ckpt: Storage, layout: Layout, report: VerifyReport, *,
     # ``untested`` holds only files decoded structurally: the load level fails on the others.
     not_loaded = list(report.untested)
     before = _snapshot(ckpt) if expected is None else expected
-    files: list[SealedFile] = []
-    for key, _size, _mtime, kind in before:
-        if is_temporary(key):  # never vouched for: it is not one of the checkpoint's files
-            raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a temporary an interrupted ckptctl write left; not sealed",
-                                    hint=f"run `ckptctl seal {ckpt.url}`: it removes the leftover first")
-        if kind != "file":
-            raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a {kind}, not a regular file; not sealed",
-                                    hint="the checkpoint layout was altered; treat it as untrusted")
-        got = hash_object(ckpt, key, chunk_size, progress=progress)
-        assert got is not None
-        files.append(SealedFile(key, got.size, got.xxh3, got.chunks))
+    files = hash_listing(ckpt, before, chunk_size, progress)
     if _snapshot(ckpt) != before:
         raise InvalidCheckpoint(f"{ckpt.url}: changed while it was being sealed; not sealed",
                                 hint="a save or a rotation is still at work on it; seal it once it is finished")
@@ -132,6 +129,73 @@ def write_seal(ckpt: Storage, layout: Layout, report: VerifyReport, *,
         result.status, result.reason = "already sealed", "another run sealed it meanwhile; its seal was kept"
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def hash_listing(ckpt: Storage, listing: tuple[tuple[str, int, float, str], ...], chunk_size: int = CHUNK_SIZE,
+                 progress: Progress | None = None) -> list[SealedFile]:
+    """The seal's entry of every file of ``listing`` (``_snapshot``), each read once. Raises
+    InvalidCheckpoint for a leftover temporary or anything but a regular file: never vouched for."""
+    files: list[SealedFile] = []
+    for key, _size, _mtime, kind in listing:
+        if is_temporary(key):  # never vouched for: it is not one of the checkpoint's files
+            raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a temporary an interrupted ckptctl write left; not sealed",
+                                    hint=f"run `ckptctl seal {ckpt.url}`: it removes the leftover first")
+        if kind != "file":
+            raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a {kind}, not a regular file; not sealed",
+                                    hint="the checkpoint layout was altered; treat it as untrusted")
+        got = hash_object(ckpt, key, chunk_size, progress=progress)
+        assert got is not None
+        files.append(SealedFile(key, got.size, got.xxh3, got.chunks))
+    return files
+
+
+def seal_as_written(ckpt: Storage, layout: str, step: int | None, files: Sequence[SealedFile], *,
+                    chunk_size: int = CHUNK_SIZE, committed: float | None = None) -> SealResult:
+    """Create the seal of a checkpoint from checksums taken as its files were written
+    (``ckptctl.integrations``: DCP's writer, the Trainer's callback), the same sidecar
+    ``seal_checkpoint`` writes but for two fields: nothing was test-loaded, so ``test_loaded`` is
+    "written" and ``not_loaded`` says so (prune then test-loads such an anchor itself rather than
+    take the seal for the load level). ``committed`` defaults to now: the caller seals what it
+    is committing or has just committed. Write-if-absent: an existing seal is kept and "already sealed" returned."""
+    t0 = time.perf_counter()
+    name = ckpt.url.rstrip("/").rsplit("/", 1)[-1]
+    now = time.time()
+    seal = Seal(layout=layout, name=name, step=step, created=now, tool=tool_info(), files=tuple(files),
+                chunk_size=chunk_size, test_loaded=WRITTEN, not_loaded=(WRITTEN_NOTE,),
+                committed=now if committed is None else min(now, committed))
+    result = SealResult(ckpt.url, name, layout, step, "sealed", files=len(files), bytes=seal.total_bytes,
+                        not_loaded=[WRITTEN_NOTE])
+    if not ckpt.write_if_absent(SEAL, encode_seal(seal)):
+        result.status, result.reason = "already sealed", "a seal was there already; it was kept"
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def seal_just_written(path: str, progress: Progress | None = None) -> SealResult:
+    """Seal the checkpoint another tool has just finished writing at ``path`` (the Trainer's
+    ``checkpoint-N``, accelerate's ``checkpoint_N``), right after its save, without the test-load
+    of ``seal_checkpoint``: each file is read back once (the stacks hand over no bytes; the page
+    cache still holds them) and the seal records ``test_loaded: "written"`` (``seal_as_written``).
+    Raises InvalidCheckpoint when ``path`` is not a complete checkpoint of a layout that takes
+    seals, or changed while it was hashed (a rotation deleting it)."""
+    found = classify(path)
+    if found.what != "checkpoint" or found.in_layout.files_are_checkpoints:
+        raise InvalidCheckpoint(f"{path}: not a checkpoint directory ({found.what}); not sealed",
+                                hint="seal the directory the save wrote (checkpoint-N, checkpoint_N, step-N)")
+    layout = found.in_layout
+    if layout.seal_note is not None:  # its own checksums cover every byte (ckptctl's manifest)
+        raise InvalidCheckpoint(f"{path}: {layout.seal_note}; not sealed", hint="nothing to do for this layout")
+    ckpt = found.storage
+    seen = layout.examine(ckpt)
+    if seen.status != "committed":
+        raise InvalidCheckpoint(f"{ckpt.url}: not a complete {layout.name} checkpoint ({seen.reason or seen.status}); "
+                                "not sealed", hint="seal a checkpoint once its save has finished")
+    before = _snapshot(ckpt)
+    files = hash_listing(ckpt, before, progress=progress)
+    if _snapshot(ckpt) != before:
+        raise InvalidCheckpoint(f"{ckpt.url}: changed while it was being sealed; not sealed",
+                                hint="a save or a rotation is still at work on it; seal it once it is finished")
+    return seal_as_written(ckpt, layout.name, layout.step_of(ObjectInfo(found.name, 0, 0.0, "dir")), files, committed=commit_time(before))
 
 
 def seal_checkpoint(ckpt: Storage, layout: Layout, progress: Progress | None = None, *,
