@@ -122,7 +122,7 @@ def test_round_sweeps_its_leftovers_and_checks_already_present(tmp_path, s3_serv
     remote, src = open_storage(s3_url), open_storage(local)
     channel = Channel("leftovers", 0, 1)
     worker = RoundWorker(channel, src, remote)
-    leader = RoundLeader(channel, 30.0, remote)
+    leader = RoundLeader(channel, remote, liveness_s=60.0)
     try:
         assert leader.copy(src.sub(step_dir(2)), remote.sub(step_dir(2))).status == "copied"
         # Step 4's round fails (S3 refuses its shard); its writer could not abort its upload

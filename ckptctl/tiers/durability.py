@@ -1,7 +1,7 @@
 """Time to durable per tier, time to replicated (peer replicas), and what
 ``Checkpointer.close()`` reports about the last tier.
 
-May import: leaves only.
+May import: ``tiers.health``, leaves.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from ckptctl.tiers.health import Trouble
 
 KEEP_STEPS = 256  # a week-long job saves thousands of times: remember the recent ones only
 
@@ -78,7 +80,8 @@ class Durability:
 class Flushed:
     """What ``close()`` found: whether the newest committed checkpoint (``step``) reached the
     last tier within the wait (``complete``), the tiers it is on, and why not when it is not.
-    ``step`` None: nothing was committed in this run, so nothing was owed."""
+    ``step`` None: nothing was committed in this run, so nothing was owed. ``troubles``: rank
+    0's tier threads that were not doing their work at the end (``Checkpointer.health()``)."""
 
     complete: bool
     step: int | None
@@ -87,6 +90,7 @@ class Flushed:
     reason: str = ""
     waited_s: float = 0.0
     durable_s: dict[str, float] = field(default_factory=dict)  # time to durable per tier reached
+    troubles: tuple[Trouble, ...] = ()
 
     def __bool__(self) -> bool:
         return self.complete
