@@ -203,10 +203,12 @@ def soak(rank: int, a: dict) -> dict:
         try:
             ck.save(s, _replica_state(s, rank, a)).wait()
             ok += 1
-        except CoordinationError as e:  # a rank is gone: the job must be restarted
-            ended = f"{type(e).__name__}: {e}"
         except CkptError as e:
-            failed.append([s, f"{type(e).__name__}: {e}"[:300]])
+            cause = e.__cause__ if isinstance(e.__cause__, CkptError) else e
+            if isinstance(cause, CoordinationError) and "restart the job" in (cause.hint or ""):
+                ended = f"{type(e).__name__}: {e}"  # a rank is gone: the job must be restarted
+            else:
+                failed.append([s, f"{type(e).__name__}: {e}"[:300]])
         _write(a["out"], f"progress{rank}.json", {"step": s, "ok": ok, "failed": failed[-5:], "failures": len(failed),
                                                   "troubles": [[str(t), t.dead, t.for_s] for t in ck.health()]})
         if ended:

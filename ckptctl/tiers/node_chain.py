@@ -68,6 +68,8 @@ from ckptctl.tiers.stream import Outbox, StreamWorker
 
 log = logging.getLogger("ckptctl")
 
+MAX_FAILED = 64  # failed saves whose leftovers rank 0's prune plans name (older ones go by the idle rule)
+
 
 def node_id() -> str:
     """This process's node: torchrun's node rank when launched by it (two "nodes" on one host
@@ -105,6 +107,7 @@ class NodeTiers(Tiers):
         self._replica_timeout_s = REPLICA_TIMEOUT_S
         self._after: ThreadPoolExecutor | None = None  # rank 0's work after each commit, in order
         self._lock = threading.Lock()
+        self._failed: list[int] = []  # rank 0: steps whose save failed in this run (the newest MAX_FAILED)
         self.rank = 0
 
     def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float, liveness_s: float) -> None:
@@ -158,7 +161,9 @@ class NodeTiers(Tiers):
         def committed(f: "Future[str | None]") -> None:
             if f.exception() is None and f.result() is not None:
                 self._submit(self._committed, step, _name_of(str(f.result())))
-            else:  # a full disk may have failed it: what is no longer pinned goes now
+            else:  # a full disk may have failed it: what is no longer pinned goes now, and what it left
+                with self._lock:
+                    self._failed = [*self._failed[-MAX_FAILED + 1:], step]
                 self._submit(self._prune_logged)
 
         save.add_done_callback(committed)
@@ -205,7 +210,9 @@ class NodeTiers(Tiers):
         if self._rules is None:
             return
         pins = self.promoters[0].pins() if self.promoters else frozenset()
-        p = plan(self.roots[0], self._rules, pins, self.roots[1].url if len(self.roots) > 1 else "")
+        with self._lock:
+            failed = list(self._failed)
+        p = plan(self.roots[0], self._rules, pins, self.roots[1].url if len(self.roots) > 1 else "", failed)
         if p is None:
             return
         if self._messages is not None:

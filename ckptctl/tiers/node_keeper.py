@@ -47,7 +47,8 @@ class NodeMessages:
                           "marker": base64.b64encode(source.marker_raw).decode()})
 
     def prune(self, p: PrunePlan) -> None:
-        self.outbox.send({"op": "prune", "anchor": p.anchor, "delete": list(p.delete), "keep": list(p.keep)})
+        self.outbox.send({"op": "prune", "anchor": p.anchor, "delete": list(p.delete), "keep": list(p.keep),
+                          "failed": list(p.failed)})
 
     def stop(self) -> int:
         return self.outbox.stop()
@@ -83,4 +84,5 @@ class NodeKeeper(StreamWorker):
             commit_here(ckpt, source, self.ranks)
         elif msg["op"] == "prune":
             self.pruner.apply(PrunePlan(str(msg["anchor"]), tuple(str(n) for n in msg["delete"]),
-                                        tuple(str(n) for n in msg.get("keep", ()))))
+                                        tuple(str(n) for n in msg.get("keep", ())),
+                                        tuple(str(n) for n in msg.get("failed", ()))))

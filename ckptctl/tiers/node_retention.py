@@ -19,7 +19,9 @@ node holds only its own ranks' shards. So the decision and the deletion are spli
   ``ckptctl prune``'s rule for them (``tiers.leftovers``: idle for prune's partial-after time,
   never a directory another layout's rule calls complete, never a symlink, each deleted only
   while unchanged, marker first, under the root's lock), except the steps the plan keeps (the
-  anchor, the promoter's pins: their parts on this node are read by a promotion round).
+  anchor, the promoter's pins: their parts on this node are read by a promotion round); the
+  partials of saves rank 0 saw fail in this run, older than the anchor, without waiting for
+  the idle time (a full disk fails saves one after another, and each leaves a directory).
 
 Rank 0 sends a plan after every commit whenever the tier has rules, even when it deletes
 nothing (a node may hold partials rank 0 cannot see); a node reads its part of a new anchor
@@ -36,7 +38,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from ckptctl.errors import CkptError
-from ckptctl.format.layout import MARKER, parse_step_dir
+from ckptctl.format.layout import MARKER, parse_step_dir, step_dir
 from ckptctl.layouts.catalog import NATIVE, newest_committed
 from ckptctl.layouts.native import remove
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
@@ -56,11 +58,16 @@ class PrunePlan:
     anchor: str  # the newest committed checkpoint's name: verified on each node before deleting
     delete: tuple[str, ...]  # names, oldest first
     keep: tuple[str, ...] = ()  # pinned for promotion: never removed as partial on a node
+    failed: tuple[str, ...] = ()  # older saves of this run that failed: their partials go without the idle time
 
 
-def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], to: str) -> PrunePlan | None:
+def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], to: str,
+         failed: Collection[int] = ()) -> PrunePlan | None:
     """What retention deletes on every node, from rank 0's node's first tier (possibly
-    nothing: each node still removes its abandoned partials); None when nothing is committed."""
+    nothing: each node still removes its abandoned partials); None when nothing is committed.
+    ``failed``: steps whose save failed in this run; those older than the anchor are named in
+    the plan, so that each node removes what they left at once (no writer of this run writes
+    them any more: a newer save committed since) instead of after prune's partial-after time."""
     entries = [e for e in newest_committed(root, layouts=NATIVE) if e.manifest is not None]
     if not entries:
         return None
@@ -68,7 +75,8 @@ def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], t
     candidates = [Candidate(e.step, float(e.manifest.created), e.manifest.metrics) for e in entries]  # type: ignore[union-attr]
     decisions = policy.decide(candidates, entries[0].step)
     delete = tuple(e.name for e in reversed(entries) if not decisions[e.step].keep)
-    return PrunePlan(entries[0].name, delete, tuple(e.name for e in entries if e.step in pins))
+    gone = tuple(step_dir(s) for s in sorted(failed) if s < entries[0].step)
+    return PrunePlan(entries[0].name, delete, tuple(e.name for e in entries if e.step in pins), gone)
 
 
 class NodePruner:
@@ -83,7 +91,8 @@ class NodePruner:
         """Delete ``p.delete`` and this node's abandoned partials once the anchor verifies
         here. Returns the names deleted."""
         planned = [n for n in p.delete if n != p.anchor and self.root.stat(n) is not None]
-        partials = abandoned(self.root, partial_after_s=self.partial_after_s, keep={p.anchor, *p.keep, *p.delete})
+        partials = abandoned(self.root, partial_after_s=self.partial_after_s, keep={p.anchor, *p.keep, *p.delete},
+                             quiet=p.failed)
         if not planned and not partials:
             self._replicas(p)
             return []  # nothing to delete: the anchor is not read
