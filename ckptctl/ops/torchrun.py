@@ -11,10 +11,18 @@ from __future__ import annotations
 import contextlib
 import os
 from contextvars import ContextVar
+from datetime import timedelta
 from typing import Iterator
 
 from ckptctl.errors import CkptError
 from ckptctl.ops.distributed import Job, joined, speaks
+
+
+# How long a rank waits in a collective for the others: a verb's work may be one rank's alone
+# for hours (``cp`` of terabytes by rank 0, a node leader's commit), and gloo's default (30 min)
+# would fail the waiting ranks as "a rank left". A rank that dies is noticed sooner: torchrun
+# ends the whole job when one of its processes exits.
+GROUP_TIMEOUT = timedelta(hours=24)
 
 
 @contextlib.contextmanager
@@ -29,7 +37,7 @@ def torchrun_group() -> Iterator[int]:
     if dist.is_initialized():
         yield dist.get_rank()
         return
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
     token = _verb_run.set(True)  # the group is this verb's: every rank runs it
     try:
         yield dist.get_rank()
