@@ -388,13 +388,12 @@ class Soak:
             if not self.ended(job):
                 kind = self.rng.choice(["kill_rank", "kill_node"])
                 self.faults[kind] += 1
-                if kind == "kill_rank":
-                    os.kill(job.pid(self.rng.randrange(4)), signal.SIGKILL)
-                else:
-                    n = self.rng.randrange(2)
-                    for r in (2 * n, 2 * n + 1):
-                        os.kill(job.pid(r), signal.SIGKILL)
-                    os.killpg(job.procs[n].pid, signal.SIGKILL)
+                n = self.rng.randrange(2)
+                victims = [self.rng.randrange(4)] if kind == "kill_rank" else [2 * n, 2 * n + 1]
+                for r in victims:
+                    _kill(os.kill, job.pid(r))
+                if kind == "kill_node":
+                    _kill(os.killpg, job.procs[n].pid)
             end = time.monotonic() + 10  # the survivors see their next save fail within liveness_s
             while not self.ended(job) and time.monotonic() < end:
                 time.sleep(0.2)
@@ -451,6 +450,13 @@ class Soak:
         print("\n".join(lines), flush=True)
 
 
+def _kill(how, pid: int) -> None:
+    try:
+        how(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # already gone (a fault before this one ended it)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0, help="how long to inject faults (then a clean close)")
@@ -471,6 +477,10 @@ def main() -> int:
         soak.args.keep = True
         soak.report(False, str(e)[:4000])
         return 1
+    except Exception as e:  # the harness itself: still the counts and the seed
+        soak.args.keep = True
+        soak.report(False, f"the harness failed: {type(e).__name__}: {e}")
+        raise
     finally:
         soak.stop()
     soak.report(True)

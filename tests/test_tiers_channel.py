@@ -99,6 +99,31 @@ def test_a_node_keeper_survives_its_store_connection_being_reset(tmp_path, store
         proxy.close()
 
 
+def test_a_keeper_that_ends_unexpectedly_is_reported_once_and_restarted(tmp_path, store, records) -> None:
+    """A message the keeper cannot even decode (a bug's stand-in: the thread ends) is recorded
+    in ``health`` as dead, announced once (what ``save()`` logs), and ``revive`` (what
+    ``save()`` calls) starts it again; a message that ends it twice is skipped, and the next
+    one is applied: node retention never stops for good."""
+    src, node1 = str(tmp_path / "src"), str(tmp_path / "node1")
+    _saved(src, (5,))
+    health = Health()
+    keeper = NodeKeeper(Channel("poison", 1, 2, health), open_storage(node1), {1})
+    rank0 = dist.PrefixStore("ckptctl-tiers/poison/", store)
+    rank0.set("node/1", b"\xff not json")
+    _until(lambda: not keeper.alive, "the keeper ended")
+    (t,) = health.troubles()
+    assert t.dead and "node keeper" in t.worker, t
+    assert [x.worker for x in health.unannounced()] == [t.worker] and health.unannounced() == ()
+    assert keeper.revive()
+    _until(lambda: not keeper.alive, "the keeper ended again at the same message")
+    assert health.unannounced() == ()  # announced once
+    rank0.set("node/2", json.dumps(_commit_message(src, 5)))
+    assert keeper.revive()
+    _until(lambda: os.path.exists(os.path.join(node1, step_dir(5), "COMMITTED")), "the next message applied")
+    rank0.set("node/3", json.dumps({"op": "stop"}))
+    assert keeper.join(10)
+
+
 def test_a_replica_round_stays_for_a_rank_that_reads_it_late(tmp_path, store, records) -> None:
     """The collecting rank waits 0.5 s for round 1's replies, and its partner's thread is not
     there yet (busy with an earlier round, in a real job). The announcement must still be

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from ckptctl import Checkpointer, KeepLast, Tier
+from ckptctl.format.layout import step_dir
 from ckptctl.storage import open_storage
 from helpers import tmpfs
 from test_tiers import _s3_steps, _steps, _until, proxy, records  # noqa: F401  (fixtures)
@@ -53,16 +54,23 @@ def test_a_full_first_tier_frees_itself_when_promotion_catches_up(s3_url, proxy)
 
 
 def test_a_promotion_that_ends_after_close_reports_nothing_false(tmp_path, s3_url, proxy, records) -> None:
+    """Step 1 reaches S3 (its retention runs there); step 2's marker upload hangs past
+    ``close``, which leaves the promoter on its thread and shuts the tiers' retention down. When
+    the upload ends, the promotion completes, and nothing is run on a closed pool: before, that
+    raised in the promoter and logged a false "promotion failed unexpectedly"."""
     local = str(tmp_path / "nvme")
-    proxy.rule = lambda method, path: "hold" if method == "PUT" and path.split("?")[0].endswith("/COMMITTED") else None
+    marker2 = f"/{step_dir(2)}/COMMITTED"
+    proxy.rule = lambda method, path: "hold" if method == "PUT" and path.split("?")[0].endswith(marker2) else None
     remote = Tier(s3_url, retention=KeepLast(1), storage=open_storage(s3_url, endpoint_url=proxy.url))
     ck = Checkpointer(tiers=[Tier(local, retention=KeepLast(1)), remote])
     ck.save(1, _big(1)).wait()
-    _until(lambda: proxy.injected, "the marker's upload")
+    _until(lambda: s3_url in ck.time_to_durable(1), "step 1 promoted")
+    ck.save(2, _big(2)).wait()
+    _until(lambda: proxy.injected, "step 2's marker upload")
     flushed = ck.close(promote_timeout_s=0.1)  # the promoter is left on its thread after 5 s
     assert flushed is not None and not flushed
     proxy.release.set()
-    _until(lambda: _s3_steps(s3_url) == {1}, "the late promotion")
+    _until(lambda: 2 in _s3_steps(s3_url), "the late promotion")
     _until(lambda: not [t for t in threading.enumerate() if t.name.startswith("ckptctl-promote")], "the promoter's end")
     assert records.count("unexpectedly", logging.ERROR) == 0 and records.count("not promoting", logging.ERROR) == 0, \
         records.lines

@@ -68,9 +68,13 @@ class Health:
                 e.why = why
 
     def died(self, worker: str, tier: str, why: str) -> None:
-        """``worker``'s thread ended without being told to stop."""
+        """``worker``'s thread ended without being told to stop (again: still told once)."""
         with self._lock:
-            self._troubles[worker] = _Entry(tier, why, True, time.monotonic())
+            e = self._troubles.get(worker)
+            if e is not None and e.dead:
+                e.why = why
+            else:
+                self._troubles[worker] = _Entry(tier, why, True, time.monotonic())
 
     def recovered(self, worker: str) -> None:
         with self._lock:

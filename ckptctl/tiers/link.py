@@ -105,7 +105,8 @@ class Link:
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if since is None:
                     since = time.monotonic()
-                    log.warning("tiers: the %s lost its connection to the c10d store (%s); reconnecting", self.worker, why)
+                    log.warning("tiers: the %s lost its connection to the c10d store (%s); reconnecting",
+                                self.worker, why)
                 if self.health is not None:
                     self.health.failing(self.worker, self.tier, f"the c10d store is unreachable ({why})")
                 time.sleep(delay)

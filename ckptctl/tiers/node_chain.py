@@ -240,8 +240,8 @@ class NodeTiers(Tiers):
             return Layered([root.sub(name) for root in self.roots], self._skips.get(name))
         if tier == 0:  # collective: every rank takes the same candidates in the same order
             self._recovery.restore(name)
-        return Layered([self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])],
-                       self._skips.get(name))
+        layers = [self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])]
+        return Layered(layers, self._skips.get(name))
 
     def avoid(self, view: Storage, error: CkptError) -> bool:
         """This rank's load of ``view`` failed with ``error``: set aside the copies of the

@@ -264,7 +264,8 @@ def _judge(step: int, dst: Storage, replies: dict[int, str], world_size: int, de
     if missing:
         raise CoordinationError(f"step {step}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
                                 f"did not report its upload to {dst.url} within {deadline_s:.0f} s (the round's "
-                                "deadline for its bytes); no marker was written", hint="the promotion is retried with backoff")
+                                "deadline for its bytes); no marker was written",
+                                hint="the promotion is retried with backoff")
     retry = {k: v[6:] for k, v in replies.items() if v.startswith("retry:")}
     if retry:
         k = min(retry)

@@ -13,17 +13,19 @@ keys, under the channel's prefix:
   message and skips what is below it.
 
 So the store holds, per stream, the messages some receiver has not finished, and no reply
-for long. (A stream whose messages are useless once a newer one is sent, ``latest_only``:
-rank 0's promotion rounds, each concluded before the next, keeps only the newest; a receiver
-still busy with an older one skips to it.) A reply rank 0's watch wrote for a dead rank
-(``tiers.liveness``) ends rank 0's wait but is not that rank's: the message stays for it. What bounds them when a receiver never finishes (its process died, its thread is
+for long. What bounds them when a receiver never finishes (its process died, its thread is
 stuck): rank 0 keeps at most ``keep`` messages open; beyond that it deletes the oldest with
 its pending replies, raises the floor, and names the receivers that fell behind (WARNING).
+A stream whose messages are useless once a newer one is sent (``latest_only``: rank 0's
+promotion rounds, each concluded before the next) keeps only the newest; a receiver still
+busy with an older one skips to it. A reply rank 0's watch wrote for a dead rank
+(``tiers.liveness``) ends rank 0's wait but is not that rank's: the message stays for it.
 Replies that land after their message was given up are deleted at the next sends (a
 receiver also replies only at or above the floor). At ``close``, rank 0 sends ``stop``, waits
 a bounded time for every receiver to take it, and deletes the rest (a receiver that has not
-taken it is left ``stop`` and a floor pointing at it). A stream's keys are thus bounded by
-``keep`` messages and their replies, whatever happens, for as long as the job runs.
+taken it is left ``stop``, a floor pointing at it, and its reply if it ever comes). A
+stream's keys are thus bounded by ``keep`` messages and their replies, whatever happens, for
+as long as the job runs.
 
 Every store request goes through a ``tiers.link.Link``: a network error is retried on a new
 connection, and a receiver's thread survives everything else its work raises; a thread that
@@ -140,8 +142,9 @@ class Outbox:
     def finish(self, n: int, timeout_s: float) -> None:
         """After ``stop`` (message ``n``): wait up to ``timeout_s`` for every receiver to take it,
         then delete every other key of the stream. A receiver that had not taken ``stop`` by
-        then (dead, or still busy) is left the ``stop`` message and a floor that skips to it:
-        two keys, the only ones a closed stream may leave."""
+        then (dead, or still busy) is left the ``stop`` message and a floor that skips to it,
+        and replies to it if it ever gets there: the only keys a closed stream may leave, two
+        plus one per such receiver."""
         self.replies(self.link, n, timeout_s)
         with self._lock:
             left = self._open.pop(n, set())
@@ -152,8 +155,8 @@ class Outbox:
                 self._delete_replies(m, late)
             self._late.clear()
             if left:
-                log.info("tiers: rank%s %s did not take the %s stream's stop within %.0f s", "s" if len(left) > 1 else "",
-                         ", ".join(map(str, sorted(left))), self.stream, timeout_s)
+                log.info("tiers: rank%s %s did not take the %s stream's stop within %.0f s",
+                         "s" if len(left) > 1 else "", ", ".join(map(str, sorted(left))), self.stream, timeout_s)
                 self.link.call(lambda st: st.set(f"{self.stream}/floor", str(n)))
             else:
                 self.link.call(lambda st: st.delete_key(f"{self.stream}/floor"))
@@ -231,6 +234,7 @@ class StreamWorker:
         self.rounds = 0  # the number of the last message handled
         self._next = 1
         self._stopped = False
+        self._died_at: int | None = None  # the message the thread last ended at, unexpectedly
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -261,6 +265,10 @@ class StreamWorker:
                 self.after(n, msg)
         except Exception as e:  # a bug: recorded, and the thread is started again by ``revive``
             log.error("tiers: the %s ended unexpectedly at message %d", self.link.worker, self._next, exc_info=e)
+            n = self._next
+            if self._died_at == n:  # twice at the same message: the next start skips it
+                self._next = n + 1
+            self._died_at = n
             if self.health is not None:
                 self.health.died(self.link.worker, self.link.tier, f"{type(e).__name__}: {e}")
 
