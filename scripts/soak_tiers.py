@@ -129,6 +129,8 @@ class Soak:
         self.proxy.stop()
         self.moto.kill()
         for root in self.roots:
+            if self.args.keep:  # the disks are tmpfs: what they held goes with the mount
+                shutil.copytree(root, root + ".kept", symlinks=True, dirs_exist_ok=True)
             subprocess.run(["umount", root], check=False)
         if not self.args.keep:
             shutil.rmtree(self.work, ignore_errors=True)

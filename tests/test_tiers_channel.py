@@ -207,6 +207,7 @@ def test_store_keys_threads_and_files_stay_bounded_through_200_failed_rounds(tmp
         finally:
             leader.close(10)
             node.outbox.finish(node.stop(), 10)
+            node.forget()
             for w in workers:
                 assert w.join(10)
             ch0.close()

@@ -6,12 +6,15 @@
 * A promotion that finishes after ``close`` (left on its daemon thread) reports nothing false.
 * A constructor that fails on every rank (retention set on one rank only) leaves no tier
   thread running, and the next ``Checkpointer`` works.
+* A step committed on one node's disk only (its other part lost) is refused on every rank at
+  once, and the job's next save commits.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 
 import torch
@@ -84,3 +87,21 @@ def test_a_constructor_that_fails_on_every_rank_leaves_no_tier_thread(tmp_path, 
         assert res["raised"] and "retention" in res["raised"], (r, res)
         assert res["threads_left"] == [], (r, res)
     assert results[0]["flushed"] is True
+
+
+def test_a_step_committed_on_one_node_only_is_refused_on_every_rank(tmp_path) -> None:
+    """Two ranks, each its own node. Step 2 commits on both; node 1 then loses its copy, as a
+    node that lost its disk before its part was anywhere else. save(2) again must fail on both
+    ranks (node 0 holds it committed: never overwritten), and save(3) must commit: before,
+    rank 0 refused alone, rank 1 waited for it in the save's round, and the ranks fell out of
+    step for good."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    first = launch("node_saves", 2, {"roots": roots, "steps": [1, 2]}, str(tmp_path / "a"))
+    assert all(r.get("outcomes") == ["ok", "ok"] for r in first.values()), first
+    shutil.rmtree(os.path.join(roots[1], step_dir(2)))
+    again = launch("node_saves", 2, {"roots": roots, "steps": [2, 3], "timeout_s": 20}, str(tmp_path / "b"))
+    for r, res in again.items():
+        assert "outcomes" in res, (r, res)
+        refused, next_one = res["outcomes"]
+        assert next_one == "ok", (r, res)
+        assert "already committed" in refused, (r, res)

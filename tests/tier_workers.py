@@ -75,7 +75,25 @@ def build_fails(rank: int, world: int, a: dict) -> dict:
     return {"raised": raised, "threads_left": left, "flushed": None if flushed is None else flushed.complete}
 
 
-SCENARIOS = {"save_tiers": save_tiers, "load_tiers": load_tiers, "build_fails": build_fails}
+def node_saves(rank: int, world: int, a: dict) -> dict:
+    """Each rank its own "node" (``GROUP_RANK``) with a node-local first tier under
+    ``roots[rank]``: save ``steps`` in turn, each outcome recorded (a failure does not end it)."""
+    os.environ["GROUP_RANK"] = str(rank)
+    from ckptctl import Checkpointer, Tier
+
+    ck = Checkpointer(tiers=[Tier(a["roots"][rank], node_local=True)], timeout_s=a.get("timeout_s", 900.0))
+    outcomes = []
+    for step in a["steps"]:
+        try:
+            ck.save(step, state_for(step, rank)).wait()
+            outcomes.append("ok")
+        except Exception as e:  # the test reads which saves failed, and how
+            outcomes.append(f"{type(e).__name__}: {e}")
+    ck.close()
+    return {"outcomes": outcomes}
+
+
+SCENARIOS = {"save_tiers": save_tiers, "load_tiers": load_tiers, "build_fails": build_fails, "node_saves": node_saves}
 
 
 def launch(scenario: str, world: int, args: dict, out: str, timeout: float = 120) -> dict[int, dict]:

@@ -24,12 +24,19 @@ class Durability:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._started: dict[int, float] = {}
+        self._newest_started: int | None = None
         self._durable: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._replicated: OrderedDict[int, dict[str, float]] = OrderedDict()
 
     def started(self, step: int) -> None:
         with self._lock:
             self._started[step] = time.monotonic()
+            self._newest_started = max(step, self._newest_started if self._newest_started is not None else step)
+
+    def newest_started(self) -> int | None:
+        """The newest step a ``save()`` was started for in this process (None before the first)."""
+        with self._lock:
+            return self._newest_started
 
     def reached(self, step: int, tier: str) -> float | None:
         """Record that ``step`` is durable on ``tier`` now; returns the seconds since its save."""

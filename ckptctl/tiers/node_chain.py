@@ -212,7 +212,9 @@ class NodeTiers(Tiers):
         pins = self.promoters[0].pins() if self.promoters else frozenset()
         with self._lock:
             failed = list(self._failed)
-        p = plan(self.roots[0], self._rules, pins, self.roots[1].url if len(self.roots) > 1 else "", failed)
+        elsewhere = self._messages.elsewhere() if self._messages is not None else []
+        p = plan(self.roots[0], self._rules, pins, self.roots[1].url if len(self.roots) > 1 else "", failed,
+                 self.durability.newest_started(), elsewhere)
         if p is None:
             return
         if self._messages is not None:
@@ -301,6 +303,8 @@ class NodeTiers(Tiers):
         deadline = time.monotonic() + join_s
         for out, n in stops:
             out.finish(n, deadline - time.monotonic())
+        if self._messages is not None:
+            self._messages.forget()  # after the leaders' last prune
         if self.rank == 0:
             self.release(join_s)
         if self.channel is not None:

@@ -9,7 +9,9 @@ Rank 0 (``NodeMessages``) sends on the channel's ``node`` stream, after each sav
 it is asked to anchor a prune on it. Each leader replies ``ok`` once a message is applied
 (or failed: logged), and rank 0 deletes each message once every leader did
 (``tiers.stream``); a leader that falls far behind skips to the newest, whose prune plan
-covers what it missed.
+covers what it missed. After each prune a leader also publishes which steps its node holds
+committed (``held/<leader>``, one key per node, overwritten), and rank 0 plans over those too:
+a step rank 0's node no longer holds is still decided by the rules on the others.
 
 May import: ``tiers.stream``, ``tiers.channel``, ``tiers.node_commit``, ``tiers.node_retention``,
 ``layouts``, ``storage``, leaves.
@@ -18,21 +20,25 @@ May import: ``tiers.stream``, ``tiers.channel``, ``tiers.node_commit``, ``tiers.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from collections.abc import Collection
 from typing import Any
+
+import torch.distributed as dist
 
 from ckptctl.errors import CkptError
 from ckptctl.layouts.native import Committed
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.node_commit import commit_here, parse_committed
-from ckptctl.tiers.node_retention import NodePruner, PrunePlan
+from ckptctl.tiers.node_retention import NodePruner, PrunePlan, held
 from ckptctl.tiers.stream import StreamWorker
 
 log = logging.getLogger("ckptctl")
 
 STREAM = "node"
+HELD = "held"  # held/<leader>: the steps that leader's node holds committed, after its last prune
 KEEP = 16  # node messages open at once (each leader applies them in order, a commit and a prune per save)
 
 
@@ -41,6 +47,27 @@ class NodeMessages:
 
     def __init__(self, channel: Channel, leaders: Collection[int]) -> None:
         self.outbox = channel.outbox(STREAM, leaders, KEEP, collected=False)
+        self.leaders = sorted(k for k in leaders if k != 0)
+        self._reader = channel.link("node lists reader", "")  # rank 0's after-commit thread's
+
+    def elsewhere(self) -> list[list]:
+        """What the other nodes last said they hold (``node_retention.held``), by step."""
+        def read(st: "dist.Store") -> list[bytes]:
+            return [st.get(k) for k in (f"{HELD}/{r}" for r in self.leaders) if st.check([k])]
+
+        found: list[list] = []
+        for raw in self._reader.call(read):
+            try:
+                items = json.loads(raw)
+                found += [[str(n), int(s), float(t), {str(k): float(v) for k, v in m.items()}] for n, s, t, m in items]
+            except (ValueError, TypeError, AttributeError):
+                log.warning("tiers: a node's list of its steps does not read; left out of this plan")
+        return found
+
+    def forget(self) -> None:
+        """At close: the nodes' lists go."""
+        self._reader.call(lambda st: [st.delete_key(f"{HELD}/{r}") for r in self.leaders])
+        self._reader.give_back()
 
     def commit(self, name: str, source: Committed) -> None:
         self.outbox.send({"op": "commit", "name": name, "manifest": base64.b64encode(source.manifest_raw).decode(),
@@ -86,3 +113,6 @@ class NodeKeeper(StreamWorker):
             self.pruner.apply(PrunePlan(str(msg["anchor"]), tuple(str(n) for n in msg["delete"]),
                                         tuple(str(n) for n in msg.get("keep", ())),
                                         tuple(str(n) for n in msg.get("failed", ()))))
+            if self.rank != 0:  # for rank 0's next plan: what this node still holds (one key per node)
+                listed = json.dumps(held(self.root))
+                self.link.call(lambda st: st.set(f"{HELD}/{self.rank}", listed.encode()))

@@ -58,24 +58,41 @@ class PrunePlan:
     anchor: str  # the newest committed checkpoint's name: verified on each node before deleting
     delete: tuple[str, ...]  # names, oldest first
     keep: tuple[str, ...] = ()  # pinned for promotion: never removed as partial on a node
-    failed: tuple[str, ...] = ()  # older saves of this run that failed: their partials go without the idle time
+    failed: tuple[str, ...] = ()  # saves of this run that failed: their partials go without the idle time
+
+
+def held(root: Storage) -> list[list]:
+    """What a node's first tier holds committed, as a leader publishes it for rank 0's plans:
+    ``[name, step, created, metrics]`` of each step, newest first."""
+    return [[e.name, e.step, float(e.manifest.created), dict(e.manifest.metrics)]
+            for e in newest_committed(root, layouts=NATIVE) if e.manifest is not None]
 
 
 def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], to: str,
-         failed: Collection[int] = ()) -> PrunePlan | None:
+         failed: Collection[int] = (), newest_started: int | None = None,
+         elsewhere: Collection[list] = ()) -> PrunePlan | None:
     """What retention deletes on every node, from rank 0's node's first tier (possibly
     nothing: each node still removes its abandoned partials); None when nothing is committed.
-    ``failed``: steps whose save failed in this run; those older than the anchor are named in
-    the plan, so that each node removes what they left at once (no writer of this run writes
-    them any more: a newer save committed since) instead of after prune's partial-after time."""
+    ``elsewhere``: what the other nodes said they hold (``held``), so that a step rank 0's node
+    no longer holds (pruned there, or its disk lost) is decided too, and not kept on the
+    others for good; the anchor is rank 0's newest, which every node verifies before deleting.
+    ``failed``: steps whose save failed in this run; those older than ``newest_started`` (the
+    newest step a save was started for: the job moved on, so no writer of this run writes
+    them, nor will a retry of the same step) are named in the plan, so that each node removes
+    what they left at once instead of after prune's partial-after time. Not only those older
+    than the anchor: on a full disk, failed saves' shards are what keeps it full, and no save
+    commits until they go."""
     entries = [e for e in newest_committed(root, layouts=NATIVE) if e.manifest is not None]
     if not entries:
         return None
     policy = RetentionPolicy.of(guarded(RetentionPolicy.of(rules), pins, to))
-    candidates = [Candidate(e.step, float(e.manifest.created), e.manifest.metrics) for e in entries]  # type: ignore[union-attr]
-    decisions = policy.decide(candidates, entries[0].step)
-    delete = tuple(e.name for e in reversed(entries) if not decisions[e.step].keep)
-    gone = tuple(step_dir(s) for s in sorted(failed) if s < entries[0].step)
+    known = {e.step: (e.name, float(e.manifest.created), e.manifest.metrics) for e in entries}  # type: ignore[union-attr]
+    for name, step, created, metrics in elsewhere:
+        if step < entries[0].step:  # a node newer than rank 0's is left alone: rank 0's anchor decides
+            known.setdefault(step, (name, created, metrics))
+    decisions = policy.decide([Candidate(s, t, m) for s, (_, t, m) in known.items()], entries[0].step)
+    delete = tuple(known[s][0] for s in sorted(known) if not decisions[s].keep)
+    gone = tuple(step_dir(s) for s in sorted(failed) if newest_started is not None and s < newest_started)
     return PrunePlan(entries[0].name, delete, tuple(e.name for e in entries if e.step in pins), gone)
 
 
