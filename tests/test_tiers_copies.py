@@ -46,6 +46,15 @@ def _ok(results: dict[int, dict], job: Job) -> None:
         assert "error" not in res and "missing" not in res, f"rank {r}: {res}\n{job.logs()}"
 
 
+def _resumes(roots: list[str], s3_url: str, out: str, env: dict[str, str], step: int) -> None:
+    """A relaunch on ``roots``: every rank resumes ``step``, bitwise what it saved."""
+    job = Job("replica_load", [{"local": r, "remote": s3_url, "promote_timeout_s": 3} for r in roots], out, env=env)
+    results = job.wait()
+    _ok(results, job)
+    for k in range(4):
+        assert results[k]["step"] == step and results[k]["bitwise_equal"] is True, (k, results[k], job.logs())
+
+
 def test_a_damaged_copy_is_read_from_the_next_copy_of_the_same_step(tmp_path, s3_server: str, s3_url: str) -> None:
     """Launch 1 saves 10, 20, 30 (node-local KeepLast(2); S3 gets 10 and, at close, 30).
 
@@ -71,12 +80,7 @@ def test_a_damaged_copy_is_read_from_the_next_copy_of_the_same_step(tmp_path, s3
             shutil.copytree(src, dst)
         _flip_a_header_bit(os.path.join(roots[0], step_dir(30), _shard(0)))
         _flip_a_header_bit(os.path.join(roots[1], REPLICAS, step_dir(30), _shard(0)))
-        job = Job("replica_load", [{"local": r, "remote": s3_url, "promote_timeout_s": 3} for r in roots],
-                  str(tmp_path / "run2"), env=env)
-        results = job.wait()
-        _ok(results, job)
-        for k in range(4):
-            assert results[k]["step"] == 30 and results[k]["bitwise_equal"] is True, (k, results[k], job.logs())
+        _resumes(roots, s3_url, str(tmp_path / "run2"), env, 30)
         assert os.path.exists(os.path.join(roots[0], step_dir(30), f".{_shard(0)}.damaged"))  # kept for a look
 
         # --- node 0 lost, node 1's replicas of it damaged, S3 down for 20 and 30: step 20.
@@ -85,11 +89,6 @@ def test_a_damaged_copy_is_read_from_the_next_copy_of_the_same_step(tmp_path, s3
         for k in (0, 1):
             _flip_a_data_byte(os.path.join(roots[1], REPLICAS, step_dir(30), _shard(k)))
         proxy.rule = lambda method, path: "503" if step_dir(20) in path or step_dir(30) in path else None
-        job = Job("replica_load", [{"local": r, "remote": s3_url, "promote_timeout_s": 3} for r in roots],
-                  str(tmp_path / "run3"), env=env)
-        results = job.wait()
-        _ok(results, job)
-        for k in range(4):
-            assert results[k]["step"] == 20 and results[k]["bitwise_equal"] is True, (k, results[k], job.logs())
+        _resumes(roots, s3_url, str(tmp_path / "run3"), env, 20)
     finally:
         proxy.stop()
