@@ -9,7 +9,8 @@ proxy), while faults drawn from a seed hit it again and again:
                 forgets idle connections does; ``ss -K``): its tier threads reconnect
   store_reset_all   all of one rank's connections to the store are reset: its tier threads
                 reconnect; its save coordinator gives up (by design: "restart the job"), and
-                the job, if it ends, is relaunched
+                the job, if it ends, is relaunched (so may a ``store_reset`` end it, when the
+                save's own connection was idle long enough to be among those reset)
   disk_full     a node's disk is filled to the last byte for a few seconds (saves fail meanwhile)
   kill_rank     SIGKILL of one rank: the job ends, and is relaunched
   kill_node     SIGKILL of a node's two ranks and its agent: the job ends, and is relaunched
@@ -97,6 +98,7 @@ class Soak:
         self.faults: Counter[str] = Counter()
         self.relaunches = 0
         self.connections_reset = 0
+        self.ended_by_store = 0  # jobs a store fault ended (their save coordinator gave up)
         self.full_until = 0.0  # time.monotonic() when the last disk_full fault ended
         self.saves = Counter()
         self.committed: dict[str, set[int]] = {"node0": set(), "node1": set(), "s3": set()}
@@ -247,7 +249,7 @@ class Soak:
             rank = self.rng.randrange(4)
             idle_ms = 2000 if kind == "store_reset" else 0
             self.connections_reset += self.reset_connections(job.pid(rank), job.port, idle_ms)
-            return kind == "store_reset_all"
+            return True  # the save's own connection may be among them: the job may end
         else:
             root = self.roots[self.rng.randrange(2)]
             ballast = os.path.join(root, "ballast")
@@ -387,7 +389,9 @@ class Soak:
                 if time.monotonic() >= end:
                     break
             self.proxy.rule = lambda method, path: None
-            if not self.ended(job):
+            if self.ended(job):
+                self.ended_by_store += 1
+            else:
                 kind = self.rng.choice(["kill_rank", "kill_node"])
                 self.faults[kind] += 1
                 n = self.rng.randrange(2)
@@ -439,7 +443,8 @@ class Soak:
         lines = [
             f"soak_tiers: {'PASSED' if ok else 'FAILED'} (seed {self.seed}, {self.args.minutes:g} min)",
             f"  faults: {dict(sorted(self.faults.items()))} ({sum(self.faults.values())} in all)",
-            f"  relaunches: {self.relaunches}; store connections reset: {self.connections_reset}",
+            f"  relaunches: {self.relaunches} ({self.ended_by_store} after a store fault ended the job); "
+            f"store connections reset: {self.connections_reset}",
             f"  saves: {int(self.saves['ok'])} committed, {int(self.saves['failed'])} failed",
             f"  steps committed: node0 {len(self.committed['node0'])}, node1 {len(self.committed['node1'])}, "
             f"s3 {len(self.committed['s3'])}",
