@@ -21,9 +21,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from dataclasses import replace
+from typing import Any, Iterable, Iterator, Sequence
 
-from ckptctl.errors import CkptError, InvalidCheckpoint, NotFound, StateError, UsageError
+from ckptctl.errors import (
+    CkptError,
+    InvalidCheckpoint,
+    NotFound,
+    OperationalError,
+    StateError,
+    StorageError,
+    UsageError,
+)
 from ckptctl.load.loader import load_checkpoint
 from ckptctl.ops.retention.background import BackgroundRetention
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
@@ -32,14 +41,16 @@ from ckptctl.save.saver import SaveHandle, Saver
 from ckptctl.storage import Storage, open_storage
 from ckptctl.tiers.chain import Tiers
 from ckptctl.tiers.durability import Flushed
+from ckptctl.tiers.health import Trouble
 from ckptctl.tiers.node_chain import make_tiers
 from ckptctl.tiers.recovery import committed_across
 from ckptctl.tiers.spec import Tier
 
 DEFAULT_PROMOTE_TIMEOUT_S = 600.0  # how long close() waits for the last checkpoint to reach the last tier
 RELEASE_MARGIN_S = 30.0  # other ranks wait this much longer than rank 0's flush for its stop
+MAX_ATTEMPTS = 4  # attempts at one step: its nearest copy, the partner node's, each later tier's
 
-__all__ = ["Checkpointer", "Flushed", "SaveHandle", "Tier"]
+__all__ = ["Checkpointer", "Flushed", "SaveHandle", "Tier", "Trouble"]
 
 log = logging.getLogger("ckptctl")
 
@@ -154,9 +165,16 @@ class Checkpointer:
         )
         self._retention = background if self._saver.rank == 0 and self._tiers is None else None
         self.rank, self.world_size = self._saver.rank, self._saver.world_size
+        try:
+            self._begin(background, timeout_s, liveness_s)
+        except BaseException:  # nothing of a Checkpointer that does not exist may keep running
+            self._saver.close()
+            if self._tiers is not None:
+                self._tiers.close(join_s=0.0)
+            raise
+
+    def _begin(self, background: BackgroundRetention | None, timeout_s: float, liveness_s: float) -> None:
         coord = self._saver.coordinator
-        if self._tiers is not None:  # every rank: a node-local first tier exchanges nodes here
-            self._tiers.begin(self.rank, self.world_size, coord.group.group_name if coord is not None else None, timeout_s)
         if coord is not None:
             # The post-commit check is an exchange: every rank must take part, or none.
             mine = AGREE_OK if background is not None else AGREE_SKIP
@@ -166,11 +184,18 @@ class Checkpointer:
             low = self._saver.collective(coord.agree, mine)
             high = AGREE_OK + AGREE_SKIP - self._saver.collective(coord.agree, AGREE_OK + AGREE_SKIP - mine)
             if low != high:
-                self._saver.close()
                 raise UsageError(
                     f"rank {self.rank}: retention (or keep_last/keep_every) is set here but not on every rank",
                     hint="pass the same retention options to the Checkpointer on every rank",
                 )
+        if self._tiers is not None:  # every rank, last (no tier thread starts before all is agreed)
+            self._tiers.begin(self.rank, self.world_size, coord.group.group_name if coord is not None else None,
+                              timeout_s, liveness_s)
+
+    def _everyone(self, verdict: int) -> int:
+        """The lowest of every rank's verdict (this one's, in a single process)."""
+        coord = self._saver.coordinator
+        return verdict if coord is None else self._saver.collective(coord.agree, verdict)
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -206,7 +231,16 @@ class Checkpointer:
         """
         if self._tiers is not None:
             self._tiers.durability.started(step)
+            self._tiers.revive()  # a tier thread that ended unexpectedly starts again
+            for t in self._tiers.health.unannounced():
+                log.warning("tiers: %s", t)
         return self._saver.save(step, state, metrics)
+
+    def health(self) -> tuple[Trouble, ...]:
+        """This rank's tier threads that are not doing their work now, each with the tier it
+        serves and why (a thread retrying the c10d store, one that ended and was restarted at
+        the last ``save``); empty when all is well, and without tiers."""
+        return self._tiers.health.troubles() if self._tiers is not None else ()
 
     def time_to_durable(self, step: int | None = None) -> dict[str, float]:
         """Seconds from ``save(step)`` to durable on each tier it has reached so far, by URL
@@ -280,42 +314,50 @@ class Checkpointer:
 
     def _load_latest(self, state: dict[str, Any], strict: bool) -> int | None:
         coord = self._saver.coordinator
-        if coord is None:
-            for tier, name in self._candidates():  # ckptctl's own only; nearest tier first
-                ckpt = self._at(tier, name)
-                try:
-                    return self.load(ckpt, state, strict=strict)
-                except (InvalidCheckpoint, NotFound) as e:
-                    log.warning("skipping %s: %s", ckpt.url, e)
-            return None
         # Only rank 0 lists and reads markers: the others take its list, so the listing's
         # cost does not grow with the number of ranks. A node-local first tier first tells
         # rank 0 which steps the other nodes hold (every rank calls it; a no-op otherwise).
         if self._tiers is not None:
             self._tiers.gather()
-        mine = list(self._candidates()) if self.rank == 0 else []
-        names: list[tuple[int, str]] = self._saver.collective(coord.from_rank0, mine)
+        if coord is None:
+            names: Iterable[tuple[int, str]] = self._candidates()  # lazily: one root costs what it always did
+        else:
+            names = self._saver.collective(coord.from_rank0, list(self._candidates()) if self.rank == 0 else [])
+        outage: OperationalError | None = None
         for tier, name in names:
-            ckpt = self._at(tier, name)
-            step, error = None, None
-            try:
-                step = self.load(ckpt, state, strict=strict)
-                verdict = AGREE_OK
-            except (InvalidCheckpoint, NotFound) as e:
-                error, verdict = e, AGREE_SKIP
-            except CkptError as e:  # a mismatch with the state: no older checkpoint fixes it
-                error, verdict = e, AGREE_FATAL
-            everyone = self._saver.collective(coord.agree, verdict)
-            if everyone == AGREE_OK:
-                return step
-            if everyone == AGREE_FATAL:
-                if error is not None and verdict == AGREE_FATAL:
-                    raise error
-                raise StateError(
-                    f"{ckpt.url}: another rank could not load its part of this checkpoint",
-                    hint="the failing rank's error says why (for example a shape mismatch)",
-                )
+            for _ in range(MAX_ATTEMPTS):  # each attempt reads the copies the one before did not
+                ckpt = self._at(tier, name)
+                step, error = None, None
+                try:
+                    step = self.load(ckpt, state, strict=strict)
+                    verdict = AGREE_OK
+                except (InvalidCheckpoint, NotFound) as e:
+                    error, verdict = e, AGREE_SKIP
+                except OperationalError as e:  # with tiers, one unreachable: another copy, or an older step
+                    error, verdict, outage = e, (AGREE_SKIP if self._tiers is not None else AGREE_FATAL), e
+                except CkptError as e:  # a mismatch with the state: no older checkpoint fixes it
+                    error, verdict = e, AGREE_FATAL
+                everyone = self._everyone(verdict)
+                if everyone == AGREE_OK:
+                    return step
+                if everyone == AGREE_FATAL:
+                    if error is not None and verdict == AGREE_FATAL:
+                        raise error
+                    raise StateError(
+                        f"{ckpt.url}: another rank could not load its part of this checkpoint",
+                        hint="the failing rank's error says why (for example a shape mismatch)",
+                    )
+                # Every copy of a step before an older step: again, when some rank set a damaged one aside.
+                again = self._tiers is not None and error is not None and self._tiers.avoid(ckpt, error)
+                if self._everyone(AGREE_SKIP if again else AGREE_OK) == AGREE_OK:
+                    break
             log.warning("skipping %s: %s", ckpt.url, error or "another rank found its part of it corrupt or missing")
+        # Nothing loaded. Not "no checkpoint" when a tier could not be reached: the job would start over.
+        if self._everyone(AGREE_SKIP if outage is not None else AGREE_OK) == AGREE_SKIP:
+            if outage is not None:
+                raise outage
+            raise StorageError("no checkpoint could be loaded, and another rank could not reach a tier",
+                               hint="that rank's log says which; resume once the tier is back")
         return None
 
     def _candidates(self) -> Iterator[tuple[int, str]]:
@@ -354,10 +396,12 @@ class Checkpointer:
             if self.rank != 0:
                 self._tiers.release(timeout + RELEASE_MARGIN_S)  # node-local: serve rank 0's last round
                 return None
-            flushed = self._tiers.flush(timeout)
+            flushed = replace(self._tiers.flush(timeout), troubles=self._tiers.health.troubles())
             if not flushed:
                 log.warning("close: step %d did not reach %s: %s; it is on %s", flushed.step, flushed.missing,
                             flushed.reason, ", ".join(flushed.tiers))
+            for t in flushed.troubles:
+                log.warning("close: tiers: %s", t)
             return flushed
         finally:
             self._tiers.close()

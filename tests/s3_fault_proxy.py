@@ -6,8 +6,10 @@ mid-stream) and every layer of ours and botocore's runs unmodified.
 
 ``rule(method, path_and_query, n)`` is called for every request (``n`` counts requests that
 matched nothing before, from 1) and returns None to forward it, or an action:
-"503" (SlowDown), "drop" (close without answering) or "cut" (forward, but close after half of
-the response body).
+"503" (SlowDown), "drop" (close without answering), "cut" (forward, but close after half of
+the response body), "stall:<seconds>" (forward after that long: a slow link or a store that
+takes its time) or "hold" (forward once ``release`` is set: a request stuck until the test
+says so).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
@@ -35,6 +38,7 @@ class FaultProxy:
         self.rule: Rule = lambda method, path: None
         self.injected: list[tuple[str, str, str]] = []  # (action, method, path) of every fault
         self.requests = 0
+        self.release = threading.Event()  # "hold": the held requests go on once set
         self._lock = threading.Lock()
         proxy = self
 
@@ -84,6 +88,10 @@ class FaultProxy:
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
             return
+        if action and action.startswith("stall:"):
+            time.sleep(float(action.split(":", 1)[1]))
+        if action == "hold":
+            self.release.wait()
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP}

@@ -122,7 +122,7 @@ def test_round_sweeps_its_leftovers_and_checks_already_present(tmp_path, s3_serv
     remote, src = open_storage(s3_url), open_storage(local)
     channel = Channel("leftovers", 0, 1)
     worker = RoundWorker(channel, src, remote)
-    leader = RoundLeader(channel, 30.0, remote)
+    leader = RoundLeader(channel, remote, liveness_s=60.0)
     try:
         assert leader.copy(src.sub(step_dir(2)), remote.sub(step_dir(2))).status == "copied"
         # Step 4's round fails (S3 refuses its shard); its writer could not abort its upload
@@ -158,3 +158,22 @@ def test_round_sweeps_its_leftovers_and_checks_already_present(tmp_path, s3_serv
         leader.close()
         assert worker.join(10)
         proxy.stop()
+
+
+def test_a_node_plan_decides_the_steps_only_other_nodes_hold_and_frees_failed_saves(tmp_path) -> None:
+    """Rank 0's node holds 5 only (its disk was replaced); another node still holds 2 and 3
+    committed: ``KeepLast(1)`` deletes them there too (before, a step rank 0's node no longer
+    held was kept on the others for good). Saves of steps 6 and 7 failed in this run and 8 was
+    started since: 6 and 7's leftovers are named, to go without the idle time."""
+    from ckptctl import KeepLast
+    from ckptctl.tiers.node_retention import plan
+
+    root = str(tmp_path / "node0")
+    _save(root, (5,))
+    t = time.time()
+    elsewhere = [[step_dir(3), 3, t - 60, {}], [step_dir(2), 2, t - 120, {}], [step_dir(9), 9, t, {}]]
+    p = plan(open_storage(root), KeepLast(1), frozenset(), "s3://x", failed=[6, 7, 8], newest_started=8,
+             elsewhere=elsewhere)
+    assert p is not None and p.anchor == step_dir(5)
+    assert p.delete == (step_dir(2), step_dir(3))  # oldest first; 9 (newer than rank 0's anchor) left alone
+    assert p.failed == (step_dir(6), step_dir(7))  # 8 may still be written

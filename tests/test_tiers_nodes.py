@@ -187,3 +187,35 @@ def test_one_process_node_local_tier_commits_prunes_and_promotes(tmp_path, s3_ur
     assert ck.load_latest(state, prepare=False) == 3
     ck.close(promote_timeout_s=1)
     assert all(torch.equal(state["model"][k], state_for(3, 0)["model"][k]) for k in ("w", "b"))
+
+
+def test_a_round_waits_for_a_slow_rank_and_not_for_a_dead_one(tmp_path, s3_server: str, s3_url: str) -> None:
+    """A round's deadline grows with its bytes, not the save's ``timeout_s`` (4 s here): rank 3's
+    upload of step 10 stalls 8 s and the round still completes, at the first attempt. Rank 3
+    is then killed while its upload of step 30 hangs: the round ends once its heartbeat stood
+    still for ``liveness_s``, long before the deadline (a floor of minutes)."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    proxy = FaultProxy(s3_server).start()
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
+
+    def rule(method: str, path: str) -> str | None:
+        if method in ("PUT", "POST") and "rank-00003" in path:
+            return "stall:8" if step_dir(10) in path else "hold" if step_dir(30) in path else None
+        return None
+
+    proxy.rule = rule
+    try:
+        job = Job("load", [{"local": r, "remote": s3_url, "then_save": [10, 30], "hold": True, "timeout_s": 4,
+                            "liveness_s": 5, "lag_warning_s": 0.5} for r in roots], str(tmp_path / "run"), env=env)
+        _wait_for(lambda: 10 in _s3_committed(s3_url), "step 10 never reached S3 past its slow rank", job)
+        uploads = [p for a, m, p in proxy.injected if a == "stall:8" and "uploadId" not in p]
+        assert len({p.split("?")[0] for p in uploads}) == len(uploads), f"a round was retried: {uploads}"
+        _wait_for(lambda: any(a == "hold" for a, _, _ in proxy.injected), "step 30's round never started", job)
+        os.kill(job.pid(3), 9)
+        log0 = os.path.join(tmp_path, "run", "node0.log")
+        _wait_for(lambda: "no heartbeat from rank 3" in open(log0).read(), "the round waited for a dead rank", job)
+        assert 30 not in _s3_committed(s3_url)
+        job.kill()
+    finally:
+        proxy.release.set()
+        proxy.stop()

@@ -266,29 +266,30 @@ def test_a_closed_channels_store_connections_serve_the_next_checkpointer(monkeyp
     import torch.distributed as dist
 
     from ckptctl.tiers import channel as channel_mod
+    from ckptctl.tiers import link as link_mod
     from tier_node_workers import free_port
 
     base = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    monkeypatch.setattr(channel_mod, "_POOL", channel_mod._Pool())
+    monkeypatch.setattr(link_mod, "POOL", link_mod._Pool())
     monkeypatch.setattr(channel_mod, "_default_store", lambda: base)
     first = channel_mod.Channel("g1", 0, 1)
     assert first.exchange("nodes", "node-0", 5.0) == ["node-0"]
-    worker = first.connection()
-    used = [first._own.underlying_store, worker.underlying_store]  # held: the same objects come back
-    first.give_back(worker)  # a thread that took stop
+    worker = first.link("worker", "")
+    used = [first._own._raw, worker._raw]  # held: the same objects come back
+    worker.give_back()  # a thread that took stop
     first.close()
 
     second = channel_mod.Channel("g2", 0, 1)
     assert second.exchange("nodes", "node-1", 5.0) == ["node-1"]
-    again = second.connection()
-    reused = [second._own.underlying_store, again.underlying_store]
+    again = second.link("worker", "")
+    reused = [second._own._raw, again._raw]
     assert all(any(r is u for u in used) for r in reused) and reused[0] is not reused[1]  # no new connection
-    again.set("k", b"v")
+    again.call(lambda st: st.set("k", b"v"))
     assert dist.PrefixStore("ckptctl-tiers/g2/", base).get("k") == b"v"
     assert not dist.PrefixStore("ckptctl-tiers/g1/", base).check(["k"])
 
     other = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     monkeypatch.setattr(channel_mod, "_default_store", lambda: other)  # a re-initialised job
-    second.give_back(again)
-    fresh = channel_mod.Channel("g1", 0, 1).connection().underlying_store
+    again.give_back()
+    fresh = channel_mod.Channel("g1", 0, 1).link("worker", "")._raw
     assert not any(fresh is u for u in used)

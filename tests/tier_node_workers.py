@@ -27,11 +27,20 @@ from tier_workers import state_for  # noqa: E402  (the same states as the single
 
 
 def _tiers(a: dict) -> list:
-    """Node-local first tier keeping 1, S3 keeping 2 and receiving a checkpoint every 20 steps."""
+    """Node-local first tier keeping 1, S3 keeping 2 and receiving a checkpoint every 20 steps
+    (``lag_warning_s``: after how long behind S3 warns, default an hour)."""
     from ckptctl import KeepLast, Steps, Tier
 
     return [Tier(a["local"], retention=KeepLast(1), node_local=True),
-            Tier(a["remote"], retention=KeepLast(2), every=Steps(20), retry_max_s=1.0)]
+            Tier(a["remote"], retention=KeepLast(2), every=Steps(20), retry_max_s=1.0,
+                 lag_warning_s=a.get("lag_warning_s", 3600.0))]
+
+
+def _checkpointer(a: dict) -> Any:
+    from ckptctl import Checkpointer
+
+    return Checkpointer(tiers=_tiers(a), promote_timeout_s=a.get("promote_timeout_s", 60),
+                        timeout_s=a.get("timeout_s", 900.0), liveness_s=a.get("liveness_s", 60.0))
 
 
 def _close_report(ck: Any) -> dict:
@@ -43,9 +52,7 @@ def _close_report(ck: Any) -> dict:
 def save(rank: int, a: dict) -> dict:
     """Save ``steps`` (before each step in ``gates``, wait for the file ``OUT/goSTEP``), timing
     each save; close (rank 0 waits for the last one to reach S3)."""
-    from ckptctl import Checkpointer
-
-    ck = Checkpointer(tiers=_tiers(a), promote_timeout_s=a.get("promote_timeout_s", 60))
+    ck = _checkpointer(a)
     seconds = []
     for step in a["steps"]:
         while step in a.get("gates", []) and not os.path.exists(os.path.join(a["out"], f"go{step}")):
@@ -62,10 +69,8 @@ def load(rank: int, a: dict) -> dict:
     save ``then_save`` steps, if any, and close."""
     import torch
 
-    from ckptctl import Checkpointer
-
     state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
-    ck = Checkpointer(tiers=_tiers(a), promote_timeout_s=a.get("promote_timeout_s", 60))
+    ck = _checkpointer(a)
     step = ck.load_latest(state, prepare=False)
     want = state_for(step, rank) if step is not None else None
     equal = want is not None and all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b")) \
@@ -164,7 +169,65 @@ def replica_load(rank: int, a: dict) -> dict:
     return {"step": step, "bitwise_equal": equal, **_close_report(ck)}
 
 
-SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load}
+# --- the soak (scripts/soak_tiers.py) -----------------------------------------------------------
+
+
+def soak(rank: int, a: dict) -> dict:
+    """A training job under faults: ``load_latest`` (its step and whether it is bitwise what
+    that step saved go to ``OUT/loadedR.json``), then a save after each ``pause_s`` of
+    "training" until the step in ``OUT/stop_at`` (the harness writes it; every rank stops at
+    the same step), each save's outcome and the tiers' health in ``OUT/progressR.json``. A save
+    that fails because a rank is gone ends the job (the harness relaunches it); one that fails
+    otherwise (a full disk) is counted and the job goes on."""
+    import torch
+
+    from ckptctl.errors import CkptError, CoordinationError
+
+    ck = _replica_checkpointer(a)
+    state = _replica_state(0, rank, a)
+    for t in [*state["model"].values(), *state.get("net", torch.nn.Module()).parameters()]:
+        t.data.zero_()
+    state["extra"] = {}
+    step = ck.load_latest(state, prepare=False)
+    want = _replica_state(step, rank, a) if step is not None else None
+    equal = want is not None and state["extra"] == want["extra"] and all(
+        torch.equal(x, y) for x, y in zip(_tensors(state), _tensors(want)))
+    _write(a["out"], f"loaded{rank}.json", {"step": step, "bitwise_equal": equal})
+    ok, failed, ended = 0, [], None
+    s = step or 0
+    while True:
+        stop = os.path.join(a["out"], "stop_at")
+        if os.path.exists(stop) and s >= int(open(stop).read() or 0):
+            break
+        s += 1
+        try:
+            ck.save(s, _replica_state(s, rank, a)).wait()
+            ok += 1
+        except CkptError as e:
+            cause = e.__cause__ if isinstance(e.__cause__, CkptError) else e
+            if isinstance(cause, CoordinationError) and "restart the job" in (cause.hint or ""):
+                ended = f"{type(e).__name__}: {e}"  # a rank is gone: the job must be restarted
+            else:
+                failed.append([s, f"{type(e).__name__}: {e}"[:300]])
+        _write(a["out"], f"progress{rank}.json", {"step": s, "ok": ok, "failed": failed[-5:], "failures": len(failed),
+                                                  "troubles": [[str(t), t.dead, t.for_s] for t in ck.health()]})
+        if ended:
+            return {"ended": ended, "ok": ok, "failures": len(failed)}
+        time.sleep(a.get("pause_s", 0.2))
+    flushed = ck.close()
+    return {"ok": ok, "failures": len(failed), "last": s,
+            "flushed": None if flushed is None else {"complete": flushed.complete, "step": flushed.step,
+                                                      "troubles": [str(t) for t in flushed.troubles]}}
+
+
+def _tensors(state: dict) -> list:
+    out = list(state["model"].values())
+    if "net" in state:
+        out += list(state["net"].parameters())
+    return out
+
+
+SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load, "soak": soak}
 
 
 def free_port() -> int:
@@ -179,6 +242,7 @@ class Job:
     def __init__(self, scenario: str, node_args: list[dict], out: str, env: dict[str, str] | None = None) -> None:
         os.makedirs(out, exist_ok=True)
         self.out, port = out, free_port()
+        self.port = port  # node 0's agent hosts the job's c10d store here
         self.procs = []
         for node, args in enumerate(node_args):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),

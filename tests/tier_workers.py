@@ -53,7 +53,47 @@ def load_tiers(rank: int, world: int, a: dict) -> dict:
     return {"step": step, "bitwise_equal": equal, "extra": state["extra"]}
 
 
-SCENARIOS = {"save_tiers": save_tiers, "load_tiers": load_tiers}
+def build_fails(rank: int, world: int, a: dict) -> dict:
+    """Rank 0 gives its first tier a retention rule, the others do not: every rank's
+    constructor raises. What is left running of it: the ckptctl threads, and whether a
+    Checkpointer built right after works."""
+    import threading
+
+    from ckptctl import Checkpointer, KeepLast, Tier
+    from ckptctl.errors import UsageError
+
+    keep = KeepLast(1) if rank == 0 else None
+    try:
+        Checkpointer(tiers=[Tier(a["local"], retention=keep), Tier(a["remote"])])
+        raised = None
+    except UsageError as e:
+        raised = str(e)
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptctl"))
+    ck = Checkpointer(tiers=[Tier(a["local"]), Tier(a["remote"])], promote_timeout_s=30)
+    ck.save(1, state_for(1, rank)).wait()
+    flushed = ck.close()
+    return {"raised": raised, "threads_left": left, "flushed": None if flushed is None else flushed.complete}
+
+
+def node_saves(rank: int, world: int, a: dict) -> dict:
+    """Each rank its own "node" (``GROUP_RANK``) with a node-local first tier under
+    ``roots[rank]``: save ``steps`` in turn, each outcome recorded (a failure does not end it)."""
+    os.environ["GROUP_RANK"] = str(rank)
+    from ckptctl import Checkpointer, Tier
+
+    ck = Checkpointer(tiers=[Tier(a["roots"][rank], node_local=True)], timeout_s=a.get("timeout_s", 900.0))
+    outcomes = []
+    for step in a["steps"]:
+        try:
+            ck.save(step, state_for(step, rank)).wait()
+            outcomes.append("ok")
+        except Exception as e:  # the test reads which saves failed, and how
+            outcomes.append(f"{type(e).__name__}: {e}")
+    ck.close()
+    return {"outcomes": outcomes}
+
+
+SCENARIOS = {"save_tiers": save_tiers, "load_tiers": load_tiers, "build_fails": build_fails, "node_saves": node_saves}
 
 
 def launch(scenario: str, world: int, args: dict, out: str, timeout: float = 120) -> dict[int, dict]:

@@ -143,13 +143,15 @@ class Saver:
             self._drain()  # back-pressure: the staging buffer is still being written
             waited = time.perf_counter() - t0
             ckpt = self.root.sub(step_dir(step))
-            if ckpt.stat(MARKER) is not None:
-                raise RefusedForSafety(
-                    f"{ckpt.url} is already committed; a checkpoint is never overwritten",
-                    hint="save under a new step, or delete the old checkpoint with `ckptctl rm` or `ckptctl prune`",
-                )
             save_id = self._save_ids.next(step)  # on every rank alike, even if this save fails here
             try:
+                # Inside: the other ranks learn it at once. A node-local root answers per node (a
+                # step committed on one node's disk only), and they would otherwise wait for it.
+                if ckpt.stat(MARKER) is not None:
+                    raise RefusedForSafety(
+                        f"{ckpt.url} is already committed; a checkpoint is never overwritten",
+                        hint="save under a new step, or delete the old checkpoint with `ckptctl rm` or `ckptctl prune`",
+                    )
                 t1 = time.perf_counter()
                 captured = capture(state, per_rank=self.world_size > 1)
                 layout = self._layout_for(captured)

@@ -15,6 +15,11 @@ A node-local first tier (``Tier("/nvme/ckpt", node_local=True)``: each node's di
 own ranks' shards plus the manifest and marker) is wired by ``node_chain`` from:
 
 * ``channel``: rank 0's messages and each rank's replies, through the c10d store;
+* ``stream``: one numbered stream of it (rank 0's ``Outbox``, each rank's ``StreamWorker``
+  thread), and how long each store key lives;
+* ``link``: one thread's store connection, made again after a network error, and the pool;
+* ``health``: the tier threads in trouble, as ``save()``, ``health()`` and ``close()`` tell;
+* ``liveness``: a slow rank told from a dead one while rank 0 waits for a round;
 * ``promotion_round``: one promotion, every rank uploading its own shards, rank 0's marker last;
 * ``upload``: one rank's shard files copied to the next tier, checked on the way;
 * ``node_commit``: when a node's copy of a checkpoint counts as committed there;

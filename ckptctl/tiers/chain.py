@@ -6,6 +6,12 @@ durable is recorded, the promoter to tier k+1 is offered the checkpoint (it choo
 cadence and pins what it chose), and only then is tier k's retention asked to prune, so a
 prune never plans without the pin of the checkpoint that just committed.
 
+A tier's retention also runs again whenever its promoter releases a pin (a promotion from it
+completed: what was kept for it may go now) and after a save that failed: a first tier that
+filled up while promotion lagged frees itself as soon as promotion catches up, instead of
+failing every later save. Once ``close`` began, a promoter finishing late (left on its daemon
+thread) touches nothing.
+
 Here only rank 0 promotes (whole checkpoints: the first tier must then be a filesystem every
 rank writes to, as a single root is); a node-local first tier (``Tier(..., node_local=True)``)
 is wired by ``tiers.node_chain`` instead, whose promotion is a round of every rank.
@@ -21,10 +27,12 @@ import time
 from concurrent.futures import Future
 from typing import Iterator
 
+from ckptctl.errors import CkptError
 from ckptctl.ops.transfer.copy import CopyResult, copy_checkpoint
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.durability import Durability, Flushed
 from ckptctl.tiers.guarded import GuardedRetention
+from ckptctl.tiers.health import Health
 from ckptctl.tiers.promoter import CopyFn, Promoter
 from ckptctl.tiers.recovery import committed_across
 from ckptctl.tiers.spec import Tier, check_tiers
@@ -48,13 +56,20 @@ class Tiers:
             GuardedRetention(root, t.retention) if t.retention is not None else None
             for root, t in zip(self.roots, self.specs)]
         self.promoters: list[Promoter] = []
+        self.health = Health()  # this rank's tier threads in trouble (``Checkpointer.health``)
         self._newest: tuple[int, str] | None = None  # newest (step, name) committed on the first tier in this run
+        self._newest_on: dict[int, tuple[int, str]] = {}  # tier -> newest (step, name) committed there in this run
         self._flushing = False
+        self._closing = False
 
-    def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float) -> None:
+    def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float, liveness_s: float) -> None:
         """Called on every rank once the saver exists (``tiers.node_chain`` overrides it)."""
         if rank == 0:
             self.start()
+
+    def revive(self) -> None:
+        """At each ``save()``: start again any tier thread of this rank that ended without being
+        told to (``tiers.node_chain``'s; here the promoters survive every error)."""
 
     def start(self, first_copy: CopyFn = copy_checkpoint) -> None:
         """Start promoting (rank 0 only: it alone learns of each commit). ``first_copy``
@@ -90,6 +105,7 @@ class Tiers:
                     log.error("tiers: after the commit of step %d", step, exc_info=e)
             if error is not None:  # retention runs after the pin, whatever happened above
                 gate.set_exception(error)
+                self._prune_again(0)  # a full disk may have failed it: what is no longer pinned goes
             else:
                 gate.set_result(url)
 
@@ -98,18 +114,31 @@ class Tiers:
         if guard is not None:
             guard.after(step, gate)
 
+    def _prune_again(self, k: int) -> None:
+        """Tier k's retention, again, anchored on its newest checkpoint of this run: a pin was
+        released, or a save failed."""
+        guard, newest = self.retentions[k], self._newest_on.get(k)
+        if guard is None or newest is None or self._closing:
+            return
+        done: Future[str | None] = Future()
+        done.set_result(self.roots[k].sub(newest[1]).url)
+        try:
+            guard.after(newest[0], done)
+        except RuntimeError:  # its pool was shut down by a close that began meanwhile
+            log.info("retention of %s not run again: closing", self.roots[k].url)
+
     def _promoted_callback(self, k: int):
         def promoted(step: int, name: str, result: CopyResult) -> None:
+            if self._closing:  # a promotion that finished after close: nothing to run it on
+                return
             self._reached(k, step, name)
-            guard = self.retentions[k]
-            if guard is not None:
-                done: Future[str | None] = Future()
-                done.set_result(self.roots[k].sub(name).url)
-                guard.after(step, done)
+            self._prune_again(k)
+            self._prune_again(k - 1)  # the promoter's pin on it was released
 
         return promoted
 
     def _reached(self, k: int, step: int, name: str) -> None:
+        self._newest_on[k] = (step, name)
         seconds = self.durability.reached(step, self.roots[k].url)
         if seconds is not None:
             log.info("step %d durable on %s %.2f s after its save", step, self.roots[k].url, seconds)
@@ -153,6 +182,12 @@ class Tiers:
         """Where this rank reads candidate ``name`` of ``tier``."""
         return self.roots[tier].sub(name)
 
+    def avoid(self, view: Storage, error: CkptError) -> bool:
+        """This rank's load of ``view`` failed with ``error``: whether another attempt at the
+        same candidate could read other copies (``tiers.node_chain``'s can; here each tier's
+        copy is a candidate of its own already)."""
+        return False
+
     def release(self, timeout_s: float) -> None:
         """On ranks other than 0, at close: nothing to wait for here (see ``tiers.node_chain``)."""
 
@@ -162,6 +197,7 @@ class Tiers:
         tier's prune in progress."""
         for p in self.promoters:
             p.close(join_s)
+        self._closing = True
         for guard in self.retentions:
             if guard is not None:
                 guard.close()

@@ -1,7 +1,7 @@
 """Time to durable per tier, time to replicated (peer replicas), and what
 ``Checkpointer.close()`` reports about the last tier.
 
-May import: leaves only.
+May import: ``tiers.health``, leaves.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from ckptctl.tiers.health import Trouble
 
 KEEP_STEPS = 256  # a week-long job saves thousands of times: remember the recent ones only
 
@@ -22,12 +24,19 @@ class Durability:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._started: dict[int, float] = {}
+        self._newest_started: int | None = None
         self._durable: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._replicated: OrderedDict[int, dict[str, float]] = OrderedDict()
 
     def started(self, step: int) -> None:
         with self._lock:
             self._started[step] = time.monotonic()
+            self._newest_started = max(step, self._newest_started if self._newest_started is not None else step)
+
+    def newest_started(self) -> int | None:
+        """The newest step a ``save()`` was started for in this process (None before the first)."""
+        with self._lock:
+            return self._newest_started
 
     def reached(self, step: int, tier: str) -> float | None:
         """Record that ``step`` is durable on ``tier`` now; returns the seconds since its save."""
@@ -78,7 +87,8 @@ class Durability:
 class Flushed:
     """What ``close()`` found: whether the newest committed checkpoint (``step``) reached the
     last tier within the wait (``complete``), the tiers it is on, and why not when it is not.
-    ``step`` None: nothing was committed in this run, so nothing was owed."""
+    ``step`` None: nothing was committed in this run, so nothing was owed. ``troubles``: rank
+    0's tier threads that were not doing their work at the end (``Checkpointer.health()``)."""
 
     complete: bool
     step: int | None
@@ -87,6 +97,7 @@ class Flushed:
     reason: str = ""
     waited_s: float = 0.0
     durable_s: dict[str, float] = field(default_factory=dict)  # time to durable per tier reached
+    troubles: tuple[Trouble, ...] = ()
 
     def __bool__(self) -> bool:
         return self.complete

@@ -40,10 +40,12 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
 
-from ckptctl.errors import CkptError
+from ckptctl.errors import CkptError, InvalidCheckpoint
+from ckptctl.format.layout import is_own_shard_name
 from ckptctl.layouts.native import read_committed_raw
 from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.storage.base import Storage
@@ -56,14 +58,17 @@ from ckptctl.tiers.node_keeper import NodeKeeper, NodeMessages
 from ckptctl.tiers.node_retention import NodePruner, plan
 from ckptctl.tiers.promotion_round import RoundLeader, RoundWorker
 from ckptctl.tiers.replica import ReplicaWorker, announce
-from ckptctl.tiers.replica import stop as stop_replicas
+from ckptctl.tiers.replica import outbox as replica_outbox
 from ckptctl.tiers.replica_link import TIMEOUT_S as REPLICA_TIMEOUT_S
 from ckptctl.tiers.replica_link import open_group, ring_of
 from ckptctl.tiers.replica_recovery import Recovery
 from ckptctl.tiers.replica_store import replica_dir
 from ckptctl.tiers.spec import Tier
+from ckptctl.tiers.stream import Outbox, StreamWorker
 
 log = logging.getLogger("ckptctl")
+
+MAX_FAILED = 64  # failed saves whose leftovers rank 0's prune plans name (older ones go by the idle rule)
 
 
 def node_id() -> str:
@@ -95,15 +100,17 @@ class NodeTiers(Tiers):
         self._worker: RoundWorker | None = None
         self._pruner: NodePruner | None = None  # one process: rank 0 applies its own plans
         self._replicas: ReplicaWorker | None = None
+        self._announce: Outbox | None = None  # rank 0: the replica rounds' announcements
         self._recovery: Recovery | None = None
         self._steps: NodeSteps | None = None
+        self._skips: dict[str, dict[str, set[int]]] = {}  # step -> file -> layers whose copy was damaged
         self._replica_timeout_s = REPLICA_TIMEOUT_S
         self._after: ThreadPoolExecutor | None = None  # rank 0's work after each commit, in order
         self._lock = threading.Lock()
-        self._closing = False
+        self._failed: list[int] = []  # rank 0: steps whose save failed in this run (the newest MAX_FAILED)
         self.rank = 0
 
-    def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float) -> None:
+    def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float, liveness_s: float) -> None:
         self.rank = rank
         replicas = self.specs[0].replicas > 0
         if world_size <= 1 or group_name is None:
@@ -113,15 +120,18 @@ class NodeTiers(Tiers):
             self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
             self.start()
             return
-        channel = self.channel = Channel(group_name, rank, world_size)
+        channel = self.channel = Channel(group_name, rank, world_size, self.health)
         nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
         self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
+        leaders = {min(k for k, m in enumerate(nodes) if m == n) for n in set(nodes)}
         if replicas:  # every rank sees the same nodes: a bad topology raises on every rank alike
             ring = ring_of(nodes)
             self._replica_timeout_s = min(timeout_s, REPLICA_TIMEOUT_S)
             group = open_group(world_size, self._replica_timeout_s)
+            if rank == 0:
+                self._announce = replica_outbox(channel)
             self._replicas = ReplicaWorker(channel, group, ring, self.roots[0], self._replica_timeout_s,
-                                           self.durability if rank == 0 else None)
+                                           self.durability if rank == 0 else None, self._announce)
             self._recovery = Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
                                       self._replica_timeout_s)
             self._steps = NodeSteps(channel, self.roots[0], rank, {ranks[0] for ranks in ring.nodes}, timeout_s)
@@ -130,13 +140,20 @@ class NodeTiers(Tiers):
         if len(self.roots) > 1:
             self._worker = RoundWorker(channel, self.roots[0], self.roots[1])
         if rank == 0:
-            self._messages = NodeMessages(channel, len(set(nodes)))
+            self._messages = NodeMessages(channel, leaders)
             self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
             if len(self.roots) > 1:
-                self._round = RoundLeader(channel, timeout_s, self.roots[1])
+                self._round = RoundLeader(channel, self.roots[1], liveness_s)
                 self.start(first_copy=self._round.copy)
             else:
                 self.start()
+
+    def _workers(self) -> list[StreamWorker]:
+        return [w for w in (self._keeper, self._worker, self._replicas) if w is not None]
+
+    def revive(self) -> None:
+        for w in self._workers():
+            w.revive()
 
     # --- after each commit (rank 0) -----------------------------------------------------------
 
@@ -144,6 +161,10 @@ class NodeTiers(Tiers):
         def committed(f: "Future[str | None]") -> None:
             if f.exception() is None and f.result() is not None:
                 self._submit(self._committed, step, _name_of(str(f.result())))
+            else:  # a full disk may have failed it: what is no longer pinned goes now, and what it left
+                with self._lock:
+                    self._failed = [*self._failed[-MAX_FAILED + 1:], step]
+                self._submit(self._prune_logged)
 
         save.add_done_callback(committed)
 
@@ -159,8 +180,8 @@ class NodeTiers(Tiers):
             source = read_committed_raw(self.roots[0].sub(name))
             if self._messages is not None:
                 self._messages.commit(name, source)
-            if self._replicas is not None and self.channel is not None:
-                announce(self.channel, name, source.manifest_raw)  # off this thread: each rank's replica thread
+            if self._announce is not None:
+                announce(self._announce, name, source.manifest_raw)  # off this thread: each rank's replica thread
             self._newest = (step, name)
             self._reached(0, step, name)  # offered to the promoter, which pins it when chosen
             self._prune()
@@ -189,7 +210,11 @@ class NodeTiers(Tiers):
         if self._rules is None:
             return
         pins = self.promoters[0].pins() if self.promoters else frozenset()
-        p = plan(self.roots[0], self._rules, pins, self.roots[1].url if len(self.roots) > 1 else "")
+        with self._lock:
+            failed = list(self._failed)
+        elsewhere = self._messages.elsewhere() if self._messages is not None else []
+        p = plan(self.roots[0], self._rules, pins, self.roots[1].url if len(self.roots) > 1 else "", failed,
+                 self.durability.newest_started(), elsewhere)
         if p is None:
             return
         if self._messages is not None:
@@ -200,6 +225,7 @@ class NodeTiers(Tiers):
     # --- resuming -----------------------------------------------------------------------------
 
     def gather(self) -> None:
+        self._skips.clear()
         if self._steps is not None:
             self._steps.gather()
 
@@ -213,10 +239,39 @@ class NodeTiers(Tiers):
 
     def checkpoint(self, tier: int, name: str) -> Storage:
         if self._recovery is None:
-            return Layered([root.sub(name) for root in self.roots])
+            return Layered([root.sub(name) for root in self.roots], self._skips.get(name))
         if tier == 0:  # collective: every rank takes the same candidates in the same order
             self._recovery.restore(name)
-        return Layered([self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])])
+        layers = [self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])]
+        return Layered(layers, self._skips.get(name))
+
+    def avoid(self, view: Storage, error: CkptError) -> bool:
+        """This rank's load of ``view`` failed with ``error``: set aside the copies of the
+        step's shard files it found damaged, so that the next attempt at the same step reads
+        each from the next copy. A copy on this node's disk (its step directory, or a replica
+        it holds) is renamed hidden in place (``.<name>.damaged``: kept for a look, ignored by
+        every reader, removed with its step), so that recovery restores it from the partner
+        node, else the next tier serves it; a remote one is skipped by the next view of the
+        step. True when it set one aside."""
+        if not isinstance(view, Layered) or not isinstance(error, InvalidCheckpoint):
+            return False
+        text, name = str(error), _name_of(view.url)
+        bad = [k for k in view.served if is_own_shard_name(k) and view.url_of(k) in text]
+        for key in bad:
+            i = view.served[key]
+            path = view.layers[i].local_path(key)
+            if path is None:
+                self._skips.setdefault(name, {}).setdefault(key, set()).add(i)
+                log.warning("tiers: %s does not check out; the next attempt at %s reads it from another copy",
+                            view.layers[i].url_of(key), name)
+                continue
+            try:
+                os.replace(path, os.path.join(os.path.dirname(path), f".{key}.damaged"))
+                log.warning("tiers: %s does not check out; set aside as .%s.damaged, the next attempt at %s "
+                            "restores it from another copy", view.layers[i].url_of(key), key, name)
+            except FileNotFoundError:
+                pass  # another rank of this node set it aside already
+        return bool(bad)
 
     # --- closing ------------------------------------------------------------------------------
 
@@ -226,8 +281,8 @@ class NodeTiers(Tiers):
         return super().flush(timeout_s)
 
     def release(self, timeout_s: float) -> None:
-        for t in (self._worker, self._keeper, self._replicas):
-            if t is not None and not t.join(timeout_s):
+        for t in self._workers():
+            if not t.join(timeout_s):
                 log.warning("tiers: rank %d stopped waiting for rank 0's last promotion after %.0f s", self.rank, timeout_s)
 
     def close(self, join_s: float = 5.0) -> None:
@@ -236,14 +291,20 @@ class NodeTiers(Tiers):
             self._closing = True
         if self._after is not None:
             self._after.shutdown(wait=True)  # the last commit's message and prune go out before stop
+        stops = []  # (outbox, its stop): every stream is told first, then waited for together
         if self._round is not None:
-            self._round.close()
+            stops.append((self._round.outbox, self._round.stop()))
         if self._messages is not None:
-            self._messages.stop()
-        if self._replicas is not None and self.channel is not None and self.rank == 0:
-            stop_replicas(self.channel)  # after the last announcement: the rounds in flight finish
-            if not self._replicas.join(self._replica_timeout_s):
+            stops.append((self._messages.outbox, self._messages.stop()))
+        if self._announce is not None:  # after the last announcement: the rounds in flight finish
+            stops.append((self._announce, self._announce.stop()))
+            if self._replicas is not None and not self._replicas.join(self._replica_timeout_s):
                 log.warning("tiers: the last peer replica round did not finish within %.0f s", self._replica_timeout_s)
+        deadline = time.monotonic() + join_s
+        for out, n in stops:
+            out.finish(n, deadline - time.monotonic())
+        if self._messages is not None:
+            self._messages.forget()  # after the leaders' last prune
         if self.rank == 0:
             self.release(join_s)
         if self.channel is not None:

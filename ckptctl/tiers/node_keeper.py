@@ -6,18 +6,22 @@ Rank 0 (``NodeMessages``) sends on the channel's ``node`` stream, after each sav
 ``tiers.node_commit``), then, when the tier has retention rules, ``prune`` (a
 ``node_retention.PrunePlan``: what to delete, possibly nothing, and what to keep); and
 ``stop`` when the ``Checkpointer`` closes. One stream, so a node always commits a step before
-it is asked to anchor a prune on it. Each leader acks each
-message; rank 0 deletes a message from the store once every leader took it.
+it is asked to anchor a prune on it. Each leader replies ``ok`` once a message is applied
+(or failed: logged), and rank 0 deletes each message once every leader did
+(``tiers.stream``); a leader that falls far behind skips to the newest, whose prune plan
+covers what it missed. After each prune a leader also publishes which steps its node holds
+committed (``held/<leader>``, one key per node, overwritten), and rank 0 plans over those too:
+a step rank 0's node no longer holds is still decided by the rules on the others.
 
-May import: ``tiers.channel``, ``tiers.node_commit``, ``tiers.node_retention``, ``layouts``,
-``storage``, leaves.
+May import: ``tiers.stream``, ``tiers.channel``, ``tiers.node_commit``, ``tiers.node_retention``,
+``layouts``, ``storage``, leaves.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
-import threading
 from collections.abc import Collection
 from typing import Any
 
@@ -28,70 +32,77 @@ from ckptctl.layouts.native import Committed
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.node_commit import commit_here, parse_committed
-from ckptctl.tiers.node_retention import NodePruner, PrunePlan
+from ckptctl.tiers.node_retention import NodePruner, PrunePlan, held
+from ckptctl.tiers.stream import StreamWorker
 
 log = logging.getLogger("ckptctl")
 
 STREAM = "node"
+HELD = "held"  # held/<leader>: the steps that leader's node holds committed, after its last prune
+KEEP = 16  # node messages open at once (each leader applies them in order, a commit and a prune per save)
 
 
 class NodeMessages:
-    """Rank 0's side of the ``node`` stream (``leaders``: how many nodes take each message)."""
+    """Rank 0's side of the ``node`` stream (``leaders``: each node's lowest rank)."""
 
-    def __init__(self, channel: Channel, leaders: int) -> None:
-        self.channel, self.leaders = channel, leaders
-        self._lock = threading.Lock()
-        self._unacked: list[int] = []
-        self._conn: "dist.Store | None" = None
+    def __init__(self, channel: Channel, leaders: Collection[int]) -> None:
+        self.outbox = channel.outbox(STREAM, leaders, KEEP, collected=False)
+        self.leaders = sorted(k for k in leaders if k != 0)
+        self._reader = channel.link("node lists reader", "")  # rank 0's after-commit thread's
+
+    def elsewhere(self) -> list[list]:
+        """What the other nodes last said they hold (``node_retention.held``), by step."""
+        def read(st: "dist.Store") -> list[bytes]:
+            return [st.get(k) for k in (f"{HELD}/{r}" for r in self.leaders) if st.check([k])]
+
+        found: list[list] = []
+        for raw in self._reader.call(read):
+            try:
+                items = json.loads(raw)
+                found += [[str(n), int(s), float(t), {str(k): float(v) for k, v in m.items()}] for n, s, t, m in items]
+            except (ValueError, TypeError, AttributeError):
+                log.warning("tiers: a node's list of its steps does not read; left out of this plan")
+        return found
+
+    def forget(self) -> None:
+        """At close: the nodes' lists go."""
+        self._reader.call(lambda st: [st.delete_key(f"{HELD}/{r}") for r in self.leaders])
+        self._reader.give_back()
 
     def commit(self, name: str, source: Committed) -> None:
-        self._send({"op": "commit", "name": name, "manifest": base64.b64encode(source.manifest_raw).decode(),
-                    "marker": base64.b64encode(source.marker_raw).decode()})
+        self.outbox.send({"op": "commit", "name": name, "manifest": base64.b64encode(source.manifest_raw).decode(),
+                          "marker": base64.b64encode(source.marker_raw).decode()})
 
     def prune(self, p: PrunePlan) -> None:
-        self._send({"op": "prune", "anchor": p.anchor, "delete": list(p.delete), "keep": list(p.keep)})
+        self.outbox.send({"op": "prune", "anchor": p.anchor, "delete": list(p.delete), "keep": list(p.keep),
+                          "failed": list(p.failed)})
 
-    def stop(self) -> None:
-        self._send({"op": "stop"})
-
-    def _send(self, message: dict[str, Any]) -> None:
-        with self._lock:
-            if self._conn is None:
-                self._conn = self.channel.connection()
-            n = self.channel.send(STREAM, message)
-            still = []
-            for old in self._unacked:  # read by every leader: no longer needed in the store
-                if self.channel.acks(self._conn, STREAM, old) >= self.leaders:
-                    self.channel.forget(self._conn, STREAM, old, replies=False)
-                else:
-                    still.append(old)
-            self._unacked = [*still, n]
+    def stop(self) -> int:
+        return self.outbox.stop()
 
 
-class NodeKeeper:
+class NodeKeeper(StreamWorker):
     """The thread on a node's leader that applies the ``node`` stream to ``root`` (this node's
     first tier; ``ranks``: the ranks of this node)."""
 
-    def __init__(self, channel: Channel, root: Storage, ranks: Collection[int]) -> None:
-        self.channel, self.root, self.ranks = channel, root, frozenset(ranks)
-        self.pruner = NodePruner(root, self.ranks)
-        conn = channel.connection()  # here, not on the thread: see ``Channel.connection``
-        self._thread = threading.Thread(target=self._run, args=(conn,), name=f"ckptctl-node-{root.url}", daemon=True)
-        self._thread.start()
+    ops = frozenset({"commit", "prune"})
 
-    def _run(self, conn: "dist.Store") -> None:
-        for n, msg in self.channel.messages(conn, STREAM):
-            if msg.get("op") == "stop":
-                self.channel.give_back(conn)  # idle for good
-                return
-            try:
-                self._apply(msg)
-            except CkptError as e:
-                log.error("node-local tier %s: %s failed: %s", self.root.url, msg.get("op"), e)
-            except Exception as e:  # a bug must not end this node's commits and retention for the run
-                log.error("node-local tier %s: %s failed unexpectedly", self.root.url, msg.get("op"), exc_info=e)
-            finally:
-                self.channel.ack(conn, STREAM, n)
+    def __init__(self, channel: Channel, root: Storage, ranks: Collection[int]) -> None:
+        self.root, self.ranks = root, frozenset(ranks)
+        self.pruner = NodePruner(root, self.ranks)
+        # The link is made here, not on the thread: see ``tiers.link``.
+        super().__init__(channel.link(f"node keeper (rank {channel.rank})", root.url), STREAM, channel.rank,
+                         channel.health)
+        self.start()
+
+    def handle(self, n: int, msg: dict[str, Any]) -> str:
+        try:
+            self._apply(msg)
+        except CkptError as e:
+            log.error("node-local tier %s: %s failed: %s", self.root.url, msg.get("op"), e)
+        except Exception as e:  # a bug must not end this node's commits and retention for the run
+            log.error("node-local tier %s: %s failed unexpectedly", self.root.url, msg.get("op"), exc_info=e)
+        return "ok"
 
     def _apply(self, msg: dict[str, Any]) -> None:
         if msg["op"] == "commit":
@@ -100,8 +111,8 @@ class NodeKeeper:
             commit_here(ckpt, source, self.ranks)
         elif msg["op"] == "prune":
             self.pruner.apply(PrunePlan(str(msg["anchor"]), tuple(str(n) for n in msg["delete"]),
-                                        tuple(str(n) for n in msg.get("keep", ()))))
-
-    def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+                                        tuple(str(n) for n in msg.get("keep", ())),
+                                        tuple(str(n) for n in msg.get("failed", ()))))
+            if self.rank != 0:  # for rank 0's next plan: what this node still holds (one key per node)
+                listed = json.dumps(held(self.root))
+                self.link.call(lambda st: st.set(f"{HELD}/{self.rank}", listed.encode()))

@@ -19,7 +19,9 @@ node holds only its own ranks' shards. So the decision and the deletion are spli
   ``ckptctl prune``'s rule for them (``tiers.leftovers``: idle for prune's partial-after time,
   never a directory another layout's rule calls complete, never a symlink, each deleted only
   while unchanged, marker first, under the root's lock), except the steps the plan keeps (the
-  anchor, the promoter's pins: their parts on this node are read by a promotion round).
+  anchor, the promoter's pins: their parts on this node are read by a promotion round); the
+  partials of saves rank 0 saw fail in this run, older than the anchor, without waiting for
+  the idle time (a full disk fails saves one after another, and each leaves a directory).
 
 Rank 0 sends a plan after every commit whenever the tier has rules, even when it deletes
 nothing (a node may hold partials rank 0 cannot see); a node reads its part of a new anchor
@@ -36,7 +38,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from ckptctl.errors import CkptError
-from ckptctl.format.layout import MARKER, parse_step_dir
+from ckptctl.format.layout import MARKER, parse_step_dir, step_dir
 from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed
 from ckptctl.layouts.native import remove
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
@@ -56,19 +58,42 @@ class PrunePlan:
     anchor: str  # the newest committed checkpoint's name: verified on each node before deleting
     delete: tuple[str, ...]  # names, oldest first
     keep: tuple[str, ...] = ()  # pinned for promotion: never removed as partial on a node
+    failed: tuple[str, ...] = ()  # saves of this run that failed: their partials go without the idle time
 
 
-def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], to: str) -> PrunePlan | None:
+def held(root: Storage) -> list[list]:
+    """What a node's first tier holds committed, as a leader publishes it for rank 0's plans:
+    ``[name, step, created, metrics]`` of each step, newest first."""
+    return [[e.name, e.step, float(e.manifest.created), dict(e.manifest.metrics)]
+            for e in newest_committed(root, layouts=CHECKPOINTER_LAYOUTS) if e.manifest is not None]
+
+
+def plan(root: Storage, rules: Policy | RetentionPolicy, pins: frozenset[int], to: str,
+         failed: Collection[int] = (), newest_started: int | None = None,
+         elsewhere: Collection[list] = ()) -> PrunePlan | None:
     """What retention deletes on every node, from rank 0's node's first tier (possibly
-    nothing: each node still removes its abandoned partials); None when nothing is committed."""
+    nothing: each node still removes its abandoned partials); None when nothing is committed.
+    ``elsewhere``: what the other nodes said they hold (``held``), so that a step rank 0's node
+    no longer holds (pruned there, or its disk lost) is decided too, and not kept on the
+    others for good; the anchor is rank 0's newest, which every node verifies before deleting.
+    ``failed``: steps whose save failed in this run; those older than ``newest_started`` (the
+    newest step a save was started for: the job moved on, so no writer of this run writes
+    them, nor will a retry of the same step) are named in the plan, so that each node removes
+    what they left at once instead of after prune's partial-after time. Not only those older
+    than the anchor: on a full disk, failed saves' shards are what keeps it full, and no save
+    commits until they go."""
     entries = [e for e in newest_committed(root, layouts=CHECKPOINTER_LAYOUTS) if e.manifest is not None]
     if not entries:
         return None
     policy = RetentionPolicy.of(guarded(RetentionPolicy.of(rules), pins, to))
-    candidates = [Candidate(e.step, float(e.manifest.created), e.manifest.metrics) for e in entries]  # type: ignore[union-attr]
-    decisions = policy.decide(candidates, entries[0].step)
-    delete = tuple(e.name for e in reversed(entries) if not decisions[e.step].keep)
-    return PrunePlan(entries[0].name, delete, tuple(e.name for e in entries if e.step in pins))
+    known = {e.step: (e.name, float(e.manifest.created), e.manifest.metrics) for e in entries}  # type: ignore[union-attr]
+    for name, step, created, metrics in elsewhere:
+        if step < entries[0].step:  # a node newer than rank 0's is left alone: rank 0's anchor decides
+            known.setdefault(step, (name, created, metrics))
+    decisions = policy.decide([Candidate(s, t, m) for s, (_, t, m) in known.items()], entries[0].step)
+    delete = tuple(known[s][0] for s in sorted(known) if not decisions[s].keep)
+    gone = tuple(step_dir(s) for s in sorted(failed) if newest_started is not None and s < newest_started)
+    return PrunePlan(entries[0].name, delete, tuple(e.name for e in entries if e.step in pins), gone)
 
 
 class NodePruner:
@@ -83,7 +108,8 @@ class NodePruner:
         """Delete ``p.delete`` and this node's abandoned partials once the anchor verifies
         here. Returns the names deleted."""
         planned = [n for n in p.delete if n != p.anchor and self.root.stat(n) is not None]
-        partials = abandoned(self.root, partial_after_s=self.partial_after_s, keep={p.anchor, *p.keep, *p.delete})
+        partials = abandoned(self.root, partial_after_s=self.partial_after_s, keep={p.anchor, *p.keep, *p.delete},
+                             quiet=p.failed)
         if not planned and not partials:
             self._replicas(p)
             return []  # nothing to delete: the anchor is not read

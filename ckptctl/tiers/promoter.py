@@ -14,7 +14,9 @@ switches to the newest one at every retry, so once the tier is back it catches u
 newest waiting one.
 
 Failures: an operational error (the next tier unreachable, throttled past botocore's retries)
-is retried with exponential backoff up to ``retry_max_s``; a warning is logged once when the
+is retried with exponential backoff up to ``retry_max_s``, with the newest chosen checkpoint
+(or the same one, when the failed attempt got more of it to the destination than any before:
+``Progressed``, and the copy does not send again what is there); a warning is logged once when the
 destination lags the source by more than ``lag_warning_s`` (and an info line when it caught
 up). A source that no longer verifies or is gone, or a destination step that holds another
 checkpoint, gives that checkpoint up with an error logged; the next one is promoted as usual.
@@ -30,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptctl.errors import CheckpointError, CkptError, OperationalError, RefusedForSafety
+from ckptctl.errors import CheckpointError, CkptError, OperationalError, RefusedForSafety, StorageError
 from ckptctl.ops.transfer.copy import CopyResult, copy_checkpoint
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.spec import RETRY_FIRST_S, Cadence
@@ -42,6 +44,12 @@ OnPromoted = Callable[[int, str, CopyResult], None]
 # Copies one committed checkpoint directory to another: ``copy_checkpoint``, or a node-local
 # first tier's promotion round (``tiers.promotion_round``), which raises the same errors.
 CopyFn = Callable[[Storage, Storage], CopyResult]
+
+
+class Progressed(StorageError):
+    """A copy that failed after it got more of the checkpoint to the destination than any
+    earlier attempt: the retry takes the same checkpoint rather than a newer one, whose copy
+    would start from nothing (a round's ranks that got their files there are done with them)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ class Promoter:
                     self._cond.wait_for(lambda: self._stopping, timeout=delay)
                     if self._stopping:
                         return
-                    if self._waiting:  # a newer checkpoint was chosen meanwhile: copy that one
+                    if self._waiting and not isinstance(e, Progressed):  # a newer one was chosen meanwhile
                         newer = self._take_newest()
                         log.info("promotion to %s: step %d was never copied; trying newer step %d",
                                  self.dst.url, offer.step, newer.step)

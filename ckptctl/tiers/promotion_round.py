@@ -15,9 +15,13 @@ and when, and runs one round per attempt through ``RoundLeader.copy`` (its copy 
    for its rank, from its node's first tier, checked on the way (``tiers.upload``), and
    replies ``ok:<bytes>``, ``retry:<why>`` (an operational error: the next tier unreachable)
    or ``bad:<why>`` (its shard is damaged or gone);
-4. rank 0 waits for every reply, up to the round's timeout: any ``bad`` gives the step up
-   (InvalidCheckpoint); a ``retry`` or a missing reply (a rank dead or hung) is an operational
-   error, so the promoter backs off and retries, with the newest chosen step;
+4. rank 0 waits for every reply, up to the round's deadline, which grows with the bytes the
+   busiest rank must upload (``round_deadline``: a floor, a minimum rate, a ceiling); a rank
+   whose process stopped beating is answered for sooner (``tiers.liveness``). Any ``bad``
+   gives the step up (InvalidCheckpoint); a ``retry``, a missing reply (a rank hung, or slower
+   than the minimum rate) or a dead rank is an operational error, so the promoter backs off
+   and retries: the same step when this round got more of it to the next tier than before
+   (what is there is not uploaded again), else the newest chosen step;
 5. only when every rank replied ``ok``: rank 0 checks every listed file is at the next tier
    at its size, then writes the manifest and the marker last (``layouts.native.commit_copy``);
 6. then it sweeps: the older steps its rounds left without a marker (a rank failed or was
@@ -37,7 +41,8 @@ holding other bytes (another job promoting the same step) is never replaced: tha
 refused for safety, and the step given up. The workers are threads of their own on every rank: training and the saver's writer never wait
 for a round.
 
-May import: ``tiers.channel``, ``tiers.upload``, ``tiers.leftovers``, ``ops.transfer.copy`` (its
+May import: ``tiers.channel``, ``tiers.stream``, ``tiers.liveness``, ``tiers.promoter``,
+``tiers.upload``, ``tiers.leftovers``, ``ops.transfer.copy`` (its
 result type), ``ops.transfer.uploads``, ``layouts.native``, ``format``, ``storage``, leaves.
 """
 
@@ -45,12 +50,9 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import torch.distributed as dist
 
 from ckptctl.errors import (
     CheckpointError,
@@ -70,6 +72,9 @@ from ckptctl.ops.transfer.uploads import in_root as uploads_in_root
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.leftovers import PARTIAL_AFTER_S, sweep
+from ckptctl.tiers.liveness import Watch
+from ckptctl.tiers.promoter import Progressed
+from ckptctl.tiers.stream import StreamWorker
 from ckptctl.tiers.upload import upload_files
 
 log = logging.getLogger("ckptctl")
@@ -85,6 +90,22 @@ def _name_of(ckpt: Storage) -> str:
 # run's rounds), which are removed only once idle for prune's partial-after time.
 FULL_SWEEP_S = 3600.0
 
+# A round's deadline: ROUND_FLOOR_S (set-up, listings, small shards on a loaded host) plus the
+# busiest rank's bytes at ROUND_MIN_RATE (a rank uploading slower is taken as stuck), at most
+# ROUND_CEILING_S. A dead rank is answered for after the save's liveness_s (``tiers.liveness``).
+ROUND_FLOOR_S = 120.0
+ROUND_MIN_RATE = 8 << 20  # bytes per second and rank
+ROUND_CEILING_S = 6 * 3600.0
+
+
+def round_deadline(busiest_bytes: int) -> float:
+    """Seconds rank 0 waits for a round in which the busiest rank uploads ``busiest_bytes``.
+
+    >>> round_deadline(0), round_deadline(8 << 30), round_deadline(1 << 50)
+    (120.0, 1144.0, 21600.0)
+    """
+    return min(ROUND_FLOOR_S + busiest_bytes / ROUND_MIN_RATE, ROUND_CEILING_S)
+
 
 @dataclass(frozen=True)
 class _Attempt:
@@ -95,12 +116,19 @@ class _Attempt:
 
 class RoundLeader:
     """Rank 0's side: ``copy`` is the promoter's copy function for the first hop into the
-    root ``remote`` (the next tier's)."""
+    root ``remote`` (the next tier's). ``liveness_s``: the save's (a rank silent that long is
+    dead)."""
 
-    def __init__(self, channel: Channel, timeout_s: float, remote: Storage) -> None:
-        self.channel, self.timeout_s, self.remote = channel, timeout_s, remote
-        self._conn: "dist.Store | None" = None
+    def __init__(self, channel: Channel, remote: Storage, liveness_s: float) -> None:
+        self.channel, self.remote = channel, remote
+        # Each round is concluded before the next is sent: a rank still busy with an older one skips to the newest.
+        self.outbox = channel.outbox(STREAM, range(channel.world_size), 1, collected=True, latest_only=True)
+        self._link = channel.link("promotion leader", remote.url)  # the promoter thread's
+        # The whole store: the heartbeats and the replies live under two prefixes.
+        self._watch = Watch(channel.link("promotion watch", remote.url, prefixed=False), channel.group_name,
+                            channel.prefix, liveness_s)
         self._attempted: dict[str, _Attempt] = {}  # rounds sent, marker not written: name -> what
+        self._done: dict[str, set[int]] = {}  # name -> ranks whose files reached the next tier
         self._next_full_sweep = 0.0  # time.monotonic() of the next look at every partial step
 
     def copy(self, src: Storage, dst: Storage) -> CopyResult:
@@ -111,17 +139,33 @@ class RoundLeader:
         if _already_present(dst, source):
             return CopyResult(src.url, dst.url, step, "already present", files=len(files),
                               seconds=time.perf_counter() - t0)
-        if self._conn is None:
-            self._conn = self.channel.connection()
         name = _name_of(src)
-        n = self.channel.send(STREAM, {"op": "promote", "name": name,
-                                       "manifest": base64.b64encode(source.manifest_raw).decode()})
-        replies = self.channel.replies(self._conn, STREAM, n, self.timeout_s)
+        per_rank: dict[int, int] = {}
+        for f in files:
+            per_rank[f.rank] = per_rank.get(f.rank, 0) + f.size
+        deadline = round_deadline(max(per_rank.values(), default=0))
+        n = self.outbox.send({"op": "promote", "name": name,
+                              "manifest": base64.b64encode(source.manifest_raw).decode()})
+        keys = {k: f"{STREAM}/{n}/r{k}" for k in range(self.channel.world_size)}
+        with self._watch.during(keys):
+            replies = self.outbox.replies(self._link, n, deadline)
         # Until its marker is written, this step's objects at ``dst`` are a leftover to sweep
         # once a newer step is committed there; quiet when no rank of this round still writes.
-        self._attempted[name] = _Attempt(step, tuple(f.name for f in files), len(replies) == self.channel.world_size)
-        _judge(step, dst, replies, self.channel.world_size, self.timeout_s)
-        self.channel.forget(self._conn, STREAM, n, replies=True)
+        answered = [k for k, v in replies.items() if not v.startswith("dead:")]
+        self._attempted[name] = _Attempt(step, tuple(f.name for f in files), len(answered) == self.channel.world_size)
+        done = self._done.setdefault(name, set())
+        gained = {k for k, v in replies.items() if v.startswith("ok:")} - done
+        done |= gained
+        try:
+            _judge(step, dst, replies, self.channel.world_size, deadline)
+        except OperationalError as e:
+            if gained:  # more of it is at the next tier than before: retrying it costs only the rest
+                raise Progressed(f"{e} ({len(done)} of {self.channel.world_size} ranks' files are there)",
+                                 hint=e.hint) from None
+            raise
+        except CkptError:
+            self._done.pop(name, None)
+            raise
         for f in files:  # each rank's ok is its own writer's commit; a size check costs a HEAD
             info = dst.stat(f.name)
             if info is None or info.size != f.size:
@@ -130,6 +174,7 @@ class RoundLeader:
                                    hint="the next tier lost a write; the promotion is retried")
         commit_copy(dst, source)  # the marker last
         self._attempted.pop(name, None)
+        self._done.pop(name, None)
         try:
             self._sweep(name, step)
         except CkptError as e:  # the step is promoted; the leftovers wait for the next sweep
@@ -162,10 +207,17 @@ class RoundLeader:
         for k in older:
             if root.stat(k) is None or root.sub(k).stat(MARKER) is not None:
                 self._attempted.pop(k, None)  # gone (or committed by someone else: never ours to remove)
+                self._done.pop(k, None)
 
-    def close(self) -> None:
-        """Tell every rank's upload thread to end (after the round it is in, if any)."""
-        self.channel.send(STREAM, {"op": "stop"})
+    def stop(self) -> int:
+        """Tell every rank's upload thread to end (after the round it is in, if any). Returns
+        the ``stop`` message's number. (The leader's own connections are not pooled: a round
+        left running past ``close`` may still use them.)"""
+        return self.outbox.stop()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """``stop``, then wait up to ``timeout_s`` for every rank to take it (``Outbox.finish``)."""
+        self.outbox.finish(self.stop(), timeout_s)
 
 
 def _already_present(dst: Storage, source: Committed) -> bool:
@@ -200,7 +252,7 @@ def _already_present(dst: Storage, source: Committed) -> bool:
     return False
 
 
-def _judge(step: int, dst: Storage, replies: dict[int, str], world_size: int, timeout_s: float) -> None:
+def _judge(step: int, dst: Storage, replies: dict[int, str], world_size: int, deadline_s: float) -> None:
     """Raise unless every rank replied ok: a damaged shard gives the step up; anything else is
     retried."""
     bad = {k: v[4:] for k, v in replies.items() if v.startswith("bad:")}
@@ -208,10 +260,17 @@ def _judge(step: int, dst: Storage, replies: dict[int, str], world_size: int, ti
         k = min(bad)
         raise InvalidCheckpoint(f"step {step}: rank {k} could not upload its shard to {dst.url}: {bad[k]}",
                                 hint="that node's first tier is damaged; a newer checkpoint will be promoted")
+    dead = {k: v[5:] for k, v in replies.items() if v.startswith("dead:")}
+    if dead:
+        k = min(dead)
+        raise CoordinationError(f"step {step}: rank {k} did not report its upload to {dst.url}: {dead[k]}; "
+                                "no marker was written", hint="the promotion is retried with backoff")
     missing = [k for k in range(world_size) if k not in replies]
     if missing:
         raise CoordinationError(f"step {step}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                                f"did not report its upload to {dst.url} within {timeout_s:.0f} s; no marker was written")
+                                f"did not report its upload to {dst.url} within {deadline_s:.0f} s (the round's "
+                                "deadline for its bytes); no marker was written",
+                                hint="the promotion is retried with backoff")
     retry = {k: v[6:] for k, v in replies.items() if v.startswith("retry:")}
     if retry:
         k = min(retry)
@@ -219,30 +278,24 @@ def _judge(step: int, dst: Storage, replies: dict[int, str], world_size: int, ti
                            hint="the promotion is retried with backoff")
 
 
-class RoundWorker:
+class RoundWorker(StreamWorker):
     """Every rank's side: a thread that uploads this rank's shards for each round."""
 
+    ops = frozenset({"promote"})
+
     def __init__(self, channel: Channel, local: Storage, remote: Storage) -> None:
-        self.channel, self.local, self.remote = channel, local, remote
-        self.rounds = 0
-        conn = channel.connection()  # here, not on the thread: see ``Channel.connection``
-        self._thread = threading.Thread(target=self._run, args=(conn,), name=f"ckptctl-upload-{remote.url}", daemon=True)
-        self._thread.start()
+        self.local, self.remote = local, remote
+        # The link is made here, not on the thread: see ``tiers.link``.
+        super().__init__(channel.link(f"upload thread (rank {channel.rank})", remote.url), STREAM, channel.rank,
+                         channel.health)
+        self.start()
 
-    def _run(self, conn: "dist.Store") -> None:
-        for n, msg in self.channel.messages(conn, STREAM):
-            if msg.get("op") != "promote":
-                self.channel.give_back(conn)  # stop: idle for good
-                return
-            self.channel.reply(conn, STREAM, n, self._upload(msg))
-            self.rounds = n
-
-    def _upload(self, msg: dict[str, Any]) -> str:
+    def handle(self, n: int, msg: dict[str, Any]) -> str:
         name = str(msg["name"])
         try:
             src, dst = self.local.sub(name), self.remote.sub(name)
             manifest = Manifest.from_json(base64.b64decode(msg["manifest"]), src.url_of("manifest"))
-            mine = [f for f in manifest.files if f.rank == self.channel.rank]
+            mine = [f for f in manifest.files if f.rank == self.rank]
             done = upload_files(src, dst, manifest, mine)
             return f"ok:{done.bytes}"
         except OperationalError as e:
@@ -252,9 +305,3 @@ class RoundWorker:
         except Exception as e:  # a bug must not end this rank's part in promotion: rank 0 gives the step up
             log.error("upload of %s to %s failed unexpectedly", name, self.remote.url, exc_info=e)
             return f"bad:unexpected {type(e).__name__}: {e}"
-
-    def join(self, timeout: float) -> bool:
-        """Wait for rank 0's stop (or the store's end); True when the thread ended (else it is
-        left blocked in the store on its daemon thread)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()

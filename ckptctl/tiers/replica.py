@@ -14,14 +14,16 @@ node, which writes it under its own node's replica directory.
    collects every reply (bounded by the timeout) and records the step's time to replicated
    and the bytes sent over the network by every rank together (``tiers.durability``); a
    failed or missing reply is logged and that step's replica is skipped, never retried (the
-   next save's replica follows).
+   next save's replica follows). The announcement stays in the store until every rank
+   replied (``tiers.stream``): a rank still busy with an earlier round reads it when it gets
+   there, whatever rank 0's wait found.
 
 Off the training thread, off the saver's writer thread: the bytes are read from disk, not from
 the staging buffer, so the next save's snapshot never waits for a replica. A partner that
 died or hangs fails the round's transfers at the timeout (``replica_link``), and the next
 round uses a tag of its own.
 
-May import: ``tiers.channel``, ``tiers.replica_link``, ``tiers.replica_store``,
+May import: ``tiers.channel``, ``tiers.stream``, ``tiers.replica_link``, ``tiers.replica_store``,
 ``tiers.durability``, ``format``, ``storage``, leaves.
 """
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,51 +45,56 @@ from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.durability import Durability
 from ckptctl.tiers.replica_link import Ring, recv_files, send_files
 from ckptctl.tiers.replica_store import replica_dir, write_marker
+from ckptctl.tiers.stream import Outbox, StreamWorker
 
 log = logging.getLogger("ckptctl")
 
 STREAM = "replica"
 
 
-def announce(channel: Channel, name: str, manifest_raw: bytes) -> int:
+KEEP = 16  # announcements open at once (one per save; each rank takes them in order)
+
+
+def outbox(channel: Channel) -> Outbox:
+    """Rank 0's side of the ``replica`` stream: every rank replies to each announcement."""
+    return channel.outbox(STREAM, range(channel.world_size), KEEP, collected=True)
+
+
+def announce(out: Outbox, name: str, manifest_raw: bytes) -> int:
     """Rank 0: start the round of checkpoint ``name`` (just committed)."""
-    return channel.send(STREAM, {"op": "replicate", "name": name, "manifest": base64.b64encode(manifest_raw).decode()})
+    return out.send({"op": "replicate", "name": name, "manifest": base64.b64encode(manifest_raw).decode()})
 
 
-def stop(channel: Channel) -> None:
-    """Rank 0: every worker ends after the rounds already announced."""
-    channel.send(STREAM, {"op": "stop"})
+class ReplicaWorker(StreamWorker):
+    """Every rank's replica thread. Rank 0's also collects each round's replies from
+    ``collect`` (its outbox) and records them in ``durability``."""
 
-
-class ReplicaWorker:
-    """Every rank's replica thread. ``durability``: rank 0's, where each round is recorded."""
+    ops = frozenset({"replicate"})
 
     def __init__(self, channel: Channel, group: "dist.ProcessGroup", ring: Ring, root: Storage, timeout_s: float,
-                 durability: Durability | None = None) -> None:
-        self.channel, self.group, self.ring, self.root = channel, group, ring, root
-        self.timeout_s, self.durability = timeout_s, durability
-        self.rank = channel.rank
-        self.rounds = 0
+                 durability: Durability | None = None, collect: Outbox | None = None) -> None:
+        self.group, self.ring, self.root = group, ring, root
+        self.timeout_s, self.durability, self.collect = timeout_s, durability, collect
+        self.world_size = channel.world_size
         self.sent_bytes = 0  # by this rank, over the run
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-replica-send")
-        conn = channel.connection()  # here, not on the thread: see ``Channel.connection``
-        self._thread = threading.Thread(target=self._run, args=(conn,), name=f"ckptctl-replica-{root.url}", daemon=True)
-        self._thread.start()
+        self._started: dict[int, float] = {}
+        # The link is made here, not on the thread: see ``tiers.link``.
+        super().__init__(channel.link(f"replica thread (rank {channel.rank})", root.url), STREAM, channel.rank,
+                         channel.health)
+        self.start()
 
-    def _run(self, conn: "dist.Store") -> None:
-        try:
-            for n, msg in self.channel.messages(conn, STREAM):
-                if msg.get("op") != "replicate":
-                    self.channel.give_back(conn)  # stop: idle for good
-                    return
-                t0 = time.monotonic()
-                reply = self._round(n, msg)
-                self.channel.reply(conn, STREAM, n, reply)
-                self.rounds = n
-                if self.rank == 0:
-                    self._collect(conn, n, str(msg["name"]), t0)
-        finally:
-            self._sender.shutdown(wait=False)
+    def handle(self, n: int, msg: dict[str, Any]) -> str:
+        self._started[n] = time.monotonic()
+        return self._round(n, msg)
+
+    def after(self, n: int, msg: dict[str, Any]) -> None:
+        t0 = self._started.pop(n, time.monotonic())
+        if self.collect is not None:
+            self._collect(n, str(msg["name"]), t0)
+
+    def stopped(self) -> None:
+        self._sender.shutdown(wait=False)
 
     def _round(self, n: int, msg: dict[str, Any]) -> str:
         name = str(msg["name"])
@@ -121,12 +127,12 @@ class ReplicaWorker:
             log.error("peer replica of %s failed unexpectedly", name, exc_info=e)
             return f"fail:unexpected {type(e).__name__}: {e}"
 
-    def _collect(self, conn: "dist.Store", n: int, name: str, t0: float) -> None:
+    def _collect(self, n: int, name: str, t0: float) -> None:
         """Rank 0: every rank's reply to round ``n``; the step's time to replicated and bytes."""
-        replies = self.channel.replies(conn, STREAM, n, self.timeout_s)
-        self.channel.forget(conn, STREAM, n, replies=True)
+        assert self.collect is not None
+        replies = self.collect.replies(self.link, n, self.timeout_s)
         failed = {k: v[5:] for k, v in replies.items() if not v.startswith("ok:")}
-        missing = [k for k in range(self.channel.world_size) if k not in replies]
+        missing = [k for k in range(self.world_size) if k not in replies]
         if failed or missing:
             why = f"rank {min(failed)}: {failed[min(failed)]}" if failed else f"ranks {missing} did not reply"
             log.warning("peer replica of %s incomplete (%s); the next save's replica follows", name, why)
@@ -136,9 +142,3 @@ class ReplicaWorker:
         seconds = self.durability.replicated(step, total) if self.durability is not None and step is not None else None
         log.info("step %s replicated to the partner nodes: %d bytes sent, %.2f s after its save (round %.2f s)",
                  step, total, seconds if seconds is not None else float("nan"), time.monotonic() - t0)
-
-    def join(self, timeout: float) -> bool:
-        """Wait for rank 0's stop; True when the thread ended (else it is left on its daemon thread)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
