@@ -25,8 +25,9 @@ Three tools save that state in every round, in an order that rotates from round 
   to save, DCP at its best on this host and the reference of the targets;
 * DCP default: the same with async_save's default stager (fresh host copies every save).
 
-Round 0 is every tool's cold first save (a fresh Checkpointer, a fresh stager, nothing
-prepared). Then both tools get the same warm-up: ``Checkpointer.prepare(state)`` and one
+Round 0 is every tool's cold first save (a fresh Checkpointer, a fresh stager, no
+``prepare()`` and no ``stage()``; the job first calls ``load_latest``, finding nothing, as the
+README's training loop does, then trains 2 steps). Then both tools get the same warm-up: ``Checkpointer.prepare(state)`` and one
 ``stage()`` of DCP*'s stager, followed by 2 training steps; round 1 is the prepared first save,
 rounds 2.. the steady ones (``--no-prepare`` skips the warm-up for both). Each tool keeps only
 its newest checkpoint (``--keep-all``: every one, as a job that never prunes, so the page cache
@@ -281,10 +282,15 @@ def child(a: argparse.Namespace) -> int:
         keep_newest(tool, path)
 
     if not a.no_save:
-        # Round 0, cold: every tool's first save with nothing prepared (a fresh Checkpointer,
-        # a fresh kept stager), right after the first training step.
+        # Round 0, cold: every tool's first save with no prepare() and no stage() (a fresh
+        # Checkpointer, a fresh kept stager). The job starts as the README's loop does:
+        # load_latest (nothing to resume), which prepares ckptctl's buffer in the background
+        # on its own; then 2 training steps, and the first saves.
         log("save round 0 (cold first saves)")
         ck_cold = Checkpointer(os.path.join(a.work, f"ckptctl-cold-{world}"), timeout_s=600)
+        ck_cold.load_latest(state)
+        for _ in range(2):
+            train_step(model, opt, g)
         cold_stager = make_stager(a.device)
         order = TOOLS[:]
         res["order"].append(order)

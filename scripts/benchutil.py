@@ -30,6 +30,34 @@ def drop_cache(path: str) -> bool:
     return ok
 
 
+class ReadCount:
+    """Bytes this process read over a block, from ``/proc/self/io`` (every thread's, finished
+    ones included): ``storage`` (``read_bytes``: what the block layer read for it, so a page
+    cache hit counts nothing) and ``calls`` (``rchar``: every byte a read call returned, page
+    cache, sockets and temporary files included). None where the kernel does not say."""
+
+    storage: int | None = None
+    calls: int | None = None
+
+    @staticmethod
+    def _now() -> dict[str, int] | None:
+        try:
+            with open("/proc/self/io") as f:
+                return {k: int(v) for k, v in (line.split(": ") for line in f)}
+        except (OSError, ValueError):
+            return None
+
+    def __enter__(self) -> "ReadCount":
+        self._before = self._now()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = self._now()
+        if self._before is not None and after is not None:
+            self.storage = after["read_bytes"] - self._before["read_bytes"]
+            self.calls = after["rchar"] - self._before["rchar"]
+
+
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(f) for f in files_under(path))
 
