@@ -248,11 +248,14 @@ class Checkpointer:
     def load(self, path: "str | Storage", state: dict[str, Any], *, strict: bool = True, prepare: bool = True) -> int:
         """Restore ``state`` in place from the committed checkpoint at ``path``; returns its step.
 
-        Each byte is read once, into the staging buffer (it is made now, the size of this
-        rank's share, when none is held, and then stays for the next save, as ``prepare``
-        would make it), checked there, and only then copied into ``state``. ``prepare=False``
-        in a process that will not save: no buffer is held; every chunk is read and checked,
-        then read again into place (from the page cache, or from a local spool for S3)."""
+        Every chunk is read and checked before ``state`` changes. Each byte is read once, into
+        the staging buffer, when this Checkpointer holds one (prepared, or kept from a save or
+        an earlier load), or when the checkpoint is remote (S3): the buffer is then made now,
+        the size of this rank's share, and stays for the next save, as ``prepare`` would make
+        it. Otherwise (a new process loading from a local disk, or ``prepare=False`` in a
+        process that will not save) every chunk is read and checked, then read again into
+        place: from the page cache, or from a local spool for S3 (``docs/decisions.md``,
+        "All-or-nothing loads in one pass")."""
         ckpt = open_storage(path) if isinstance(path, str) else path
         # overlap_copies: the last save's copies may still read the tensors this load writes
         # (on the caller's stream); wait for them first, or that checkpoint mixes old and new

@@ -179,7 +179,7 @@ def _fetch_staged(reader: CheckpointReader, fill: _Filler, host: HostLender | No
     if host is None:
         return None
     staged = StagedLoad(reader, fill.live, fill.fresh)
-    region = host(staged.nbytes, staged.cuda_device) if staged.nbytes else None
+    region = host(staged.nbytes, staged.cuda_device, staged.remote) if staged.nbytes else None
     if staged.nbytes and region is None:
         return None
     staged.fetch(region)

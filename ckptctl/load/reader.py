@@ -371,6 +371,11 @@ class CheckpointReader(ShardIndex):
             if spool is None or not spool.read_into(file, offset, out):
                 self._reader(file).read_into(offset, out)
 
+    def is_local(self, file: str) -> bool:
+        """Whether ``file`` is read through a local descriptor (a second read of it would come
+        from the page cache), not fetched over a network."""
+        return self._reader(file).local_fd() is not None
+
     def _reader(self, file: str) -> Reader:
         with self._lock:
             r = self._readers.get(file)

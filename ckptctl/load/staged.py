@@ -33,6 +33,8 @@ pass", has the figures and what a load does when no memory is lent.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -47,18 +49,21 @@ from ckptctl.settings import IO_THREADS, STAGING_ALIGN, VERIFY_PIECE
 from ckptctl.state.buffers import tensor_bytes
 from ckptctl.state.pinned import HostRegion, host_wait_event, split_at
 
-# A chunk's bytes sit at the same offset modulo this in host memory as in its file, where the
-# format keeps every tensor aligned to its element size (8-byte aligned data section, tensors
-# in decreasing element size): every host copy is a valid view of its dtype.
+# A chunk's bytes sit at the same offset modulo this in host memory as in its shard's data
+# section, where the format keeps every tensor aligned to its element size (tensors in
+# decreasing element size): every host copy is a valid view of its dtype, and a whole shard's
+# chunks take exactly its data section's size, as its save's staging buffer does.
 _ALIGN = 64
 
 
 class HostLender(Protocol):
     """Lends a load host memory of at least ``nbytes``, page-locked for copies to CUDA device
-    ``pin_device`` when that is not None; None when it has none to lend (the load then reads
-    twice instead: ``load.into_state``). The memory stays the load's until it returns."""
+    ``pin_device`` when that is not None. ``map_new``: whether to map that memory when none
+    is held yet (the load's files are remote, so reading twice would fetch twice or spool);
+    None when it has none to lend (the load then reads twice instead: ``load.into_state``).
+    The memory stays the load's until it returns."""
 
-    def __call__(self, nbytes: int, pin_device: int | None) -> HostRegion | None: ...
+    def __call__(self, nbytes: int, pin_device: int | None, map_new: bool) -> HostRegion | None: ...
 
 
 @dataclass(eq=False)
@@ -86,7 +91,8 @@ class _Piece:
 class StagedLoad:
     """One load's plan (made at construction, reading only shard headers), then ``fetch`` into
     lent memory and ``apply``. ``nbytes``: the host memory ``fetch`` needs; ``cuda_device``:
-    the GPU of the first CUDA target (the memory is best page-locked under it), or None."""
+    the GPU of the first CUDA target (the memory is best page-locked under it), or None;
+    ``remote``: whether a file to read has no local descriptor (S3, a tier's remote file)."""
 
     def __init__(self, reader: CheckpointReader, live: Sequence[ReadJob], fresh: Sequence[ReadJob]) -> None:
         self.reader = reader
@@ -95,8 +101,10 @@ class StagedLoad:
         placed: list[_Placed] = []
         others: list[ReadJob] = []
         seen: set[tuple[str, int]] = set()
+        files: set[str] = set()
         for job in live:
             locs = reader.plan_reads(job)  # a target that does not fit raises here, before any read
+            files.update(loc.file for loc in locs)
             if job.target.numel() == 0:
                 continue
             if _is_whole(job, locs) and (locs[0].file, locs[0].byte_range[0]) not in seen:
@@ -105,14 +113,13 @@ class StagedLoad:
             else:
                 others.append(job)
         for job in self.fresh:
-            reader.plan_reads(job)
+            files.update(loc.file for loc in reader.plan_reads(job))
         placed.sort(key=lambda p: (p.loc.file, p.loc.byte_range[0]))
         at = 0
         for i, p in enumerate(placed):
-            start = p.loc.byte_range[0]
             before = placed[i - 1].loc if i else None
-            if before is None or before.file != p.loc.file or before.byte_range[1] != start:
-                at += (start - at) % _ALIGN  # a new run: at == start modulo _ALIGN
+            if before is None or before.file != p.loc.file or before.byte_range[1] != p.loc.byte_range[0]:
+                at += (p.loc.chunk.begin - at) % _ALIGN  # a new run: at == chunk.begin modulo _ALIGN
             p.at = at
             at += p.loc.chunk.nbytes
         self._placed = placed
@@ -125,6 +132,7 @@ class StagedLoad:
         self.nbytes = at
         cuda = [p.job.target.device for p in placed] + [j.target.device for j in others]
         self.cuda_device = next((_index(d) for d in cuda if d.type == "cuda"), None)
+        self.remote = not all(reader.is_local(f) for f in sorted(files))
         self._region: HostRegion | None = None
         self._lock = threading.Lock()
 
@@ -166,23 +174,25 @@ class StagedLoad:
         """Copy every live job's checked bytes into its target (``fetch`` first)."""
         pairs = [(p.job.target, self._host(p.at, p.job.target)) for p in self._placed]
         pairs += [(job.target, self._host(at, job.target)) for job, at in self._others]
+        dense = [(t, h) for t, h in pairs if t.device.type == "cpu" and t.is_contiguous()]
         uploads = [(t, h) for t, h in pairs if t.device.type == "cuda"]
+        _copy_dense(dense)
         with torch.no_grad():
             for target, host in pairs:
-                if target.device.type != "cuda":
-                    target.copy_(host)
+                if target.device.type not in ("cpu", "cuda") or not (target.device.type == "cuda" or target.is_contiguous()):
+                    target.copy_(host)  # strided host targets, other accelerators
             if uploads:
                 assert self._region is not None
                 _upload(uploads, self._region)
 
 
 def _is_whole(job: ReadJob, locs: list[Located]) -> bool:
-    """Whether ``job``'s region is exactly one saved chunk, aligned for its dtype in the file."""
+    """Whether ``job``'s region is exactly one saved chunk, aligned for its dtype in the shard."""
     if len(locs) != 1:
         return False
     loc, t = locs[0], job.target
     return (loc.box == region_of(job) and loc.chunk.nbytes == t.numel() * t.element_size()
-            and loc.byte_range[0] % t.element_size() == 0)
+            and loc.chunk.begin % t.element_size() == 0)
 
 
 def _pieces(placed: list[_Placed], cap: int) -> list[_Piece]:
@@ -225,6 +235,23 @@ def _run_all(tasks: list[Callable[[], None]]) -> None:
     for f in futures:
         if not f.cancelled() and f.exception() is not None:
             raise f.exception()  # type: ignore[misc]
+
+
+def _copy_dense(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each host copy into its contiguous host target: plain memcpys of up to
+    ``VERIFY_PIECE`` bytes on one thread per CPU (at most ``IO_THREADS``). torch's ``copy_``
+    spreads every tensor over its intra-op threads instead, which on a busy host spent twice
+    the CPU time of one memcpy for the same bytes (``docs/decisions.md``)."""
+    moves = [(t.data_ptr() + a, h.data_ptr() + a, min(VERIFY_PIECE, n - a))
+             for t, h in pairs for n in (t.numel() * t.element_size(),) for a in range(0, n, VERIFY_PIECE)]
+    if len(moves) <= 1:
+        for dst, src, n in moves:
+            ctypes.memmove(dst, src, n)
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with ThreadPoolExecutor(max(1, min(cpus, IO_THREADS, len(moves))), thread_name_prefix="ckptctl-apply") as pool:
+        # ctypes releases the GIL for the call: the memcpys run in parallel.
+        list(pool.map(lambda m: ctypes.memmove(*m), moves))
 
 
 def _index(device: torch.device) -> int:

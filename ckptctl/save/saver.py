@@ -169,7 +169,7 @@ class Saver:
         self._prepare_hooks = []
 
     @contextlib.contextmanager
-    def lending(self) -> Iterator[Callable[[int, int | None], HostRegion | None]]:
+    def lending(self) -> Iterator[Callable[[int, int | None, bool], HostRegion | None]]:
         """Lend the staging buffer to a load while the context is open (``StagingBuffer.lend``):
         no save starts meanwhile, and the last save's write, which reads the buffer, is over.
         That save's error, if any, is left for ``wait()`` or the next ``save()`` to raise."""

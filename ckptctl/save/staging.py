@@ -109,18 +109,20 @@ class StagingBuffer:
         assert self._region is not None
         return self._region.tensor
 
-    def lend(self, nbytes: int, pin_device: int | None) -> HostRegion | None:
+    def lend(self, nbytes: int, pin_device: int | None, map_new: bool = False) -> HostRegion | None:
         """The buffer, for a load to read into (``load.staged.HostLender``; the caller keeps
         saves off it meanwhile): at least ``nbytes``, page-locked under CUDA device
         ``pin_device`` when that is given. The buffer held (or being prepared) when it is large
-        enough, else a new one, which then stays as the staging buffer: a load maps the memory
-        the next save needs anyway, and its pages are faulted in by the load's reads. None, with
-        a warning, when the memory cannot be mapped (the load then reads twice)."""
+        enough; else, with ``map_new``, a new one, which then stays as the staging buffer (the
+        memory the next save needs anyway, its pages faulted in by the load's reads); else
+        None. None too, with a warning, when the memory cannot be mapped."""
         self.settle()
         self._take_prepared()
         pin = pin_device is not None and (self._registrar_for is not None or torch.cuda.is_available())
         r = self._region
         if r is None or r.nbytes < nbytes or (pin and not self._pin_asked):
+            if not map_new:
+                return None
             self._drop_region()
             registrar = (self._registrar_for or CudaRegistrar)(pin_device) if pin and pin_device is not None else None
             try:
