@@ -27,7 +27,7 @@ Three tools save that state in every round, in an order that rotates from round 
 
 Round 0 is every tool's cold first save (a fresh Checkpointer, a fresh stager, no
 ``prepare()`` and no ``stage()``; the job first calls ``load_latest``, finding nothing, as the
-README's training loop does, then trains 2 steps). Then both tools get the same warm-up: ``Checkpointer.prepare(state)`` and one
+README's training loop does, then trains for 1 s). Then both tools get the same warm-up: ``Checkpointer.prepare(state)`` and one
 ``stage()`` of DCP*'s stager, followed by 2 training steps; round 1 is the prepared first save,
 rounds 2.. the steady ones (``--no-prepare`` skips the warm-up for both). Each tool keeps only
 its newest checkpoint (``--keep-all``: every one, as a job that never prunes, so the page cache
@@ -285,12 +285,21 @@ def child(a: argparse.Namespace) -> int:
         # Round 0, cold: every tool's first save with no prepare() and no stage() (a fresh
         # Checkpointer, a fresh kept stager). The job starts as the README's loop does:
         # load_latest (nothing to resume), which prepares ckptctl's buffer in the background
-        # on its own; then 2 training steps, and the first saves.
+        # on its own; then 1 s of training (at least 2 steps: a job's first save comes much
+        # later), and the first saves.
         log("save round 0 (cold first saves)")
         ck_cold = Checkpointer(os.path.join(a.work, f"ckptctl-cold-{world}"), timeout_s=600)
         ck_cold.load_latest(state)
-        for _ in range(2):
+        t0, steps = time.perf_counter(), 0
+        while True:
             train_step(model, opt, g)
+            steps += 1
+            # Rank 0 decides, so that every rank takes as many steps (FSDP's collectives pair up).
+            more = torch.tensor([int(steps < 2 or time.perf_counter() - t0 < 1.0)])
+            dist.broadcast(more, 0)
+            if not more.item():
+                break
+        res["cold_steps"] = steps
         cold_stager = make_stager(a.device)
         order = TOOLS[:]
         res["order"].append(order)

@@ -23,8 +23,10 @@ varied shapes) that every tool saves as is.
   the first stall of a Checkpointer whose first call is ``save()``; steady stall, time to
   durable (save start -> wait() return), background write (and write_s from the manifest),
   verify (checksums level), load into the live state (in a fresh Checkpointer, as a resume;
-  its ``close()``, which a resuming job calls only at its end, is not timed), and the bytes
-  each load read (``/proc/self/io``: from storage, and through read calls);
+  its ``close()``, which a resuming job calls only at its end, is not timed), and again with a
+  Checkpointer kept across the rounds that holds its staging buffer (it prepared once, untimed:
+  a job that saved or prepared before it loads), and the bytes each load read
+  (``/proc/self/io``: from storage, and through read calls);
 * DCP*, the reference of the targets: ``async_save`` with one ``DefaultStager`` kept across
   saves, so its host copies are reused (DCP at its best on this host; first save with a fresh
   stager), fsyncing (``sync_files=True``, its default); DCP default (a fresh stager every
@@ -97,9 +99,13 @@ INFO = [
     ("verify_vs_raw_read_1", "verify thr. / raw read (1 thread)"),
     ("verify_hot_vs_read_hot", "verify thr. / raw read (both cache-hot, 1 thread)"),
     ("load_vs_torch", "load throughput / torch.load + load_state_dict"),
-    ("load_calls_vs_size", "bytes read calls returned per load / checkpoint"),
-    ("dcp_storage_vs_size", "DCP: bytes read from storage per load / checkpoint"),
-    ("torch_storage_vs_size", "torch.load: bytes read from storage per load / checkpoint"),
+    ("held_load_vs_raw_read", "load, buffer held / raw read (load's threads)"),
+    ("held_load_vs_dcp", "load, buffer held / DCP load"),
+    ("held_storage_vs_size", "load, buffer held: storage bytes / checkpoint"),
+    ("held_calls_vs_size", "load, buffer held: read-call bytes / checkpoint"),
+    ("load_calls_vs_size", "read-call bytes per load / checkpoint"),
+    ("dcp_storage_vs_size", "DCP: storage bytes per load / checkpoint"),
+    ("torch_storage_vs_size", "torch.load: storage bytes / checkpoint"),
     # CPU time is not inflated by waiting for a CPU: a cross-check when the machine is busy.
     ("cpu_steady_vs_memcpy", "CPU time: steady stall / memcpy"),
     ("cpu_steady_vs_dcp", "CPU time: steady stall / DCP* steady stall"),
@@ -679,6 +685,23 @@ class Bench:
             counted("ckptctl", n)
             self.rec("ckptctl")["load_correct"] = same_tensors(want, target.tensors())
 
+        held: list[Any] = []  # a Checkpointer kept across the rounds, holding its staging buffer
+
+        def ck_load_held() -> None:
+            path = self.paths["ckptctl"]
+            if not held:  # untimed: a job that prepared (or saved) before it loads
+                held.append(Checkpointer(os.path.dirname(path)))
+                held[0].prepare(target.ck_state())
+            zero_tensors(target.tensors())
+            cold("ckptctl_held", path)
+            with self.timer("ckptctl_held"), ReadCount() as n:
+                t0 = time.perf_counter()
+                held[0].load(path, target.ck_state())
+                self.add("ckptctl_held", "load_s", time.perf_counter() - t0)
+            counted("ckptctl_held", n)
+            self.rec("ckptctl_held")["file_bytes"] = self.rec("ckptctl").get("file_bytes")
+            self.rec("ckptctl_held")["load_correct"] = same_tensors(want, target.tensors())
+
         def dcp_load() -> None:
             path = self.paths["dcp"]
             zero_tensors(target.tensors())
@@ -708,7 +731,8 @@ class Bench:
             self.rec("torch_save")["load_correct"] = same_tensors(want, target.tensors())
             free_memory()
 
-        steps = [("raw", raw), ("ckptctl", verify), ("ckptctl", ck_load), ("dcp", dcp_load), ("torch_save", torch_load)]
+        steps = [("raw", raw), ("ckptctl", verify), ("ckptctl", ck_load), ("ckptctl", ck_load_held), ("dcp", dcp_load),
+                 ("torch_save", torch_load)]
         for r in range(self.repeat):
             self.progress(f"read round {r}")
             order = steps[r % len(steps):] + steps[: r % len(steps)]  # who goes first rotates
@@ -716,6 +740,8 @@ class Bench:
             for tool, fn in order:
                 if tool in self.paths:
                     self.attempt(tool, fn)
+        for ck in held:
+            ck.close()
         # cache-hot: once more without evicting
         if "raw" in self.paths:
             self.attempt("raw", lambda: self.rec("raw").__setitem__("read_hot_s", raw_read(self.paths["raw"], data)))
@@ -791,6 +817,7 @@ def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
     over best, for reference."""
     m, raw, c = res.get("memcpy", {}), res.get("raw", {}), res.get("ckptctl", {})
     d, dc, ts = res.get("dcp", {}), res.get("dcp_cached", {}), res.get("torch_save", {})
+    h = res.get("ckptctl_held", {})
 
     def bdiv(a, b):
         a, b = best(a), best(b)
@@ -827,6 +854,10 @@ def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
         "load_vs_raw_read": (paired(rl, c.get("load_s")), None),
         "load_vs_dcp": (paired(d.get("load_s"), c.get("load_s")), None),
         "load_vs_torch": (paired(ts.get("load_s"), c.get("load_s")), None),
+        "held_load_vs_raw_read": (paired(rl, h.get("load_s")), None),
+        "held_load_vs_dcp": (paired(d.get("load_s"), h.get("load_s")), None),
+        "held_storage_vs_size": (per_size(h, "load_read_storage"), None),
+        "held_calls_vs_size": (per_size(h, "load_read_calls"), None),
         # bytes: lower is better, ratio = bytes read / the checkpoint's bytes on disk
         "load_storage_vs_size": (per_size(c, "load_read_storage"), None),
         "load_calls_vs_size": (per_size(c, "load_read_calls"), None),
@@ -966,8 +997,10 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
     p(f"  raw read, cache-hot              {ms(f['raw_read_hot_s'])} {thr(f['raw_read_hot_s'])}")
     p()
     p("LOAD into the live (pre-allocated, touched) state, evicted first (higher is better)")
-    for label, r, k in (("ckptctl load()", c, "ck_load_s"), ("DCP load (+ set_state_dict)", d, "dcp_load_s"),
-                        ("torch.load + load_state_dict *", ts, "ts_load_s")):
+    h = res.get("ckptctl_held", {})
+    f["ck_held_load_s"] = median(h.get("load_s"))
+    for label, r, k in (("ckptctl load(), new Checkpointer", c, "ck_load_s"), ("ckptctl load(), buffer held", h, "ck_held_load_s"),
+                        ("DCP load (+ set_state_dict)", d, "dcp_load_s"), ("torch.load + load_state_dict *", ts, "ts_load_s")):
         if r.get("load_s"):
             ok = "ok" if r.get("load_correct") else "DATA MISMATCH"
             p(f"  {label:<33}{ms(f[k])} {thr(f[k])}   {samples(r['load_s'])} {ok}")
@@ -981,7 +1014,8 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
         v = median(xs)
         return f"{v / 2**20:8.1f} MiB" if v is not None else "     n/a    "
 
-    for label, r in (("ckptctl load()", c), ("DCP load", d), ("torch.load", ts), ("raw read (load's threads)", raw)):
+    for label, r in (("ckptctl load(), new Checkpointer", c), ("ckptctl load(), buffer held", h), ("DCP load", d),
+                     ("torch.load", ts), ("raw read (load's threads)", raw)):
         if r.get("load_read_storage"):
             size = r.get("file_bytes", nbytes)
             p(f"  {label:<33}storage {mib(r['load_read_storage'])}  calls {mib(r.get('load_read_calls'))}  "
