@@ -2,11 +2,9 @@
 
     >>> from ckptctl import Checkpointer
     >>> with Checkpointer("/ckpt") as ckpt:                       # doctest: +SKIP
-    ...     start = ckpt.load_latest(state) or 0                  # resume, or start fresh
-    ...     for step in range(start + 1, total):
-    ...         train_step()
-    ...         if step == start + 1:
-    ...             ckpt.prepare(state)                           # staging buffer, in the background
+    ...     start = ckpt.load_latest(state) or 0                  # resume, or start fresh; either
+    ...     for step in range(start + 1, total):                  # way the staging buffer is made
+    ...         train_step()                                      # in the background
     ...         if step % 500 == 0:
     ...             ckpt.save(step, state)                        # returns after the host copy
 
@@ -248,14 +246,12 @@ class Checkpointer:
     def load(self, path: "str | Storage", state: dict[str, Any], *, strict: bool = True, prepare: bool = True) -> int:
         """Restore ``state`` in place from the committed checkpoint at ``path``; returns its step.
 
-        Every chunk is read and checked before ``state`` changes. Each byte is read once, into
-        the staging buffer, when this Checkpointer holds one (prepared, or kept from a save or
-        an earlier load), or when the checkpoint is remote (S3): the buffer is then made now,
-        the size of this rank's share, and stays for the next save, as ``prepare`` would make
-        it. Otherwise (a new process loading from a local disk, or ``prepare=False`` in a
-        process that will not save) every chunk is read and checked, then read again into
-        place: from the page cache, or from a local spool for S3 (``docs/decisions.md``,
-        "All-or-nothing loads in one pass")."""
+        Every chunk is checked before ``state`` changes. Each byte is read once, into the
+        staging buffer, when one is held (prepared, or kept from a save or a load) or the
+        checkpoint is remote (S3: the buffer is made now and stays for the saves). Otherwise (a
+        new process reading a local disk; ``prepare=False`` in a process that will not save)
+        each chunk is read again into place, from the page cache or a local spool
+        (``docs/decisions.md``, "All-or-nothing loads in one pass")."""
         ckpt = open_storage(path) if isinstance(path, str) else path
         # overlap_copies: the last save's copies may still read the tensors this load writes
         # (on the caller's stream); wait for them first, or that checkpoint mixes old and new
@@ -270,13 +266,11 @@ class Checkpointer:
     def load_latest(self, state: dict[str, Any], *, strict: bool = True, prepare: bool = True) -> int | None:
         """Restore from the newest committed checkpoint; None when there is none.
 
-        The next save is prepared (see ``prepare``) whether or not a checkpoint was found: the
-        load reads into the staging buffer, which stays for the saves; with nothing to resume,
-        the buffer is allocated in the background now, or right after every optimizer of
-        ``state`` has stepped once (their state does not exist before). So the first save
-        stalls for its copy only, without a ``prepare`` call. Pass ``prepare=False`` in a
-        process that will not save (an evaluation), which then holds no buffer the size of
-        its shard.
+        The next save is prepared (see ``prepare``) whether or not a checkpoint was found: in
+        the background now, or right after every optimizer of ``state`` has stepped once
+        (their state does not exist before). So the first save stalls for its copy only,
+        without a ``prepare`` call. Pass ``prepare=False`` in a process that will not save (an
+        evaluation), which then holds no buffer the size of its shard.
 
         If the newest one turns out to be corrupt while reading (a checksum mismatch, a shard
         header not bound to its manifest, a record that does not decode), the next older

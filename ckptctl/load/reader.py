@@ -371,10 +371,12 @@ class CheckpointReader(ShardIndex):
             if spool is None or not spool.read_into(file, offset, out):
                 self._reader(file).read_into(offset, out)
 
-    def is_local(self, file: str) -> bool:
-        """Whether ``file`` is read through a local descriptor (a second read of it would come
-        from the page cache), not fetched over a network."""
-        return self._reader(file).local_fd() is not None
+    def all_local(self, files: Sequence[str]) -> bool:
+        """Whether every one of ``files`` is read through a local descriptor (a second read
+        would come from the page cache), none fetched over a network. Opens them, in parallel
+        (a HEAD each on S3)."""
+        with ThreadPoolExecutor(max(1, min(IO_THREADS, len(files)))) as pool:
+            return all(r.local_fd() is not None for r in pool.map(self._reader, files))
 
     def _reader(self, file: str) -> Reader:
         with self._lock:

@@ -132,7 +132,7 @@ class StagedLoad:
         self.nbytes = at
         cuda = [p.job.target.device for p in placed] + [j.target.device for j in others]
         self.cuda_device = next((_index(d) for d in cuda if d.type == "cuda"), None)
-        self.remote = not all(reader.is_local(f) for f in sorted(files))
+        self.remote = not reader.all_local(sorted(files))
         self._region: HostRegion | None = None
         self._lock = threading.Lock()
 

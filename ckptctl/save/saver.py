@@ -171,13 +171,18 @@ class Saver:
     @contextlib.contextmanager
     def lending(self) -> Iterator[Callable[[int, int | None, bool], HostRegion | None]]:
         """Lend the staging buffer to a load while the context is open (``StagingBuffer.lend``):
-        no save starts meanwhile, and the last save's write, which reads the buffer, is over.
-        That save's error, if any, is left for ``wait()`` or the next ``save()`` to raise."""
-        with self._lock:
-            self._check_open()
+        no save starts meanwhile, and a load that takes the buffer first waits for the last
+        save's write, which reads it. That save's error, if any, is left for ``wait()`` or the
+        next ``save()`` to raise."""
+
+        def lend(nbytes: int, pin_device: int | None, map_new: bool) -> HostRegion | None:
             if self._pending is not None:
                 wait([self._pending._future])
-            yield self.staging.lend
+            return self.staging.lend(nbytes, pin_device, map_new)
+
+        with self._lock:
+            self._check_open()
+            yield lend
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> SaveHandle:
         """See ``Checkpointer.save``."""
