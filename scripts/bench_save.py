@@ -100,6 +100,9 @@ INFO = [
     ("verify_hot_vs_read_hot", "verify thr. / raw read (both cache-hot, 1 thread)"),
     ("load_vs_torch", "load throughput / torch.load + load_state_dict"),
     ("held_load_vs_raw_read", "load, buffer held / raw read (load's threads)"),
+    ("load_cpu_vs_raw", "CPU time: load / raw read (load's threads)"),
+    ("held_load_cpu_vs_raw", "CPU time: load, buffer held / raw read"),
+    ("load_cpu_vs_dcp", "CPU time: load / DCP load"),
     ("held_load_vs_dcp", "load, buffer held / DCP load"),
     ("held_storage_vs_size", "load, buffer held: storage bytes / checkpoint"),
     ("held_calls_vs_size", "load, buffer held: read-call bytes / checkpoint"),
@@ -671,6 +674,7 @@ class Bench:
         def counted(tool: str, n: ReadCount) -> None:
             self.add(tool, "load_read_storage", n.storage)
             self.add(tool, "load_read_calls", n.calls)
+            self.add(tool, "load_cpu_s", n.cpu_s)
 
         def ck_load() -> None:
             path = self.paths["ckptctl"]
@@ -855,6 +859,9 @@ def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
         "load_vs_dcp": (paired(d.get("load_s"), c.get("load_s")), None),
         "load_vs_torch": (paired(ts.get("load_s"), c.get("load_s")), None),
         "held_load_vs_raw_read": (paired(rl, h.get("load_s")), None),
+        "load_cpu_vs_raw": (paired(c.get("load_cpu_s"), raw.get("load_cpu_s")), None),
+        "held_load_cpu_vs_raw": (paired(h.get("load_cpu_s"), raw.get("load_cpu_s")), None),
+        "load_cpu_vs_dcp": (paired(c.get("load_cpu_s"), d.get("load_cpu_s")), None),
         "held_load_vs_dcp": (paired(d.get("load_s"), h.get("load_s")), None),
         "held_storage_vs_size": (per_size(h, "load_read_storage"), None),
         "held_calls_vs_size": (per_size(h, "load_read_calls"), None),

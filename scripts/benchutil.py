@@ -4,6 +4,7 @@ page-cache state and the per-phase timing of a rank's shard write (``write_phase
 from __future__ import annotations
 
 import os
+import time
 
 
 def files_under(path: str) -> list[str]:
@@ -34,10 +35,12 @@ class ReadCount:
     """Bytes this process read over a block, from ``/proc/self/io`` (every thread's, finished
     ones included): ``storage`` (``read_bytes``: what the block layer read for it, so a page
     cache hit counts nothing) and ``calls`` (``rchar``: every byte a read call returned, page
-    cache, sockets and temporary files included). None where the kernel does not say."""
+    cache, sockets and temporary files included); None where the kernel does not say. And
+    ``cpu_s``, the process's CPU time over the block (not inflated by waiting for a CPU)."""
 
     storage: int | None = None
     calls: int | None = None
+    cpu_s: float = 0.0
 
     @staticmethod
     def _now() -> dict[str, int] | None:
@@ -49,9 +52,11 @@ class ReadCount:
 
     def __enter__(self) -> "ReadCount":
         self._before = self._now()
+        self._cpu = time.process_time()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.cpu_s = time.process_time() - self._cpu
         after = self._now()
         if self._before is not None and after is not None:
             self.storage = after["read_bytes"] - self._before["read_bytes"]
