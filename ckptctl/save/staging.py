@@ -158,6 +158,13 @@ class StagingBuffer:
         return self._region.nbytes if self._region is not None else 0
 
     @property
+    def ready(self) -> bool:
+        """Whether a buffer is held and no preparation is still under way."""
+        if self._coming is not None:
+            return self._coming[0].done()
+        return self._region is not None
+
+    @property
     def held(self) -> bool:
         """Whether a buffer is held or being prepared."""
         return self._region is not None or self._coming is not None
