@@ -564,8 +564,10 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
             p(f"  {label:<34}" + "".join(ms(s[f'{t}_{key}'][rounds]) for t in TOOLS))
         p(f"  {'stall, steady (median)':<34}" + "".join(ms(med(s[f'{t}_stall_s'][2:])) for t in TOOLS))
         p(f"  {'  CPU time of the stall, steady':<34}" + "".join(ms(med(s[f'{t}_stall_cpu_s'][2:])) for t in TOOLS))
+        p(f"  {'  CPU time of the stall, cold first':<34}" + "".join(ms(s[f'{t}_stall_cpu_s'][0]) for t in TOOLS))
         if s["ck_capture_s"] and None not in s["ck_capture_s"]:
             p(f"  {'  ckptctl capture | copy, steady':<34}{ms(med(s['ck_capture_s'][2:]))} | {med(s['ck_copy_s'][2:]) * 1e3:.1f} ms")
+            p(f"  {'  ckptctl capture | copy, cold first':<34}{ms(s['ck_capture_s'][0])} | {s['ck_copy_s'][0] * 1e3:.1f} ms")
         p(f"  {'durable, cold first save':<34}" + "".join(ms(s[f'{t}_durable_s'][0]) for t in TOOLS))
         p(f"  {'durable, saves 1.. (median)':<34}" + "".join(ms(med(s[f'{t}_durable_s'][1:])) for t in TOOLS))
         p(f"  {'  throughput (state / durable)':<34}" + "".join(f"{gbs(nb, med(s[f'{t}_durable_s'][1:])):>13}" for t in TOOLS))
