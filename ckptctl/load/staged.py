@@ -18,7 +18,8 @@ pass through host memory anyway).
 2. Fetch: all of that on ``IO_THREADS`` threads. A chunk is hashed as soon as its bytes are in
    (a chunk larger than a piece once its last piece has landed) and checked against its
    checksum. Any failure raises before a live tensor is touched.
-3. Apply: each host copy into its target. Host targets: ``copy_``. CUDA targets: asynchronous
+3. Apply: each host copy into its target. Host targets: memcpys (``state.buffers.copy_host``).
+   CUDA targets: asynchronous
    copies out of the page-locked memory, queued on the caller's current stream of the target's
    device (so they are ordered after every kernel the caller queued before the load and before
    every kernel it queues after), split where the memory's registrations meet (one copy never
@@ -33,8 +34,6 @@ pass", has the figures and what a load does when no memory is lent.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from ckptctl.format.checksum import digest
 from ckptctl.load.reader import CheckpointReader
 from ckptctl.load.shard_index import Located, ReadJob, region_of
 from ckptctl.settings import IO_THREADS, STAGING_ALIGN, VERIFY_PIECE
-from ckptctl.state.buffers import tensor_bytes
+from ckptctl.state.buffers import copy_host, tensor_bytes
 from ckptctl.state.pinned import HostRegion, host_wait_event, split_at
 
 # A chunk's bytes sit at the same offset modulo this in host memory as in its shard's data
@@ -174,13 +173,11 @@ class StagedLoad:
         """Copy every live job's checked bytes into its target (``fetch`` first)."""
         pairs = [(p.job.target, self._host(p.at, p.job.target)) for p in self._placed]
         pairs += [(job.target, self._host(at, job.target)) for job, at in self._others]
-        dense = [(t, h) for t, h in pairs if t.device.type == "cpu" and t.is_contiguous()]
         uploads = [(t, h) for t, h in pairs if t.device.type == "cuda"]
-        _copy_dense(dense)
+        rest = copy_host([(t, h) for t, h in pairs if t.device.type != "cuda"])
         with torch.no_grad():
-            for target, host in pairs:
-                if target.device.type not in ("cpu", "cuda") or not (target.device.type == "cuda" or target.is_contiguous()):
-                    target.copy_(host)  # strided host targets, other accelerators
+            for target, host in rest:
+                target.copy_(host)  # strided host targets, other accelerators
             if uploads:
                 assert self._region is not None
                 _upload(uploads, self._region)
@@ -235,23 +232,6 @@ def _run_all(tasks: list[Callable[[], None]]) -> None:
     for f in futures:
         if not f.cancelled() and f.exception() is not None:
             raise f.exception()  # type: ignore[misc]
-
-
-def _copy_dense(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each host copy into its contiguous host target: plain memcpys of up to
-    ``VERIFY_PIECE`` bytes on one thread per CPU (at most ``IO_THREADS``). torch's ``copy_``
-    spreads every tensor over its intra-op threads instead, which on a busy host spent twice
-    the CPU time of one memcpy for the same bytes (``docs/decisions.md``)."""
-    moves = [(t.data_ptr() + a, h.data_ptr() + a, min(VERIFY_PIECE, n - a))
-             for t, h in pairs for n in (t.numel() * t.element_size(),) for a in range(0, n, VERIFY_PIECE)]
-    if len(moves) <= 1:
-        for dst, src, n in moves:
-            ctypes.memmove(dst, src, n)
-        return
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    with ThreadPoolExecutor(max(1, min(cpus, IO_THREADS, len(moves))), thread_name_prefix="ckptctl-apply") as pool:
-        # ctypes releases the GIL for the call: the memcpys run in parallel.
-        list(pool.map(lambda m: ctypes.memmove(*m), moves))
 
 
 def _index(device: torch.device) -> int:

@@ -32,12 +32,13 @@ import logging
 import os
 import threading
 from concurrent.futures import Future
-from typing import AbstractSet, Callable, Mapping
+from typing import AbstractSet, Callable, Mapping, Sequence
 
 import torch
 
 from ckptctl.save.overlap import CopyFence
 from ckptctl.save.shard_layout import ShardLayout, Slot, view
+from ckptctl.state.buffers import copy_host
 from ckptctl.state.pinned import CudaRegistrar, HostRegion, Registrar, host_wait_event, split_at
 from ckptctl.state.placement import SavedTensor
 
@@ -204,8 +205,7 @@ class StagingBuffer:
         self.settle()
         buf = self.reserve(layout, tensors)
         if not layout.needs_pinned:
-            for slot in layout.slots:
-                view(buf, slot).copy_(tensors[slot.name].data)
+            _copy_to_host(buf, layout.slots, tensors)
             return buf
         groups = group_by_device(layout.slots, {n: t.data.device for n, t in tensors.items()})
         boundaries = self._region.boundaries if self._region is not None else ()
@@ -236,8 +236,7 @@ class StagingBuffer:
                                 _copy_device_slot(buf, slot, src, boundaries)
                             later[index] = _recorded(stream)
             # Host-resident tensors are copied while the device copies are in flight.
-            for slot in groups.get(HOST, ()):
-                view(buf, slot).copy_(tensors[slot.name].data)
+            _copy_to_host(buf, groups.get(HOST, ()), tensors)
             ok = True
         finally:
             if not ok or not later:  # a failure leaves no copy landing in buf behind it
@@ -289,6 +288,13 @@ def _recorded(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
 def _release_prepared(ready: "Future[HostRegion]") -> None:
     if ready.exception() is None:
         ready.result().release()
+
+
+def _copy_to_host(buf: torch.Tensor, slots: "Sequence[Slot]", tensors: Mapping[str, SavedTensor]) -> None:
+    """Copy host-resident (or other accelerators') tensors into their slots: dense host tensors
+    as memcpys on every CPU (``state.buffers.copy_host``), the rest with ``copy_``."""
+    for dst, src in copy_host([(view(buf, slot), tensors[slot.name].data) for slot in slots]):
+        dst.copy_(src)
 
 
 def _copy_device_slot(buf: torch.Tensor, slot: Slot, src: torch.Tensor, boundaries: tuple[int, ...]) -> None:
