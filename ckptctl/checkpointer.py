@@ -2,11 +2,9 @@
 
     >>> from ckptctl import Checkpointer
     >>> with Checkpointer("/ckpt") as ckpt:                       # doctest: +SKIP
-    ...     start = ckpt.load_latest(state) or 0                  # resume, or start fresh
-    ...     for step in range(start + 1, total):
-    ...         train_step()
-    ...         if step == start + 1:
-    ...             ckpt.prepare(state)                           # staging buffer, in the background
+    ...     start = ckpt.load_latest(state) or 0                  # resume, or start fresh; either
+    ...     for step in range(start + 1, total):                  # way the staging buffer is made
+    ...         train_step()                                      # in the background
     ...         if step % 500 == 0:
     ...             ckpt.save(step, state)                        # returns after the host copy
 
@@ -205,11 +203,12 @@ class Checkpointer:
         only for its copy, like every later one, instead of also paying for memory the size of
         this rank's shard (a quarter of a second per GiB on a small host; pinning is slower).
 
-        Call it once the state has its final structure, after the first optimizer step, well
-        before the first save; ``load_latest`` does it itself when it resumes. It returns at
-        once (the planning takes milliseconds) and needs no other rank. Returns False, doing
-        nothing, when an optimizer in ``state`` has not stepped yet: its state does not exist,
-        so the buffer's size is not known.
+        ``load_latest`` does it itself, whether or not it resumes; call it only in a job that
+        never calls ``load_latest``: once the state has its final structure, after the first
+        optimizer step, well before the first save. It returns at once (the planning takes
+        milliseconds) and needs no other rank. Returns False, doing nothing, when an optimizer
+        in ``state`` has not stepped yet (its state does not exist, so the buffer's size is not
+        known) or a large enough buffer is held or being prepared.
 
             >>> step = ckpt.load_latest(state) or 0           # doctest: +SKIP
             >>> train_step(); ckpt.prepare(state)              # doctest: +SKIP
@@ -278,22 +277,34 @@ class Checkpointer:
 
     # --- loading ----------------------------------------------------------------------------
 
-    def load(self, path: "str | Storage", state: dict[str, Any], *, strict: bool = True) -> int:
-        """Restore ``state`` in place from the committed checkpoint at ``path``; returns its step."""
+    def load(self, path: "str | Storage", state: dict[str, Any], *, strict: bool = True, prepare: bool = True) -> int:
+        """Restore ``state`` in place from the committed checkpoint at ``path``; returns its step.
+
+        Every chunk is checked before ``state`` changes. Each byte is read once, into the
+        staging buffer, when one is held (prepared, or kept from a save or a load) or the
+        checkpoint is remote (S3: the buffer is made now and stays for the saves). Otherwise (a
+        new process reading a local disk; ``prepare=False`` in a process that will not save)
+        each chunk is read again into place, from the page cache or a local spool
+        (``docs/decisions.md``, "All-or-nothing loads in one pass")."""
         ckpt = open_storage(path) if isinstance(path, str) else path
         # overlap_copies: the last save's copies may still read the tensors this load writes
         # (on the caller's stream); wait for them first, or that checkpoint mixes old and new
         # values under valid checksums.
         self._saver.staging.settle()
         spool = self._spool_dir if self._spool_dir is not None and os.path.isdir(self._spool_dir) else None
-        return load_checkpoint(ckpt, state, strict=strict, rank=self.rank, spool_dir=spool)
+        if not prepare:
+            return load_checkpoint(ckpt, state, strict=strict, rank=self.rank, spool_dir=spool)
+        with self._saver.lending() as lend:
+            return load_checkpoint(ckpt, state, strict=strict, rank=self.rank, spool_dir=spool, host=lend)
 
     def load_latest(self, state: dict[str, Any], *, strict: bool = True, prepare: bool = True) -> int | None:
         """Restore from the newest committed checkpoint; None when there is none.
 
-        After a resume, the next save is prepared (see ``prepare``): the staging buffer is
-        allocated in the background. Pass ``prepare=False`` in a process that will not save
-        (an evaluation), which then holds no buffer the size of its shard.
+        The next save is prepared (see ``prepare``) whether or not a checkpoint was found: in
+        the background now, or right after every optimizer of ``state`` has stepped once
+        (their state does not exist before). So the first save stalls for its copy only,
+        without a ``prepare`` call. Pass ``prepare=False`` in a process that will not save (an
+        evaluation), which then holds no buffer the size of its shard.
 
         If the newest one turns out to be corrupt while reading (a checksum mismatch, a shard
         header not bound to its manifest, a record that does not decode), the next older
@@ -307,12 +318,12 @@ class Checkpointer:
         of it; if any rank found its part corrupt, every rank moves on to the next older one
         together, so no two ranks ever resume from different steps.
         """
-        step = self._load_latest(state, strict)
-        if step is not None and prepare:
-            self.prepare(state)
+        step = self._load_latest(state, strict, prepare)
+        if prepare:
+            self._saver.prepare_when_stepped(state)
         return step
 
-    def _load_latest(self, state: dict[str, Any], strict: bool) -> int | None:
+    def _load_latest(self, state: dict[str, Any], strict: bool, prepare: bool) -> int | None:
         coord = self._saver.coordinator
         # Only rank 0 lists and reads markers: the others take its list, so the listing's
         # cost does not grow with the number of ranks. A node-local first tier first tells
@@ -329,7 +340,7 @@ class Checkpointer:
                 ckpt = self._at(tier, name)
                 step, error = None, None
                 try:
-                    step = self.load(ckpt, state, strict=strict)
+                    step = self.load(ckpt, state, strict=strict, prepare=prepare)
                     verdict = AGREE_OK
                 except (InvalidCheckpoint, NotFound) as e:
                     error, verdict = e, AGREE_SKIP

@@ -25,8 +25,11 @@ Three tools save that state in every round, in an order that rotates from round 
   to save, DCP at its best on this host and the reference of the targets;
 * DCP default: the same with async_save's default stager (fresh host copies every save).
 
-Round 0 is every tool's cold first save (a fresh Checkpointer, a fresh stager, nothing
-prepared). Then both tools get the same warm-up: ``Checkpointer.prepare(state)`` and one
+Round 0 is every tool's cold first save (a fresh Checkpointer, a fresh stager, no
+``prepare()`` and no ``stage()``; the job first calls ``load_latest``, finding nothing, as the
+README's training loop does, then trains for 1 s, longer if ckptctl's background preparation
+is not done by then: a job's first save comes minutes in). Then both tools get the same
+warm-up: ``Checkpointer.prepare(state)`` and one
 ``stage()`` of DCP*'s stager, followed by 2 training steps; round 1 is the prepared first save,
 rounds 2.. the steady ones (``--no-prepare`` skips the warm-up for both). Each tool keeps only
 its newest checkpoint (``--keep-all``: every one, as a job that never prunes, so the page cache
@@ -281,10 +284,27 @@ def child(a: argparse.Namespace) -> int:
         keep_newest(tool, path)
 
     if not a.no_save:
-        # Round 0, cold: every tool's first save with nothing prepared (a fresh Checkpointer,
-        # a fresh kept stager), right after the first training step.
+        # Round 0, cold: every tool's first save with no prepare() and no stage() (a fresh
+        # Checkpointer, a fresh kept stager). The job starts as the README's loop does:
+        # load_latest (nothing to resume), which prepares ckptctl's buffer in the background
+        # on its own; then at least 1 s of training, and the first saves.
         log("save round 0 (cold first saves)")
         ck_cold = Checkpointer(os.path.join(a.work, f"ckptctl-cold-{world}"), timeout_s=600)
+        ck_cold.load_latest(state)
+        t0, steps = time.perf_counter(), 0
+        while True:
+            train_step(model, opt, g)
+            steps += 1
+            # A job's first save comes minutes in: train until ckptctl's background preparation
+            # is done too (on a loaded host faulting the buffer in takes more than a second).
+            # Every rank takes as many steps (FSDP's collectives pair up): any rank asks for more.
+            staging = ck_cold._saver.staging
+            ready = staging.ready or not staging.held
+            more = torch.tensor([int(steps < 2 or time.perf_counter() - t0 < 1.0 or not ready)])
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not more.item() or time.perf_counter() - t0 > 60:
+                break
+        res["cold_steps"], res["cold_train_s"] = steps, time.perf_counter() - t0
         cold_stager = make_stager(a.device)
         order = TOOLS[:]
         res["order"].append(order)
@@ -440,6 +460,7 @@ def summarize(job: dict, load_job: dict | None, load_from: int | None) -> dict:
     s["prepare_call_s"] = max((r["prepare_s"] for r in ranks if "prepare_s" in r), default=None)
     s["dcp_stage_s"] = max((r["dcp_stage_s"] for r in ranks if "dcp_stage_s" in r), default=None)
     s["steps_before_first_save_s"] = max((r["steps_s"] for r in ranks if "steps_s" in r), default=None)
+    s["cold_train"] = max(((r["cold_train_s"], r["cold_steps"]) for r in ranks if "cold_train_s" in r), default=None)
     for key in ("write_s", "capture_s", "copy_s"):
         s[f"ck_{key}"] = r0["ck"].get(key) or []
     if load_job is not None:
@@ -513,7 +534,7 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
     p(f"tools: ckptctl = Checkpointer.save({{'model': model, 'optimizer': opt}}); DCP* = get_state_dict + "
       "async_save with one DefaultStager kept across saves (reused host copies: DCP at its best, the reference);")
     p("       DCP default = get_state_dict + async_save with its default stager (fresh host copies every save)")
-    p(f"rounds: 0 = cold first saves (nothing prepared); 1 = prepared first saves (ckptctl prepare(), DCP* stager "
+    p(f"rounds: 0 = cold first saves (no prepare() or stage(): load_latest, then training); 1 = prepared first saves (ckptctl prepare(), DCP* stager "
       f"staged once, then 2 training steps); 2..{1 + a.steady} = steady. Tool order rotates every round.")
     p("every tool keeps all its checkpoints (--keep-all), os.sync() after each save, outside the timed sections"
       if a.keep_all else "every tool keeps only its newest checkpoint (deleted, then os.sync(), outside the timed sections)")
@@ -534,14 +555,19 @@ def print_report(summaries: list[dict], a: argparse.Namespace, out) -> None:
         p(f"  warm-up: {s['prepare']}" + (f"; prepare() {pc * 1e3:.1f} ms" if pc is not None else "")
           + (f"; DCP* stage {ds * 1e3:.1f} ms" if ds is not None else "")
           + (f"; 2 training steps {st * 1e3:.0f} ms" if st is not None else ""))
+        if s.get("cold_train"):
+            p(f"  cold round: load_latest, then {s['cold_train'][1]} training steps in {s['cold_train'][0]:.1f} s, "
+              "then the first saves")
         p(f"  order per round: " + " | ".join(",".join(o) for o in s["order"]))
         p(f"  {'':<34}{'ckptctl':>13}{'DCP*':>13}{'DCP default':>13}")
         for label, key, rounds in (("stall, cold first save", "stall_s", 0), ("stall, prepared first save", "stall_s", 1)):
             p(f"  {label:<34}" + "".join(ms(s[f'{t}_{key}'][rounds]) for t in TOOLS))
         p(f"  {'stall, steady (median)':<34}" + "".join(ms(med(s[f'{t}_stall_s'][2:])) for t in TOOLS))
         p(f"  {'  CPU time of the stall, steady':<34}" + "".join(ms(med(s[f'{t}_stall_cpu_s'][2:])) for t in TOOLS))
+        p(f"  {'  CPU time of the stall, cold first':<34}" + "".join(ms(s[f'{t}_stall_cpu_s'][0]) for t in TOOLS))
         if s["ck_capture_s"] and None not in s["ck_capture_s"]:
             p(f"  {'  ckptctl capture | copy, steady':<34}{ms(med(s['ck_capture_s'][2:]))} | {med(s['ck_copy_s'][2:]) * 1e3:.1f} ms")
+            p(f"  {'  ckptctl capture | copy, cold first':<34}{ms(s['ck_capture_s'][0])} | {s['ck_copy_s'][0] * 1e3:.1f} ms")
         p(f"  {'durable, cold first save':<34}" + "".join(ms(s[f'{t}_durable_s'][0]) for t in TOOLS))
         p(f"  {'durable, saves 1.. (median)':<34}" + "".join(ms(med(s[f'{t}_durable_s'][1:])) for t in TOOLS))
         p(f"  {'  throughput (state / durable)':<34}" + "".join(f"{gbs(nb, med(s[f'{t}_durable_s'][1:])):>13}" for t in TOOLS))

@@ -18,9 +18,16 @@ varied shapes) that every tool saves as is.
   file (one thread, as each rank's writer); sequential read of that file after evicting it
   from the page cache with 1 thread, with verify's thread count and with load's
   (``CKPTCTL_VERIFY_THREADS``, ``CKPTCTL_IO_THREADS``), and cache-hot;
-* ckptctl: first save() stall (a fresh Checkpointer, nothing prepared), steady stall, time to
+* ckptctl: first save() stall (a fresh Checkpointer on which the job called only
+  ``load_latest``, finding nothing, as the README's loop does, and whose background preparation
+  had the time to end, as it has before a job's first save; no ``prepare()``), and beside it
+  the first stall of a Checkpointer whose first call is ``save()``; steady stall, time to
   durable (save start -> wait() return), background write (and write_s from the manifest),
-  verify (checksums level), load into the live state (in a fresh Checkpointer, as a resume);
+  verify (checksums level), load into the live state (in a fresh Checkpointer, as a resume;
+  its ``close()``, which a resuming job calls only at its end, is not timed), and again with a
+  Checkpointer kept across the rounds that holds its staging buffer (it prepared once, untimed:
+  a job that saved or prepared before it loads), and the bytes each load read
+  (``/proc/self/io``: from storage, and through read calls);
 * DCP*, the reference of the targets: ``async_save`` with one ``DefaultStager`` kept across
   saves, so its host copies are reused (DCP at its best on this host; first save with a fresh
   stager), fsyncing (``sync_files=True``, its default); DCP default (a fresh stager every
@@ -64,7 +71,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchutil import cpu_pressure_us, dir_bytes, drop_cache, files_under
+from benchutil import ReadCount, cpu_pressure_us, dir_bytes, drop_cache, files_under
 
 PIECE = 64 << 20  # raw I/O piece size (the shard writer's piece size too)
 ALIGN = 64
@@ -78,6 +85,9 @@ TARGETS = [
     ("durable_vs_dcp", "time to durable / DCP* time to durable", "<=", 1.0),
     ("write_vs_raw", "write throughput / raw write+fsync (1 thread)", ">=", 0.9),
     ("verify_vs_raw_read", "verify thr. / raw read (verify's threads)", ">=", 0.8),
+    ("load_vs_raw_read", "load thr. / raw read (load's threads)", ">=", 0.9),
+    ("load_vs_dcp", "load throughput / DCP load", ">=", 1.5),
+    ("load_storage_vs_size", "bytes read from storage per load / checkpoint", "<=", 1.05),
 ]
 # Same-run comparisons without a stated target (shown, never PASS/MISS).
 INFO = [
@@ -85,12 +95,21 @@ INFO = [
     ("first_stall_vs_dcp_default", "first stall / DCP default first stall"),
     ("durable_vs_dcp_default", "time to durable / DCP default"),
     ("first_stall_vs_memcpy_fresh", "first stall / memcpy (fresh buffer)"),
+    ("bare_first_stall_vs_dcp", "first stall, save() the first call / DCP* first"),
     ("write_s_vs_raw", "write thr. (manifest write_s) / raw write+fsync"),
     ("verify_vs_raw_read_1", "verify thr. / raw read (1 thread)"),
     ("verify_hot_vs_read_hot", "verify thr. / raw read (both cache-hot, 1 thread)"),
-    ("load_vs_raw_read", "load thr. / raw read (load's threads)"),
-    ("load_vs_dcp", "load throughput / DCP load"),
     ("load_vs_torch", "load throughput / torch.load + load_state_dict"),
+    ("held_load_vs_raw_read", "load, buffer held / raw read (load's threads)"),
+    ("load_cpu_vs_raw", "CPU time: load / raw read (load's threads)"),
+    ("held_load_cpu_vs_raw", "CPU time: load, buffer held / raw read"),
+    ("load_cpu_vs_dcp", "CPU time: load / DCP load"),
+    ("held_load_vs_dcp", "load, buffer held / DCP load"),
+    ("held_storage_vs_size", "load, buffer held: storage bytes / checkpoint"),
+    ("held_calls_vs_size", "load, buffer held: read-call bytes / checkpoint"),
+    ("load_calls_vs_size", "read-call bytes per load / checkpoint"),
+    ("dcp_storage_vs_size", "DCP: storage bytes per load / checkpoint"),
+    ("torch_storage_vs_size", "torch.load: storage bytes / checkpoint"),
     # CPU time is not inflated by waiting for a CPU: a cross-check when the machine is busy.
     ("cpu_steady_vs_memcpy", "CPU time: steady stall / memcpy"),
     ("cpu_steady_vs_dcp", "CPU time: steady stall / DCP* steady stall"),
@@ -316,8 +335,15 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int, i
 
 
 def copy_into(buf: torch.Tensor, lay) -> None:
-    for t, pos, nb in lay:
-        buf[pos : pos + nb].view(t.dtype).view(t.shape).copy_(t)
+    """The memcpy limit: every tensor's bytes with libc's memmove, 16 MiB at a time, on one
+    thread per CPU (torch's ``copy_`` spreads each tensor over its intra-op threads and costs
+    several times the CPU on a busy host)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = buf.data_ptr()
+    moves = [(base + pos + a, t.data_ptr() + a, min(16 << 20, nb - a)) for t, pos, nb in lay for a in range(0, nb, 16 << 20)]
+    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
+        list(pool.map(lambda m: ctypes.memmove(*m), moves))
 
 
 
@@ -509,6 +535,22 @@ class Bench:
         self.rec("ckptctl")["file_bytes"] = dir_bytes(path)
         self.keep_newest("ckptctl", path)
 
+    def bare_first_save(self) -> None:
+        """A first save with nothing before it: a new Checkpointer whose first call is save(),
+        so its staging buffer is mapped and faulted in during the stall."""
+        from ckptctl import Checkpointer
+
+        with Checkpointer(os.path.join(self.work, "ckptctl-bare")) as ck:
+            with self.timer("ckptctl_bare"):
+                t0, c0 = time.perf_counter(), time.process_time()
+                h = ck.save(1, self.kit.ck_state())
+                t1, c1 = time.perf_counter(), time.process_time()
+                path = h.wait()
+        self.add("ckptctl_bare", "stall_s", t1 - t0)
+        self.add("ckptctl_bare", "stall_cpu_s", c1 - c0)
+        shutil.rmtree(path)
+        os.sync()
+
     def dcp_save(self, r: int, tool: str) -> None:
         import torch.distributed.checkpoint as dcp
 
@@ -551,6 +593,17 @@ class Bench:
         buf = self.memcpy()
         data = memoryview(buf.numpy()).cast("B")[: self.nbytes]
         self._ck = Checkpointer(os.path.join(self.work, "ckptctl"))
+        # A job starts as the README's loop does: load_latest (nothing to resume here), which
+        # prepares the staging buffer in the background once every optimizer has stepped. No
+        # prepare() call. "ckptctl_bare" below saves with no call before save().
+        self._ck.load_latest(self.kit.ck_state())
+        # A job's first save comes minutes after its start: let the background preparation end
+        # (untimed; the process's CPU is otherwise idle meanwhile, for every tool alike).
+        t0 = time.perf_counter()
+        staging = self._ck._saver.staging
+        while staging.held and not staging.ready and time.perf_counter() - t0 < 60:
+            time.sleep(0.01)
+        self.res["prepared_in_background_s"] = time.perf_counter() - t0
         self._stager = None
         if "dcp_cached" not in self.skip:
             # Kept across saves, a stager reuses its host copies (StateDictStager caches
@@ -571,6 +624,8 @@ class Bench:
                 steps = [("raw", lambda: self.raw_write(r, data)), ("ckptctl", ck),
                          ("dcp", lambda: self.dcp_save(r, "dcp")), ("dcp_cached", lambda: self.dcp_save(r, "dcp_cached")),
                          ("torch_save", lambda: self.torch_save(r))]
+                if r == 0:
+                    steps.append(("ckptctl_bare", self.bare_first_save))
                 order = steps[r % len(steps):] + steps[: r % len(steps)]  # who goes first rotates
                 self.res.setdefault("save_order", []).append([t for t, _ in order])
                 for tool, fn in order:
@@ -617,8 +672,9 @@ class Bench:
             # The limits with the thread counts the tools use: verify's and load's.
             for key, n in (("read_verify_threads_s", VERIFY_THREADS), ("read_load_threads_s", IO_THREADS)):
                 cold("raw", path)
-                with self.timer("raw"):
+                with self.timer("raw"), ReadCount() as count:
                     self.add("raw", key, raw_read_threads(path, data, n))
+            counted("raw", count)
 
         def verify() -> None:
             path = self.paths["ckptctl"]
@@ -630,16 +686,40 @@ class Bench:
             self.add("ckptctl", "verify_s", rep.seconds)
             self.rec("ckptctl")["verify_bytes"] = rep.bytes_read
 
+        def counted(tool: str, n: ReadCount) -> None:
+            self.add(tool, "load_read_storage", n.storage)
+            self.add(tool, "load_read_calls", n.calls)
+            self.add(tool, "load_cpu_s", n.cpu_s)
+
         def ck_load() -> None:
             path = self.paths["ckptctl"]
             zero_tensors(target.tensors())
             cold("ckptctl", path)
-            with self.timer("ckptctl"):
+            with self.timer("ckptctl"), ReadCount() as n:
                 t0 = time.perf_counter()
-                with Checkpointer(os.path.dirname(path)) as ck:  # a resume: a new Checkpointer
-                    ck.load(path, target.ck_state())
+                ck = Checkpointer(os.path.dirname(path))  # a resume: a new Checkpointer...
+                ck.load(path, target.ck_state())
                 self.add("ckptctl", "load_s", time.perf_counter() - t0)
+            ck.close()  # ...which the job keeps for its saves: unmapping its buffer is no part of the load
+            counted("ckptctl", n)
             self.rec("ckptctl")["load_correct"] = same_tensors(want, target.tensors())
+
+        held: list[Any] = []  # a Checkpointer kept across the rounds, holding its staging buffer
+
+        def ck_load_held() -> None:
+            path = self.paths["ckptctl"]
+            if not held:  # untimed: a job that prepared (or saved) before it loads
+                held.append(Checkpointer(os.path.dirname(path)))
+                held[0].prepare(target.ck_state())
+            zero_tensors(target.tensors())
+            cold("ckptctl_held", path)
+            with self.timer("ckptctl_held"), ReadCount() as n:
+                t0 = time.perf_counter()
+                held[0].load(path, target.ck_state())
+                self.add("ckptctl_held", "load_s", time.perf_counter() - t0)
+            counted("ckptctl_held", n)
+            self.rec("ckptctl_held")["file_bytes"] = self.rec("ckptctl").get("file_bytes")
+            self.rec("ckptctl_held")["load_correct"] = same_tensors(want, target.tensors())
 
         def dcp_load() -> None:
             path = self.paths["dcp"]
@@ -647,28 +727,31 @@ class Bench:
             cold("dcp", path)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with self.timer("dcp"):
+                with self.timer("dcp"), ReadCount() as n:
                     t0 = time.perf_counter()
                     target.dcp_load(path)  # get_state_dict + dcp.load (+ set_state_dict)
                     self.add("dcp", "load_s", time.perf_counter() - t0)
+            counted("dcp", n)
             self.rec("dcp")["load_correct"] = same_tensors(want, target.tensors())
 
         def torch_load() -> None:
             path = self.paths["torch_save"]
             zero_tensors(target.tensors())
             cold("torch_save", path)
-            with self.timer("torch_save"):
+            with self.timer("torch_save"), ReadCount() as n:
                 t0 = time.perf_counter()
                 # Into the same live tensors as the others: torch.load allocates its own
                 # copies, then load_state_dict (or copy_) puts them in place.
                 loaded = torch.load(path, weights_only=True)
                 target.torch_load_into(loaded)
                 self.add("torch_save", "load_s", time.perf_counter() - t0)
+            counted("torch_save", n)
             del loaded
             self.rec("torch_save")["load_correct"] = same_tensors(want, target.tensors())
             free_memory()
 
-        steps = [("raw", raw), ("ckptctl", verify), ("ckptctl", ck_load), ("dcp", dcp_load), ("torch_save", torch_load)]
+        steps = [("raw", raw), ("ckptctl", verify), ("ckptctl", ck_load), ("ckptctl", ck_load_held), ("dcp", dcp_load),
+                 ("torch_save", torch_load)]
         for r in range(self.repeat):
             self.progress(f"read round {r}")
             order = steps[r % len(steps):] + steps[: r % len(steps)]  # who goes first rotates
@@ -676,6 +759,8 @@ class Bench:
             for tool, fn in order:
                 if tool in self.paths:
                     self.attempt(tool, fn)
+        for ck in held:
+            ck.close()
         # cache-hot: once more without evicting
         if "raw" in self.paths:
             self.attempt("raw", lambda: self.rec("raw").__setitem__("read_hot_s", raw_read(self.paths["raw"], data)))
@@ -751,6 +836,7 @@ def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
     over best, for reference."""
     m, raw, c = res.get("memcpy", {}), res.get("raw", {}), res.get("ckptctl", {})
     d, dc, ts = res.get("dcp", {}), res.get("dcp_cached", {}), res.get("torch_save", {})
+    h = res.get("ckptctl_held", {})
 
     def bdiv(a, b):
         a, b = best(a), best(b)
@@ -770,6 +856,7 @@ def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
         "steady_stall_vs_memcpy": (paired(steady(c), steady(m, "round_s")), bdiv(steady(c), m.get("prefaulted_s"))),
         "steady_stall_vs_dcp": (paired(steady(c), steady(dc)), bdiv(steady(c), steady(dc))),
         "first_stall_vs_dcp": (paired(first(c), first(dc)), None),
+        "bare_first_stall_vs_dcp": (paired(first(res.get("ckptctl_bare", {})), first(dc)), None),
         "durable_vs_dcp": (paired(durable(c)[1:], durable(dc)[1:]), bdiv(durable(c)[1:], durable(dc)[1:])),
         "steady_stall_vs_dcp_default": (paired(steady(c), steady(d)), bdiv(steady(c), steady(d))),
         "first_stall_vs_dcp_default": (paired(first(c), first(d)), None),
@@ -786,10 +873,28 @@ def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
         "load_vs_raw_read": (paired(rl, c.get("load_s")), None),
         "load_vs_dcp": (paired(d.get("load_s"), c.get("load_s")), None),
         "load_vs_torch": (paired(ts.get("load_s"), c.get("load_s")), None),
+        "held_load_vs_raw_read": (paired(rl, h.get("load_s")), None),
+        "load_cpu_vs_raw": (paired(c.get("load_cpu_s"), raw.get("load_cpu_s")), None),
+        "held_load_cpu_vs_raw": (paired(h.get("load_cpu_s"), raw.get("load_cpu_s")), None),
+        "load_cpu_vs_dcp": (paired(c.get("load_cpu_s"), d.get("load_cpu_s")), None),
+        "held_load_vs_dcp": (paired(d.get("load_s"), h.get("load_s")), None),
+        "held_storage_vs_size": (per_size(h, "load_read_storage"), None),
+        "held_calls_vs_size": (per_size(h, "load_read_calls"), None),
+        # bytes: lower is better, ratio = bytes read / the checkpoint's bytes on disk
+        "load_storage_vs_size": (per_size(c, "load_read_storage"), None),
+        "load_calls_vs_size": (per_size(c, "load_read_calls"), None),
+        "dcp_storage_vs_size": (per_size(d, "load_read_storage"), None),
+        "torch_storage_vs_size": (per_size(ts, "load_read_storage"), None),
     }
     return {k: {"paired": pr, "median": statistics.median(pr) if pr else None,
                 "min": min(pr) if pr else None, "max": max(pr) if pr else None, "best": b}
             for k, (pr, b) in out.items()}
+
+
+def per_size(r: dict, key: str) -> list[float]:
+    """Each round's bytes read (``key``) over the tool's checkpoint size on disk."""
+    size = r.get("file_bytes")
+    return [x / size for x in (r.get(key) or []) if x is not None and size]
 
 
 def div_(a, b):
@@ -853,6 +958,9 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
     p("GB = 1e9 bytes; throughput = state bytes / time; stall = time until the save call returns;")
     p("figures are each tool's median of its rounds (steady: after the first); all samples in [brackets],")
     p("first round first; the ratios at the end pair samples round by round (median, min, max)")
+    if res.get("prepared_in_background_s") is not None:
+        p(f"ckptctl's first save: load_latest found nothing; its background preparation ended "
+          f"{res['prepared_in_background_s']:.2f} s later (waited for, untimed)")
     if res.get("save_order"):
         p("save order per round: " + " | ".join(",".join(o) for o in res["save_order"]))
     p()
@@ -867,7 +975,8 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
     p(f"  read, page-cache hot             {ms(f['raw_read_hot_s'])} {thr(f['raw_read_hot_s'])}")
     p()
     p("SAVE STALL (lower is better)           first    steady best  steady median   samples")
-    for label, r in (("ckptctl save()", c), ("DCP* async_save (kept stager)", dc), ("DCP async_save (default)", d)):
+    for label, r in (("ckptctl save()", c), ("ckptctl, save() first call", res.get("ckptctl_bare", {})),
+                     ("DCP* async_save (kept stager)", dc), ("DCP async_save (default)", d)):
         if r.get("stall_s"):
             st = r["stall_s"]
             p(f"  {label:<30}{ms(st[0])}{ms(best(st[1:]))}{ms(median(st[1:]))}   {samples(st)}")
@@ -913,8 +1022,10 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
     p(f"  raw read, cache-hot              {ms(f['raw_read_hot_s'])} {thr(f['raw_read_hot_s'])}")
     p()
     p("LOAD into the live (pre-allocated, touched) state, evicted first (higher is better)")
-    for label, r, k in (("ckptctl load()", c, "ck_load_s"), ("DCP load (+ set_state_dict)", d, "dcp_load_s"),
-                        ("torch.load + load_state_dict *", ts, "ts_load_s")):
+    h = res.get("ckptctl_held", {})
+    f["ck_held_load_s"] = median(h.get("load_s"))
+    for label, r, k in (("ckptctl load(), new Checkpointer", c, "ck_load_s"), ("ckptctl load(), buffer held", h, "ck_held_load_s"),
+                        ("DCP load (+ set_state_dict)", d, "dcp_load_s"), ("torch.load + load_state_dict *", ts, "ts_load_s")):
         if r.get("load_s"):
             ok = "ok" if r.get("load_correct") else "DATA MISMATCH"
             p(f"  {label:<33}{ms(f[k])} {thr(f[k])}   {samples(r['load_s'])} {ok}")
@@ -922,6 +1033,18 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
     p(f"  raw read, {th.get('load', '?')} threads               {ms(f['raw_read_l_s'])} {thr(f['raw_read_l_s'])}")
     resids = [x for r in (c, d, ts) for x in r.get("resident_before_read", []) if x is not None]
     p(f"  checkpoint files cached when their reads began: at most {max(resids):.0%}" if resids else "  cache state unknown")
+    p("  bytes read per load (/proc/self/io: storage = read_bytes, calls = rchar), median over rounds:")
+
+    def mib(xs):
+        v = median(xs)
+        return f"{v / 2**20:8.1f} MiB" if v is not None else "     n/a    "
+
+    for label, r in (("ckptctl load(), new Checkpointer", c), ("ckptctl load(), buffer held", h), ("DCP load", d),
+                     ("torch.load", ts), ("raw read (load's threads)", raw)):
+        if r.get("load_read_storage"):
+            size = r.get("file_bytes", nbytes)
+            p(f"  {label:<33}storage {mib(r['load_read_storage'])}  calls {mib(r.get('load_read_calls'))}  "
+              f"of {size / 2**20:.1f} MiB on disk")
     p()
     p("ON DISK: " + ", ".join(f"{k} {gib(r['file_bytes'])}" for k, r in (("ckptctl", c), ("DCP", d), ("torch.save", ts)) if "file_bytes" in r))
     p()

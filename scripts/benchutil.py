@@ -4,6 +4,7 @@ page-cache state and the per-phase timing of a rank's shard write (``write_phase
 from __future__ import annotations
 
 import os
+import time
 
 
 def files_under(path: str) -> list[str]:
@@ -28,6 +29,38 @@ def drop_cache(path: str) -> bool:
         finally:
             os.close(fd)
     return ok
+
+
+class ReadCount:
+    """Bytes this process read over a block, from ``/proc/self/io`` (every thread's, finished
+    ones included): ``storage`` (``read_bytes``: what the block layer read for it, so a page
+    cache hit counts nothing) and ``calls`` (``rchar``: every byte a read call returned, page
+    cache, sockets and temporary files included); None where the kernel does not say. And
+    ``cpu_s``, the process's CPU time over the block (not inflated by waiting for a CPU)."""
+
+    storage: int | None = None
+    calls: int | None = None
+    cpu_s: float = 0.0
+
+    @staticmethod
+    def _now() -> dict[str, int] | None:
+        try:
+            with open("/proc/self/io") as f:
+                return {k: int(v) for k, v in (line.split(": ") for line in f)}
+        except (OSError, ValueError):
+            return None
+
+    def __enter__(self) -> "ReadCount":
+        self._before = self._now()
+        self._cpu = time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu_s = time.process_time() - self._cpu
+        after = self._now()
+        if self._before is not None and after is not None:
+            self.storage = after["read_bytes"] - self._before["read_bytes"]
+            self.calls = after["rchar"] - self._before["rchar"]
 
 
 def dir_bytes(path: str) -> int:

@@ -28,7 +28,8 @@ from torch import nn
 from ckptctl import Checkpointer
 from ckptctl.load.bounce import BouncePool
 from ckptctl.save.shard_layout import make_layout, view
-from ckptctl.save.staging import CopyFence, StagingBuffer
+from ckptctl.save.overlap import CopyFence
+from ckptctl.save.staging import StagingBuffer
 from ckptctl.state import pinned
 from ckptctl.state.capture import capture
 from ckptctl.state.pinned import CudaRegistrar, HostRegion, held_bytes, host_wait_event

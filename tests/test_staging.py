@@ -25,9 +25,8 @@ import torch
 
 from ckptctl.load.bounce import BouncePool
 from ckptctl.save.shard_layout import make_layout, view
-from ckptctl.save.staging import (
-    HOST, StagingBuffer, group_by_device, hold_steps, overlap_plan, pin_device, stepped_by_optimizers,
-)
+from ckptctl.save.overlap import hold_steps, overlap_plan, stepped_by_optimizers
+from ckptctl.save.staging import HOST, StagingBuffer, group_by_device, pin_device
 from ckptctl.state.capture import capture
 from ckptctl.state.pinned import HostRegion, split_at
 

@@ -35,6 +35,7 @@ import torch
 from ckptctl.errors import InvalidCheckpoint, StateError
 from ckptctl.format import dtypes
 from ckptctl.load.reader import CheckpointReader, ReadJob
+from ckptctl.load.staged import HostLender, StagedLoad
 from ckptctl.state import rng, tree
 from ckptctl.state.capture import RNG_KEY, model_for, module_state_dict, optimizer_state_dict
 from ckptctl.state.per_rank import RANK_STATE_KEY, per_rank_values
@@ -50,13 +51,19 @@ class LoadResult:
 
 
 class _Filler:
-    """Collects read jobs for every tensor of the state, then reads them in one parallel pass."""
+    """Collects read jobs for every tensor of the state: ``live`` ones fill the caller's tensors,
+    ``fresh`` ones tensors made here (no one else holds them until the load is applied)."""
 
     def __init__(self, reader: CheckpointReader, strict: bool) -> None:
         self.reader = reader
         self.strict = strict
-        self.jobs: list[ReadJob] = []
+        self.live: list[ReadJob] = []
+        self.fresh: list[ReadJob] = []
         self.skipped: list[str] = []
+
+    @property
+    def jobs(self) -> list[ReadJob]:
+        return [*self.live, *self.fresh]
 
     def tensor(self, name: str, target: torch.Tensor | None) -> torch.Tensor | None:
         """Schedule ``name`` into ``target`` (or a new tensor when None). Returns the tensor
@@ -69,16 +76,18 @@ class _Filler:
             return None
         if target is None:
             target = torch.empty(entry.shape, dtype=dtypes.torch_dtype(entry.dtype))
-        elif _is_dtensor(target):
+            self.fresh.append(ReadJob(name, target))
+            return target
+        if _is_dtensor(target):
             if tuple(target.shape) != entry.shape or target.dtype != _dtype(entry.dtype):
                 return self._mismatch(name, entry, target)
             local, offsets = _local_region(target)
             if local.numel():
-                self.jobs.append(ReadJob(name, local, offsets))
+                self.live.append(ReadJob(name, local, offsets))
             return target
-        elif tuple(target.shape) != entry.shape or target.dtype != _dtype(entry.dtype):
+        if tuple(target.shape) != entry.shape or target.dtype != _dtype(entry.dtype):
             return self._mismatch(name, entry, target)
-        self.jobs.append(ReadJob(name, target.detach()))
+        self.live.append(ReadJob(name, target.detach()))
         return target
 
     def _mismatch(self, name: str, entry, target: torch.Tensor) -> None:
@@ -90,9 +99,6 @@ class _Filler:
             )
         self.skipped.append(name)
         return None
-
-    def run(self) -> None:
-        self.reader.read_many(self.jobs)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -114,19 +120,23 @@ def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return t.to_local().detach(), tuple(int(o) for o in offsets)
 
 
-def load_into(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = True, rank: int = 0) -> LoadResult:
+def load_into(reader: CheckpointReader, state: dict[str, Any], *, strict: bool = True, rank: int = 0,
+              host: HostLender | None = None) -> LoadResult:
     """Fill ``state`` in place as rank ``rank`` of the loading job (see the module docstring
     for which rank's per-rank state it gets).
 
     All or nothing: first every record this rank will apply is decoded (per-rank state, RNG
-    states, module extra state) and every chunk its tensors will be read from is read and
-    checked against its checksum, changing nothing in ``state``; only then are the tensors
-    read again into place (checked again) and the rest applied, RNG last. So a corrupt
-    checkpoint raises before the first byte of ``state`` changes, and a fallback to an older
-    one leaves exactly that one's state. (Reading twice rather than staging a host copy keeps
-    memory at one piece buffer per thread: ``docs/decisions.md``, "All-or-nothing loads". From
-    object storage the first pass fetches each byte once into a local spool, which the second
-    reads: ``load.spool``.)"""
+    states, module extra state) and every chunk its tensors need is read and checked against
+    its checksum, changing nothing in ``state``; only then are the tensors filled and the rest
+    applied, RNG last. So a corrupt checkpoint raises before the first byte of ``state``
+    changes, and a fallback to an older one leaves exactly that one's state.
+
+    With ``host`` (memory lent for the load: the ``Checkpointer``'s staging buffer) each byte is
+    read once, into that memory, checked there and then copied into place (``load.staged``).
+    Without it, or when it lends nothing, every chunk is read and checked, then read again into
+    place and checked again: memory stays one piece buffer per thread, and the second read
+    comes from the page cache, or from a local spool for remote files (``load.spool``);
+    ``docs/decisions.md``, "All-or-nothing loads in one pass"."""
     saved = reader.manifest.state
     fill = _Filler(reader, strict)
     rank_states = reader.rank_states((rank, 0))  # its own shard's and rank 0's headers only
@@ -148,14 +158,32 @@ def load_into(reader: CheckpointReader, state: dict[str, Any], *, strict: bool =
             f"checkpoint {reader.storage.url} has state keys the target lacks: {sorted(set(saved) - set(state))}",
             hint="add them to the state passed to load, or pass strict=False",
         )
-    reader.verify_many(fill.jobs)  # every chunk read and checked; nothing applied yet
+    staged = _fetch_staged(reader, fill, host)  # None: nothing lent
+    if staged is None:
+        reader.verify_many(fill.jobs)  # every chunk read and checked; nothing applied yet
     # --- apply: from here on, the checkpoint has been proven ------------------------------
     _warn_borrowed(reader, state, rank_states, own, rank)
-    fill.run()
+    if staged is not None:
+        staged.apply()
+    else:
+        reader.read_many(fill.jobs)
     for f in finish:
         f()
     restore_rng()
     return LoadResult(reader.manifest.step, fill.skipped)
+
+
+def _fetch_staged(reader: CheckpointReader, fill: _Filler, host: HostLender | None) -> StagedLoad | None:
+    """Every chunk read once and checked, the live targets' bytes into memory ``host`` lends;
+    None (nothing read) when there is no lender or it lends nothing."""
+    if host is None:
+        return None
+    staged = StagedLoad(reader, fill.live, fill.fresh)
+    region = host(staged.nbytes, staged.cuda_device, staged.remote) if staged.nbytes else None
+    if staged.nbytes and region is None:
+        return None
+    staged.fetch(region)
+    return staged
 
 
 @contextlib.contextmanager

@@ -85,8 +85,8 @@ class CheckpointReader(ShardIndex):
         view = out if out is not None else memoryview(bytearray(n))
         if len(view) != n:
             raise ValueError(f"read_chunk: buffer of {len(view)} bytes for a chunk of {n}")
-        self._pread(loc.file, loc.byte_range[0], view)
-        self._check(loc, digest(view))
+        self.pread(loc.file, loc.byte_range[0], view)
+        self.check_digest(loc, digest(view))
         return view
 
     def stream_chunk(self, loc: Located, piece_bytes: int = VERIFY_PIECE) -> Iterator[memoryview]:
@@ -99,10 +99,10 @@ class CheckpointReader(ShardIndex):
         h = Hasher()
         for pos in range(start, end, len(buf)):
             view = buf[: min(len(buf), end - pos)]
-            self._pread(loc.file, pos, view)
+            self.pread(loc.file, pos, view)
             h.update(view)
             yield view
-        self._check(loc, h.hexdigest())
+        self.check_digest(loc, h.hexdigest())
 
     # --- regions ----------------------------------------------------------------------------
 
@@ -148,7 +148,7 @@ class CheckpointReader(ShardIndex):
         self.prefetch(jobs)
         todo: dict[tuple[str, int], Located] = {}
         for j in jobs:
-            for loc in self._plan(j):
+            for loc in self.plan_reads(j):
                 todo.setdefault((loc.file, loc.chunk.begin), loc)
         locs = list(todo.values()) if self.verify_checksums else []
         self._drop_spool()
@@ -175,9 +175,9 @@ class CheckpointReader(ShardIndex):
         start, end = loc.byte_range
         h = Hasher()
         self._hash_range(loc.file, start, end, h)
-        self._check(loc, h.hexdigest())
+        self.check_digest(loc, h.hexdigest())
 
-    def _plan(self, job: ReadJob) -> list[Located]:
+    def plan_reads(self, job: ReadJob) -> list[Located]:
         """The chunks ``job`` reads from, after the checks ``_fill`` makes of its target."""
         self._check_target(job)
         want = region_of(job)
@@ -281,14 +281,14 @@ class CheckpointReader(ShardIndex):
 
             def fill(out: torch.Tensor, offset: int, lo: int = lo, file: str = loc.file, h: Hasher | None = h) -> None:
                 view = tensor_bytes(out)
-                self._pread(file, lo + offset, view)
+                self.pread(file, lo + offset, view)
                 if h is not None:  # in file order: the pool fills its buffers in order
                     h.update(view)
 
             bounce.upload_from(fill, dst)
             if h is not None:
                 self._hash_range(loc.file, hi, end, h)
-                self._check(loc, h.hexdigest(), job.name)
+                self.check_digest(loc, h.hexdigest(), job.name)
         self._check_covered(job, covered)
 
     def _copy_part(self, name: str, loc: Located, target: torch.Tensor, want: Box, part: Box, verify: bool) -> None:
@@ -311,11 +311,11 @@ class CheckpointReader(ShardIndex):
             if h is not None:
                 self._hash_range(loc.file, start, lo, h)
             mid = tensor_bytes(dst)
-            self._pread(loc.file, lo, mid)
+            self.pread(loc.file, lo, mid)
             if h is not None:
                 h.update(mid)
                 self._hash_range(loc.file, hi, end, h)
-                self._check(loc, h.hexdigest(), name)
+                self.check_digest(loc, h.hexdigest(), name)
             return
         # Rows through the piece buffer; the needed columns of each are copied out of it.
         first, last = (0, rows) if verify else (r0, r1)
@@ -325,7 +325,7 @@ class CheckpointReader(ShardIndex):
         for a in range(first, last, step):
             b = min(a + step, last)
             piece = self._piece((b - a) * row_bytes)
-            self._pread(loc.file, start + a * row_bytes, piece)
+            self.pread(loc.file, start + a * row_bytes, piece)
             if h is not None:
                 h.update(piece)
             lo, hi = max(a, r0), min(b, r1)
@@ -333,12 +333,12 @@ class CheckpointReader(ShardIndex):
                 rows_view = torch.frombuffer(piece, dtype=target.dtype).view(b - a, *cbox.shape[1:])
                 dst[lo - r0 : hi - r0].copy_(rows_view[(slice(lo - a, hi - a), *cols)])
         if h is not None:
-            self._check(loc, h.hexdigest(), name)
+            self.check_digest(loc, h.hexdigest(), name)
 
     def _hash_range(self, file: str, lo: int, hi: int, h: Hasher) -> None:
         for pos in range(lo, hi, VERIFY_PIECE):
             piece = self._piece(min(VERIFY_PIECE, hi - pos))
-            self._pread(file, pos, piece)
+            self.pread(file, pos, piece)
             h.update(piece)
 
     def _piece(self, n: int) -> memoryview:
@@ -349,7 +349,9 @@ class CheckpointReader(ShardIndex):
             buf = self._local.buf = bytearray(max(n, 1))
         return memoryview(buf)[:n]
 
-    def _check(self, loc: Located, got: str, name: str | None = None) -> None:
+    def check_digest(self, loc: Located, got: str, name: str | None = None) -> None:
+        """``InvalidCheckpoint`` naming file, tensor and byte range when ``got`` (the digest of
+        the bytes read for chunk ``loc``) is not its checksum; nothing when checksums are off."""
         c = loc.chunk
         if self.verify_checksums and c.checksum is not None and got != c.checksum:
             start, end = loc.byte_range
@@ -361,11 +363,20 @@ class CheckpointReader(ShardIndex):
 
     # --- files ------------------------------------------------------------------------------
 
-    def _pread(self, file: str, offset: int, out: memoryview) -> None:
+    def pread(self, file: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``offset..`` of ``file`` (from the spool when it holds them),
+        unchecked: the caller hashes them."""
         if len(out):
             spool = self._spool
             if spool is None or not spool.read_into(file, offset, out):
                 self._reader(file).read_into(offset, out)
+
+    def all_local(self, files: Sequence[str]) -> bool:
+        """Whether every one of ``files`` is read through a local descriptor (a second read
+        would come from the page cache), none fetched over a network. Opens them, in parallel
+        (a HEAD each on S3)."""
+        with ThreadPoolExecutor(max(1, min(IO_THREADS, len(files)))) as pool:
+            return all(r.local_fd() is not None for r in pool.map(self._reader, files))
 
     def _reader(self, file: str) -> Reader:
         with self._lock:

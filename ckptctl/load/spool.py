@@ -1,9 +1,11 @@
 """Fetching what a load needs from object storage once: a local spool of remote byte ranges.
 
-An all-or-nothing load (``load.into_state``) reads every chunk it needs twice: a first pass
-hashes them all, changing no target, and only then a second pass fills the targets. On a
-local file the second read comes from the page cache. From object storage it would fetch
-every byte twice, one ranged GET per chunk per pass. So the chunks of every file without a
+An all-or-nothing load with no host memory lent to it (``load.into_state``: ``load_checkpoint``
+called directly, ``load_latest(prepare=False)``; with memory, ``load.staged`` reads each byte
+once) reads every chunk it needs twice: a first pass hashes them all, changing no target, and
+only then a second pass fills the targets. On a local file the second read comes from the page
+cache. From object storage it would fetch every byte twice, one ranged GET per chunk per pass.
+So the chunks of every file without a
 local descriptor (``Reader.local_fd()`` None: S3, or a tier view's files that are not on this
 node) are fetched once into a temporary local file, adjacent chunks of one file in one GET of
 up to ``settings.VERIFY_PIECE``, and both passes read them from there:

@@ -15,11 +15,12 @@ path and with library retention.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch.distributed as dist
 
@@ -32,8 +33,10 @@ from ckptctl.save.replicas import replica_digests
 from ckptctl.save.save_id import SaveIds
 from ckptctl.save.shard_layout import ShardLayout, make_layout, signature_of
 from ckptctl.save.shard_writer import ShardReport, write_shard
-from ckptctl.save.staging import StagingBuffer, hold_steps, overlap_plan
+from ckptctl.save.overlap import hold_steps, overlap_plan
+from ckptctl.save.staging import StagingBuffer
 from ckptctl.state.capture import Captured, capture
+from ckptctl.state.pinned import HostRegion
 from ckptctl.state.roles import role_of
 from ckptctl.storage.base import Storage
 
@@ -106,6 +109,7 @@ class Saver:
         self.async_save = async_save
         self.overlap_copies = overlap_copies  # opt-in: see staging's "the opt-in overlap"
         self._step_holds: list[Any] = []  # one-shot optimizer step pre-hooks of the last save
+        self._prepare_hooks: list[Any] = []  # step post-hooks that prepare once every optimizer stepped
         self.coordinator: Coordinator | None = None
         self.rank, self.world_size = 0, 1
         if dist.is_available() and dist.is_initialized():
@@ -122,7 +126,7 @@ class Saver:
 
     def prepare(self, state: dict[str, Any]) -> bool:
         """See ``Checkpointer.prepare``."""
-        unstepped = [k for k, v in state.items() if role_of(v) == "optimizer" and not v.state]
+        unstepped = _unstepped(state)
         if unstepped:
             log.info("prepare: optimizer %s has not stepped yet; nothing prepared", ", ".join(map(repr, unstepped)))
             return False
@@ -134,9 +138,56 @@ class Saver:
                 return False  # a write still reads the buffer: the next save sizes it after draining
             return self.staging.prepare(layout, captured.tensors)  # pinned under the tensors' GPU
 
+    def prepare_when_stepped(self, state: dict[str, Any]) -> None:
+        """``prepare(state)`` now, or, when an optimizer of ``state`` has not stepped yet, right
+        after each of them has stepped once (a one-shot step post-hook): the first save then
+        finds its buffer faulted in without the job calling ``prepare``. A failure to prepare
+        is logged, never raised into the optimizer's ``step()``."""
+        self._drop_prepare_hooks()
+        unstepped = [state[k] for k in _unstepped(state)]
+        if not unstepped:
+            self.prepare(state)
+            return
+        waiting = {id(opt) for opt in unstepped}
+
+        def stepped(opt: Any, _args: Any, _kwargs: Any) -> None:
+            if id(opt) in waiting:
+                waiting.discard(id(opt))
+                if not waiting:
+                    try:
+                        self.prepare(state)
+                    except (CkptError, RuntimeError) as e:  # a state that cannot be captured; closed
+                        log.warning("could not prepare the staging buffer after the first optimizer step: %s", e)
+
+        # Removed at the next save or close: a hook cannot remove itself (torch iterates over
+        # the hook dict while calling them).
+        self._prepare_hooks = [opt.register_step_post_hook(stepped) for opt in unstepped]
+
+    def _drop_prepare_hooks(self) -> None:
+        for handle in self._prepare_hooks:
+            handle.remove()
+        self._prepare_hooks = []
+
+    @contextlib.contextmanager
+    def lending(self) -> Iterator[Callable[[int, int | None, bool], HostRegion | None]]:
+        """Lend the staging buffer to a load while the context is open (``StagingBuffer.lend``):
+        no save starts meanwhile, and a load that takes the buffer first waits for the last
+        save's write, which reads it. That save's error, if any, is left for ``wait()`` or the
+        next ``save()`` to raise."""
+
+        def lend(nbytes: int, pin_device: int | None, map_new: bool) -> HostRegion | None:
+            if self._pending is not None:
+                wait([self._pending._future])
+            return self.staging.lend(nbytes, pin_device, map_new)
+
+        with self._lock:
+            self._check_open()
+            yield lend
+
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> SaveHandle:
         """See ``Checkpointer.save``."""
         self._check_open()
+        self._drop_prepare_hooks()  # fired or not: this save sizes the buffer itself
         recorded = check_metrics(metrics if metrics is not None else {})  # a bad one raises before any work
         with self._lock:
             t0 = time.perf_counter()
@@ -321,6 +372,7 @@ class Saver:
             self.closed = True
             self._pool.shutdown(wait=True)
             self._hold_steps([], None)
+            self._drop_prepare_hooks()
             self.staging.release()
             if self.coordinator is not None:
                 self.coordinator.close()
@@ -337,6 +389,11 @@ def manifest_from_reports(step: int, world_size: int, reports: Sequence[ShardRep
             tensors[s.name] = TensorEntry(s.dtype, s.global_shape, s.group, (t.chunks if t else 0) + 1)
     return Manifest.new(step, world_size, [r.file for r in reports], tensors, tree, stats, save_id=save_id,
                         metrics=metrics)
+
+
+def _unstepped(state: dict[str, Any]) -> list[str]:
+    """The keys of ``state``'s optimizers that have not stepped yet (their state is empty)."""
+    return [k for k, v in state.items() if role_of(v) == "optimizer" and not v.state]
 
 
 def _never_commits(*_: object) -> str:

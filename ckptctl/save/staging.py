@@ -32,15 +32,15 @@ import logging
 import os
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Mapping
+from typing import AbstractSet, Callable, Mapping, Sequence
 
 import torch
 
+from ckptctl.save.overlap import CopyFence
 from ckptctl.save.shard_layout import ShardLayout, Slot, view
+from ckptctl.state.buffers import copy_host
 from ckptctl.state.pinned import CudaRegistrar, HostRegion, Registrar, host_wait_event, split_at
 from ckptctl.state.placement import SavedTensor
-from ckptctl.state.roles import role_of
 
 log = logging.getLogger("ckptctl")
 
@@ -100,12 +100,7 @@ class StagingBuffer:
         """A buffer of at least ``layout.buffer_nbytes``, reused while it is large enough: only the
         first snapshot faults pages in and pins them (unless prepared); later ones copy into
         resident memory."""
-        if self._coming is not None:  # wait for the prepared buffer rather than make a second
-            (ready, pin), self._coming = self._coming, None
-            try:
-                self._region, self._pin_asked = ready.result(), pin
-            except Exception as e:  # reported, then the buffer is mapped here: the save goes on
-                log.warning("could not prepare the staging buffer in advance (%s); allocating it now", e)
+        self._take_prepared()
         pin = self._wants_pinned(layout)
         if not self._fits(layout, pin):
             self.settle()  # no copy may still be landing in the buffer about to be unmapped
@@ -114,6 +109,39 @@ class StagingBuffer:
             self._region, self._pin_asked = HostRegion(layout.buffer_nbytes, registrar=registrar, chunk=self._chunk), pin
         assert self._region is not None
         return self._region.tensor
+
+    def lend(self, nbytes: int, pin_device: int | None, map_new: bool = False) -> HostRegion | None:
+        """The buffer, for a load to read into (``load.staged.HostLender``; the caller keeps
+        saves off it meanwhile): at least ``nbytes``, page-locked under CUDA device
+        ``pin_device`` when that is given. The buffer held (or being prepared) when it is large
+        enough; else, with ``map_new``, a new one, which then stays as the staging buffer (the
+        memory the next save needs anyway, its pages faulted in by the load's reads); else
+        None. None too, with a warning, when the memory cannot be mapped."""
+        self.settle()
+        self._take_prepared()
+        pin = pin_device is not None and (self._registrar_for is not None or torch.cuda.is_available())
+        r = self._region
+        if r is None or r.nbytes < nbytes or (pin and not self._pin_asked):
+            if not map_new:
+                return None
+            self._drop_region()
+            registrar = (self._registrar_for or CudaRegistrar)(pin_device) if pin and pin_device is not None else None
+            try:
+                self._region, self._pin_asked = HostRegion(nbytes, registrar=registrar, chunk=self._chunk), pin
+            except OSError as e:  # mmap: ENOMEM, an overcommit limit
+                log.warning("load: cannot map %d bytes of host memory to read into (%s); reading twice instead", nbytes, e)
+                return None
+        return self._region
+
+    def _take_prepared(self) -> None:
+        """Wait for the buffer ``prepare`` is making, and hold it (rather than make a second)."""
+        if self._coming is None:
+            return
+        (ready, pin), self._coming = self._coming, None
+        try:
+            self._region, self._pin_asked = ready.result(), pin
+        except Exception as e:  # reported, then the buffer is mapped by the caller: the save goes on
+            log.warning("could not prepare the staging buffer in advance (%s); allocating it now", e)
 
     @property
     def pinned(self) -> bool:
@@ -129,6 +157,13 @@ class StagingBuffer:
     def nbytes(self) -> int:
         """Size of the buffer held (0 when none)."""
         return self._region.nbytes if self._region is not None else 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether a buffer is held and no preparation is still under way."""
+        if self._coming is not None:
+            return self._coming[0].done()
+        return self._region is not None
 
     @property
     def held(self) -> bool:
@@ -164,14 +199,13 @@ class StagingBuffer:
         """Copy every tensor into the buffer; returns when the copies are complete, so the
         training loop may modify its tensors as soon as this returns.
 
-        ``deferred`` (the opt-in overlap, see ``overlap_plan``): names of GPU tensors whose
+        ``deferred`` (the opt-in overlap, see ``save.overlap.overlap_plan``): names of GPU tensors whose
         copies may still be in flight when this returns; ``self.fence`` then holds the events
-        that mark their end (``CopyFence``). Every other copy is complete on return."""
+        that mark their end (``save.overlap.CopyFence``). Every other copy is complete on return."""
         self.settle()
         buf = self.reserve(layout, tensors)
         if not layout.needs_pinned:
-            for slot in layout.slots:
-                view(buf, slot).copy_(tensors[slot.name].data)
+            _copy_to_host(buf, layout.slots, tensors)
             return buf
         groups = group_by_device(layout.slots, {n: t.data.device for n, t in tensors.items()})
         boundaries = self._region.boundaries if self._region is not None else ()
@@ -202,8 +236,7 @@ class StagingBuffer:
                                 _copy_device_slot(buf, slot, src, boundaries)
                             later[index] = _recorded(stream)
             # Host-resident tensors are copied while the device copies are in flight.
-            for slot in groups.get(HOST, ()):
-                view(buf, slot).copy_(tensors[slot.name].data)
+            _copy_to_host(buf, groups.get(HOST, ()), tensors)
             ok = True
         finally:
             if not ok or not later:  # a failure leaves no copy landing in buf behind it
@@ -257,6 +290,13 @@ def _release_prepared(ready: "Future[HostRegion]") -> None:
         ready.result().release()
 
 
+def _copy_to_host(buf: torch.Tensor, slots: "Sequence[Slot]", tensors: Mapping[str, SavedTensor]) -> None:
+    """Copy host-resident (or other accelerators') tensors into their slots: dense host tensors
+    as memcpys on every CPU (``state.buffers.copy_host``), the rest with ``copy_``."""
+    for dst, src in copy_host([(view(buf, slot), tensors[slot.name].data) for slot in slots]):
+        dst.copy_(src)
+
+
 def _copy_device_slot(buf: torch.Tensor, slot: Slot, src: torch.Tensor, boundaries: tuple[int, ...]) -> None:
     """Queue the copy of one device tensor into its slot on the current (side) stream, split
     so that no single copy crosses from one page-locked chunk into the next."""
@@ -303,83 +343,3 @@ def pin_device(devices: list[torch.device], *, local_rank: str | None, device_co
     if local_rank is not None and local_rank.strip().isdigit() and int(local_rank) < device_count:
         return int(local_rank)
     return current
-
-
-# --- the opt-in overlap: copies that finish under forward/backward ---------------------------
-#
-# Opt-in (``Checkpointer(..., overlap_copies=True)``) and not measured on a GPU yet. A
-# parameter, or an optimizer's state tensor, changes only in that optimizer's ``step()``, so
-# its copy may run while the next forward/backward does; ``step()`` first waits for it (a
-# one-shot step pre-hook that makes each device's current stream wait for the copies' event:
-# no host stall). Everything else (module buffers such as BatchNorm's running statistics,
-# which forward changes; tensors of other keys; parameters no optimizer in the state steps)
-# is copied before ``save()`` returns. The writer waits for the event before it hashes.
-# Not covered: code that writes parameters in place outside ``step()`` (an EMA copied into the
-# weights, ``p.data.copy_`` by hand) before the next step; such jobs keep the default.
-
-
-@dataclass
-class CopyFence:
-    """The end of the copies a snapshot left in flight: one event per source device."""
-
-    events: dict[int, "torch.cuda.Event"]
-
-    def hold_streams(self) -> None:
-        """Make each device's *current* stream (the caller's) wait for the copies, without
-        blocking the host: kernels queued after this run after the copies have read."""
-        for index, event in self.events.items():
-            torch.cuda.current_stream(index).wait_event(event)
-
-    def synchronize(self) -> None:
-        """Block until every copy has landed in host memory."""
-        for event in self.events.values():
-            event.synchronize()
-
-
-def overlap_plan(state: Mapping[str, Any], tensors: Mapping[str, SavedTensor]) -> tuple[frozenset[str], list[Any]]:
-    """(names of the GPU tensors whose copies may be deferred, the optimizers whose ``step()``
-    must wait for them)."""
-    names = frozenset(n for n in stepped_by_optimizers(state, tensors) if tensors[n].data.device.type == "cuda")
-    return names, [v for v in state.values() if role_of(v) == "optimizer"] if names else []
-
-
-def stepped_by_optimizers(state: Mapping[str, Any], tensors: Mapping[str, SavedTensor]) -> frozenset[str]:
-    """The names of the model and optimizer tensors that only an optimizer of ``state``
-    changes: its parameters and its state tensors. A tensor counts as one of them when it
-    shares storage with one (the state dict helpers return detached views of the parameters,
-    DTensors their local shards). Module buffers, tensors of other keys, and parameters no
-    optimizer of the state steps are not."""
-    owned: set[int] = set()
-    for opt in (v for v in state.values() if role_of(v) == "optimizer"):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                owned.add(_storage_ptr(p))
-        for per_param in opt.state.values():
-            for v in per_param.values() if isinstance(per_param, dict) else ():
-                if isinstance(v, torch.Tensor):
-                    owned.add(_storage_ptr(v))
-    owned.discard(0)  # empty tensors have no memory: they match nothing
-    return frozenset(n for n, t in tensors.items() if t.group in ("model", "optimizer") and _storage_ptr(t.data) in owned)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    local = getattr(t, "_local_tensor", None)  # a DTensor parameter: its local shard's memory
-    return (local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr()
-
-
-def hold_steps(optimizers: list[Any], fence: CopyFence) -> list[Any]:
-    """Register on each optimizer a one-shot step pre-hook that holds its next step behind
-    ``fence``; returns the hooks' handles, which the caller removes (at the next save, or on
-    close): a hook cannot remove itself, because torch iterates over the hook dict while it
-    calls them."""
-    handles: list[Any] = []
-    for opt in optimizers:
-        fired = [False]
-
-        def hook(_opt: Any, _args: Any, _kwargs: Any, fired: list[bool] = fired) -> None:
-            if not fired[0]:  # one-shot: later steps do not wait on this save
-                fired[0] = True
-                fence.hold_streams()
-
-        handles.append(opt.register_step_pre_hook(hook))
-    return handles

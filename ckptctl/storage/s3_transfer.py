@@ -174,12 +174,43 @@ class S3Reader(Reader):
 # --- writer --------------------------------------------------------------------------------
 
 
+class _PartBuffers:
+    """Full-size part buffers whose upload is done, for the process's next parts: at most
+    ``keep`` of them are kept (the default upload's parts in flight: the memory one upload
+    holds at its peak anyway), the rest are freed. An empty (growable) buffer when none of the
+    size asked for is free."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):  # the one given back last: still in cache
+                if len(self._free[i]) == size:
+                    return self._free.pop(i)
+        return bytearray()
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+_PART_BUFFERS = _PartBuffers(keep=8)
+
+
 class S3Writer(Writer):
     """Buffers up to ``multipart_threshold``; past it, uploads parts in the background.
 
     Bytes are copied once, into part buffers (botocore takes bytes or bytearray, not a
     memoryview); a full part goes to the upload pool and ``write`` blocks while
     ``max_inflight_parts`` are in flight, so memory stays bounded however much is written.
+    A part buffer whose upload is done takes a later part's bytes, of this upload or the
+    process's next (``_PartBuffers``): fresh memory is faulted in page by page on first write,
+    a large share of an upload's CPU time on a small VM, and the same few buffers serve every
+    part instead.
     """
 
     def __init__(self, bucket: Bucket, opts: TransferOptions, obj_key: str, shown: str) -> None:
@@ -190,6 +221,7 @@ class S3Writer(Writer):
         self._base_part = opts.part_size
         self._inflight = opts.max_inflight_parts
         self._cur = bytearray()  # destined to be part number self._next_part
+        self._fill = 0  # bytes of it written; the first part grows, later ones are full-size buffers
         self._next_part = 1
         self._ready: list[tuple[int, bytearray]] = []  # full parts not yet handed to the pool
         self._total = 0
@@ -207,11 +239,15 @@ class S3Writer(Writer):
         with self._aborting_on_failure():
             while pos < len(view):
                 size = part_size_for(self._base_part, self._next_part)
-                take = min(size - len(self._cur), len(view) - pos)
-                self._cur += view[pos : pos + take]
+                take = min(size - self._fill, len(view) - pos)
+                if self._fill == len(self._cur):
+                    self._cur += view[pos : pos + take]
+                else:
+                    self._cur[self._fill : self._fill + take] = view[pos : pos + take]
+                self._fill += take
                 pos += take
                 self._total += take
-                if len(self._cur) == size:
+                if self._fill == size:
                     self._seal_part()
                 if self._upload_id is None and self._total > self._threshold:
                     self._start_multipart()
@@ -234,7 +270,7 @@ class S3Writer(Writer):
                         **self._bucket.checksum_args(),
                     )
             else:
-                if self._cur:
+                if self._fill:
                     self._seal_part()
                 self._submit_ready()
                 wait(self._futures)
@@ -274,7 +310,7 @@ class S3Writer(Writer):
                         taken = i
                         break
             else:
-                if self._cur:
+                if self._fill:
                     self._seal_part()
                 self._submit_ready()
                 wait(self._futures)
@@ -323,10 +359,14 @@ class S3Writer(Writer):
             pass
 
     def _seal_part(self) -> None:
-        """Queue the current buffer as the next part for upload and start a new one."""
+        """Queue the current buffer as the next part for upload and start a new one: a spare
+        one of the next part's size when an upload has handed one back, else a new one
+        (grown as written for the first part, which may turn out to be a small object)."""
+        if self._fill < len(self._cur):
+            del self._cur[self._fill :]  # the last part: only what was written
         self._ready.append((self._next_part, self._cur))
         self._next_part += 1
-        self._cur = bytearray()
+        self._cur, self._fill = _PART_BUFFERS.take(part_size_for(self._base_part, self._next_part)), 0
 
     def _start_multipart(self) -> None:
         # An upload of this key still open is a killed writer's, or a racing one's that cannot
@@ -377,6 +417,8 @@ class S3Writer(Writer):
                 if response.get(field):
                     part[field] = response[field]  # S3 requires it on completion
             self._parts[number] = part
+            if len(buf) == part_size_for(self._base_part, number):  # not a short last part
+                _PART_BUFFERS.give(buf)  # botocore is done with it: a later part's bytes may go in
         finally:
             self._slots.release()
 
@@ -394,7 +436,7 @@ class S3Writer(Writer):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._cur = bytearray()
+        self._cur, self._fill = bytearray(), 0
         self._ready.clear()
 
     def _require_open(self) -> None:
