@@ -350,6 +350,8 @@ class Checkpointer:
                     error, verdict = e, AGREE_FATAL
                 everyone = self._everyone(verdict)
                 if everyone == AGREE_OK:
+                    if self._tiers is not None:
+                        self._tiers.loaded(ckpt)
                     return step
                 if everyone == AGREE_FATAL:
                     if error is not None and verdict == AGREE_FATAL:

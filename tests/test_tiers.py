@@ -168,6 +168,40 @@ def test_s3_outage_saves_go_on_pins_hold_promotion_catches_up(tmp_path, s3_url, 
     assert cli("verify", s3_url, "--all").exit_code == 0
 
 
+def test_steps_cadence_chooses_the_multiples_of_n() -> None:
+    """``Steps(10)`` reads as "every 10 steps": with a save every 5 steps it chooses 10, 20,
+    30 after the run's first save, not 15, 25, 35; with saves every 15, the first save at or
+    past each multiple."""
+    def chosen(steps: list[int], every: Steps) -> list[int]:
+        out: list[int] = []
+        for step in steps:
+            if every.due(step, 0.0, out[-1] if out else None, 0.0 if out else None):
+                out.append(step)
+        return out
+
+    assert chosen(list(range(5, 40, 5)), Steps(10)) == [5, 10, 20, 30]
+    assert chosen(list(range(10, 45, 5)), Steps(10)) == [10, 20, 30, 40]
+    assert chosen(list(range(15, 91, 15)), Steps(10)) == [15, 30, 45, 60, 75, 90]
+    assert chosen(list(range(1, 8)), Steps(1)) == list(range(1, 8))
+
+
+def test_time_to_durable_reports_every_tier_reached(tmp_path) -> None:
+    """The newest save is on the first tier only when the next tier's cadence did not choose
+    it; ``time_to_durable()`` still reports the next tier, from the newest step that reached it."""
+    first, second = str(tmp_path / "nvme"), str(tmp_path / "shared")
+    ck = Checkpointer(tiers=[Tier(first), Tier(second, every=Steps(10))])
+    try:
+        ck.save(10, _state(10)).wait()
+        _until(lambda: second in ck.time_to_durable(10), "step 10 promoted")
+        ck.save(11, _state(11)).wait()  # not due on the second tier
+        assert set(ck.time_to_durable(11)) == {first}
+        durable = ck.time_to_durable()
+        assert set(durable) == {first, second}
+        assert durable[second] == ck.time_to_durable(10)[second] and durable[first] == ck.time_to_durable(11)[first]
+    finally:
+        ck.close(promote_timeout_s=30)
+
+
 def test_close_waits_a_bounded_time_and_says_so(tmp_path, s3_url, proxy, records) -> None:
     local = str(tmp_path / "nvme")
     proxy.rule = lambda method, path: "503"

@@ -13,6 +13,7 @@ resumes from S3, bitwise equal. (The sweep and "already present" in detail, in o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -169,8 +170,9 @@ def test_two_nodes_commit_promote_prune_survive_a_kill_and_a_lost_node(tmp_path,
         proxy.stop()
 
 
-def test_one_process_node_local_tier_commits_prunes_and_promotes(tmp_path, s3_url: str) -> None:
-    """Without torch.distributed the node is the whole job: the same wiring, no channel."""
+def test_one_process_node_local_tier_commits_prunes_and_promotes(tmp_path, s3_url: str, caplog) -> None:
+    """Without torch.distributed the node is the whole job: the same wiring, no channel. The
+    resume after the node lost its disk says, once, that its file came from S3."""
     local = str(tmp_path / "nvme")
     with pytest.raises(ValueError, match="only the first tier"):
         Checkpointer(tiers=[Tier(local), Tier(s3_url, node_local=True)])
@@ -184,7 +186,11 @@ def test_one_process_node_local_tier_commits_prunes_and_promotes(tmp_path, s3_ur
     shutil.rmtree(local)
     state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
     ck = Checkpointer(tiers=[Tier(local, node_local=True), Tier(s3_url)])
-    assert ck.load_latest(state, prepare=False) == 3
+    with caplog.at_level(logging.INFO, logger="ckptctl"):
+        assert ck.load_latest(state, prepare=False) == 3
+    said = [r.getMessage() for r in caplog.records if " loaded " in r.getMessage()]
+    assert said == [f"tiers: rank 0 loaded {step_dir(3)}: 3 files from {s3_url}/{step_dir(3)} "
+                    f"(COMMITTED, manifest.json, rank-00000-of-00001.safetensors)"], caplog.text
     ck.close(promote_timeout_s=1)
     assert all(torch.equal(state["model"][k], state_for(3, 0)["model"][k]) for k in ("w", "b"))
 

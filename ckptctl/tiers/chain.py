@@ -188,6 +188,10 @@ class Tiers:
         copy is a candidate of its own already)."""
         return False
 
+    def loaded(self, view: Storage) -> None:
+        """This rank loaded ``view`` (what ``checkpoint`` returned): say where its files came
+        from when that is not obvious (``tiers.node_chain``); here one tier served them all."""
+
     def release(self, timeout_s: float) -> None:
         """On ranks other than 0, at close: nothing to wait for here (see ``tiers.node_chain``)."""
 

@@ -76,11 +76,18 @@ class Durability:
             return dict(self._replicated.get(step, {})) if step is not None else {}
 
     def of(self, step: int | None = None) -> dict[str, float]:
-        """``{tier URL: seconds}`` for ``step`` (default: the newest step recorded)."""
+        """``{tier URL: seconds}`` for ``step``: the tiers it reached so far. By default, for
+        every tier reached in this run, the newest step that reached it: the newest save is
+        often on the first tier only (the next tier's cadence did not choose it, or its
+        promotion is still running), and the slower tiers are what a caller asks about."""
         with self._lock:
-            if step is None:
-                step = next(reversed(self._durable), None)
-            return dict(self._durable.get(step, {})) if step is not None else {}
+            if step is not None:
+                return dict(self._durable.get(step, {}))
+            newest: dict[str, float] = {}
+            for reached in reversed(self._durable.values()):
+                for tier, seconds in reached.items():
+                    newest.setdefault(tier, seconds)
+            return newest
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,27 @@ class NodeTiers(Tiers):
                 pass  # another rank of this node set it aside already
         return bool(bad)
 
+    def loaded(self, view: Storage) -> None:
+        """One INFO line per load: where this rank's files came from (its node's disk, the
+        replicas its node holds, the next tiers), so an operator can tell a resume that read
+        everything locally from one that fell back to the partner node or S3."""
+        if not isinstance(view, Layered) or not view.served:
+            return
+        by_layer: dict[int, list[str]] = {}
+        for key, i in sorted(view.served.items()):
+            by_layer.setdefault(i, []).append(key)
+        parts = [f"{len(keys)} file{'s' if len(keys) != 1 else ''} from {self._source(view, i)}"
+                 + (f" ({', '.join(keys)})" if i > 0 else "")
+                 for i, keys in sorted(by_layer.items())]
+        log.info("tiers: rank %d loaded %s: %s", self.rank, _name_of(view.url), "; ".join(parts))
+
+    def _source(self, view: Layered, layer: int) -> str:
+        if layer == 0:
+            return f"this node's disk ({view.layers[0].url})"
+        if self._recovery is not None and layer == 1:
+            return f"the partner's replica on this node ({view.layers[1].url})"
+        return view.layers[layer].url
+
     # --- closing ------------------------------------------------------------------------------
 
     def flush(self, timeout_s: float) -> Flushed:

@@ -36,7 +36,16 @@ class Cadence:
 
 @dataclass(frozen=True)
 class Steps(Cadence):
-    """Due when at least ``n`` steps passed since the last checkpoint chosen for the tier."""
+    """Due when the step reached the next multiple of ``n`` after the last checkpoint chosen
+    for the tier: ``Steps(10)`` with a save every 5 steps chooses 10, 20, 30 (and the first
+    save of the run, whatever its step), not 15, 25, 35 as "n steps since the last" would;
+    with saves that skip multiples (every 15) it chooses the first save at or past each one
+    (15, 30, 45, 60). A resumed run counts from the multiples too, so every run of a job
+    promotes the same steps.
+
+    >>> [s for s, last in [(5, None), (10, 5), (15, 10), (20, 10)] if Steps(10).due(s, 0.0, last, 0.0)]
+    [5, 10, 20]
+    """
 
     n: int
 
@@ -45,7 +54,7 @@ class Steps(Cadence):
             raise ValueError(f"Steps: n must be a whole number of at least 1, got {self.n!r}")
 
     def due(self, step: int, now: float, last_step: int | None, last_time: float | None) -> bool:
-        return last_step is None or step - last_step >= self.n
+        return last_step is None or step // self.n > last_step // self.n
 
 
 @dataclass(frozen=True)
