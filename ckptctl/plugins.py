@@ -99,7 +99,7 @@ class Guest:
     what it returns that is the plugin's own (an instance of a class of its package, a
     generator) is held as a guest too. ``failed(name, args, kwargs, failure)`` answers for a
     call that failed: a fallback value, or an error of its own. ``isinstance`` sees the
-    plugin's class (so a guest layout is still a ``StackLayout``)."""
+    plugin's class (a guest layout is still an instance of the class it registered)."""
 
     __slots__ = ("_ep", "_obj", "_failed", "_broken")
 

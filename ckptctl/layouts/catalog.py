@@ -31,10 +31,6 @@ from ckptctl.layouts.registry import (  # noqa: F401 (BUILTIN, FORMATS, layouts_
     BUILTIN, CHECKPOINTER_LAYOUTS, FORMATS, LAYOUTS, layout_called, layout_named, layouts_named)
 from ckptctl.storage.base import Storage
 
-# The name ops/transfer still uses for CHECKPOINTER_LAYOUTS, until its copy engine asks the
-# Layout protocol instead (its rewrite, under way); nothing else may.
-NATIVE = CHECKPOINTER_LAYOUTS
-
 
 def count_named(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> int:
     """How many children of ``root`` some layout recognises by name: as many as
