@@ -430,3 +430,19 @@ def test_gpu_smoke_fails_a_gpu_run_that_never_compared_with_dcp():
     assert verdict(False, 0.5, 0.05, {"skipped": "cpu"})["ok"] is None
     ok = verdict(True, 0.5, 0.05, {"sync_staging": {"error": "x"}, "async_staging": {"first_s": 2.0, "steady_s": 1.0}})
     assert ok["ok"] is True and ok["overlap_vs_dcp"] == 0.05
+
+
+def test_views_whose_values_are_not_their_bytes_save_and_load_as_their_values(tmp_path) -> None:
+    """A conjugate or negative view (``t.conj()``, ``torch._neg_view``) holds other values
+    than its bytes; the snapshot's and the load's memcpys must not copy the raw bytes."""
+    from ckptctl import Checkpointer
+
+    z = torch.randn(64, 8, dtype=torch.complex64)
+    state = {"model": {"conj": z.conj(), "neg": torch._neg_view(z), "plain": torch.randn(16)}}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state["model"].items()}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state).wait()
+        target = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
+        assert ck.load_latest(target) == 1
+    for k, v in expected.items():
+        assert torch.equal(target["model"][k], v), k

@@ -54,7 +54,9 @@ def copy_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[
     moves: list[tuple[int, int, int]] = []
     rest: list[tuple[torch.Tensor, torch.Tensor]] = []
     for dst, src in pairs:
-        if dst.device.type != "cpu" or src.device.type != "cpu" or not (dst.is_contiguous() and src.is_contiguous()):
+        # A conjugate or negative view holds other values than its bytes: copy_ resolves it.
+        if (dst.device.type != "cpu" or src.device.type != "cpu" or not (dst.is_contiguous() and src.is_contiguous())
+                or src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg()):
             rest.append((dst, src))
             continue
         if dst.dtype != src.dtype or dst.numel() != src.numel():
