@@ -49,7 +49,7 @@ from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
-from ckptctl.layouts.file_check import name_of
+from ckptctl.layouts.file_check import directory_problem, name_of
 from ckptctl.layouts.stack import StackLayout, undetermined
 from ckptctl.storage.base import Storage
 
@@ -100,10 +100,9 @@ class NemoLayout(StackLayout):
     def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
         weights, prefix = self._weights(ckpt)
         for where, sub in ((prefix, weights), (f"{CONTEXT}/", ckpt.sub(CONTEXT))):
-            for c in sub.children():  # a directory under a file's name holds nothing the listing checks
-                if c.kind == "dir" and (self.kind_of(c.key) != "other" or c.key.endswith((".yaml", METADATA))):
-                    out.problems.append(Problem("a directory where NeMo writes a file", file=f"{where}{c.key}",
-                                                hint="the checkpoint was altered; use an older one"))
+            for c in sub.children():  # the names NeMo writes as files that kind_of leaves "other"
+                if c.kind == "dir" and c.key.endswith((".yaml", METADATA)):
+                    out.problems.append(directory_problem(f"{where}{c.key}"))
         if f"{prefix}{METADATA}" not in files:
             return  # the commit rule said so already
         from ckptctl.interop.dcp_io import read_metadata  # needs torch
