@@ -50,7 +50,7 @@ from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
 from ckptctl.layouts.file_check import directory_problem, name_of
-from ckptctl.layouts.stack import StackLayout, undetermined
+from ckptctl.layouts.stack import StackLayout
 from ckptctl.storage.base import Storage
 
 NAME = "nemo"
@@ -118,19 +118,11 @@ class NemoLayout(StackLayout):
             load_records(weights, md, self.allowed, out)
 
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
-        from ckptctl.interop.dcp_io import read_metadata  # needs torch
+        from ckptctl.layouts.dcp import optimizer_listed
 
         weights, prefix = self._weights(ckpt)
-        try:
-            md = read_metadata(weights)
-        except InvalidCheckpoint as e:
-            return undetermined(f"{prefix}{METADATA} unreadable ({str(e)[:120]})")
-        keys = getattr(md, "state_dict_metadata", None) or {}
-        optim = next((k for k in keys if str(k).startswith("optimizer")), None)
-        if optim is not None:
-            return CheckpointKind("resumable", f"{prefix}{METADATA} lists the optimizer state ({str(optim)[:80]}, ...)")
-        return CheckpointKind("export", f"{prefix}{METADATA} lists no optimizer key: weights only (save_weights_only, "
-                                        "or the final save without save_optim_on_train_end)")
+        return optimizer_listed(weights, f"{prefix}{METADATA}", "optimizer", "weights only (save_weights_only, "
+                                "or the final save without save_optim_on_train_end)")
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {n: "a NeMo -last checkpoint: AutoResume resumes from the newest finished one"

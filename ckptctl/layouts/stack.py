@@ -227,6 +227,18 @@ def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> d
     return {k: v is not None for k, v in doc.items() if isinstance(k, str)}
 
 
+def optimizer_in_file(ckpt: Storage, key: str, allowed: Sequence[object], export: str) -> CheckpointKind:
+    """Resumable when the ``torch.save`` dict ``key`` holds an ``optimizer`` that is not None
+    (DeepSpeed's and Megatron's model states without ZeRO or a distributed optimizer), else an
+    export (``export`` says why); not told apart when it cannot be read safely."""
+    found = top_level_keys(ckpt, key, allowed)
+    if isinstance(found, str):
+        return undetermined(found)
+    if found.get("optimizer"):
+        return CheckpointKind("resumable", f"{key} holds the optimizer state")
+    return CheckpointKind("export", export)
+
+
 def undetermined(why: str) -> CheckpointKind:
     """A checkpoint whose content could not be read: counted as resumable (verify judges it)."""
     return CheckpointKind("resumable", f"not told apart: {why}; verify judges it")
