@@ -87,3 +87,46 @@ def test_a_name_that_is_not_utf8_is_printed_as_its_bytes(tmp_path) -> None:
     p = subprocess.run([*run, "--resume-args"], capture_output=True, env={**os.environ, "LC_ALL": "C.UTF-8"})
     assert p.returncode == 0 and b"\xff" not in p.stdout, p.stdout  # escaped inside $'...'
     assert _shell_args(os.fsdecode(p.stdout.rstrip(b"\n"))) == [newest]
+
+
+ODD = "r\\oot \t*?[x\n"  # a backslash, TAB, glob characters and a newline: all legal in a local name
+
+
+def test_a_root_named_with_a_backslash_and_controls_works_with_every_verb(tmp_path) -> None:
+    """A local name may hold any character but NUL: the root's own name is never checked as a
+    key inside a checkpoint (a backslash in it made ls and restore refuse the root as
+    "absolute or escapes its checkpoint"). Keys inside checkpoints are still checked strictly:
+    a sibling no key may name is never listed, so never taken for a checkpoint or deleted."""
+    root = str(tmp_path / ODD)
+    old, newest = make_checkpoints(root, [1, 2])
+    for args in (("verify", newest), ("verify", root, "--latest"), ("verify", root, "--all"), ("ls", root),
+                 ("du", root), ("inspect", newest)):
+        r = cli(*args)
+        assert r.exit_code == 0, (args[0], r.stdout[-1000:], r.stderr[-1000:])
+    r = cli("latest", root)
+    assert r.exit_code == 0 and r.stdout == newest + "\n", repr(r.stdout + r.stderr)
+    r = cli("latest", root, "--json")
+    assert r.exit_code == 0 and r.json()["url"] == newest, repr(r.stdout + r.stderr)
+
+    dst = str(tmp_path / f"copy {ODD}")
+    r = cli("cp", newest, dst)
+    assert r.exit_code == 0 and r.stdout == os.path.join(dst, os.path.basename(newest)) + "\n", repr(r.stdout + r.stderr)
+    restored = str(tmp_path / f"restored {ODD}")
+    r = cli("restore", root, restored)
+    assert r.exit_code == 0 and r.stdout == os.path.join(restored, os.path.basename(newest)) + "\n", \
+        repr(r.stdout + r.stderr)
+    r = cli("sync", root, str(tmp_path / f"synced {ODD}"))
+    assert r.exit_code == 0, repr(r.stdout + r.stderr)
+    for copy in (dst, restored, str(tmp_path / f"synced {ODD}")):
+        r = cli("verify", os.path.join(copy, os.path.basename(newest)), "--load")
+        assert r.exit_code == 0, repr(r.stdout + r.stderr)
+
+    # A sibling under a name no key may hold, named like a checkpoint: left alone by every verb.
+    stray = os.path.join(root, os.path.basename(old) + "\\")
+    os.makedirs(stray)
+    r = cli("prune", root, "--keep-last", "1", "--yes")
+    assert r.exit_code == 0, repr(r.stdout + r.stderr)
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".ckptctl-")) == \
+        sorted([os.path.basename(newest), os.path.basename(stray)])
+    r = cli("latest", root)
+    assert r.exit_code == 0 and r.stdout == newest + "\n", repr(r.stdout + r.stderr)

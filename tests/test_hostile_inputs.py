@@ -922,3 +922,63 @@ def test_a_special_or_huge_seal_is_a_corrupt_checkpoint_and_latest_skips_it(tmp_
         make_special(os.path.join(ckpt, ".ckptctl-seal.json"), how)
         hostile[ckpt] = ".ckptctl-seal.json"
     assert_hostile_checkpoints_skipped(root, good, hostile)
+
+
+def _torch_file_root(tmp_path: Any, layout: str) -> tuple[str, str, str]:
+    """(root, newest checkpoint, its torch.save file) of a real save by ``layout``'s stack, an
+    older complete checkpoint beside it."""
+    from test_composer_nemo import composer_save
+    from test_layouts import deepspeed_tag
+    from test_protection import _lightning_file
+
+    root = str(tmp_path / "root")
+    if layout == "lightning":
+        _lightning_file(root, 5, callbacks={})
+        newest = _lightning_file(root, 10, callbacks={})
+        return root, newest, newest
+    if layout == "composer":
+        composer_save(root, 0, 5)
+        newest = composer_save(root, 1, 10)
+        return root, newest, newest
+    os.makedirs(root)
+    deepspeed_tag(root, 5)
+    newest = deepspeed_tag(root, 10)
+    return root, newest, os.path.join(newest, "mp_rank_00_model_states.pt")
+
+
+@pytest.mark.parametrize("layout", ["lightning", "composer", "deepspeed"])
+def test_every_flip_in_a_torch_files_end_records_is_corrupt(tmp_path: Any, layout: str) -> None:
+    """A flipped byte in the last 100 bytes of a real torch.save file (its central directory's
+    end, the zip64 end record and locator, the end record) makes ``verify`` exit 1 naming the
+    file, never 3 (zipfile's BadZipFile once escaped the commit rule of Lightning and Composer),
+    and ``latest`` answers the older checkpoint.
+
+    Four bytes are read by no reader: the zip64 end record's "version made by" and "version
+    needed to extract" (torch's miniz and Python's zipfile both skip them). A flip there may
+    verify ok, and only if torch.load gives back exactly what the intact file holds."""
+    root, newest, target = _torch_file_root(tmp_path, layout)
+    intact = open(target, "rb").read()
+    size = len(intact)
+    assert intact[-42:-38] == b"PK\x06\x07", "torch.save writes zip64 end records always"
+    z64 = struct.unpack_from("<Q", intact, size - 42 + 8)[0]
+    unused = range(z64 + 12, z64 + 16)
+    want = torch.load(target, weights_only=False, map_location="cpu")  # the test's own file: trusted
+    for at in range(size - 100, size):
+        damaged = bytearray(intact)
+        damaged[at] ^= 0xFF
+        with open(target, "wb") as f:
+            f.write(damaged)
+        r = cli("verify", newest)
+        where = f"flip at byte {at} of {size}"
+        assert r.exit_code in (0, 1), f"{where}: exit {r.exit_code}: {r.stdout[-600:]}{r.stderr[-600:]}"
+        if r.exit_code == 0:
+            assert at in unused, f"{where}: verified ok: {r.stdout[-600:]}"
+            got = torch.load(target, weights_only=False, map_location="cpu")
+            assert repr(got) == repr(want), f"{where}: verified ok but loads differently"
+            continue
+        assert os.path.basename(target) in r.stdout and "internal error" not in r.stderr, f"{where}: {r.stdout[-600:]}"
+        latest = cli("latest", root, "--json")
+        assert latest.exit_code == 0 and latest.json()["step"] == 5, f"{where}: {latest.stdout[-600:]}{latest.stderr}"
+    with open(target, "wb") as f:
+        f.write(intact)
+    assert cli("verify", newest).exit_code == 0

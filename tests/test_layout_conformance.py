@@ -511,6 +511,48 @@ def test_a_hostile_commit_record_is_a_checkpoint_problem_named(layout: str, back
     shutil.rmtree(root.local)  # 64 MiB apparent size: gone before the next case
 
 
+# --- a directory under a file's name ---------------------------------------------------------------
+
+# Files each stack opens as files on resume (the model, the optimizer, a rank's states, the
+# context), relative to the checkpoint; each is replaced by a directory of that name.
+FILE_NAMES = {
+    "dcp": ["__0_0.distcp"],
+    "hf-trainer": ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "config.json"],
+    "megatron": ["mp_rank_00/model_optim_rng.pt"],
+    "deepspeed": ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+    "accelerate": ["model.safetensors", "optimizer.bin", "scheduler.bin"],
+    "nemo": ["weights/common.pt", "weights/metadata.json", "context/io.json", "context/model.yaml"],
+}
+DIR_CASES = [pytest.param(layout, rel, backend, filled, id=f"{layout}-{rel}-{backend}-{'filled' if filled else 'empty'}")
+             for layout, rels in FILE_NAMES.items() for rel in rels for backend, filled in
+             (("local", False), ("local", True), *((("s3", True),) if layout == "deepspeed" else ()))]
+
+
+@pytest.mark.parametrize(("layout", "rel", "backend", "filled"), DIR_CASES)
+def test_a_directory_under_a_file_name_is_corrupt(layout: str, rel: str, backend: str, filled: bool,
+                                                  tmp_path, request) -> None:
+    """``model.safetensors/`` as a directory (empty, or holding a file: on S3 only that exists)
+    fails verify naming it, and latest and prune never take its checkpoint for a good one."""
+    root = _root(backend, tmp_path, request)
+    old, new = built(layout, root.local, [(10, True), (20, True)])
+    path = os.path.join(new, rel)
+    assert os.path.isfile(path), f"{layout}'s fixture has no {rel}"
+    os.unlink(path)
+    os.makedirs(path)
+    if filled:
+        with open(os.path.join(path, "x"), "wb") as f:
+            f.write(b"not a checkpoint file")
+    root.publish()
+    r = cli("verify", root.url_of(new))
+    assert r.exit_code == 1, f"exit {r.exit_code}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
+    assert f"{rel}: is a directory, expected a file" in r.stdout, r.stdout[-2000:]
+    r = cli("latest", root.url, "--json")
+    assert r.exit_code == 0 and r.json()["step"] == 10, r.stdout[-2000:] + r.stderr[-2000:]
+    r = cli("prune", root.url, "--keep-last", "1", "--yes", "--json")
+    assert r.exit_code in (0, 1), r.stdout[-2000:] + r.stderr[-2000:]
+    assert os.path.basename(old) in _names(root.url), r.stdout[-2000:]  # the newest good one stays
+
+
 # --- every verb, through the protocol alone ------------------------------------------------------
 
 

@@ -8,7 +8,9 @@ UnicodeDecodeError, and bytes appended or inserted anywhere are never noticed. S
 walked here first, and every one of those is a one-line problem naming what is wrong:
 
 - the end of central directory record is the file's last bytes (nothing trails it), and its
-  zip64 record and locator, when present, sit where they say;
+  zip64 record and locator, when present, sit where they say; all of them name one disk (a
+  flipped byte there is damage: ``end_records``, a commit rule's cheap test, tells it from a
+  write cut short, which has no end record at all);
 - the central directory begins where the last member ends and ends where the end records begin;
 - members are laid out back to back from byte 0: each local header sits where the directory
   says, agrees with it (name, method, flags), and its data and data descriptor end exactly where
@@ -43,6 +45,11 @@ _U32, _U16 = 0xFFFFFFFF, 0xFFFF
 
 class ZipProblem(ValueError):
     """What is wrong with the archive, in one line (the caller names the file)."""
+
+
+class Unended(ZipProblem):
+    """No end record closes the file: its write was cut short (the directory is written last),
+    or bytes were appended after it."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,12 @@ def _inflate(d: "zlib._Decompress", piece: bytes, room: int) -> list[bytes]:
     return out
 
 
+def end_records(f: BinaryIO, file_size: int) -> None:
+    """Check the archive's end records alone (the cheap test of a file written whole: they are
+    written last). Raises Unended when none closes the file, ZipProblem when they are wrong."""
+    _end_records(_reader(f, file_size), file_size)
+
+
 def _reader(f: BinaryIO, file_size: int) -> Callable[[int, int], bytes]:
     def read(offset: int, n: int) -> bytes:
         if offset < 0 or n < 0 or offset + n > file_size:
@@ -165,7 +178,7 @@ def _end_records(read: Callable[[int, int], bytes], size: int) -> tuple[int, int
     """(directory offset, directory size, member count, where the end records begin). The end
     record must close the file: its comment, if any, reaches exactly the last byte."""
     if size < 22:
-        raise ZipProblem(f"{size} bytes: too short for a zip archive (truncated)")
+        raise Unended(f"{size} bytes: too short for a zip archive (truncated)")
     tail_len = min(size, 22 + _U16)
     tail = read(size - tail_len, tail_len)
     at = tail.rfind(EOCD)
@@ -174,7 +187,11 @@ def _end_records(read: Callable[[int, int], bytes], size: int) -> tuple[int, int
             break
         at = tail.rfind(EOCD, 0, at)
     if at < 0:
-        raise ZipProblem("no end of central directory record at its end (truncated, or bytes appended after it)")
+        if tail[-22:-18] == EOCD or tail[-42:-38] == ZIP64_LOCATOR:
+            # The end records are where a whole file has them, but do not close it: a flipped
+            # byte (the signature, the comment's length), not a write cut short.
+            raise ZipProblem("its end of central directory record is damaged")
+        raise Unended("no end of central directory record at its end (truncated, or bytes appended after it)")
     eocd = size - tail_len + at
     disk, cd_disk, n_disk, n_total, cd_size, cd_offset = struct.unpack_from("<HHHHII", tail, at + 4)
     if disk != 0 or cd_disk != 0 or n_disk != n_total:
@@ -185,7 +202,9 @@ def _end_records(read: Callable[[int, int], bytes], size: int) -> tuple[int, int
         if _U16 == n_total or _U32 in (cd_size, cd_offset):
             raise ZipProblem("its end record defers to zip64 records that are not there")
         return cd_offset, cd_size, n_total, eocd
-    z64 = struct.unpack_from("<Q", read(eocd - 20 + 8, 8))[0]
+    z64_disk, z64, disks = struct.unpack_from("<IQI", read(eocd - 20 + 4, 16))
+    if z64_disk != 0 or disks != 1:
+        raise ZipProblem("its zip64 locator claims several disks")
     if z64 + 56 > eocd - 20:
         raise ZipProblem(f"its zip64 locator points at byte {z64}, past the records that follow")
     rec = read(z64, 56)
@@ -194,8 +213,8 @@ def _end_records(read: Callable[[int, int], bytes], size: int) -> tuple[int, int
     rec_size = struct.unpack_from("<Q", rec, 4)[0]
     if z64 + 12 + rec_size != eocd - 20:
         raise ZipProblem("its zip64 end record does not end where the locator begins")
-    n_disk64, n_total64, cd_size64, cd_offset64 = struct.unpack_from("<QQQQ", rec, 24)
-    if n_disk64 != n_total64:
+    disk64, cd_disk64, n_disk64, n_total64, cd_size64, cd_offset64 = struct.unpack_from("<IIQQQQ", rec, 16)
+    if disk64 != 0 or cd_disk64 != 0 or n_disk64 != n_total64:
         raise ZipProblem("it claims to span several disks")
     for short, wide, full in ((n_total, n_total64, _U16), (cd_size, cd_size64, _U32), (cd_offset, cd_offset64, _U32)):
         if short != full and short != wide:

@@ -42,7 +42,6 @@ are recognised by name; their contents are checked file by file only.
 from __future__ import annotations
 
 import re
-import zipfile
 from typing import Sequence
 
 from ckptctl.format.manifest import Manifest
@@ -110,9 +109,12 @@ class AccelerateLayout(StackLayout):
                 # A cut write still starts as torch.save starts its archive: this one never did.
                 return Examined("corrupt", f"{RNG0} is neither a torch.save archive nor a legacy torch.save pickle "
                                            f"(it starts with {head.hex()}): not what save_state writes")
-            if not legacy and not zipfile.is_zipfile(f):
+            ended = None if legacy else safe_load.archive_end_of(f)
+            if ended is not None and ended[0] == "partial":
                 return Examined("partial", f"{RNG0} is not a whole torch.save archive (no zip directory at its end): "
                                            "save_state's last write did not finish")
+            if ended is not None:
+                return Examined("corrupt", f"{RNG0}: {ended[1]}")
         if not any(MODEL.match(n) for n in names):
             return Examined("corrupt", f"{RNG0} is there but no model weights (model.safetensors or pytorch_model.bin), "
                                        "which save_state writes first")

@@ -54,7 +54,7 @@ from ckptctl.layouts.native import NativeLayout
 from ckptctl.layouts.registry import LAYOUTS, layouts_named
 from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage
-from ckptctl.storage.base import ObjectInfo
+from ckptctl.storage.base import ObjectInfo, is_key
 
 What = Literal["checkpoint", "file", "root", "nothing"]
 
@@ -74,6 +74,8 @@ def named_children(root: Storage, layouts: Sequence[Layout]) -> list[Named]:
     bound = [layout.for_root(root) for layout in layouts]
     found: list[Named] = []
     for child in root.children():
+        if not is_key(child.key):
+            continue  # a local name no key may hold (a backslash): never read, listed or deleted
         steps = [(layout, layout.step_of(child)) for layout in bound]
         known = tuple(layout for layout, step in steps if step is not None)
         if known:
@@ -228,7 +230,10 @@ def _parent(path: str, st: Storage) -> tuple[Storage, str] | None:
     if local is not None:
         full = os.path.abspath(local)
         head, name = os.path.split(full)
-        return (open_storage(head), name) if name else None
+        # A local name holds any character but NUL and "/"; one that no key may hold (a
+        # backslash) cannot be looked up beside its siblings, so the path is read as itself,
+        # as "/" is: a root by its children, a checkpoint by its own files.
+        return (open_storage(head), name) if name and is_key(name) else None
     head, _, name = path.rstrip("/").rpartition("/")
     if not name or "://" not in head or head.endswith(":/"):
         return None

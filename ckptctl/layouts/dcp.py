@@ -156,6 +156,23 @@ def metadata_kind(md: object) -> CheckpointKind:
                                     "train_state (torchtitan's model-only last step)")
 
 
+def optimizer_listed(ckpt: Storage, shown: str, prefix: str, export: str) -> CheckpointKind:
+    """Resumable when the DCP ``.metadata`` of ``ckpt`` (``shown`` in the reason) lists a key
+    starting with ``prefix`` (megatron-core's sharded optimizer state: Megatron's torch_dist,
+    NeMo), else an export (``export`` says why); not told apart when it cannot be read."""
+    from ckptctl.interop.dcp_io import read_metadata  # needs torch
+
+    try:
+        md = read_metadata(ckpt)
+    except InvalidCheckpoint as e:
+        return undetermined(f"{shown} unreadable ({str(e)[:120]})")
+    keys = getattr(md, "state_dict_metadata", None) or {}
+    optim = next((k for k in keys if str(k).startswith(prefix)), None)
+    if optim is not None:
+        return CheckpointKind("resumable", f"{shown} lists the optimizer state ({str(optim)[:80]}, ...)")
+    return CheckpointKind("export", f"{shown} lists no {prefix}* key: {export}")
+
+
 def load_records(ckpt: Storage, md: object, allowed: Sequence[object], out: Checked) -> None:
     """Decode every storage record of a DCP checkpoint (``md`` checked by ``read_metadata``):
     ``torch.load(weights_only=True)`` of each record's bytes, one at a time; a record that needs

@@ -42,7 +42,7 @@ from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
 from ckptctl.layouts.file_check import name_of
-from ckptctl.layouts.stack import StackLayout, top_level_keys, undetermined
+from ckptctl.layouts.stack import StackLayout, optimizer_in_file, undetermined
 from ckptctl.format.manifest import Manifest
 from ckptctl.storage.base import Storage
 
@@ -123,12 +123,8 @@ class DeepSpeedLayout(StackLayout):
         model = next((n for n in names if MODEL.match(n)), None)
         if model is None:
             return undetermined("no *model_states.pt")
-        keys = top_level_keys(ckpt, model, self.allowed)
-        if isinstance(keys, str):
-            return undetermined(keys)
-        if keys.get("optimizer"):
-            return CheckpointKind("resumable", f"{model} holds the optimizer state")
-        return CheckpointKind("export", f"no *_optim_states.pt and no optimizer in {model}: model weights only")
+        return optimizer_in_file(ckpt, model, self.allowed, f"no *_optim_states.pt and no optimizer in {model}: "
+                                                           "model weights only")
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {} if self.latest is None else {self.latest: f"`{LATEST}` names it (load_checkpoint resumes from it)"}

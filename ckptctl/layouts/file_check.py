@@ -19,7 +19,8 @@ test-load: the checkpoint was test-loaded when sealed and not one byte differs s
 What the tool reads on resume (``layout.reads_on_resume``) must pass every check. What is wrong
 with any other file (the Trainer's ``training_args.bin``, a model card) goes to
 ``Checked.unread``: reported, never a reason to call the checkpoint broken. A file that is not
-a regular file (a link, a FIFO) is a problem wherever it is: the directory was altered.
+a regular file (a link, a FIFO), or a directory under a file's name (``model.safetensors/``: by
+``kind_of``), is a problem wherever it is: the directory was altered.
 
 Every file is read through the checkpoint's ``Storage`` (``storage.stored_file``), so a
 check works the same on a local directory and under an ``s3://`` prefix.
@@ -48,10 +49,22 @@ NO_CHECKSUMS = "{what} record no checksums: corruption that still decodes cannot
 NOT_READ = "not read on resume, so reported only, never a reason to call it broken"
 
 
-def files_below(ckpt: Storage) -> list[ObjectInfo]:
+def files_below(ckpt: Storage) -> tuple[list[ObjectInfo], list[str]]:
     """Every file below the checkpoint ``ckpt``, recursively, symlinks included (kind "link")
-    but never followed; keys relative to ``ckpt``."""
-    return sorted(ckpt.list(), key=lambda info: info.key)
+    but never followed, and every directory; keys relative to ``ckpt``, sorted. Walked one
+    directory at a time so that an empty directory is seen too: one under a file's name
+    (``model.safetensors/``) stands where the stack reads a file."""
+    files: list[ObjectInfo] = []
+    dirs: list[str] = []
+    todo = [""]
+    while todo:
+        for info in ckpt.children(todo.pop()):
+            if info.kind == "dir":
+                dirs.append(info.key)
+                todo.append(info.key)
+            else:
+                files.append(info)
+    return sorted(files, key=lambda info: info.key), sorted(dirs)
 
 
 def name_of(ckpt: Storage) -> str:
@@ -142,6 +155,14 @@ def _check_sealed(layout: "Layout", ckpt: Storage, level: Level, out: Checked, k
     out.notes[:0] = notes
 
 
+def directory_problem(rel: str) -> Problem:
+    """A directory under the name of a file the stack writes (``model.safetensors/``): its
+    resume fails on it, or skips it as it skips a missing file (the Trainer's ``optimizer.pt``),
+    so it is a problem wherever it is, as a link is."""
+    return Problem("is a directory, expected a file", file=rel,
+                   hint="the checkpoint layout was altered; treat it as untrusted")
+
+
 def _found(layout: "Layout", out: Checked, rel: str, problem: Problem) -> None:
     """A problem of the file ``rel``: the checkpoint's when the stack reads it on resume."""
     if rel and not layout.reads_on_resume(rel):
@@ -156,8 +177,9 @@ def _check_dir(layout: "Layout", ckpt: Storage, level: Level, out: Checked, kind
     if seen.status != "committed":
         out.problems.append(Problem(seen.reason or seen.status, hint="it is not a complete checkpoint; use an older one"))
     # The seal is ckptctl's sidecar, not one of the stack's files. A checkpoint that is one file is key "".
-    listed = ([ObjectInfo("", 0, 0.0)] if layout.files_are_checkpoints
-              else [f for f in files_below(ckpt) if not is_seal_file(f.key)])
+    listed, dirs = ([ObjectInfo("", 0, 0.0)], []) if layout.files_are_checkpoints else files_below(ckpt)
+    listed = [f for f in listed if not is_seal_file(f.key)]
+    out.problems += [directory_problem(rel) for rel in dirs if kind_of(rel) != "other"]
     files = [f.key for f in listed]
     out.files = len(files)
     unchecksummed: set[str] = set()

@@ -47,7 +47,7 @@ from ckptctl.errors import InvalidCheckpoint
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
-from ckptctl.layouts.stack import StackLayout, finding_in, top_level_keys, undetermined
+from ckptctl.layouts.stack import StackLayout, finding_in, optimizer_in_file, undetermined
 from ckptctl.format.manifest import Manifest
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import open_file
@@ -125,17 +125,9 @@ class MegatronLayout(StackLayout):
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
         children = ckpt.children()
         if any(c.key == ".metadata" for c in children):  # torch_dist
-            from ckptctl.interop.dcp_io import read_metadata  # needs torch
+            from ckptctl.layouts.dcp import optimizer_listed
 
-            try:
-                md = read_metadata(ckpt)
-            except InvalidCheckpoint as e:
-                return undetermined(f".metadata unreadable ({str(e)[:120]})")
-            keys = getattr(md, "state_dict_metadata", None) or {}
-            optim = next((k for k in keys if str(k).startswith("optimizer.")), None)
-            if optim is not None:
-                return CheckpointKind("resumable", f".metadata lists the optimizer state ({optim[:80]}, ...)")
-            return CheckpointKind("export", ".metadata lists no optimizer.* key: model only (--no-save-optim)")
+            return optimizer_listed(ckpt, ".metadata", "optimizer.", "model only (--no-save-optim)")
         files = sorted(_legacy_files(ckpt, children))
         dist = next((f for f in files if f.endswith("/distrib_optim.pt")), None)
         if dist is not None:
@@ -143,12 +135,7 @@ class MegatronLayout(StackLayout):
         legacy = next((f for f in files if LEGACY.match(f)), None)
         if legacy is None:
             return undetermined("no model_optim_rng.pt")
-        found = top_level_keys(ckpt, legacy, self.allowed)
-        if isinstance(found, str):
-            return undetermined(found)
-        if found.get("optimizer"):
-            return CheckpointKind("resumable", f"{legacy} holds the optimizer state")
-        return CheckpointKind("export", f"{legacy} holds no optimizer: model only (--no-save-optim)")
+        return optimizer_in_file(ckpt, legacy, self.allowed, f"{legacy} holds no optimizer: model only (--no-save-optim)")
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         if self.tracker is None and self.tracker_garbled:

@@ -49,8 +49,8 @@ from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
-from ckptctl.layouts.file_check import name_of
-from ckptctl.layouts.stack import StackLayout, undetermined
+from ckptctl.layouts.file_check import directory_problem, name_of
+from ckptctl.layouts.stack import StackLayout
 from ckptctl.storage.base import Storage
 
 NAME = "nemo"
@@ -100,10 +100,9 @@ class NemoLayout(StackLayout):
     def extra_checks(self, ckpt: Storage, files: Sequence[str], level: Level, out: Checked) -> None:
         weights, prefix = self._weights(ckpt)
         for where, sub in ((prefix, weights), (f"{CONTEXT}/", ckpt.sub(CONTEXT))):
-            for c in sub.children():  # a directory under a file's name holds nothing the listing checks
-                if c.kind == "dir" and (self.kind_of(c.key) != "other" or c.key.endswith((".yaml", METADATA))):
-                    out.problems.append(Problem("a directory where NeMo writes a file", file=f"{where}{c.key}",
-                                                hint="the checkpoint was altered; use an older one"))
+            for c in sub.children():  # the names NeMo writes as files that kind_of leaves "other"
+                if c.kind == "dir" and c.key.endswith((".yaml", METADATA)):
+                    out.problems.append(directory_problem(f"{where}{c.key}"))
         if f"{prefix}{METADATA}" not in files:
             return  # the commit rule said so already
         from ckptctl.interop.dcp_io import read_metadata  # needs torch
@@ -119,19 +118,11 @@ class NemoLayout(StackLayout):
             load_records(weights, md, self.allowed, out)
 
     def kind_of_checkpoint(self, ckpt: Storage, manifest: Manifest | None = None) -> CheckpointKind:
-        from ckptctl.interop.dcp_io import read_metadata  # needs torch
+        from ckptctl.layouts.dcp import optimizer_listed
 
         weights, prefix = self._weights(ckpt)
-        try:
-            md = read_metadata(weights)
-        except InvalidCheckpoint as e:
-            return undetermined(f"{prefix}{METADATA} unreadable ({str(e)[:120]})")
-        keys = getattr(md, "state_dict_metadata", None) or {}
-        optim = next((k for k in keys if str(k).startswith("optimizer")), None)
-        if optim is not None:
-            return CheckpointKind("resumable", f"{prefix}{METADATA} lists the optimizer state ({str(optim)[:80]}, ...)")
-        return CheckpointKind("export", f"{prefix}{METADATA} lists no optimizer key: weights only (save_weights_only, "
-                                        "or the final save without save_optim_on_train_end)")
+        return optimizer_listed(weights, f"{prefix}{METADATA}", "optimizer", "weights only (save_weights_only, "
+                                "or the final save without save_optim_on_train_end)")
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {n: "a NeMo -last checkpoint: AutoResume resumes from the newest finished one"

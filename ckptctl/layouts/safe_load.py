@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import pickle
 import zipfile
-from typing import Any, BinaryIO, Callable, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, Literal, Sequence, TypeVar
 
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes, parse
@@ -81,6 +81,19 @@ def zip_structure_of(f: StoredFile) -> str | None:
         torch_zip.members(f, f.size)
     except torch_zip.ZipProblem as e:
         return f"not a complete torch.save archive: {e}"
+    return None
+
+
+def archive_end_of(f: StoredFile) -> tuple[Literal["partial", "corrupt"], str] | None:
+    """Whether the ``torch.save`` archive ``f`` was written whole, by its end records alone (the
+    writer's last bytes; a commit rule's cheap test): None when they close it, ("partial", why)
+    when none does (a write cut short), ("corrupt", why) when they are there but wrong."""
+    try:
+        torch_zip.end_records(f, f.size)
+    except torch_zip.Unended as e:
+        return "partial", str(e)
+    except torch_zip.ZipProblem as e:
+        return "corrupt", f"not a whole torch.save archive: {e}"
     return None
 
 

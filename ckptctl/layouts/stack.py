@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 
 from ckptctl.errors import NotFound
 from ckptctl.format.manifest import Manifest
+from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import NOT_TOLD, CheckpointKind, Examined, Resume
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.file_check import FileKind, check_files, kind_by_suffix, name_of, sealed_as_another
@@ -175,17 +176,23 @@ class StackLayout(StackCopying):
 
 def whole_torch_file(ckpt: Storage, unfinished: str) -> Examined:
     """The commit rule of a checkpoint that is one ``torch.save`` file (Lightning, Composer):
-    complete when it is a whole zip archive (its directory, written last, is at its end);
-    ``unfinished`` says why a 0-byte or cut file is that stack's own unfinished save."""
+    complete when it is a whole zip archive (its directory, written last, is at its end), corrupt
+    when its end records are damaged; ``unfinished`` says why a 0-byte or cut file is that
+    stack's own unfinished save."""
     f = open_file(ckpt, "")
     if f is None:
         return Examined("partial", "removed while it was being read")
     with f:
         if f.size == 0:
             return Examined("partial", f"0 bytes: {unfinished}")
-        if not zipfile.is_zipfile(f):
-            return Examined("partial", f"not a whole torch.save archive (no zip directory at its end): {unfinished}")
-    return Examined("committed")
+        ended = safe_load.archive_end_of(f)
+    if ended is None:
+        return Examined("committed")
+    status, why = ended
+    # A cut write has no end record; end records that are there but wrong are damage (a flipped
+    # byte), never the stack's unfinished save.
+    return Examined(status, f"not a whole torch.save archive (no zip directory at its end): {unfinished}"
+                    if status == "partial" else why)
 
 
 REMOTE_KEYS_LIMIT = 64 << 20  # largest object downloaded only to read its top-level keys
@@ -218,6 +225,18 @@ def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> d
     if not isinstance(doc, dict):
         return f"{key} does not hold a dict"
     return {k: v is not None for k, v in doc.items() if isinstance(k, str)}
+
+
+def optimizer_in_file(ckpt: Storage, key: str, allowed: Sequence[object], export: str) -> CheckpointKind:
+    """Resumable when the ``torch.save`` dict ``key`` holds an ``optimizer`` that is not None
+    (DeepSpeed's and Megatron's model states without ZeRO or a distributed optimizer), else an
+    export (``export`` says why); not told apart when it cannot be read safely."""
+    found = top_level_keys(ckpt, key, allowed)
+    if isinstance(found, str):
+        return undetermined(found)
+    if found.get("optimizer"):
+        return CheckpointKind("resumable", f"{key} holds the optimizer state")
+    return CheckpointKind("export", export)
 
 
 def undetermined(why: str) -> CheckpointKind:

@@ -234,6 +234,18 @@ def byte_view(data: bytes | bytearray | memoryview) -> memoryview:
     return view.cast("B")
 
 
+def is_key(key: str) -> bool:
+    """Whether ``key`` is a relative key ``check_key`` takes (never ""): no absolute path,
+    ``..``, empty or ``.`` component, backslash or NUL."""
+    return not (
+        not key
+        or key.startswith("/")
+        or "\\" in key
+        or "\0" in key
+        or any(part in ("", ".", "..") for part in key.split("/"))
+    )
+
+
 def check_key(key: str, *, allow_empty: bool = False) -> str:
     """Validate a relative key. Raises ``InvalidCheckpoint`` for anything that could escape the
     storage root: absolute paths, ``..``, empty or ``.`` components, backslashes, NUL."""
@@ -241,14 +253,7 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
 
     if key == "" and allow_empty:
         return key
-    bad = (
-        not key
-        or key.startswith("/")
-        or "\\" in key
-        or "\0" in key
-        or any(part in ("", ".", "..") for part in key.split("/"))
-    )
-    if bad:
+    if not is_key(key):
         raise InvalidCheckpoint(
             f"refusing path {key!r}: it is absolute or escapes its checkpoint",
             hint="the manifest or header was altered; treat this checkpoint as untrusted",
