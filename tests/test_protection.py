@@ -61,7 +61,7 @@ def _lightning_fit(out: str, callbacks: list, max_steps: int, **hparams) -> None
 def test_lightning_best_is_kept_when_hyperparameters_hold_a_path(tmp_path):
     """``save_hyperparameters()`` with a ``pathlib.Path`` argument: ``weights_only`` refused the
     whole file, the error was swallowed and the best was taken as absent, then deleted."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    ModelCheckpoint = pytest.importorskip("lightning.pytorch.callbacks", reason="lightning is not installed (pip install -e '.[frameworks]')").ModelCheckpoint
 
     out = str(tmp_path / "ckpts")
     saver = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, monitor="score", mode="max")
@@ -82,7 +82,7 @@ def test_lightning_best_is_kept_when_hyperparameters_hold_a_path(tmp_path):
 def test_lightning_every_model_checkpoint_callbacks_best_is_kept(tmp_path):
     """Two ``ModelCheckpoint`` callbacks monitoring different metrics: only the first one's
     best was protected."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    ModelCheckpoint = pytest.importorskip("lightning.pytorch.callbacks", reason="lightning is not installed (pip install -e '.[frameworks]')").ModelCheckpoint
 
     out = str(tmp_path / "ckpts")
     by_score = ModelCheckpoint(dirpath=out, every_n_train_steps=4, save_top_k=-1, monitor="score", mode="max")
