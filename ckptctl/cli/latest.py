@@ -61,8 +61,11 @@ def latest(
     for r in bad:
         say(f"skipped {r.url}: {r.problems[0]}" + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""), console=err)
     resume = found.resume
+    if good.seal_hint and not quiet:  # what vouched for it: structure only, no checksums recorded
+        say(f"note: {good.url} was checked for structure only (its format records no checksums); "
+            f"hint: {good.seal_hint}", console=err)
     if json:
-        emit_json({"url": good.url, "step": found.step, "level": level, "layout": found.layout,
+        emit_json({"url": good.url, "step": found.step, "level": level, "checked": good.checked, "layout": found.layout,
                    "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad], **found.kind.to_dict(),
                    "skipped_exports": [e.to_dict() for e in found.exports]})
     elif resume_args:

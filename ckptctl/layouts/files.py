@@ -160,6 +160,9 @@ class FileFormat:
         except CkptError as e:
             out.problems.append(Problem(str(e), hint=e.hint))
         out.notes.append(NO_CHECKSUMS.format(fmt=self.name, loaded=loaded))
+        if level != "quick":
+            out.unsummed = [self.name]
+            out.seal_hint = f"`ckptctl convert {url} DST --to ckptctl` writes a copy that records checksums"
         return out
 
     def inspect(self, ckpt: Storage, *, tensors: bool = False) -> ForeignInspect:

@@ -51,7 +51,8 @@ def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | Foreig
 @dataclass
 class VerifyOutcome:
     """The reports of one ``verify`` run and whether it passed as a whole: for ``latest``, the
-    last report (the one that verified, or the oldest that failed); otherwise all of them."""
+    first report (the newest checkpoint: one that fails fails the run, even when an older one
+    verifies) and the pointers; otherwise all of them."""
 
     ok: bool
     level: str
@@ -61,9 +62,13 @@ class VerifyOutcome:
     # and whether it verifies: what the stack's default resume would load.
     pointers: "list[PointerCheck]" = field(default_factory=list)
     exports: list[dict] = field(default_factory=list)  # ``latest``: model-only exports skipped
+    # ``latest``: when the newest checkpoint failed, what a resume would take instead (a sentence)
+    fallback: str | None = None
 
     def to_dict(self) -> dict:
         doc = {"ok": self.ok, "level": self.level, "checkpoints": [r.to_dict() for r in self.reports]}
+        if self.fallback is not None:
+            doc["fallback"] = self.fallback
         if self.exports:
             doc["skipped_exports"] = self.exports
         if self.pointers:
@@ -115,13 +120,27 @@ def _with_pointers(root: Storage, level: str, reports: "list[VerifyReport]", pro
     verify fails the run, whatever else verified."""
     from ckptctl.ops.repoint import check_pointers
 
-    walk_ok = reports[-1].ok  # the newest-first walk found a checkpoint that verifies
+    # The newest committed resumable checkpoint must verify: an older one that does is what a
+    # resume falls back to, named in the note, but a launcher testing the exit code must learn
+    # that its newest save is bad (whatever the layout, pointer or not).
+    walk_ok = reports[0].ok
     known = {r.url: r for r in reports}
     pointers = check_pointers(root, level, progress=progress, known=known)  # type: ignore[arg-type]
     for p in pointers:  # the target's report joins the others (once), so every verdict is shown
         if p.report is not None and all(r.url != p.report.url for r in reports):
             reports.append(p.report)
-    return VerifyOutcome(walk_ok and all(p.ok for p in pointers), level, reports, pointers=pointers)
+    return VerifyOutcome(walk_ok and all(p.ok for p in pointers), level, reports, pointers=pointers,
+                         fallback=None if walk_ok else _fallback(reports))
+
+
+def _fallback(walked: "list[VerifyReport]") -> str:
+    """What ``verify --latest`` says when the newest checkpoint failed: which one a resume by
+    ``ckptctl latest`` (and ``load_latest``) would take instead, if any."""
+    newest, good = walked[0], next((r for r in walked if r.ok), None)
+    if good is None:
+        return f"the newest checkpoint {newest.url} does not verify, and no older one does: nothing to resume from"
+    return (f"the newest checkpoint {newest.url} does not verify; `ckptctl latest` would resume {good.url} "
+            f"(step {good.step}), the newest that does")
 
 
 def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | None = None, *,
