@@ -153,3 +153,26 @@ def test_no_checksum_recorded_is_structure_with_the_seal_hint_on_every_verb(stac
     assert r.exit_code == 0 and "(checksums)" in r.stdout and "ckptctl seal" not in r.stderr, r.stdout + r.stderr
     _flip_tensor_byte(_data_file(newest))
     assert cli("verify", newest).exit_code == 1
+
+
+ROOT_VERBS = [("latest", "{}", "ckptctl latest {}"), ("verify", "{} --latest", "ckptctl verify {} --latest"),
+              ("verify", "{} --all", "ckptctl verify {} --all"),
+              ("prune", "{} --keep-last 1 --dry-run", "ckptctl prune {} ..."), ("du", "{}", "ckptctl du {}")]
+
+
+@pytest.mark.parametrize(("verb", "args", "fix"), ROOT_VERBS)
+def test_a_root_verb_one_level_off_names_the_path_to_use(verb: str, args: str, fix: str, real_root, tmp_path) -> None:
+    """torchtitan's dump folder holds its steps in ``checkpoint/``: given the dump folder or one
+    step, each root-level verb says so and names the root (main: "nothing has been saved here
+    yet", exit 1; ``du``: "0 checkpoints", exit 0)."""
+    dump = str(tmp_path / "dump")
+    os.makedirs(dump)
+    root = os.path.join(dump, "checkpoint")
+    shutil.move(real_root("dcp"), root)
+    step = os.path.join(root, "step-2")
+    for given, use, said in ((step, root, "is a dcp checkpoint, not a root of checkpoints"),
+                             (dump, root, "no checkpoint directly in")):
+        r = cli(verb, *args.format(given).split())
+        assert r.exit_code == 2 and said in r.stderr and f"`{fix.format(use)}`" in r.stderr, (given, r.stderr)
+        assert "Traceback" not in r.stderr and "nothing has been saved" not in r.stderr
+    assert cli(verb, *args.format(root).split()).exit_code == 0  # what it names works

@@ -12,8 +12,9 @@ called: ``ckptctl ls`` and ``latest`` start without it.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Sequence
 
 from ckptctl.errors import UsageError
 from ckptctl.layouts.checked import LEVELS, Level
@@ -100,7 +101,8 @@ def _verify_path(path: str, level: Level, which: Literal["one", "latest", "all"]
     if which != "one":
         root = open_root(path)
         exports: list = []  # model-only exports --latest passed over (unless any_)
-        reports = verify_root(root, which=which, level=level, progress=progress, any_=any_, exports=exports)
+        with _one_level_off(root, path, f"ckptctl verify {{}} --{which}"):
+            reports = verify_root(root, which=which, level=level, progress=progress, any_=any_, exports=exports)
         if which == "latest":
             outcome = _with_pointers(root, level, reports, progress)
             outcome.exports = [e.to_dict() for e in exports]
@@ -162,7 +164,28 @@ def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | Non
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
-    return latest_checkpoint(open_root(root), level, formats=formats, progress=progress, any_=any_)  # type: ignore[arg-type]
+    st = open_root(root)
+    with _one_level_off(st, root, "ckptctl latest {}"):
+        return latest_checkpoint(st, level, formats=formats, progress=progress, any_=any_)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _one_level_off(root: Storage, path: str, command: str) -> Iterator[None]:
+    """A root-level verb that found nothing valid at ``path``: when the path lists no
+    checkpoint and is one checkpoint, or the parent of a root, the UsageError that says so and
+    names the path to give (``command`` formatted with it), as ``ls`` hints. (Listed again on
+    this failure only: the answer that succeeds costs nothing more.)"""
+    from ckptctl.errors import NoValidCheckpoint
+    from ckptctl.layouts.catalog import list_checkpoints
+    from ckptctl.ops.listing import wrong_level_error
+
+    try:
+        yield
+    except NoValidCheckpoint as e:
+        wrong = wrong_level_error(root, path, command) if not list_checkpoints(root) else None
+        if wrong is not None:
+            raise wrong from e
+        raise
 
 
 @dataclass
@@ -218,7 +241,17 @@ def prune_root(root: str, policy: "RetentionPolicy", *, review: "Callable[[Prune
     """``ops.retention.prune.prune`` of the root at ``root``; ``options`` are that function's keywords."""
     from ckptctl.ops.retention.prune import prune
 
-    return prune(open_root(root), policy, review=review, progress=progress, **options)  # type: ignore[arg-type]
+    from ckptctl.ops.listing import wrong_level_error
+
+    st = open_root(root)
+
+    def reviewed(p: "PrunePlan") -> bool:  # before the plan is shown: a path one level off is named
+        wrong = wrong_level_error(st, root, "ckptctl prune {} ...") if not p.items else None
+        if wrong is not None:
+            raise wrong
+        return review(p) if review is not None else True
+
+    return prune(st, policy, review=reviewed, progress=progress, **options)  # type: ignore[arg-type]
 
 
 def advise_for_root(root: str, mtbf_s: float, *, cost_s: float | None = None) -> "tuple[IntervalAdvice, SaveStats]":
