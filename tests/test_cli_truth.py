@@ -176,3 +176,12 @@ def test_a_root_verb_one_level_off_names_the_path_to_use(verb: str, args: str, f
         assert r.exit_code == 2 and said in r.stderr and f"`{fix.format(use)}`" in r.stderr, (given, r.stderr)
         assert "Traceback" not in r.stderr and "nothing has been saved" not in r.stderr
     assert cli(verb, *args.format(root).split()).exit_code == 0  # what it names works
+
+
+def test_lightning_inspect_counts_the_weights_as_the_model(real_root) -> None:
+    """Lightning's ``state_dict`` is the model (main: ``model 0 B``, the weights under ``other``)."""
+    newest = os.path.join(real_root("lightning"), NAMES["lightning"][-1])
+    doc = cli("inspect", newest, "--json", "--tensors").json()
+    model = {t["name"]: t["group"] for t in doc["tensors"] if t["name"].startswith("state_dict/")}
+    assert set(model) == {"state_dict/layer.weight", "state_dict/layer.bias"} and set(model.values()) == {"model"}
+    assert doc["bytes_by_group"]["model"] == (4 + 1) * 4, doc["bytes_by_group"]  # Linear(4, 1) in fp32
