@@ -44,7 +44,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from ckptctl.errors import CkptError
-from ckptctl.format.node_record import NODE_RECORD, NodeRecord
 from ckptctl.layouts.native import read_committed_raw
 from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.storage.base import Storage
@@ -129,6 +128,8 @@ class NodeTiers(Tiers):
         if rank == min(self.node_ranks):
             # The root says it is this node's part (format.node_record): verify, latest, prune
             # and du of it then judge the files of these ranks and name the others' as elsewhere.
+            from ckptctl.format.node_record import NODE_RECORD, NodeRecord
+
             self.roots[0].write_atomic(NODE_RECORD, NodeRecord(nodes[rank], self.node_ranks, world_size).to_json())
             self._keeper = NodeKeeper(channel, self.roots[0], self.node_ranks)
         if len(self.roots) > 1:
