@@ -142,7 +142,8 @@ def test_no_checksum_recorded_is_structure_with_the_seal_hint_on_every_verb(stac
     assert " 0 B read" not in r.stdout, r.stdout  # main, DCP: "0 B read ... (checksums)"
     assert f"`ckptctl seal {newest}`" in r.stderr, r.stderr
     assert cli("verify", newest, "--json").json()["checkpoints"][0]["checked"] == "structure"
-    for args in (["verify", root, "--latest"], ["verify", root, "--all"], ["latest", root]):
+    for args in (["verify", root, "--latest"], ["verify", root, "--all"], ["latest", root],
+                 ["prune", root, "--keep-last", "1", "--dry-run"]):
         r = cli(*args)
         assert r.exit_code == 0 and "(checksums)" not in r.stdout, (args, r.stdout)
         assert f"`ckptctl seal {newest}`" in r.stderr, (args, r.stderr)  # main: only for one checkpoint
