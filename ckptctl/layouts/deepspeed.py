@@ -43,10 +43,10 @@ from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
 from ckptctl.layouts.file_check import name_of
-from ckptctl.layouts.files import local_path_of
-from ckptctl.layouts.inspected import ForeignInspect
 from ckptctl.layouts.stack import StackLayout, top_level_keys, undetermined
 from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.files import local_path_of
+from ckptctl.layouts.inspected import ForeignInspect
 from ckptctl.storage.base import Storage
 
 LATEST = "latest"
