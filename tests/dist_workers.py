@@ -518,6 +518,15 @@ def new_group_during_barrier(rank: int, world_size: int, a: dict) -> dict:
     return out
 
 
+def save_per_rank(rank: int, world_size: int, a: dict) -> dict:
+    """Save step 5 with a per-rank ``extra`` (each rank's own data position)."""
+    from ckptctl import Checkpointer
+
+    with Checkpointer(a["root"]) as ckpt:
+        url = ckpt.save(5, {"w": torch.arange(4.0), "extra": {"pos": 100 + rank}}).wait()
+    return {"url": url}
+
+
 def load_warnings(rank: int, world_size: int, a: dict) -> dict:
     """Load a checkpoint saved by fewer ranks; report the warnings the ckptctl logger gave."""
     import logging
@@ -675,6 +684,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict], dict]] = {
     "raising_state": raising_state,
     "new_group_during_barrier": new_group_during_barrier,
     "load_warnings": load_warnings,
+    "save_per_rank": save_per_rank,
     "shard0_load_latest": shard0_load_latest,
     "reads_save": reads_save,
     "reads_load": reads_load,

@@ -133,6 +133,13 @@ def test_deepspeed_zero2_resumes_the_tag_resume_args_names_after_a_corrupt_newes
     r = cli("verify", good, "--load", "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
     assert r.json()["checkpoints"][0]["bytes_read"] > 0
+    # inspect reads what verify does (main: "not a checkpoint", exit 1): the model states'
+    # tensors as the model, ZeRO's partitions as the optimizer (by their records, never unpickled).
+    r = cli("inspect", good, "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = r.json()
+    assert (doc["format"], doc["step"], doc["content"]) == ("deepspeed", DS_STEPS - 1, "resumable"), doc
+    assert doc["bytes_by_group"]["model"] > 0 and doc["bytes_by_group"]["optimizer"] > doc["bytes_by_group"]["model"]
 
     _flip_in_record(os.path.join(bad, "mp_rank_00_model_states.pt"))  # `latest` still names it
 

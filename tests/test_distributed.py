@@ -6,6 +6,7 @@ ranks, which talk over TCP on localhost, and inspects what they return and what 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -213,6 +214,27 @@ def test_a_one_rank_checkpoint_resumed_on_two_ranks_warns_that_rank_1_gets_rank_
     assert not any("rank 0's" in w for w in res[0]["warnings"]), res[0]["warnings"]
     assert any("rank 1" in w and "rank 0's copy of extra" in w for w in res[1]["warnings"]), res[1]["warnings"]
     assert any("RNG state of rank 1" in w for w in res[1]["warnings"]), res[1]["warnings"]
+
+
+@pytest.mark.slow
+def test_a_2_to_4_reshard_says_which_ranks_carry_their_own_state_and_the_load_agrees(tmp_path):
+    """Issue 30: loading a 2 -> 4 reshard warned "rank 3 ... has no state saved by rank 3 (saved
+    by 4 ranks)". Now reshard says which ranks carry their own per-rank state, its manifest
+    records it, and the load's warning says why ranks 2 and 3 get rank 0's copy."""
+    src_root, dst_root = str(tmp_path / "src"), str(tmp_path / "dst")
+    _ok(launch("save_per_rank", 2, {"root": src_root}, str(tmp_path / "out1")))
+    dst = os.path.join(dst_root, step_dir(5))
+    r = cli("reshard", os.path.join(src_root, step_dir(5)), dst, "--world-size", "4")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "ranks 0-1 carry their own" in r.stderr and "ranks 2-3 did not exist in the 2-rank job" in r.stderr, r.stderr
+    with open(os.path.join(dst, "manifest.json")) as f:
+        assert json.load(f)["extra"]["resharded_from"]["rank_state_from_rank_0"] == [2, 3]
+    res = _ok(launch("load_warnings", 4, {"root": dst_root}, str(tmp_path / "out2")))
+    assert [res[k]["extra"]["pos"] for k in range(4)] == [100, 101, 100, 100]
+    for k in (2, 3):
+        said = [w for w in res[k]["warnings"] if "rank 0's copy of extra" in w]
+        assert said and "resharded from 2 to 4 ranks" in said[0] and "saved by 4 ranks" not in said[0], said
+    assert not any("rank 0's copy" in w for k in (0, 1) for w in res[k]["warnings"])
 
 
 @pytest.mark.slow

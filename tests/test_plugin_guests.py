@@ -139,8 +139,10 @@ def test_a_plugin_layout_whose_methods_raise_fails_only_its_own_checkpoints(tmp_
         assert "internal error" not in stderr and "UNCAUGHT" not in stderr, (argv, code, stderr)
         assert "speaking on stdout" not in stdout, (argv, stdout)  # the guest's print went to stderr
     # 1 where the plugin's own checkpoint is what the verb reports on (it cannot be checked,
-    # so it counts as broken: prune keeps it and says so); 2: repoint has no pointer here.
-    expected = {("verify", toy): 1, ("verify", root, "--all"): 1, ("prune", root, "--keep-last", "1", "--dry-run"): 1,
+    # so it counts as broken: prune keeps it and says so; it is the newest, so verify --latest
+    # fails); 2: repoint has no pointer here.
+    expected = {("verify", toy): 1, ("verify", root, "--all"): 1, ("verify", root, "--latest"): 1,
+                ("prune", root, "--keep-last", "1", "--dry-run"): 1,
                 ("repoint", root): 2}
     for argv, (code, stdout, stderr) in ran.items():
         assert code == expected.get(argv, 0), (argv, code, stdout, stderr)

@@ -293,3 +293,40 @@ def test_a_closed_channels_store_connections_serve_the_next_checkpointer(monkeyp
     again.give_back()
     fresh = channel_mod.Channel("g1", 0, 1).link("worker", "")._raw
     assert not any(fresh is u for u in used)
+
+
+def test_each_node_root_verifies_and_names_the_step_load_latest_resumes(tmp_path, s3_url: str) -> None:
+    """Issue 30: on a node's own root ``verify --latest`` said a file of another node's rank was
+    missing (exit 1), ``latest`` that no checkpoint verifies and ``prune`` that every one was
+    broken. Now each node's root judges what that node holds, names what lives elsewhere, and
+    ``latest`` names the step ``load_latest`` resumes; a file of its own ranks lost still fails."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    args = [{"local": r, "remote": s3_url, "steps": [10, 20], "promote_timeout_s": 10} for r in roots]
+    job = Job("replica_save", args, str(tmp_path / "run1"))
+    _ok(job.wait(), job)
+    for node, root in enumerate(roots):
+        assert _committed(root) == {10, 20}, job.logs()
+        mine = (0, 1) if node == 0 else (2, 3)
+        for k in range(4):  # each node holds its own ranks' shards only
+            assert os.path.exists(os.path.join(root, step_dir(20), _shard(k))) == (k in mine)
+        r = cli("verify", root, "--latest")
+        assert r.exit_code == 0 and r.stdout.startswith(f"ok  {os.path.join(root, step_dir(20))}"), r.stdout + r.stderr
+        doc = cli("verify", root, "--latest", "--json").json()
+        note = doc["checkpoints"][0]["note"]
+        assert f"ranks {', '.join(str(k) for k in mine)}) holds 2 of the 4 files" in note, note
+        r = cli("latest", root)
+        assert r.exit_code == 0 and r.stdout.strip() == os.path.join(root, step_dir(20)), r.stdout + r.stderr
+        r = cli("prune", root, "--keep-last", "1", "--dry-run", "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        actions = {i["name"]: i["action"] for i in r.json()["plan"]["items"]}
+        assert actions == {step_dir(10): "delete", step_dir(20): "keep"}, actions
+        assert cli("du", root).exit_code == 0
+    job = Job("replica_load", [{"local": r, "remote": s3_url, "promote_timeout_s": 10} for r in roots],
+              str(tmp_path / "run2"))
+    results = job.wait()
+    _ok(results, job)
+    assert [results[k]["step"] for k in range(4)] == [20] * 4 and all(results[k]["bitwise_equal"] for k in range(4))
+    # A file of the node's own ranks lost is missing, as on any root; another node's never is.
+    os.unlink(os.path.join(roots[1], step_dir(20), _shard(3)))
+    r = cli("verify", os.path.join(roots[1], step_dir(20)))
+    assert r.exit_code == 1 and _shard(3) in r.stdout and _shard(0) not in r.stdout, r.stdout

@@ -36,6 +36,8 @@ def latest(
     """Print the newest committed checkpoint that passes verification: the pre-resume check.
 
     Newer checkpoints that fail are reported on stderr and skipped. Exit 1 when none passes.
+    ROOT one level off (one checkpoint, or a folder whose subdirectory holds the checkpoints) is
+    exit 2, naming the root to give, as for verify --latest/--all, prune and du.
     Only resumable checkpoints count: a model-only export (no optimizer state: torchtitan's
     model-only last step, the Trainer's save_only_model, Lightning's save_weights_only, a
     ckptctl save without an optimizer) is skipped and named on stderr, unless --any.
@@ -61,8 +63,11 @@ def latest(
     for r in bad:
         say(f"skipped {r.url}: {r.problems[0]}" + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""), console=err)
     resume = found.resume
+    if good.seal_hint and not quiet:  # what vouched for it: structure only, no checksums recorded
+        say(f"note: {good.url} was checked for structure only (its format records no checksums); "
+            f"hint: {good.seal_hint}", console=err)
     if json:
-        emit_json({"url": good.url, "step": found.step, "level": level, "layout": found.layout,
+        emit_json({"url": good.url, "step": found.step, "level": level, "checked": good.checked, "layout": found.layout,
                    "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad], **found.kind.to_dict(),
                    "skipped_exports": [e.to_dict() for e in found.exports]})
     elif resume_args:

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, bounded_int, command, emit_json, human_bytes, say
+from ckptctl.cli.common import JsonOpt, QuietOpt, bounded_int, command, emit_json, err, human_bytes, say
 from ckptctl.cli.progress import byte_progress
 from ckptctl.ops.verbs import reshard_path
 from ckptctl.settings import MAX_WORLD_SIZE
@@ -28,6 +28,10 @@ def reshard(
     verified before success is reported. Memory stays bounded by the largest tensor plus a
     fixed buffer. Under torchrun each rank writes its share of the target shards.
 
+    Per-rank state (RNG, data loader, extra) goes with its rank: rank r of DST carries SRC's
+    rank r copy; ranks SRC's job did not have carry none, and a note on stderr (and the JSON's
+    rank_state_from_rank_0, and DST's manifest) names them: a load restores rank 0's copy there.
+
     Exit 0 success; 1 SRC is not a valid committed checkpoint, or DST exists without
     --overwrite; 2 bad arguments (DST is SRC, M outside 1..1048576); 3 storage error.
 
@@ -45,3 +49,6 @@ def reshard(
         return
     say(f"ok  {r.dst}  step {r.step}: {r.source_world_size} -> {r.world_size} ranks, {r.tensors} tensors "
         f"({r.split_tensors} split), {human_bytes(r.bytes_written)} written in {r.seconds:.2f}s; verified")
+    note = r.rank_state_note()
+    if note:
+        say(f"note: {note}", console=err)

@@ -22,7 +22,7 @@ def verify(
     path: Annotated[str, typer.Argument(help="A checkpoint, or a root with --latest/--all.")],
     quick: Annotated[bool, typer.Option("--quick", help="Marker, manifest, headers and file sizes only; no data read.")] = False,
     load: Annotated[bool, typer.Option("--load", help="Also decode every tensor and check its chunks tile it exactly.")] = False,
-    latest: Annotated[bool, typer.Option("--latest", help="PATH is a root: verify newest first until one passes.")] = False,
+    latest: Annotated[bool, typer.Option("--latest", help="PATH is a root: verify newest first until one passes; exit 1 if the newest fails.")] = False,
     all_: Annotated[bool, typer.Option("--all", help="PATH is a root: verify every checkpoint with a marker, oldest first (as ls lists them), then a summary line on stderr.")] = False,
     any_: AnyOpt = False,
     json: JsonOpt = False,
@@ -34,7 +34,9 @@ def verify(
     (file and tensor chunk), reading each byte once. Every problem is reported with its file,
     tensor and byte range. Exit 0 when everything verified, 1 when a problem was found.
 
-    With --latest, a stack's own pointer (DeepSpeed's `latest`, Megatron's
+    With --latest, exit 1 whenever the newest committed (resumable) checkpoint fails, for every
+    layout, even when an older one verifies: the report names the newest and the one `ckptctl
+    latest` would resume instead. A stack's own pointer (DeepSpeed's `latest`, Megatron's
     latest_checkpointed_iteration.txt) is checked too: its target is what that stack's default
     resume loads, so a target that does not verify is exit 1, naming the pointer, the target,
     the checkpoint that does verify and the `ckptctl repoint` command that moves it back.
@@ -71,14 +73,18 @@ def _report(outcome: "VerifyOutcome", level: str, *, json: bool, quiet: bool, al
             _print(r)
         if outcome.note:
             say(f"note: {outcome.note}", console=err)
+        if outcome.fallback:
+            say(outcome.fallback, console=err)
         for p in outcome.pointers:
             if not (quiet and p.ok):
                 _print_pointer(p)
         if all_:
             failed = sum(not r.ok for r in outcome.reports)
             read = sum(r.bytes_read for r in outcome.reports)
+            unsummed = sum(r.checked == "structure" for r in outcome.reports)
+            by = f"{level}; {unsummed} by structure only: no checksums recorded" if unsummed else level
             say(f"{len(outcome.reports)} checkpoints verified: {len(outcome.reports) - failed} ok, {failed} failed; "
-                f"{human_bytes(read)} read ({level})", console=err)
+                f"{human_bytes(read)} read ({by})", console=err)
 
 
 def _print_pointer(p: "PointerCheck") -> None:
@@ -95,10 +101,14 @@ def _print_pointer(p: "PointerCheck") -> None:
 
 
 def _print(r: "VerifyReport") -> None:
-    rate = f", {human_bytes(r.bytes_read / r.seconds)}/s" if r.seconds and r.bytes_read else ""
     if r.ok:
-        say(f"ok  {r.url}  step {r.step}: {r.files} files, {r.tensors} tensors, "
-            f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s{rate} ({r.level})")
+        # "(checksums)" only where every byte was hashed; a check that read no data says so.
+        read = (f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s"
+                + (f", {human_bytes(r.bytes_read / r.seconds)}/s" if r.seconds else "")
+                if r.bytes_read else f"headers and sizes only, no data read, in {r.seconds:.2f}s")
+        say(f"ok  {r.url}  step {r.step}: {r.files} files, {r.tensors} tensors, {read} ({r.checked})")
+        if r.seal_hint:
+            say(f"  hint: {r.seal_hint}", console=err)
         if r.ranks:  # under torchrun: how the reading was shared
             say(f"  read by {len(r.ranks)} ranks: " + ", ".join(
                 f"rank {s.rank} {s.files} files {human_bytes(s.bytes_read)}" for s in r.ranks), console=err)

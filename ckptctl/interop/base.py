@@ -75,7 +75,7 @@ class Source(ABC):
 
 def group_of(name: str) -> str:
     top = name.split("/", 1)[0].split(".", 1)[0]
-    if top in ("model", "module", "models"):
+    if top in ("model", "module", "models", "state_dict"):  # state_dict: Lightning's (and many a torch.save's) model
         return "model"
     if top.startswith("optim"):
         return "optimizer"

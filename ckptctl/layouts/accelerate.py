@@ -72,6 +72,7 @@ OWN = re.compile(r"(random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl|"
 
 class AccelerateLayout(StackLayout):
     name = NAME
+    integration = "`ckptctl.integrations.accelerate.seal_saves(accelerator)`"
     title = "Hugging Face Accelerate (save_state)"
     pattern = re.compile(r"(?:checkpoint|step|epoch)_([0-9]{1,19})\Z", re.ASCII)
     own_files = OWN

@@ -68,10 +68,22 @@ class Checked:
     # reported, never a reason to call the checkpoint broken.
     unread: list[str] = field(default_factory=list)
     shares: list[Share] = field(default_factory=list)  # split over a job's processes: each one's, by rank
+    # The files this check read whose format records no checksum ("*.safetensors", "*.distcp"):
+    # their bytes were checked for structure only (``checked_by``).
+    unsummed: list[str] = field(default_factory=list)
+    # What would give those files checksums (`ckptctl seal`, an integration); None when nothing can.
+    seal_hint: str | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+def checked_by(level: Level, unsummed: Sequence[str]) -> str:
+    """What a check at ``level`` actually established, in the words of every verdict line:
+    ``checksums`` only where every file's bytes were hashed against a recorded checksum,
+    ``structure`` (headers, sizes, CRC-less decoding) where some format records none."""
+    return "structure" if level == "checksums" and unsummed else level
 
 
 class Split(Protocol):

@@ -60,6 +60,7 @@ MAX_NOT_LOADED = 5  # records decoded structurally (or not at all), named one by
 
 class DcpLayout(StackLayout):
     name = "dcp"
+    integration = "`dcp.save(..., storage_writer=ckptctl.integrations.dcp.Writer(path))`"
     title = "torchtitan / torch DCP"
     pattern = re.compile(r"step-([0-9]{1,19})\Z", re.ASCII)
     own_files = re.compile(r"(\.metadata(\.tmp)?|__[0-9]+\.metadata(\.tmp)?|.+\.distcp|"

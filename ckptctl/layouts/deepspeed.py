@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import posixpath
 import re
 import types
@@ -44,6 +45,8 @@ from ckptctl.layouts.checked import Checked, Level, Problem
 from ckptctl.layouts.file_check import name_of
 from ckptctl.layouts.stack import StackLayout, optimizer_in_file, undetermined
 from ckptctl.format.manifest import Manifest
+from ckptctl.layouts.files import local_path_of
+from ckptctl.layouts.inspected import ForeignInspect
 from ckptctl.storage.base import Storage
 
 LATEST = "latest"
@@ -125,6 +128,48 @@ class DeepSpeedLayout(StackLayout):
             return undetermined("no *model_states.pt")
         return optimizer_in_file(ckpt, model, self.allowed, f"no *_optim_states.pt and no optimizer in {model}: "
                                                            "model weights only")
+
+    def inspect(self, ckpt: Storage, *, tensors: bool = False) -> ForeignInspect:
+        """The model states files read as ``torch.save`` files (their tensors under ``module``
+        are the model); the ZeRO optimizer partitions counted by their tensor records, never
+        unpickled (they hold DeepSpeed's own classes, ``LossScaler``)."""
+        import torch
+
+        from ckptctl.interop import torch_zip
+        from ckptctl.interop.torch_io import TorchSource
+
+        path = local_path_of(ckpt, "inspect", "a DeepSpeed checkpoint")
+        names = sorted(c.key for c in ckpt.children() if c.kind == "file")
+        groups = {"model": 0, "optimizer": 0, "other": 0}
+        shown: list[dict] = []
+        keys: set[str] = set()
+        step: int | None = None
+        count = 0
+        for name in (n for n in names if MODEL.match(n)):
+            with torch.serialization.safe_globals(list(self.allowed)), TorchSource(posixpath.join(path, name)) as src:
+                src.settle_step()
+                step = step if step is not None else src.step
+                keys.update(src.tree if isinstance(src.tree, dict) else ())
+                for m in src.tensors.values():
+                    groups[m.group] = groups.get(m.group, 0) + m.nbytes
+                    count += 1
+                    if tensors:
+                        shown.append({"name": m.name, "dtype": m.dtype, "shape": list(m.shape), "bytes": m.nbytes,
+                                      "group": m.group, "file": name})
+        optim = [n for n in names if OPTIM.match(n)]
+        for name in optim:
+            with open(posixpath.join(path, name), "rb") as f:  # the zip directory only
+                records = [m for m in torch_zip.members(f, os.fstat(f.fileno()).st_size) if "/data/" in m.name]
+            groups["optimizer"] += sum(m.size for m in records)
+            count += len(records)
+        m = self.pattern.match(name_of(ckpt))
+        kind = self.kind_of_checkpoint(ckpt)
+        return ForeignInspect(
+            url=ckpt.url, format="deepspeed", step=step if step is not None else int(m.group(1)) if m else None,
+            tensor_count=count, total_bytes=sum(c.size for c in ckpt.children() if c.kind == "file"),
+            bytes_by_group=groups, state_keys=sorted(keys), metadata={"optimizer": (
+                f"ZeRO partitions in {len(optim)} file(s), counted by their tensor records (never unpickled)")} if optim else {},
+            dropped=[], tensors=shown, content=kind.kind, content_reason=kind.reason)
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {} if self.latest is None else {self.latest: f"`{LATEST}` names it (load_checkpoint resumes from it)"}

@@ -203,6 +203,7 @@ def _check_dir(layout: "Layout", ckpt: Storage, level: Level, out: Checked, kind
         extra(ckpt, files, level, out)
     if level != "quick" and unchecksummed:
         out.notes.append(NO_CHECKSUMS.format(what=", ".join(sorted(unchecksummed))))
+        out.unsummed = sorted(unchecksummed)
 
 
 def _check_file(layout: "Layout", f: StoredFile, rel: str, shown: str, kind: FileKind, level: Level,

@@ -88,7 +88,7 @@ def format_by_name(name: str, kind: str, names: frozenset[str] = frozenset()) ->
     return "safetensors" if SAFETENSORS_INDEX in names or any(n.endswith(".safetensors") for n in names) else None
 
 
-def _local(ckpt: Storage, verb: str, what: str) -> str:
+def local_path_of(ckpt: Storage, verb: str, what: str) -> str:
     """The local path the readers take; UsageError on object storage, where they do not read."""
     path = ckpt.local_path()
     if path is None:
@@ -110,7 +110,7 @@ def inspect_local(ckpt: Storage, *, tensors: bool = False, what: str = "another 
     Raises InvalidCheckpoint when no reader takes them, UsageError on object storage."""
     from ckptctl.interop.sources import open_foreign
 
-    path = _local(ckpt, "inspect", what)
+    path = local_path_of(ckpt, "inspect", what)
     fmt = _foreign_format(path)
     if fmt is None:
         raise InvalidCheckpoint(f"not a checkpoint: {ckpt.url} ({NO_FORMAT_DIR})",
@@ -140,7 +140,7 @@ class FileFormat:
         """Structure (headers, index), then, unless ``quick``, every tensor read and decoded one
         at a time. Problems go in the result; nothing raises for them. Under a split one process
         reads it all and tells the others."""
-        path = _local(ckpt, "verify", f"a {self.name} checkpoint")
+        path = local_path_of(ckpt, "verify", f"a {self.name} checkpoint")
         return by_one(split, lambda: self._checked(path, ckpt.url, level, progress))
 
     def _checked(self, path: str, url: str, level: Level, progress: Progress | None) -> Checked:
@@ -160,6 +160,9 @@ class FileFormat:
         except CkptError as e:
             out.problems.append(Problem(str(e), hint=e.hint))
         out.notes.append(NO_CHECKSUMS.format(fmt=self.name, loaded=loaded))
+        if level != "quick":
+            out.unsummed = [self.name]
+            out.seal_hint = f"`ckptctl convert {url} DST --to ckptctl` writes a copy that records checksums"
         return out
 
     def inspect(self, ckpt: Storage, *, tensors: bool = False) -> ForeignInspect:

@@ -54,6 +54,7 @@ INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 class HfTrainerLayout(StackLayout):
     name = "hf-trainer"
+    integration = "`ckptctl.integrations.trainer.SealCallback`"
     title = "Hugging Face Trainer"
     pattern = re.compile(r"checkpoint-([0-9]{1,19})\Z", re.ASCII)
     own_files = re.compile(r"(trainer_state\.json|training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|"

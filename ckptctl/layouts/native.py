@@ -22,6 +22,7 @@ error, so that every root-wide verb skips that checkpoint and goes on with the o
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -32,12 +33,14 @@ from ckptctl.format.layout import (MANIFEST, MARKER, MAX_STEP, attempt_name, is_
                                     parse_step_dir, step_dir)
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
+from ckptctl.format.node_record import NodeRecord
 from ckptctl.format.shard import ShardHeader, read_header_with
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.copying import AtDestination, ByManifest, CopySource, ToCopy
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.inspected import Inspected, inspect_manifest
 from ckptctl.layouts.native_check import check_manifest
+from ckptctl.layouts.node_part import node_part, node_record
 from ckptctl.layouts.removal import remove_unchanged
 from ckptctl.progress import Progress
 from ckptctl.storage.local_io import TEMPORARY
@@ -363,8 +366,16 @@ class NativeLayout:
 
     # --- recognise and step
 
+    # Bound to a node's root of a node-local tier (``layouts.node_part``): its record; else None.
+    node: NodeRecord | None = None
+
     def for_root(self, root: Storage) -> "NativeLayout":
-        return self
+        record = node_record(root)
+        if record is None:
+            return self
+        bound = copy.copy(self)
+        bound.node = record
+        return bound
 
     def step_of(self, child: ObjectInfo) -> int | None:
         if child.kind not in ("dir", "link"):
@@ -405,9 +416,10 @@ class NativeLayout:
         state = read_state(ckpt)
         committed, error = state.committed, state.error
         problem = Problem(str(error), hint=error.hint) if error is not None else None
+        part = node_part(ckpt, committed.manifest, self.node) if committed else None
         return check_manifest(ckpt, level, committed.manifest if committed else None,
                               committed.marker.manifest_checksum if committed else None, problem,
-                              split=split, progress=progress)
+                              split=split, progress=progress, part=part)
 
     def reads_on_resume(self, rel: str) -> bool:
         return True  # the manifest names every shard, and a resume reads every one it names

@@ -28,6 +28,7 @@ from ckptctl.format.geometry import box, coverage_problems
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.shard import Chunk, ShardHeader
 from ckptctl.layouts.checked import ALONE, LEVELS, Checked, Level, Problem, Share, Split
+from ckptctl.layouts.node_part import NodePart
 from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.progress import Progress, expect_bytes
 from ckptctl.settings import VERIFY_THREADS
@@ -49,16 +50,18 @@ class _Part:
 
 def check_manifest(ckpt: Storage, level: Level, manifest: Manifest | None, identity: str | None,
                    problem: Problem | None = None, *, split: Split = ALONE,
-                   progress: Progress | None = None) -> Checked:
+                   progress: Progress | None = None, part: NodePart | None = None) -> Checked:
     """Check the checkpoint ``ckpt`` at ``level`` against ``manifest``, the one its marker
     commits (``identity``: the manifest checksum the marker records), or report ``problem``
-    (why there is none: not committed, corrupt). Never raises for a problem in the checkpoint,
-    only for storage that cannot be read."""
+    (why there is none: not committed, corrupt); ``part``: a node's part of it, whose files
+    elsewhere are named, not checked. Never raises for a problem in the checkpoint, only for
+    storage that cannot be read."""
     t0 = time.perf_counter()
     out = Checked(level)
     if problem is not None:
         out.problems.append(problem)
-    files = manifest.files if manifest is not None else []
+    away = {f.name for f in part.elsewhere} if part is not None else set()
+    files = [f for f in manifest.files if f.name not in away] if manifest is not None else []
     mine = split.mine([f.size for f in files])
 
     def work() -> tuple[str, str | None, _Part, float, Level]:
@@ -75,15 +78,18 @@ def check_manifest(ckpt: Storage, level: Level, manifest: Manifest | None, ident
         out.shares = [Share(g[2].files, g[2].bytes_read, g[3]) for g in gathered]
     if manifest is None:
         return out
-    out.step, out.files, out.tensors = manifest.step, len(manifest.files), len(manifest.tensors)
+    out.step, out.files, out.tensors = manifest.step, len(files), len(manifest.tensors)
     quick = {k: v for p in parts for k, v in p.quick.items()}
     headers = {k: v for p in parts for k, v in p.headers.items()}
     data = {k: v for p in parts for k, v in p.data.items()}
-    for f in manifest.files:
+    for f in files:
         out.problems.extend(quick.get(f.name, []))
+    # Coverage needs every shard's header: a node's part is checked file by file only.
     if len(headers) == len(manifest.files):  # else a file is already reported missing or bad
         out.problems.extend(coverage(manifest, headers))
-    for f in manifest.files:
+    if part is not None:
+        out.notes.append(part.note(len(files)))
+    for f in files:
         out.problems.extend(data.get(f.name, []))
     out.problems.extend(p for part in parts for p in part.loaded)
     out.bytes_read = sum(p.bytes_read for p in parts)

@@ -60,6 +60,7 @@ class StackLayout(StackCopying):
     pointer_file: str | None = None  # the root-level file the stack's default resume reads
     allowed: tuple[object, ...] = ()  # extra globals for torch.load(weights_only=True)
     seal_note: str | None = None  # why ``seal`` leaves this layout's checkpoints alone (None: it seals them)
+    integration: str | None = None  # what in ``ckptctl.integrations`` seals this stack's saves as they are written
     commit_marker: str | None = None  # the commit rule reads more than one file's presence
 
     def __init__(self) -> None:
@@ -121,8 +122,12 @@ class StackLayout(StackCopying):
         """Stack-specific checks (required files, sidecars, checksums)."""
 
     def check(self, ckpt: Storage, level: Level, *, split: Split = ALONE, progress: Progress | None = None) -> Checked:
-        return check_files(self, ckpt, level, kind_of=self.kind_of, allowed=self.allowed, extra=self.extra_checks,
-                           split=split)
+        out = check_files(self, ckpt, level, kind_of=self.kind_of, allowed=self.allowed, extra=self.extra_checks,
+                          split=split)
+        if out.unsummed and self.seal_note is None:  # its files get checksums from a seal
+            out.seal_hint = (f"`ckptctl seal {ckpt.url}` records checksums of every byte, so that verify checks them"
+                             + (f"; {self.integration} seals each save as it is written" if self.integration else ""))
+        return out
 
     def reads_on_resume(self, rel: str) -> bool:
         return self.resume_files is None or self.resume_files.match(rel) is not None

@@ -222,11 +222,18 @@ def _warn_borrowed(reader: CheckpointReader, state: dict[str, Any], rank_states:
         # all): every key that is per-rank state comes from rank 0's copy.
         per_rank |= {k for k, v in state.items() if k in saved and role_of(v) not in ("module", "optimizer", "tensor")}
     borrowed = sorted(k for k in state if k in per_rank and k not in own)
-    if borrowed:
-        log.warning(
-            "rank %d: %s has no state saved by rank %d (saved by %d ranks); restoring rank 0's copy of %s",
-            rank, reader.storage.url, rank, reader.manifest.world_size, ", ".join(borrowed),
-        )
+    if not borrowed:
+        return
+    resharded = reader.manifest.extra.get("resharded_from")
+    before = resharded.get("world_size") if isinstance(resharded, dict) else None
+    if isinstance(before, int) and before <= rank < reader.manifest.world_size:
+        # ``ckptctl reshard`` gave the ranks the source job did not have no state of their own.
+        log.warning("rank %d: %s was resharded from %d to %d ranks, and rank %d had no per-rank state in the "
+                    "%d-rank job; restoring rank 0's copy of %s", rank, reader.storage.url, before,
+                    reader.manifest.world_size, rank, before, ", ".join(borrowed))
+    else:
+        log.warning("rank %d: %s has no state saved by rank %d (saved by %d ranks); restoring rank 0's copy of %s",
+                    rank, reader.storage.url, rank, reader.manifest.world_size, ", ".join(borrowed))
 
 
 def _schedule(fill: _Filler, state: dict[str, Any], key: str, value: Any, doc: Any, own: dict[str, Any], finish: list, strict: bool) -> None:

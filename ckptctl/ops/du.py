@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.ops.listing import Listed, list_checkpoints
+from ckptctl.ops.listing import Listed, list_checkpoints, wrong_level_error
 from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S, PrunePlan, plan
 from ckptctl.ops.retention.policies import RetentionPolicy
 from ckptctl.ops.targets import open_root
@@ -75,6 +75,9 @@ def disk_usage(
     Writes nothing."""
     storage = open_root(root)
     listed: list[Listed] = list_checkpoints(storage)
+    wrong = wrong_level_error(storage, root, "ckptctl du {}") if not listed else None
+    if wrong is not None:  # "0 B in 0 checkpoints" would read as an empty run
+        raise wrong
     report = DuReport(storage.url, [DuEntry(e.step, e.name, e.url, e.status, e.layout, e.size, reason=e.reason)
                                     for e in listed])
     if policy is None:

@@ -84,6 +84,20 @@ class WrongLevel:
     below: tuple[tuple[str, int], ...] = ()
 
 
+def wrong_level_error(root: Storage, path: str, command: str) -> UsageError | None:
+    """For a root-level verb given ``path`` (``root``), which lists no checkpoint: the usage
+    error that says it is one checkpoint, or the parent of a root, and names the path to give
+    instead in ``command`` (a format string taking that path: "ckptctl latest {}"), as ``ls``'s
+    hint does; None when it is neither (an empty root, a fresh run)."""
+    wrong = wrong_level(root)
+    if wrong is None:
+        return None
+    if wrong.kind == "checkpoint":
+        return UsageError(f"{path} is {wrong.what}, not a root of checkpoints",
+                          hint=f"give the directory that holds it: `{command.format(parent_of(path))}`")
+    return UsageError(below_text(path, wrong.below), hint=f"`{command.format(sub_path(path, wrong.below[0][0]))}`")
+
+
 def checkpoint_kind(root: Storage) -> str | None:
     """What one checkpoint ``root`` itself is ("a ckptctl checkpoint", "a dcp checkpoint",
     "a lightning checkpoint file"), or None when it is none: the classifier's answer

@@ -11,7 +11,7 @@ that node's ranks wrote, plus the manifest and marker: its steps are committed t
 node-local rule while other nodes' files are absent by design. On a root on a filesystem, a
 committed checkpoint whose manifest lists files that are not there reads ``node part``, not
 ``committed`` (a whole copy is on another tier, or all nodes together hold one); ``verify``
-says which files, and whether a lost one is the reason. One listing per committed checkpoint,
+checks the node's own files and names the others' as elsewhere (``layouts.node_part``). One listing per committed checkpoint,
 on local disks only: an object store is never a node's tier, and its listings cost requests.
 """
 

@@ -12,8 +12,9 @@ called: ``ckptctl ls`` and ``latest`` start without it.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Sequence
 
 from ckptctl.errors import UsageError
 from ckptctl.layouts.checked import LEVELS, Level
@@ -51,7 +52,8 @@ def inspect_path(path: str, *, tensors: bool = False) -> "InspectResult | Foreig
 @dataclass
 class VerifyOutcome:
     """The reports of one ``verify`` run and whether it passed as a whole: for ``latest``, the
-    last report (the one that verified, or the oldest that failed); otherwise all of them."""
+    first report (the newest checkpoint: one that fails fails the run, even when an older one
+    verifies) and the pointers; otherwise all of them."""
 
     ok: bool
     level: str
@@ -61,9 +63,13 @@ class VerifyOutcome:
     # and whether it verifies: what the stack's default resume would load.
     pointers: "list[PointerCheck]" = field(default_factory=list)
     exports: list[dict] = field(default_factory=list)  # ``latest``: model-only exports skipped
+    # ``latest``: when the newest checkpoint failed, what a resume would take instead (a sentence)
+    fallback: str | None = None
 
     def to_dict(self) -> dict:
         doc = {"ok": self.ok, "level": self.level, "checkpoints": [r.to_dict() for r in self.reports]}
+        if self.fallback is not None:
+            doc["fallback"] = self.fallback
         if self.exports:
             doc["skipped_exports"] = self.exports
         if self.pointers:
@@ -95,7 +101,8 @@ def _verify_path(path: str, level: Level, which: Literal["one", "latest", "all"]
     if which != "one":
         root = open_root(path)
         exports: list = []  # model-only exports --latest passed over (unless any_)
-        reports = verify_root(root, which=which, level=level, progress=progress, any_=any_, exports=exports)
+        with _one_level_off(root, path, f"ckptctl verify {{}} --{which}"):
+            reports = verify_root(root, which=which, level=level, progress=progress, any_=any_, exports=exports)
         if which == "latest":
             outcome = _with_pointers(root, level, reports, progress)
             outcome.exports = [e.to_dict() for e in exports]
@@ -115,13 +122,27 @@ def _with_pointers(root: Storage, level: str, reports: "list[VerifyReport]", pro
     verify fails the run, whatever else verified."""
     from ckptctl.ops.repoint import check_pointers
 
-    walk_ok = reports[-1].ok  # the newest-first walk found a checkpoint that verifies
+    # The newest committed resumable checkpoint must verify: an older one that does is what a
+    # resume falls back to, named in the note, but a launcher testing the exit code must learn
+    # that its newest save is bad (whatever the layout, pointer or not).
+    walk_ok = reports[0].ok
     known = {r.url: r for r in reports}
     pointers = check_pointers(root, level, progress=progress, known=known)  # type: ignore[arg-type]
     for p in pointers:  # the target's report joins the others (once), so every verdict is shown
         if p.report is not None and all(r.url != p.report.url for r in reports):
             reports.append(p.report)
-    return VerifyOutcome(walk_ok and all(p.ok for p in pointers), level, reports, pointers=pointers)
+    return VerifyOutcome(walk_ok and all(p.ok for p in pointers), level, reports, pointers=pointers,
+                         fallback=None if walk_ok else _fallback(reports))
+
+
+def _fallback(walked: "list[VerifyReport]") -> str:
+    """What ``verify --latest`` says when the newest checkpoint failed: which one a resume by
+    ``ckptctl latest`` (and ``load_latest``) would take instead, if any."""
+    newest, good = walked[0], next((r for r in walked if r.ok), None)
+    if good is None:
+        return f"the newest checkpoint {newest.url} does not verify, and no older one does: nothing to resume from"
+    return (f"the newest checkpoint {newest.url} does not verify; `ckptctl latest` would resume {good.url} "
+            f"(step {good.step}), the newest that does")
 
 
 def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | None = None, *,
@@ -143,7 +164,28 @@ def latest_for(root: str, level: str = "checksums", formats: Sequence[str] | Non
 
     if level not in LEVELS:
         raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
-    return latest_checkpoint(open_root(root), level, formats=formats, progress=progress, any_=any_)  # type: ignore[arg-type]
+    st = open_root(root)
+    with _one_level_off(st, root, "ckptctl latest {}"):
+        return latest_checkpoint(st, level, formats=formats, progress=progress, any_=any_)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _one_level_off(root: Storage, path: str, command: str) -> Iterator[None]:
+    """A root-level verb that found nothing valid at ``path``: when the path lists no
+    checkpoint and is one checkpoint, or the parent of a root, the UsageError that says so and
+    names the path to give (``command`` formatted with it), as ``ls`` hints. (Listed again on
+    this failure only: the answer that succeeds costs nothing more.)"""
+    from ckptctl.errors import NoValidCheckpoint
+    from ckptctl.layouts.catalog import list_checkpoints
+    from ckptctl.ops.listing import wrong_level_error
+
+    try:
+        yield
+    except NoValidCheckpoint as e:
+        wrong = wrong_level_error(root, path, command) if not list_checkpoints(root) else None
+        if wrong is not None:
+            raise wrong from e
+        raise
 
 
 @dataclass
@@ -199,7 +241,17 @@ def prune_root(root: str, policy: "RetentionPolicy", *, review: "Callable[[Prune
     """``ops.retention.prune.prune`` of the root at ``root``; ``options`` are that function's keywords."""
     from ckptctl.ops.retention.prune import prune
 
-    return prune(open_root(root), policy, review=review, progress=progress, **options)  # type: ignore[arg-type]
+    from ckptctl.ops.listing import wrong_level_error
+
+    st = open_root(root)
+
+    def reviewed(p: "PrunePlan") -> bool:  # before the plan is shown: a path one level off is named
+        wrong = wrong_level_error(st, root, "ckptctl prune {} ...") if not p.items else None
+        if wrong is not None:
+            raise wrong
+        return review(p) if review is not None else True
+
+    return prune(st, policy, review=reviewed, progress=progress, **options)  # type: ignore[arg-type]
 
 
 def advise_for_root(root: str, mtbf_s: float, *, cost_s: float | None = None) -> "tuple[IntervalAdvice, SaveStats]":

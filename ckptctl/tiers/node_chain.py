@@ -136,6 +136,11 @@ class NodeTiers(Tiers):
                                       self._replica_timeout_s)
             self._steps = NodeSteps(channel, self.roots[0], rank, {ranks[0] for ranks in ring.nodes}, timeout_s)
         if rank == min(self.node_ranks):
+            # The root says it is this node's part (format.node_record): verify, latest, prune
+            # and du of it then judge the files of these ranks and name the others' as elsewhere.
+            from ckptctl.format.node_record import NODE_RECORD, NodeRecord
+
+            self.roots[0].write_atomic(NODE_RECORD, NodeRecord(nodes[rank], self.node_ranks, world_size).to_json())
             self._keeper = NodeKeeper(channel, self.roots[0], self.node_ranks)
         if len(self.roots) > 1:
             self._worker = RoundWorker(channel, self.roots[0], self.roots[1])

@@ -10,8 +10,8 @@ so the node's copy is committed there exactly when:
 * its marker exists and commits its manifest (the checkpoint's own, byte for byte), and
 * every file the manifest lists for this node's ranks is there.
 
-Files of other nodes' ranks are absent by design: ``ckptctl verify`` of one node's root reports
-them missing; the checkpoint as a whole is the union of the nodes' roots, and is whole on the
+Files of other nodes' ranks are absent by design: ``ckptctl verify`` of one node's root names
+them as elsewhere (``layouts.node_part``); the checkpoint as a whole is the union of the nodes' roots, and is whole on the
 next tier once promoted. The save's own protocol already made the shards durable before rank
 0's commit, so the leader checks presence and sizes here, and the bytes when retention is
 about to delete something older (``check_node_files``).

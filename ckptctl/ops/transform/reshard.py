@@ -12,8 +12,10 @@ The layout rule (what a target rank holds):
   bounded temporary.
 - Every other tensor (scalars, small replicated tensors) is stored once, on the rank with the
   fewest bytes so far, largest first: shard sizes stay balanced.
-- Rank ``r`` of the target keeps source rank ``r``'s per-rank state (RNG); new ranks have none
-  (they seed fresh, as a rank that joins a job would).
+- Rank ``r`` of the target keeps source rank ``r``'s per-rank state (RNG, data loader,
+  ``extra``); new ranks have none, and the manifest says which (``resharded_from``'s
+  ``rank_state_from_rank_0``): a load restores rank 0's copy there and says why
+  (``load.into_state``), and the report says so too.
 
 Safety: the source is verified (every checksum) before anything is committed and is only ever
 read: its structure and file checksums first (``check_source``, ``check_source_files``: no
@@ -88,9 +90,28 @@ class ReshardReport:
     shard_bytes: list[int] = field(default_factory=list)
     seconds: float = 0.0
     writers: int = 1  # processes that wrote target shards (torchrun ranks)
+    # Per-rank state (RNG, data loader, ``extra``): the target ranks that carry source rank r's
+    # own copy, and those that have none (a load restores rank 0's copy there, and says so).
+    rank_state_carried: list[int] = field(default_factory=list)
+    rank_state_from_rank_0: list[int] = field(default_factory=list)
+
+    def rank_state_note(self) -> str | None:
+        """One line on what a load of the result restores as each rank's per-rank state."""
+        if not self.rank_state_from_rank_0:
+            return None
+        return (f"per-rank state (RNG, data loader, extra): ranks {_ranks(self.rank_state_carried)} carry their own "
+                f"from the source's same ranks; ranks {_ranks(self.rank_state_from_rank_0)} did not exist in the "
+                f"{self.source_world_size}-rank job, so a load restores rank 0's copy there")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "none"
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
+        else ", ".join(map(str, ranks))
 
 
 def check_world_size(world_size: object) -> int:
@@ -160,6 +181,9 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
         plan = plan_layout(m, world_size, known, split_bytes, sharded_dims(reader))
         rank_states = reader.rank_states()
         report = ReshardReport(src.url, dst.url, m.step, world_size, m.world_size, tensors=len(m.tensors), writers=n)
+        if rank_states:  # a checkpoint that saved per-rank state: which target ranks carry it
+            report.rank_state_carried = [r for r in range(world_size) if rank_states.get(r)]
+            report.rank_state_from_rank_0 = [r for r in range(world_size) if not rank_states.get(r)]
 
         def fill(spec: ChunkSpec, out: torch.Tensor, row: int) -> None:
             offsets = (spec.offsets[0] + row, *spec.offsets[1:]) if spec.offsets else spec.offsets
@@ -224,7 +248,8 @@ def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = Fa
             {name: TensorEntry(t.dtype, t.shape, t.group, counts.get(name, 0)) for name, t in m.tensors.items()},
             m.state,
             {"bytes": float(sum(f.size for f in files)), "reshard_s": time.perf_counter() - t0},
-            extra={**m.extra, "resharded_from": {"url": src.url, "world_size": m.world_size}},
+            extra={**m.extra, "resharded_from": {"url": src.url, "world_size": m.world_size,
+                                                 "rank_state_from_rank_0": report.rank_state_from_rank_0}},
         )
         # The result is read back in full (``checksums``), although pass 2 already checked every
         # chunk it handed to the writer against pass 1: that check covers the bytes in memory,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ckptctl.layouts.checked import Checked, Level, Problem
+from ckptctl.layouts.checked import Checked, Level, Problem, checked_by
 
 
 @dataclass
@@ -39,6 +39,13 @@ class VerifyReport:
     # The files not test-loaded (decoded structurally, or only present and sized), one line
     # each: what a seal records as such (``ops.seal``); not in the JSON (the note says it).
     untested: list[str] = field(default_factory=list, repr=False)
+    # What was actually established (``layouts.checked.checked_by``): ``structure`` where some
+    # file's format records no checksum, whatever level was asked for; and how to get them.
+    checked: str = ""
+    seal_hint: str | None = None
+
+    def __post_init__(self) -> None:
+        self.checked = self.checked or self.level
 
     @property
     def ok(self) -> bool:
@@ -50,6 +57,8 @@ class VerifyReport:
         d["problems"] = [{**asdict(p), "text": str(p)} for p in self.problems]
         if not self.ranks:  # a plain run's document is unchanged
             del d["ranks"]
+        if self.seal_hint is None:
+            del d["seal_hint"]
         del d["untested"]
         return d
 
@@ -61,4 +70,5 @@ def report_of(url: str, checked: Checked, seconds: float, nodes: tuple[str, ...]
              for r, s in enumerate(checked.shares)]
     return VerifyReport(url, checked.level, checked.step, list(checked.problems), checked.files, checked.tensors,
                         checked.bytes_read, seconds, "; ".join(checked.notes) or None, ranks,
-                        checked.structural + checked.not_loaded)
+                        checked.structural + checked.not_loaded, checked_by(checked.level, checked.unsummed),
+                        checked.seal_hint)

@@ -1,0 +1,188 @@
+"""What the CLI says is what is true (issue 30), on roots the stacks themselves wrote: a real
+Hugging Face ``Trainer``, accelerate's ``save_state``, Lightning's ``ModelCheckpoint`` and
+``torch.distributed.checkpoint.save`` (torchtitan's ``step-N``), each built once per module and
+copied into each test's root.
+
+- ``verify ROOT --latest`` exits 1 whenever the newest committed checkpoint fails, naming it and
+  the one ``latest`` resumes instead (it exited 0 because an older one verified);
+- a verdict says ``checksums`` only where every byte was hashed against a recorded checksum:
+  a flipped byte in a format without checksums passes as ``structure``, with the hint to
+  ``seal`` on every verb that judges it, ``latest`` included; ``0 B read`` never goes with ok.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+
+from helpers import cli
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[frameworks]')")
+pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[frameworks]')")
+pytest.importorskip("lightning", reason="lightning is not installed (pip install -e '.[frameworks]')")
+
+
+def _hf(out: str) -> str:
+    from test_frameworks import _tiny_trainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _tiny_trainer(out, max_steps=4).train()
+    return out
+
+
+def _accelerate(out: str) -> str:
+    from test_accelerate import save_state_root
+
+    return save_state_root(out)
+
+
+def _lightning(out: str) -> str:
+    from test_frameworks import _lightning_run
+
+    _lightning_run(out)
+    return out
+
+
+def _dcp(out: str) -> str:
+    from test_layouts import dcp_step
+
+    for step in (1, 2):
+        dcp_step(out, step)
+    return out
+
+
+BUILDERS: dict[str, Callable[[str], str]] = {"hf-trainer": _hf, "accelerate": _accelerate, "lightning": _lightning,
+                                             "dcp": _dcp}
+# Each root's checkpoints, oldest first, as the stack named them.
+NAMES = {"hf-trainer": ["checkpoint-2", "checkpoint-4"], "accelerate": ["checkpoint_0", "checkpoint_1", "checkpoint_2"],
+         "lightning": ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"], "dcp": ["step-1", "step-2"]}
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {}
+
+
+@pytest.fixture
+def real_root(templates: dict[str, str], tmp_path_factory: pytest.TempPathFactory, tmp_path) -> Callable[[str], str]:
+    """A copy of the root the stack ``name`` wrote (built on first use in this module)."""
+
+    def copy(name: str) -> str:
+        if name not in templates:
+            templates[name] = BUILDERS[name](str(tmp_path_factory.mktemp(name) / "root"))
+        out = str(tmp_path / name)
+        shutil.copytree(templates[name], out, symlinks=True)
+        return out
+
+    return copy
+
+
+def _data_file(ckpt: str) -> str:
+    """The file of ``ckpt`` that holds its model's tensors."""
+    if os.path.isfile(ckpt):
+        return ckpt
+    names = sorted(os.listdir(ckpt))
+    return os.path.join(ckpt, next(n for n in names if n == "model.safetensors" or n.endswith(".distcp")))
+
+
+def _break(path: str) -> None:
+    """Damage the checkpoint at ``path`` so that every layout's own check sees it: a data file
+    cut short (its header or records name bytes that are not there), or, for a one-file torch
+    zip (Lightning, whose commit rule calls a short file unfinished), one record's bytes flipped
+    (its CRC-32 no longer matches)."""
+    if os.path.isfile(path):
+        from test_integration_stacks import _flip_in_data
+
+        _flip_in_data(path)
+        return
+    data = _data_file(path)
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) - 16)
+
+
+@pytest.mark.parametrize("stack", list(BUILDERS))
+def test_verify_latest_fails_when_the_newest_checkpoint_fails(stack: str, real_root) -> None:
+    root = real_root(stack)
+    *_, older, newest = [os.path.join(root, n) for n in NAMES[stack]]
+    _break(newest)
+    r = cli("verify", root, "--latest")
+    assert r.exit_code == 1, r.stdout + r.stderr  # main: 0, because the older one verifies
+    assert f"FAILED  {newest}" in r.stdout and f"ok  {older}" in r.stdout, r.stdout
+    assert f"`ckptctl latest` would resume {older}" in r.stderr, r.stderr
+    doc = cli("verify", root, "--latest", "--json").json()
+    assert not doc["ok"] and [c["ok"] for c in doc["checkpoints"]][:2] == [False, True]
+    assert older in doc["fallback"]
+    got = cli("latest", root)  # the pre-resume check still names the one to resume
+    assert got.exit_code == 0 and got.stdout.strip() == older, got.stdout + got.stderr
+
+
+def _flip_tensor_byte(path: str) -> None:
+    """One bit of a tensor's bytes flipped, past the file's header: a value that still decodes."""
+    with open(path, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-8, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("stack", ["hf-trainer", "accelerate", "dcp"])
+def test_no_checksum_recorded_is_structure_with_the_seal_hint_on_every_verb(stack: str, real_root) -> None:
+    root = real_root(stack)
+    newest = os.path.join(root, NAMES[stack][-1])
+    _flip_tensor_byte(_data_file(newest))
+    r = cli("verify", newest)
+    assert r.exit_code == 0, r.stdout + r.stderr  # nothing records what the byte was
+    assert r.stdout.startswith(f"ok  {newest}") and "(structure)" in r.stdout and "(checksums)" not in r.stdout
+    assert " 0 B read" not in r.stdout, r.stdout  # main, DCP: "0 B read ... (checksums)"
+    assert f"`ckptctl seal {newest}`" in r.stderr, r.stderr
+    assert cli("verify", newest, "--json").json()["checkpoints"][0]["checked"] == "structure"
+    for args in (["verify", root, "--latest"], ["verify", root, "--all"], ["latest", root],
+                 ["prune", root, "--keep-last", "1", "--dry-run"]):
+        r = cli(*args)
+        assert r.exit_code == 0 and "(checksums)" not in r.stdout, (args, r.stdout)
+        assert f"`ckptctl seal {newest}`" in r.stderr, (args, r.stderr)  # main: only for one checkpoint
+    assert cli("latest", root, "--json").json()["checked"] == "structure"
+    # sealed, its bytes have checksums: now verify says so, and sees the next flipped bit
+    assert cli("seal", newest).exit_code == 0
+    r = cli("verify", newest)
+    assert r.exit_code == 0 and "(checksums)" in r.stdout and "ckptctl seal" not in r.stderr, r.stdout + r.stderr
+    _flip_tensor_byte(_data_file(newest))
+    assert cli("verify", newest).exit_code == 1
+
+
+ROOT_VERBS = [("latest", "{}", "ckptctl latest {}"), ("verify", "{} --latest", "ckptctl verify {} --latest"),
+              ("verify", "{} --all", "ckptctl verify {} --all"),
+              ("prune", "{} --keep-last 1 --dry-run", "ckptctl prune {} ..."), ("du", "{}", "ckptctl du {}")]
+
+
+@pytest.mark.parametrize(("verb", "args", "fix"), ROOT_VERBS)
+def test_a_root_verb_one_level_off_names_the_path_to_use(verb: str, args: str, fix: str, real_root, tmp_path) -> None:
+    """torchtitan's dump folder holds its steps in ``checkpoint/``: given the dump folder or one
+    step, each root-level verb says so and names the root (main: "nothing has been saved here
+    yet", exit 1; ``du``: "0 checkpoints", exit 0)."""
+    dump = str(tmp_path / "dump")
+    os.makedirs(dump)
+    root = os.path.join(dump, "checkpoint")
+    shutil.move(real_root("dcp"), root)
+    step = os.path.join(root, "step-2")
+    for given, use, said in ((step, root, "is a dcp checkpoint, not a root of checkpoints"),
+                             (dump, root, "no checkpoint directly in")):
+        r = cli(verb, *args.format(given).split())
+        assert r.exit_code == 2 and said in r.stderr and f"`{fix.format(use)}`" in r.stderr, (given, r.stderr)
+        assert "Traceback" not in r.stderr and "nothing has been saved" not in r.stderr
+    assert cli(verb, *args.format(root).split()).exit_code == 0  # what it names works
+
+
+def test_lightning_inspect_counts_the_weights_as_the_model(real_root) -> None:
+    """Lightning's ``state_dict`` is the model (main: ``model 0 B``, the weights under ``other``)."""
+    newest = os.path.join(real_root("lightning"), NAMES["lightning"][-1])
+    doc = cli("inspect", newest, "--json", "--tensors").json()
+    model = {t["name"]: t["group"] for t in doc["tensors"] if t["name"].startswith("state_dict/")}
+    assert set(model) == {"state_dict/layer.weight", "state_dict/layer.bias"} and set(model.values()) == {"model"}
+    assert doc["bytes_by_group"]["model"] == (4 + 1) * 4, doc["bytes_by_group"]  # Linear(4, 1) in fp32
