@@ -39,7 +39,7 @@ import torch
 
 from ckptctl import Checkpointer
 from ckptctl.format.layout import step_dir
-from ckptctl.layouts.native import read_committed
+from ckptctl.layouts.native_read import read_committed
 from ckptctl.ops.transfer.copy import copy_checkpoint, restore_latest
 from ckptctl.ops.verify.engine import verify_checkpoint
 from ckptctl.storage import open_storage

@@ -2,7 +2,7 @@
 work of loading, resuming, verifying and pruning it, counted in bytes and timed.
 
 The checkpoint is real as far as the readers can tell (manifest and marker written by
-``layouts.native.commit``, shard headers built by ``format.shard.build_header`` and parsed by
+``layouts.native_commit.commit``, shard headers built by ``format.shard.build_header`` and parsed by
 the real readers) but its shard headers are generated when read and its data is never
 materialised: only metadata is measured. Each chunk carries a made-up digest (its data is never
 read, so no reader can tell) and each manifest entry the file checksum those digests and the
@@ -24,7 +24,8 @@ from ckptctl.format.layout import shard_name, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.shard import Chunk, build_header
 from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed, newest_marked
-from ckptctl.layouts.native import commit, read_committed
+from ckptctl.layouts.native_commit import commit
+from ckptctl.layouts.native_read import read_committed
 from ckptctl.load.shard_index import ShardIndex
 from ckptctl.layouts.native_check import coverage
 from ckptctl.storage.base import ObjectInfo, Reader, Storage, Writer

@@ -616,7 +616,7 @@ def reads_load(rank: int, world_size: int, a: dict) -> dict:
     """``load_latest`` through a storage that notes the files opened; returns whether every
     tensor is bitwise equal to what was saved, the files opened and the manifest's hints."""
     from ckptctl import Checkpointer
-    from ckptctl.layouts.native import read_committed
+    from ckptctl.layouts.native_read import read_committed
 
     state = _reads_state(world_size, fill=False)
     OPENED.clear()

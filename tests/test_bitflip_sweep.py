@@ -187,13 +187,13 @@ def test_bitflip_sweep_full(tmp_path):
 def _gate_sweep(ckpt: str) -> dict[str, Any]:
     """Every byte of the marker, the manifest and every shard header, two bits each, through
     the checks every reader makes before it uses a field: the marker and the manifest it
-    commits (``layouts.native.read_committed``), then each header parsed and bound to the
+    commits (``layouts.native_read.read_committed``), then each header parsed and bound to the
     manifest's file entry (size, ``format.shard_identity.header_mismatch``), as
     ``load.shard_index`` and ``layouts.shard_scan`` do. A flip must be refused there, or (the
     marker's informational fields only) leave every field that is used unchanged."""
     from ckptctl.format.shard import parse_header
     from ckptctl.format.shard_identity import header_mismatch
-    from ckptctl.layouts.native import read_committed
+    from ckptctl.layouts.native_read import read_committed
 
     store = open_storage(ckpt)
     manifest, marker = read_committed(store)

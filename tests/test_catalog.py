@@ -6,7 +6,7 @@ import os
 import shutil
 
 from ckptctl.format.layout import MANIFEST, MARKER, step_dir
-from ckptctl.layouts import catalog, native
+from ckptctl.layouts import catalog, native_commit, native_read
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import ObjectInfo
 from ckptctl.storage.local import LocalStorage
@@ -66,10 +66,10 @@ def test_status_is_decided_from_the_files_not_from_messages(tmp_path):
     make_checkpoints(root, [1])
     ckpt = open_storage(ckpt_dir(root, 1))
     os.unlink(os.path.join(ckpt_dir(root, 1), MANIFEST))
-    state = native.read_state(ckpt)  # a marker without its manifest: corrupt, not partial
+    state = native_read.read_state(ckpt)  # a marker without its manifest: corrupt, not partial
     assert state.status == "corrupt" and "missing" in str(state.error)
     os.unlink(os.path.join(ckpt_dir(root, 1), MARKER))
-    assert native.read_state(ckpt).status == "partial"
+    assert native_read.read_state(ckpt).status == "partial"
     shutil.rmtree(ckpt_dir(root, 1))
     os.makedirs(ckpt_dir(root, 1))
     assert [(e.step, e.status) for e in catalog.list_checkpoints(open_storage(root))] == [(1, "partial")]
@@ -98,7 +98,7 @@ def test_newest_committed_is_lazy(tmp_path):
 def test_remove_takes_the_marker_first_and_leaves_nothing(tmp_path):
     root = str(tmp_path)
     make_checkpoints(root, [1, 2])
-    native.remove(open_storage(root).sub(step_dir(1)))
+    native_commit.remove(open_storage(root).sub(step_dir(1)))
     assert not os.path.exists(ckpt_dir(root, 1))
     assert [e.step for e in catalog.list_checkpoints(open_storage(root))] == [2]
 
@@ -110,8 +110,8 @@ def test_remove_with_expected_files_stops_at_a_changed_one(tmp_path):
     expected = {i.key: (i.size, i.mtime) for i in ckpt.list()}
     shard = next(k for k in expected if k.endswith(".safetensors"))
     expected[shard] = (expected[shard][0] + 1, expected[shard][1])  # as if it changed since
-    changed = native.remove(ckpt, expected=expected)
+    changed = native_commit.remove(ckpt, expected=expected)
     assert changed == ckpt.url_of(shard)
     left = sorted(os.listdir(ckpt_dir(root, 1)))
     assert MARKER not in left and MANIFEST not in left and shard in left  # uncommitted first
-    assert native.read_state(ckpt).status == "partial"
+    assert native_read.read_state(ckpt).status == "partial"

@@ -26,7 +26,8 @@ import torch
 from ckptctl import Checkpointer, Tier
 from ckptctl.errors import CkptError, RefusedForSafety
 from ckptctl.format.layout import step_dir
-from ckptctl.layouts.native import NativeLayout, read_committed_raw
+from ckptctl.layouts.native import NativeLayout
+from ckptctl.layouts.native_read import read_committed_raw
 from ckptctl.ops.transform.reshard import reshard
 from ckptctl.ops.transfer.copy import copy_checkpoint
 from ckptctl.ops.transfer.files import Ends, copy_files

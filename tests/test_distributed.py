@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ckptctl.layouts.native import read_committed, read_header
+from ckptctl.layouts.native_read import read_committed, read_header
 from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.save.shard_layout import assign_replicated
 from ckptctl.storage import open_storage

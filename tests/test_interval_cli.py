@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from ckptctl.layouts.native import read_committed
+from ckptctl.layouts.native_read import read_committed
 from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.format.marker import Marker
 from ckptctl.storage import open_storage

@@ -17,7 +17,7 @@ import torch
 
 from ckptctl import Checkpointer
 from ckptctl.layouts.catalog import list_checkpoints
-from ckptctl.layouts.native import read_state
+from ckptctl.layouts.native_read import read_state
 from ckptctl.format.layout import MANIFEST, MARKER, step_dir
 from ckptctl.ops.lock import RootLock
 from ckptctl.ops.retention.prune import plan as make_plan

@@ -326,7 +326,8 @@ def test_column_sharded_tensors_stay_column_sharded(tmp_path):
     import time as _time
 
     from ckptctl.format.manifest import Manifest, TensorEntry
-    from ckptctl.layouts.native import commit, read_header
+    from ckptctl.layouts.native_commit import commit
+    from ckptctl.layouts.native_read import read_header
     from ckptctl.ops.transform.stream_shard import ChunkSpec, write_shard_streaming
 
     w = torch.arange(6 * 10, dtype=torch.float32).view(6, 10)

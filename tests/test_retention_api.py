@@ -17,7 +17,7 @@ import ckptctl
 from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.manifest import MAX_METRICS, Manifest
-from ckptctl.layouts.native import read_committed
+from ckptctl.layouts.native_read import read_committed
 from ckptctl.ops.retention.policies import (
     AnyOf, Candidate, InvalidPolicy, KeepBest, KeepEvery, KeepLast, KeepWithin, RetentionPolicy,
 )

@@ -14,7 +14,8 @@ import torch
 from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.layout import MANIFEST, MARKER
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.native import commit, read_committed
+from ckptctl.layouts.native_commit import commit
+from ckptctl.layouts.native_read import read_committed
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.ops.transform.reshard import reshard
 from ckptctl.storage import open_storage

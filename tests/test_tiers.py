@@ -20,7 +20,7 @@ import torch
 
 from ckptctl import Checkpointer, KeepLast, Minutes, Steps, Tier
 from ckptctl.format.layout import step_dir
-from ckptctl.layouts.native import read_committed
+from ckptctl.layouts.native_read import read_committed
 from ckptctl.storage import open_storage
 from helpers import cli
 from s3_fault_proxy import FaultProxy

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ckptctl import Checkpointer
 from ckptctl.errors import InvalidCheckpoint, OperationalError
 from ckptctl.format.layout import step_dir
-from ckptctl.layouts.native import read_committed_raw
+from ckptctl.layouts.native_read import read_committed_raw
 from ckptctl.storage import open_storage
 from ckptctl.tiers import channel as channel_mod
 from ckptctl.tiers import link as link_mod

@@ -24,7 +24,7 @@ from ckptctl.errors import InvalidCheckpoint, SaveFailed
 from ckptctl.format.layout import MANIFEST, MARKER, attempt_name, is_manifest_name, step_dir
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import Marker
-from ckptctl.layouts.native import read_committed, read_committed_raw
+from ckptctl.layouts.native_read import read_committed, read_committed_raw
 from ckptctl.ops.verify.engine import verify_checkpoint
 from ckptctl.storage import open_storage
 from ckptctl.storage.s3 import S3Storage

@@ -26,7 +26,7 @@ from ckptctl.format.geometry import Box, intersection
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.shard import Chunk, ShardHeader
 from ckptctl.format.shard_identity import header_mismatch
-from ckptctl.layouts.native import read_committed, read_header
+from ckptctl.layouts.native_read import read_committed, read_header
 from ckptctl.settings import IO_THREADS
 from ckptctl.storage.base import Storage
 

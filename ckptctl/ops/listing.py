@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
 from ckptctl.layouts import catalog
 from ckptctl.layouts.base import kind_of_checkpoint
-from ckptctl.layouts.native import total_size
+from ckptctl.layouts.native_read import total_size
 from ckptctl.storage.base import Storage
 
 # How many subdirectories of a root without checkpoints are looked into for some: enough for a

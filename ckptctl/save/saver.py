@@ -4,7 +4,7 @@ commit on a background thread.
 ``save`` copies every tensor into a reusable host staging buffer and returns; the writer thread
 checksums and writes this rank's shard, then (rank 0, once every rank's shard is durable) the
 manifest, then the marker. Every file is published without replacing any, so a zombie job
-saving the same step loses cleanly (``layouts.native.commit``, ``save.save_id``). A second
+saving the same step loses cleanly (``layouts.native_commit.commit``, ``save.save_id``). A second
 ``save`` while one is still writing first waits for it (back-pressure: memory stays one
 snapshot). ``prepare`` makes that buffer ready ahead of the first save, so the first save
 stalls no longer than the others.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ckptctl.errors import CkptError, CoordinationError, RefusedForSafety, SaveFailed
 from ckptctl.format.layout import MARKER, attempt_name, shard_name, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry, check_metrics
-from ckptctl.layouts.native import commit
+from ckptctl.layouts.native_commit import commit
 from ckptctl.save.coordination import AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.replicas import replica_digests
 from ckptctl.save.save_id import SaveIds

@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 
 from ckptctl.errors import CkptError, InvalidCheckpoint
 from ckptctl.format.layout import is_own_shard_name
-from ckptctl.layouts.native import read_committed_raw
+from ckptctl.layouts.native_read import read_committed_raw
 from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.chain import Tiers

@@ -4,7 +4,7 @@ A node-local first tier holds, per step, only the shards its own ranks wrote, pl
 checkpoint's manifest and marker: the exact bytes rank 0 committed on its node, sent to every
 other node's leader (the lowest rank of the node) through the tiers channel once the save
 committed. The leader writes them only after every shard its node's ranks wrote is in place at
-the size the manifest records; the manifest first, the marker last (``layouts.native.commit_copy``),
+the size the manifest records; the manifest first, the marker last (``layouts.native_commit.commit_copy``),
 so the node's copy is committed there exactly when:
 
 * its marker exists and commits its manifest (the checkpoint's own, byte for byte), and
@@ -28,7 +28,8 @@ from ckptctl.errors import CheckpointError
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.format.marker import Marker
-from ckptctl.layouts.native import Committed, commit_copy, read_committed_raw
+from ckptctl.layouts.native_commit import commit_copy
+from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.layouts.checked import Problem
 from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.storage.base import Storage

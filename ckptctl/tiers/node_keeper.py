@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptctl.errors import CkptError
-from ckptctl.layouts.native import Committed
+from ckptctl.layouts.native_read import Committed
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.node_commit import commit_here, parse_committed

@@ -9,7 +9,7 @@ node holds only its own ranks' shards. So the decision and the deletion are spli
 * each node's leader, before deleting anything, verifies its node's part of that anchor byte
   for byte (``node_commit.check_node_files``: marker, manifest, every chunk checksum of its
   ranks' files), and deletes nothing when it does not verify; then removes each planned step
-  on its node marker first (``layouts.native.remove``), so a deletion cut short leaves a
+  on its node marker first (``layouts.native_commit.remove``), so a deletion cut short leaves a
   partial directory, never a committed one;
 * each leader removes the peer replicas (``tiers.replica_store``) of the steps it deletes, and
   abandoned ones (of steps older than the anchor it no longer holds; incomplete ones once
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from ckptctl.errors import CkptError
 from ckptctl.format.layout import MARKER, parse_step_dir, step_dir
 from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, newest_committed
-from ckptctl.layouts.native import remove
+from ckptctl.layouts.native_commit import remove
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
 from ckptctl.ops.retention.base import Candidate
 from ckptctl.storage.base import Storage

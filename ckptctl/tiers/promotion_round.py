@@ -23,7 +23,7 @@ and when, and runs one round per attempt through ``RoundLeader.copy`` (its copy 
    and retries: the same step when this round got more of it to the next tier than before
    (what is there is not uploaded again), else the newest chosen step;
 5. only when every rank replied ``ok``: rank 0 checks every listed file is at the next tier
-   at its size, then writes the manifest and the marker last (``layouts.native.commit_copy``);
+   at its size, then writes the manifest and the marker last (``layouts.native_commit.commit_copy``);
 6. then it sweeps: the older steps its rounds left without a marker (a rank failed or was
    killed, the step was given up or skipped for a newer one) are removed from the next tier
    by ``ckptctl prune``'s partial rules (``tiers.leftovers``), their open multipart uploads
@@ -36,7 +36,7 @@ checkpoint is still the one before, and a later round of the same step (this run
 next run's) resumes it: each rank's writer first aborts the open uploads of its keys
 (``ops.transfer.uploads.before_copy``), keeps a file already there holding exactly its bytes
 (proven by reading it back) and publishes the others only where nothing has their name; the
-manifest and the marker are written only if absent (``layouts.native.commit_copy``). A name
+manifest and the marker are written only if absent (``layouts.native_commit.commit_copy``). A name
 holding other bytes (another job promoting the same step) is never replaced: that round is
 refused for safety, and the step given up. The workers are threads of their own on every rank: training and the saver's writer never wait
 for a round.
@@ -65,7 +65,8 @@ from ckptctl.errors import (
 )
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.native import Committed, check_target_name, commit_copy, read_committed_raw, uncommit
+from ckptctl.layouts.native_commit import check_target_name, commit_copy, uncommit
+from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.ops.transfer.uploads import in_root as uploads_in_root

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ckptctl.errors import CkptError, CoordinationError
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import FileEntry, Manifest
-from ckptctl.layouts.native import Committed, read_committed_raw
+from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.layouts.checked import Problem
 from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.storage.base import Storage

@@ -34,7 +34,7 @@ from ckptctl.errors import CheckpointError, CkptError
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard_identity import header_matches
 from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS
-from ckptctl.layouts.native import read_committed, read_header
+from ckptctl.layouts.native_read import read_committed, read_header
 from ckptctl.layouts.shard_scan import stream_file
 from ckptctl.ops.retention.prune import prune
 from ckptctl.ops.retention.policies import KeepEvery, KeepLast, Policy, RetentionPolicy

@@ -22,7 +22,8 @@ from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import layout_named, newest_marked
 from ckptctl.layouts.classify import classify
-from ckptctl.layouts.native import Committed, read_committed_raw, remove, uncommit
+from ckptctl.layouts.native_commit import remove, uncommit
+from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.ops.transfer.engine import CopyResult, copy_in_layout
 from ckptctl.ops.transfer.files import at_destination
 from ckptctl.ops.verify.engine import verify_checkpoint

@@ -29,7 +29,7 @@ from ckptctl.errors import InvalidCheckpoint, StorageError
 from ckptctl.format.layout import MANIFEST, shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.format.marker import Marker
-from ckptctl.layouts.native import Committed
+from ckptctl.layouts.native_read import Committed
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.ops.distributed import Job, agree, attempt, everyone, on_root
 from ckptctl.ops.transform.reshard import (

@@ -40,7 +40,9 @@ from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import layout_named
-from ckptctl.layouts.native import Committed, commit_copy, files_to_copy, read_committed_raw, uncommit
+from ckptctl.layouts.native import files_to_copy
+from ckptctl.layouts.native_commit import commit_copy, uncommit
+from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.ops.distributed import Job, agree, alone, attempt, everyone, gathered, mine, on_root
 from ckptctl.ops.seal.leftovers import remove_temporaries
 from ckptctl.ops.transfer.copy import RestoreResult, Skipped, candidates, nothing_restored, skip_candidate

@@ -62,7 +62,7 @@ from ckptctl.interop.detect import Format, format_named
 from ckptctl.interop.sources import open_foreign
 from ckptctl.interop.steps import StepClue
 from ckptctl.layouts.classify import classify
-from ckptctl.layouts.native import commit
+from ckptctl.layouts.native_commit import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.ops.transform.convert_tree import filter_tree, strip_names, strip_tree, tree_of
 from ckptctl.ops.transform.reshard import prepare_target, require_verified, same_place

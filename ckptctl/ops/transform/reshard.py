@@ -53,7 +53,8 @@ from ckptctl.format import dtypes
 from ckptctl.format.layout import MARKER, shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.layouts.native import check_target_name, commit, read_committed, remove, uncommit
+from ckptctl.layouts.native_commit import check_target_name, commit, remove, uncommit
+from ckptctl.layouts.native_read import read_committed
 from ckptctl.format.checksum import file_checksum
 from ckptctl.ops.distributed import collective
 from ckptctl.ops.transform.reshard_source import checked_source_checksums
