@@ -16,7 +16,7 @@ from ckptctl.errors import InvalidCheckpoint, RefusedForSafety
 from ckptctl.format.layout import MANIFEST, MARKER, parse_step_dir, step_dir
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import Marker
-from ckptctl.layouts import catalog, native
+from ckptctl.layouts import catalog, native_commit, native_read
 from ckptctl.storage import open_storage
 from ckptctl.storage.base import ObjectInfo
 from ckptctl.storage.local import LocalStorage
@@ -110,7 +110,7 @@ def test_a_resealed_manifest_with_another_step_is_corrupt(tmp_path, step):
     make_checkpoints(root, [10, 20])
     _reseal(ckpt_dir(root, 20), step=step)
     with pytest.raises(InvalidCheckpoint, match="step"):
-        native.read_committed(open_storage(ckpt_dir(root, 20)))
+        native_read.read_committed(open_storage(ckpt_dir(root, 20)))
     r = cli("latest", root)
     assert r.exit_code == 0 and r.stdout.strip() == ckpt_dir(root, 10)
     assert cli("verify", ckpt_dir(root, 20)).exit_code == 1
@@ -120,9 +120,9 @@ def test_negative_step_is_corrupt_outside_a_step_directory_too(tmp_path):
     make_checkpoints(str(tmp_path / "r"), [3])
     mine = str(tmp_path / "mine")
     shutil.copytree(ckpt_dir(str(tmp_path / "r"), 3), mine)
-    assert native.read_state(open_storage(mine)).status == "committed"  # any name but a step's
+    assert native_read.read_state(open_storage(mine)).status == "committed"  # any name but a step's
     _reseal(mine, step=-5)
-    assert native.read_state(open_storage(mine)).status == "corrupt"
+    assert native_read.read_state(open_storage(mine)).status == "corrupt"
 
 
 def test_marker_step_must_match_the_manifest(tmp_path):
@@ -133,7 +133,7 @@ def test_marker_step_must_match_the_manifest(tmp_path):
         raw = f.read()
     with open(os.path.join(path, MARKER), "wb") as f:
         f.write(Marker.for_manifest(21, raw).to_json())  # commits the right bytes, wrong step
-    state = native.read_state(open_storage(path))
+    state = native_read.read_state(open_storage(path))
     assert state.status == "corrupt" and "marker says step 21" in str(state.error)
     assert cli("latest", root).stdout.strip() == ckpt_dir(root, 10)
 
@@ -142,7 +142,7 @@ def test_marker_step_must_match_the_manifest(tmp_path):
 
 
 def _manifest_of(path: str) -> Manifest:
-    return native.read_committed(open_storage(path))[0]
+    return native_read.read_committed(open_storage(path))[0]
 
 
 def test_committing_a_step_twice_refuses_and_keeps_the_first_marker(tmp_path):
@@ -153,7 +153,7 @@ def test_committing_a_step_twice_refuses_and_keeps_the_first_marker(tmp_path):
     m = _manifest_of(path)
     again = Manifest.new(5, m.world_size, m.files, m.tensors, m.state, {"bytes": 1.0})
     with pytest.raises(RefusedForSafety, match="another writer committed step 5") as err:
-        native.commit(open_storage(path), again)
+        native_commit.commit(open_storage(path), again)
     assert path in str(err.value)
     with open(os.path.join(path, MARKER), "rb") as f:
         assert f.read() == first
@@ -176,7 +176,7 @@ def test_the_marker_is_created_only_if_absent_even_in_a_race(tmp_path):
     m = _manifest_of(path)
     again = Manifest.new(5, m.world_size, m.files, m.tensors, m.state, {"bytes": 1.0})
     with pytest.raises(RefusedForSafety, match="another writer"):
-        native.commit(_LateMarkerDisk(path), again)
+        native_commit.commit(_LateMarkerDisk(path), again)
     with open(os.path.join(path, MARKER), "rb") as f:
         assert f.read() == first
 
@@ -187,7 +187,7 @@ def test_commit_refuses_a_directory_named_for_another_step(tmp_path):
     m = _manifest_of(path)
     wrong = open_storage(ckpt_dir(root, 6))
     with pytest.raises(RefusedForSafety, match="step 6"):
-        native.commit(wrong, m)
+        native_commit.commit(wrong, m)
     assert not os.path.exists(ckpt_dir(root, 6))
 
 
@@ -225,7 +225,7 @@ def test_a_garbled_marker_is_corrupt_never_exit_3(tmp_path, marker):
     make_checkpoints(root, [1, 2])
     with open(os.path.join(ckpt_dir(root, 2), MARKER), "wb") as f:
         f.write(marker)
-    assert native.read_state(open_storage(ckpt_dir(root, 2))).status == "corrupt"
+    assert native_read.read_state(open_storage(ckpt_dir(root, 2))).status == "corrupt"
     rows = {r["step"]: r["status"] for r in cli("ls", root, "--json").json()["checkpoints"]}
     assert rows == {1: "committed", 2: "corrupt"}
     r = cli("latest", root)

@@ -38,9 +38,11 @@ def latest(
     Newer checkpoints that fail are reported on stderr and skipped. Exit 1 when none passes.
     ROOT one level off (one checkpoint, or a folder whose subdirectory holds the checkpoints) is
     exit 2, naming the root to give, as for verify --latest/--all, prune and du.
+
     Only resumable checkpoints count: a model-only export (no optimizer state: torchtitan's
     model-only last step, the Trainer's save_only_model, Lightning's save_weights_only, a
     ckptctl save without an optimizer) is skipped and named on stderr, unless --any.
+
     Other tools' checkpoints (torchtitan/DCP, Hugging Face Trainer, Megatron-LM, DeepSpeed,
     Lightning) count by their own commit rule and pointer. The path printed is one that the
     stack's default resume loads as exactly this checkpoint (Megatron, DeepSpeed: the root,
