@@ -261,14 +261,22 @@ class Job:
             time.sleep(0.05)
         return int(open(path).read())
 
-    def wait(self, timeout: float = 120) -> dict[int, dict]:
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float = 300) -> dict[int, dict]:
+        """The ranks' results once both launches ended; a rank without one is ``missing``
+        (and ``timed_out`` when the job was killed for running past ``timeout``: generous,
+        since CI runs these jobs beside other multi-process tests on 2 cores)."""
+        deadline, timed_out = time.monotonic() + timeout, False
         for p in self.procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                timed_out = True
                 self.kill()
-        return self.results()
+        found = self.results()
+        for res in found.values():
+            if timed_out and res.get("missing"):
+                res["timed_out"] = timeout
+        return found
 
     def results(self, name: str = "rank") -> dict[int, dict]:
         found = {}
