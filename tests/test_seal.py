@@ -216,6 +216,27 @@ def test_a_damaged_seal_fails_verify(tmp_path):
     assert r.exit_code == 1  # never replaced silently
 
 
+@pytest.mark.parametrize("sealed", [False, True])
+def test_what_a_killed_seal_leaves_never_fails_an_intact_checkpoint(tmp_path, sealed):
+    """A ``seal`` killed mid-write leaves its hidden temporary (``..ckptctl-seal.json.tmp-PID-HEX``)
+    beside the checkpoint, sealed before or not: that is ckptctl's leftover, not a file of the
+    checkpoint, and verify, latest and a later seal take the checkpoint for what it is."""
+    root = str(tmp_path)
+    ckpt = hf_checkpoint(root, 4)
+    if sealed:
+        assert cli("seal", ckpt).exit_code == 0
+    with open(os.path.join(ckpt, f".{SEAL}.tmp-4242-0a1b2c3d"), "wb") as f:
+        f.write(b'{"half": ')
+    r = cli("verify", ckpt)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    r = cli("latest", root)
+    assert r.exit_code == 0 and r.stdout.strip() == ckpt, r.stdout + r.stderr
+    if not sealed:
+        assert cli("seal", ckpt).exit_code == 0
+        r = cli("verify", ckpt)
+        assert r.exit_code == 0 and "checksums" in r.stdout, r.stdout + r.stderr
+
+
 def test_old_partial_with_seal_left_is_still_claimed(tmp_path):
     root = str(tmp_path)
     ckpt = hf_checkpoint(root, 9)
