@@ -39,10 +39,6 @@ NAME = "ckptctl"
 
 log = logging.getLogger("ckptctl")
 
-# A POSIX writer streams into ``.NAME.tmp-PID-RANDOM`` and renames it into place on commit
-# (storage/local_io.py); a writer killed mid-file leaves that temporary behind.
-_TEMPORARY = TEMPORARY  # the writer's own pattern (storage.local_io): one pattern for every leftover
-
 
 # --- as a layout ---------------------------------------------------------------------------
 
@@ -92,7 +88,8 @@ class NativeLayout:
         temporary of one; an empty directory only under our own padded name (a save that
         made its directory and died). ``step-N`` is torchtitan's name too."""
         for name in names:
-            m = _TEMPORARY.match(name)
+            # A POSIX writer killed mid-file leaves ``.NAME.tmp-PID-RANDOM`` (storage.local_io's pattern).
+            m = TEMPORARY.match(name)
             base = m.group(1) if m is not None else name
             if base == MARKER or is_manifest_name(base) or is_own_shard_name(base):
                 return True
