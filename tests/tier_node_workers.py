@@ -10,6 +10,7 @@ its pid to ``OUT/pidR`` at start and what its scenario returns as JSON to ``OUT/
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -271,6 +272,7 @@ class Job:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
+                self.dump_stacks()
                 self.kill()
         found = self.results()
         for res in found.values():
@@ -284,6 +286,18 @@ class Job:
             path = os.path.join(self.out, f"{name}{r}.json")
             found[r] = json.load(open(path)) if os.path.exists(path) else {"missing": True}
         return found
+
+    def dump_stacks(self) -> None:
+        """Ask every live rank for its threads' stacks (``faulthandler`` on SIGUSR1, into
+        ``OUT/stacksR.txt``): what a job killed for time was doing, for ``logs()``."""
+        for r in range(4):
+            path = os.path.join(self.out, f"pid{r}")
+            if os.path.exists(path):
+                try:
+                    os.kill(int(open(path).read()), signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(2)
 
     def kill(self) -> None:
         """SIGKILL every rank (torchrun starts each in a session of its own) and both agents."""
@@ -300,16 +314,26 @@ class Job:
             p.wait()
 
     def logs(self) -> str:
-        return "\n".join(open(os.path.join(self.out, f"node{n}.log")).read()[-3000:] for n in range(len(self.procs)))
+        parts = [open(os.path.join(self.out, f"node{n}.log")).read()[-3000:] for n in range(len(self.procs))]
+        for r in range(4):
+            path = os.path.join(self.out, f"stacks{r}.txt")
+            if os.path.exists(path) and os.path.getsize(path):
+                parts.append(f"--- rank {r}'s threads when the job was killed for time:\n" + open(path).read()[-6000:])
+        return "\n".join(parts)
 
 
 def _main() -> None:
     scenario, args, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     rank = int(os.environ["RANK"])
+    stacks = open(os.path.join(out, f"stacks{rank}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # Job.dump_stacks
     with open(os.path.join(out, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
     import torch.distributed as dist
 
+    if os.environ.get("CKPT_DEBUG_LOG"):
+        import logging
+        logging.basicConfig(level=logging.DEBUG, format=f"%(relativeCreated)d r{rank} %(threadName)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
     try:
         result = SCENARIOS[scenario](rank, {**args, "out": out})
