@@ -186,3 +186,44 @@ def test_lightning_inspect_counts_the_weights_as_the_model(real_root) -> None:
     model = {t["name"]: t["group"] for t in doc["tensors"] if t["name"].startswith("state_dict/")}
     assert set(model) == {"state_dict/layer.weight", "state_dict/layer.bias"} and set(model.values()) == {"model"}
     assert doc["bytes_by_group"]["model"] == (4 + 1) * 4, doc["bytes_by_group"]  # Linear(4, 1) in fp32
+
+
+def test_accelerate_save_index_is_labelled_and_step_rules_refuse_it(real_root) -> None:
+    """accelerate's automatic ``checkpoint_N`` counts saves, not training steps (the ``step`` in
+    ``random_states_0.pkl`` is its gradient accumulation counter, reset each epoch): ``ls`` and
+    ``inspect`` say so, and prune's step rules refuse the root before deleting anything (main:
+    the save index shown as STEP, ``inspect`` said ``step -``, and ``--keep-every 2`` deleted
+    checkpoint_1 as a step that is no multiple of 2)."""
+    root = real_root("accelerate")
+    names = NAMES["accelerate"]
+    r = cli("ls", root)
+    assert r.exit_code == 0 and all(f"{i}*  accelerate" in r.stdout for i in range(3)), r.stdout
+    assert "* not a training step: the save index in the name (checkpoint_0 to checkpoint_2)" in r.stderr, r.stderr
+    rows = cli("ls", root, "--json").json()["checkpoints"]
+    assert [(x["step"], x["numbered_by"]) for x in rows] == [(i, "save index") for i in range(3)]
+    newest = os.path.join(root, names[-1])
+    r = cli("inspect", newest)
+    assert "save index  2   (not a training step" in r.stdout and "\nstep " not in r.stdout, r.stdout
+    doc = cli("inspect", newest, "--json").json()
+    assert (doc["step"], doc["numbered_by"]) == (2, "save index")
+    for args in (["prune", root, "--keep-every", "2", "--yes"], ["prune", root, "--keep-last", "1", "--keep", "1", "--yes"],
+                 ["prune", root, "--keep-every", "2", "--dry-run", "--json"], ["du", root, "--keep-every", "2"]):
+        r = cli(*args)
+        flag = "--keep-every" if "--keep-every" in args else "--keep"
+        said = r.json()["error"]["message"] if "--json" in args else r.stderr.removeprefix("usage error: ")
+        assert r.exit_code == 2 and said.startswith(f"{flag} reads checkpoint numbers as training steps") \
+            and f"by save index under {root}" in said, (args, r.stdout + r.stderr)
+        assert "Traceback" not in r.stderr and "--keep-last N" in r.stdout + r.stderr
+        assert sorted(os.listdir(root)) == names, args  # nothing deleted
+    r = cli("prune", root, "--keep-last", "2", "--yes")  # a rule that reads only their order still works
+    assert r.exit_code == 0 and sorted(os.listdir(root)) == names[1:], r.stdout + r.stderr
+
+
+def test_step_rules_still_apply_to_roots_numbered_by_step(real_root) -> None:
+    """The refusal is the layout's: a root of training steps (the Trainer's checkpoint-N) keeps
+    --keep-every and --keep, and its ls and inspect say step."""
+    root = real_root("hf-trainer")
+    assert {x["numbered_by"] for x in cli("ls", root, "--json").json()["checkpoints"]} == {"step"}
+    r = cli("prune", root, "--keep-every", "4", "--keep", "2", "--dry-run")
+    assert r.exit_code == 0 and "pinned" in r.stdout and "keep-every 4" in r.stdout, r.stdout + r.stderr
+    assert cli("inspect", os.path.join(root, "checkpoint-4"), "--json").json()["numbered_by"] == "step"

@@ -64,6 +64,12 @@ Status = Literal["committed", "partial", "corrupt", "link", "unknown"]
 
 UNKNOWN = "unknown"  # the layout name of an entry no layout claims
 
+# What the number in a checkpoint's name counts: a training step for nearly every tool;
+# accelerate's automatic ``checkpoint_N`` counts ``save_state`` calls and its examples'
+# ``epoch_N`` epochs. A rule that reads numbers as training steps (``prune --keep-every``,
+# ``--keep``) refuses a root whose numbers count anything else.
+Numbering = Literal["step", "save index", "epoch"]
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -162,6 +168,10 @@ class Layout(Protocol):
 
     def step_of(self, child: ObjectInfo) -> int | None:
         """The step a child of the root stands for, by its name; None when it is not one of ours."""
+
+    def numbered_by(self, name: str) -> Numbering:
+        """What the number ``step_of`` read in the checkpoint name ``name`` counts (optional: a
+        plugin without it numbers by step, ``numbered_by`` below)."""
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         """Whether a directory named as ours, whose immediate children are ``names``, holds our
@@ -292,6 +302,16 @@ class Layout(Protocol):
         commit and never moved to an older step; None for layouts without one."""
 
 
-# Every member a layout has: what the registry asks of a plugin's object, by name.
-MEMBERS: tuple[str, ...] = tuple(sorted(set(Layout.__annotations__) | {
-    name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}))
+# Members a plugin written before they existed may lack: each is asked through a function of
+# this module that answers for it.
+OPTIONAL: frozenset[str] = frozenset({"numbered_by"})
+# Every member a layout must have: what the registry asks of a plugin's object, by name.
+MEMBERS: tuple[str, ...] = tuple(sorted((set(Layout.__annotations__) | {
+    name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}) - OPTIONAL))
+
+
+def numbered_by(layout: Layout, name: str) -> Numbering:
+    """``layout.numbered_by(name)``: what the number in the checkpoint name ``name`` counts;
+    ``step`` for a layout without the member (a plugin older than it)."""
+    ask = getattr(layout, "numbered_by", None)
+    return "step" if ask is None else ask(name)

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 from ckptctl.errors import NotFound
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import NOT_TOLD, CheckpointKind, Examined, Resume
+from ckptctl.layouts.base import NOT_TOLD, CheckpointKind, Examined, Numbering, Resume
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.file_check import FileKind, check_files, kind_by_suffix, name_of, sealed_as_another
 from ckptctl.layouts.files import inspect_local
@@ -87,6 +87,9 @@ class StackLayout(StackCopying):
         m = self.pattern.match(name)
         return int(m.group(1)) if m is not None and len(m.group(1)) <= 18 else None
 
+    def numbered_by(self, name: str) -> Numbering:
+        return "step"  # every stack but accelerate names its checkpoints by training step
+
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         if not names:
             return self.claims_empty
@@ -139,6 +142,10 @@ class StackLayout(StackCopying):
         result = inspect_local(ckpt, tensors=tensors)
         kind = self.kind_of_checkpoint(ckpt)
         result.content, result.content_reason = kind.kind, kind.reason
+        name = name_of(ckpt)
+        result.numbered_by = self.numbered_by(name)
+        if result.step is None and result.numbered_by != "step":  # its files record none: the name's number, labelled
+            result.step = self.step_in_name(name)
         return result
 
     def sealed_as_another(self, seal: Seal) -> str | None:
