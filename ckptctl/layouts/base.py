@@ -153,6 +153,18 @@ class Resume:
                 "pointer": self.pointer}
 
 
+@dataclass(frozen=True)
+class ModelWeights:
+    """Where a checkpoint that no file format's reader takes whole keeps its model weights, as
+    its layout says (``convert`` of a DeepSpeed tag): one ``torch.save`` file, read with
+    ``weights_only=True`` and ``allowed`` globals only (never unpickled); what else that file
+    holds comes along as state; ``left_out`` says what of the checkpoint does not, and why."""
+
+    file: str  # its key, relative to the checkpoint
+    allowed: tuple[object, ...] = ()  # globals torch's weights-only loader may build besides its own
+    left_out: tuple[str, ...] = ()
+
+
 class Layout(Protocol):
     """The handler of one tool's checkpoints: every verb asks these members and nothing else."""
 
@@ -223,6 +235,11 @@ class Layout(Protocol):
         """What the checkpoint holds (``tensors``: each tensor too). Raises InvalidCheckpoint
         when nothing reads it (a tool's files of no format ckptctl reads), UsageError when its
         reader needs a local path and it is on object storage."""
+
+    def model_weights(self, ckpt: Storage) -> ModelWeights | None:
+        """Optional: the file holding the model weights of a checkpoint whose files no format
+        reader takes as a whole, for ``convert``; None when a reader does. Raises UsageError
+        when no one file holds them (ZeRO-3 partitions, tensor parallel ranks)."""
 
     # --- seal ------------------------------------------------------------------------------------
 
@@ -304,7 +321,7 @@ class Layout(Protocol):
 
 # Members a plugin written before they existed may lack: each is asked through a function of
 # this module that answers for it.
-OPTIONAL: frozenset[str] = frozenset({"numbered_by"})
+OPTIONAL: frozenset[str] = frozenset({"numbered_by", "model_weights"})
 # Every member a layout must have: what the registry asks of a plugin's object, by name.
 MEMBERS: tuple[str, ...] = tuple(sorted((set(Layout.__annotations__) | {
     name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}) - OPTIONAL))
@@ -315,3 +332,9 @@ def numbered_by(layout: Layout, name: str) -> Numbering:
     ``step`` for a layout without the member (a plugin older than it)."""
     ask = getattr(layout, "numbered_by", None)
     return "step" if ask is None else ask(name)
+
+
+def model_weights(layout: Layout, ckpt: Storage) -> ModelWeights | None:
+    """``layout.model_weights(ckpt)``; None for a layout without the member."""
+    ask = getattr(layout, "model_weights", None)
+    return None if ask is None else ask(ckpt)
