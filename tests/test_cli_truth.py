@@ -227,3 +227,34 @@ def test_step_rules_still_apply_to_roots_numbered_by_step(real_root) -> None:
     r = cli("prune", root, "--keep-every", "4", "--keep", "2", "--dry-run")
     assert r.exit_code == 0 and "pinned" in r.stdout and "keep-every 4" in r.stdout, r.stdout + r.stderr
     assert cli("inspect", os.path.join(root, "checkpoint-4"), "--json").json()["numbered_by"] == "step"
+
+
+def test_lightning_last_ckpt_is_shown_as_an_alias_never_pruned_nor_counted(real_root) -> None:
+    """``last.ckpt`` (``ModelCheckpoint(save_last=True)``: a copy of the newest save, rewritten at
+    every save) is shown by ``ls`` with the step it records and the checkpoint of that step
+    (main: never mentioned), and is no checkpoint of its own: ``--keep-last 1`` keeps the real
+    step 6 besides it, and prune never deletes it, copy or symlink (``save_last="link"``)."""
+    root = real_root("lightning")
+    names = NAMES["lightning"]
+    r = cli("ls", root)
+    assert r.exit_code == 0 and "last.ckpt" not in r.stdout, r.stdout
+    assert f"last.ckpt: step 6, as {names[-1]}; ModelCheckpoint(save_last=True)'s copy" in r.stderr, r.stderr
+    assert "prune never deletes or counts it" in r.stderr
+    doc = cli("ls", root, "--json").json()
+    assert [(a["name"], a["layout"], a["step"], a["same_as"]) for a in doc["aliases"]] == [
+        ("last.ckpt", "lightning", 6, names[-1])]
+    assert [c["name"] for c in doc["checkpoints"]] == names
+    # The run's first save is its best (ModelCheckpoint's best_model_path): kept as Lightning keeps it.
+    r = cli("prune", root, "--keep-last", "1", "--yes", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    plan = {i["name"]: (i["action"], i["reason"]) for i in r.json()["plan"]["items"]}
+    assert set(plan) == set(names) and plan[names[-1]][0] == "keep" and "keep-last 1" in plan[names[-1]][1], plan
+    assert plan[names[1]][0] == "delete" and "best_model_path" in plan[names[0]][1], plan
+    assert sorted(os.listdir(root)) == sorted([names[0], names[-1], "last.ckpt"])
+    os.unlink(os.path.join(root, "last.ckpt"))
+    os.symlink(names[-1], os.path.join(root, "last.ckpt"))  # save_last="link"
+    r = cli("ls", root)
+    assert "last.ckpt: step unknown; ModelCheckpoint(save_last=\"link\")'s link" in r.stderr, r.stderr
+    assert cli("prune", root, "--keep-last", "1", "--yes").exit_code == 0
+    assert sorted(os.listdir(root)) == sorted([names[0], names[-1], "last.ckpt"])
+    assert os.path.islink(os.path.join(root, "last.ckpt"))

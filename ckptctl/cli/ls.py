@@ -20,7 +20,9 @@ def ls(
         help='Print one JSON object on stdout: {"url", "checkpoints": [{step, name, url, status, bytes, created, '
              'age_s, reason, layout, content, content_reason, numbered_by}, ...], "counts", "bytes", "schema": 2} '
              '(ckptctl-json(7)); content is "resumable" or "export" (model only) for a committed checkpoint, else '
-             'null; numbered_by says what step counts: "step", or "save index" or "epoch" (accelerate). A failure prints '
+             'null; numbered_by says what step counts: "step", or "save index" or "epoch" (accelerate). "aliases": '
+             '[{name, url, layout, step, same_as, why}, ...]: files a tool keeps beside its checkpoints standing for one '
+             "of them (Lightning's last.ckpt), never counted among them. A failure prints "
              '{"error": {"message", "hint", "type"}, "exit": N, "schema": 2} instead. With --tier: '
              '{"tiers": [ROOT, URL, ...], "checkpoints": [{step, name, tiers: {URL: status or null}}, ...], "schema": 2}.',
     )] = False,
@@ -59,6 +61,10 @@ def ls(
     under the table: accelerate's automatic checkpoint_N counts save_state calls (its save
     index), its examples' epoch_N epochs. prune's step rules (--keep-every, --keep) refuse such
     a root.
+
+    Lightning's last.ckpt (ModelCheckpoint(save_last=True), rewritten at every save) is not a
+    checkpoint of its own: it is said under the table with the step it records and the
+    checkpoint of that step, and prune never deletes it nor counts it.
     """
     if tier:
         _tiers(root, tier, json)
@@ -70,7 +76,7 @@ def ls(
         if listing.hint:  # none here, but a subdirectory holds some: on stderr, as without --json
             say(f"hint: {listing.hint}", console=err)
         emit_json({"url": _root_url(rows, root), "checkpoints": [_entry(r.to_dict()) for r in rows], "counts": counts,
-                   "bytes": sum(r.size for r in rows)})
+                   "bytes": sum(r.size for r in rows), "aliases": [a.to_dict() for a in listing.aliases]})
         return
     # Reasons (why a checkpoint is corrupt) can be long: their own column, last, and only when
     # there is one, so that the other columns stay aligned and easy to cut.
@@ -93,6 +99,9 @@ def ls(
         which = names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
         say(f"{NOT_A_STEP} not a training step: the {counts} in the name ({which}); prune's --keep-every and --keep "
             "refuse this root", console=err)
+    for a in listing.aliases:  # Lightning's last.ckpt: shown, never counted above
+        of = (f"step {a.step}" + (f", as {a.same_as}" if a.same_as else "")) if a.step is not None else "step unknown"
+        say(f"{a.name}: {of}; {a.why}; not a checkpoint of its own: prune never deletes or counts it", console=err)
     if listing.hint:  # none here, but a subdirectory holds some
         say(f"hint: {listing.hint}", console=err)
 

@@ -54,6 +54,7 @@ from ckptctl.layouts.copying import AtDestination, CopySource
 from ckptctl.storage.base import ObjectInfo, Storage
 
 if TYPE_CHECKING:
+    from ckptctl.layouts.aliases import Alias
     from ckptctl.progress import Progress
 
 # committed: complete by its layout's own commit rule (contents not verified); partial: the
@@ -184,6 +185,10 @@ class Layout(Protocol):
     def numbered_by(self, name: str) -> Numbering:
         """What the number ``step_of`` read in the checkpoint name ``name`` counts (optional: a
         plugin without it numbers by step, ``numbered_by`` below)."""
+
+    def aliases(self) -> "list[Alias]":
+        """Optional: files the tool keeps under the root standing for one of its checkpoints
+        (Lightning's ``last.ckpt``): shown by ``ls``, never a checkpoint (``layouts.aliases``)."""
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         """Whether a directory named as ours, whose immediate children are ``names``, holds our
@@ -321,7 +326,7 @@ class Layout(Protocol):
 
 # Members a plugin written before they existed may lack: each is asked through a function of
 # this module that answers for it.
-OPTIONAL: frozenset[str] = frozenset({"numbered_by", "model_weights"})
+OPTIONAL: frozenset[str] = frozenset({"numbered_by", "model_weights", "aliases"})
 # Every member a layout must have: what the registry asks of a plugin's object, by name.
 MEMBERS: tuple[str, ...] = tuple(sorted((set(Layout.__annotations__) | {
     name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}) - OPTIONAL))

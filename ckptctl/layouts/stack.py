@@ -212,9 +212,16 @@ REMOTE_KEYS_LIMIT = 64 << 20  # largest object downloaded only to read its top-l
 
 def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> dict[str, bool] | str:
     """The top-level keys of the ``torch.save`` dict ``key``, each with whether its value is
-    not None (DeepSpeed saves ``optimizer: None`` under ZeRO), read with
-    ``torch.load(weights_only=True)`` and tensors memory-mapped (their bytes are not read);
-    a string saying why not when it cannot be read safely (never unpickled beyond ``allowed``)."""
+    not None (DeepSpeed saves ``optimizer: None`` under ZeRO); a string saying why not when it
+    cannot be read safely (``top_level``)."""
+    doc = top_level(ckpt, key, allowed)
+    return doc if isinstance(doc, str) else {k: v is not None for k, v in doc.items()}
+
+
+def top_level(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> dict[str, object] | str:
+    """The top-level dict (its string keys) of the ``torch.save`` file ``key``, read with
+    ``torch.load(weights_only=True)`` and tensors memory-mapped (their bytes are not read); a
+    string saying why not when it cannot be read safely (never unpickled beyond ``allowed``)."""
     import pickle
 
     import torch
@@ -236,7 +243,7 @@ def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> d
         return f"{key} could not be read safely ({first[:120]})"
     if not isinstance(doc, dict):
         return f"{key} does not hold a dict"
-    return {k: v is not None for k, v in doc.items() if isinstance(k, str)}
+    return {k: v for k, v in doc.items() if isinstance(k, str)}
 
 
 def optimizer_in_file(ckpt: Storage, key: str, allowed: Sequence[object], export: str) -> CheckpointKind:

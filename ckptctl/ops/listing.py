@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
 from ckptctl.layouts import catalog
+from ckptctl.layouts.aliases import Alias, aliases
 from ckptctl.layouts.base import kind_of_checkpoint, numbered_by
 from ckptctl.layouts.native_read import total_size
 from ckptctl.storage.base import Storage
@@ -72,6 +73,17 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
             content, reason = kind.kind, kind.reason
         out.append(Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout,
                           content, reason, counts))
+    return out
+
+
+def aliases_under(root: Storage, rows: list[Listed]) -> list[Alias]:
+    """What the layouts of ``rows`` keep under ``root`` beside their checkpoints, standing for
+    one of them (``layouts.aliases``: Lightning's ``last.ckpt``)."""
+    out: list[Alias] = []
+    for name in dict.fromkeys(r.layout for r in rows):
+        layout = catalog.layout_called(name)
+        if layout is not None:
+            out.extend(aliases(layout.for_root(root)))
     return out
 
 
