@@ -213,6 +213,10 @@ def test_deepspeed_convert_refuses_a_model_no_one_file_holds(tmp_path):
         r = cli("convert", tag, dst, "--to", "safetensors")
         assert r.exit_code == 2 and f"{tag}: {said}" in r.stderr and "zero_to_fp32.py" in r.stderr, r.stderr
         assert not os.path.exists(dst) and "Traceback" not in r.stderr
+    for name in os.listdir(zero3):  # a save that wrote no model states yet: a checkpoint problem, exit 1
+        os.unlink(os.path.join(zero3, name))
+    r = cli("convert", zero3, str(tmp_path / "out.safetensors"), "--to", "safetensors")
+    assert r.exit_code == 1 and "no *model_states.pt" in r.stderr, r.stderr
 
 
 def _fake_deepspeed_module(monkeypatch):

@@ -39,7 +39,7 @@ import re
 import types
 from typing import Iterable, Sequence
 
-from ckptctl.errors import UsageError
+from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.layouts import safe_load
 from ckptctl.layouts.base import CheckpointKind, Examined, ModelWeights, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
@@ -138,6 +138,9 @@ class DeepSpeedLayout(StackLayout):
         names = sorted(c.key for c in ckpt.children() if c.kind == "file")
         models = [n for n in names if MODEL.match(n)]
         whole = "`python ROOT/zero_to_fp32.py ROOT OUT` (DeepSpeed writes it beside its tags) consolidates the weights"
+        if not models:
+            raise InvalidCheckpoint(f"{ckpt.url}: no *model_states.pt, which every rank's save writes first",
+                                    hint="the save did not finish: convert an older tag (`ckptctl ls ROOT`)")
         if any(n.startswith("zero_pp_rank_") for n in models):
             raise UsageError(f"{ckpt.url}: a ZeRO-3 tag; its weights are partitioned across the optimizer states "
                              "of every rank, no one file holds them", hint=f"{whole}; convert that output")
