@@ -183,8 +183,8 @@ class Layout(Protocol):
         """The step a child of the root stands for, by its name; None when it is not one of ours."""
 
     def numbered_by(self, name: str) -> Numbering:
-        """What the number ``step_of`` read in the checkpoint name ``name`` counts (optional: a
-        plugin without it numbers by step, ``numbered_by`` below)."""
+        """Optional: what the number ``step_of`` read in the checkpoint name ``name`` counts (a
+        layout without the member numbers by step: ``numbered_by`` below)."""
 
     def aliases(self) -> "list[Alias]":
         """Optional: files the tool keeps under the root standing for one of its checkpoints
@@ -324,8 +324,8 @@ class Layout(Protocol):
         commit and never moved to an older step; None for layouts without one."""
 
 
-# Members a plugin written before they existed may lack: each is asked through a function of
-# this module that answers for it.
+# Members a plugin written before they existed may lack: each is asked through a function that
+# answers for a layout without it (``numbered_by`` and ``model_weights`` below, ``aliases.aliases``).
 OPTIONAL: frozenset[str] = frozenset({"numbered_by", "model_weights", "aliases"})
 # Every member a layout must have: what the registry asks of a plugin's object, by name.
 MEMBERS: tuple[str, ...] = tuple(sorted((set(Layout.__annotations__) | {
