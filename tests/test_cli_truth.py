@@ -186,3 +186,75 @@ def test_lightning_inspect_counts_the_weights_as_the_model(real_root) -> None:
     model = {t["name"]: t["group"] for t in doc["tensors"] if t["name"].startswith("state_dict/")}
     assert set(model) == {"state_dict/layer.weight", "state_dict/layer.bias"} and set(model.values()) == {"model"}
     assert doc["bytes_by_group"]["model"] == (4 + 1) * 4, doc["bytes_by_group"]  # Linear(4, 1) in fp32
+
+
+def test_accelerate_save_index_is_labelled_and_step_rules_refuse_it(real_root) -> None:
+    """accelerate's automatic ``checkpoint_N`` counts saves, not training steps (the ``step`` in
+    ``random_states_0.pkl`` is its gradient accumulation counter, reset each epoch): ``ls`` and
+    ``inspect`` say so, and prune's step rules refuse the root before deleting anything (main:
+    the save index shown as STEP, ``inspect`` said ``step -``, and ``--keep-every 2`` deleted
+    checkpoint_1 as a step that is no multiple of 2)."""
+    root = real_root("accelerate")
+    names = NAMES["accelerate"]
+    r = cli("ls", root)
+    assert r.exit_code == 0 and all(f"{i}*  accelerate" in r.stdout for i in range(3)), r.stdout
+    assert "* not a training step: the save index in the name (checkpoint_0 to checkpoint_2)" in r.stderr, r.stderr
+    rows = cli("ls", root, "--json").json()["checkpoints"]
+    assert [(x["step"], x["numbered_by"]) for x in rows] == [(i, "save index") for i in range(3)]
+    newest = os.path.join(root, names[-1])
+    r = cli("inspect", newest)
+    assert "save index  2   (not a training step" in r.stdout and "\nstep " not in r.stdout, r.stdout
+    doc = cli("inspect", newest, "--json").json()
+    assert (doc["step"], doc["numbered_by"]) == (2, "save index")
+    for args in (["prune", root, "--keep-every", "2", "--yes"], ["prune", root, "--keep-last", "1", "--keep", "1", "--yes"],
+                 ["prune", root, "--keep-every", "2", "--dry-run", "--json"], ["du", root, "--keep-every", "2"]):
+        r = cli(*args)
+        flag = "--keep-every" if "--keep-every" in args else "--keep"
+        said = r.json()["error"]["message"] if "--json" in args else r.stderr.removeprefix("usage error: ")
+        assert r.exit_code == 2 and said.startswith(f"{flag} reads checkpoint numbers as training steps") \
+            and f"by save index under {root}" in said, (args, r.stdout + r.stderr)
+        assert "Traceback" not in r.stderr and "--keep-last N" in r.stdout + r.stderr
+        assert sorted(os.listdir(root)) == names, args  # nothing deleted
+    r = cli("prune", root, "--keep-last", "2", "--yes")  # a rule that reads only their order still works
+    assert r.exit_code == 0 and sorted(os.listdir(root)) == names[1:], r.stdout + r.stderr
+
+
+def test_step_rules_still_apply_to_roots_numbered_by_step(real_root) -> None:
+    """The refusal is the layout's: a root of training steps (the Trainer's checkpoint-N) keeps
+    --keep-every and --keep, and its ls and inspect say step."""
+    root = real_root("hf-trainer")
+    assert {x["numbered_by"] for x in cli("ls", root, "--json").json()["checkpoints"]} == {"step"}
+    r = cli("prune", root, "--keep-every", "4", "--keep", "2", "--dry-run")
+    assert r.exit_code == 0 and "pinned" in r.stdout and "keep-every 4" in r.stdout, r.stdout + r.stderr
+    assert cli("inspect", os.path.join(root, "checkpoint-4"), "--json").json()["numbered_by"] == "step"
+
+
+def test_lightning_last_ckpt_is_shown_as_an_alias_never_pruned_nor_counted(real_root) -> None:
+    """``last.ckpt`` (``ModelCheckpoint(save_last=True)``: a copy of the newest save, rewritten at
+    every save) is shown by ``ls`` with the step it records and the checkpoint of that step
+    (main: never mentioned), and is no checkpoint of its own: ``--keep-last 1`` keeps the real
+    step 6 besides it, and prune never deletes it, copy or symlink (``save_last="link"``)."""
+    root = real_root("lightning")
+    names = NAMES["lightning"]
+    r = cli("ls", root)
+    assert r.exit_code == 0 and "last.ckpt" not in r.stdout, r.stdout
+    assert f"last.ckpt: step 6, as {names[-1]}; ModelCheckpoint(save_last=True)'s copy" in r.stderr, r.stderr
+    assert "prune never deletes or counts it" in r.stderr
+    doc = cli("ls", root, "--json").json()
+    assert [(a["name"], a["layout"], a["step"], a["same_as"]) for a in doc["aliases"]] == [
+        ("last.ckpt", "lightning", 6, names[-1])]
+    assert [c["name"] for c in doc["checkpoints"]] == names
+    # The run's first save is its best (ModelCheckpoint's best_model_path): kept as Lightning keeps it.
+    r = cli("prune", root, "--keep-last", "1", "--yes", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    plan = {i["name"]: (i["action"], i["reason"]) for i in r.json()["plan"]["items"]}
+    assert set(plan) == set(names) and plan[names[-1]][0] == "keep" and "keep-last 1" in plan[names[-1]][1], plan
+    assert plan[names[1]][0] == "delete" and "best_model_path" in plan[names[0]][1], plan
+    assert sorted(os.listdir(root)) == sorted([names[0], names[-1], "last.ckpt"])
+    os.unlink(os.path.join(root, "last.ckpt"))
+    os.symlink(names[-1], os.path.join(root, "last.ckpt"))  # save_last="link"
+    r = cli("ls", root)
+    assert "last.ckpt: step unknown; ModelCheckpoint(save_last=\"link\")'s link" in r.stderr, r.stderr
+    assert cli("prune", root, "--keep-last", "1", "--yes").exit_code == 0
+    assert sorted(os.listdir(root)) == sorted([names[0], names[-1], "last.ckpt"])
+    assert os.path.islink(os.path.join(root, "last.ckpt"))

@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -141,6 +142,8 @@ def test_deepspeed_zero2_resumes_the_tag_resume_args_names_after_a_corrupt_newes
     assert (doc["format"], doc["step"], doc["content"]) == ("deepspeed", DS_STEPS - 1, "resumable"), doc
     assert doc["bytes_by_group"]["model"] > 0 and doc["bytes_by_group"]["optimizer"] > doc["bytes_by_group"]["model"]
 
+    _converts_the_model_weights(good, out, f"global_step{DS_STEPS - 1}")
+
     _flip_in_record(os.path.join(bad, "mp_rank_00_model_states.pt"))  # `latest` still names it
 
     # What `load_checkpoint(ROOT)` would load does not verify: exit 1, naming the pointer.
@@ -165,6 +168,55 @@ def test_deepspeed_zero2_resumes_the_tag_resume_args_names_after_a_corrupt_newes
         assert got["tag"] == f"global_step{DS_STEPS - 1}" and got["global_steps"] == DS_STEPS - 1, got
         assert got["mismatches"] == [], f"rank {rank}: {got['mismatches']}"
         assert got["adam_steps"] == [DS_STEPS - 1], got
+
+
+def _converts_the_model_weights(tag: str, out: str, name: str) -> None:
+    """``convert`` of a real ZeRO-2 tag (main: exit 2) writes the model weights the engine
+    held, bitwise, read from ``mp_rank_00_model_states.pt``'s ``module`` through the layout,
+    and says that the ZeRO optimizer partitions were not converted."""
+    import torch
+    from safetensors.torch import load_file
+
+    from helpers import cli
+
+    module = {k[len("module."):]: v for k, v in torch.load(os.path.join(out, f"ds-ref.{name}.rank0.pt"),
+                                                             weights_only=True).items() if k.startswith("module.")}
+    dst = os.path.join(out, "weights.safetensors")
+    r = cli("convert", tag, dst, "--to", "safetensors", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = r.json()
+    assert doc["step"] == DS_STEPS - 1 and doc["tensors"] == len(module), doc
+    assert [d.split(":")[0] for d in doc["dropped"]] == [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in (0, 1)]
+    assert all("ZeRO optimizer partition" in d and "not converted" in d for d in doc["dropped"]), doc["dropped"]
+    got = load_file(dst)
+    assert sorted(got) == sorted(f"module/{k}" for k in module)
+    assert all(torch.equal(got[f"module/{k}"], v) for k, v in module.items())
+    r = cli("convert", tag, os.path.join(out, "as-ckptctl"), "--to", "ckptctl")  # a verified ckptctl checkpoint
+    assert r.exit_code == 0 and "ZeRO optimizer partition" in r.stderr, r.stdout + r.stderr
+    assert cli("verify", os.path.join(out, "as-ckptctl"), "--load").exit_code == 0
+
+
+def test_deepspeed_convert_refuses_a_model_no_one_file_holds(tmp_path):
+    """ZeRO-3 (``zero_pp_rank_D_mp_rank_00_model_states.pt``: the weights partitioned across the
+    optimizer states) and tensor parallel tags (``mp_rank_01_...``): exit 2 naming the tag and
+    DeepSpeed's consolidation script, nothing written."""
+    from helpers import cli
+    from test_layouts import deepspeed_tag
+
+    zero3 = deepspeed_tag(str(tmp_path / "z3"), 5)
+    os.rename(os.path.join(zero3, "mp_rank_00_model_states.pt"),
+              os.path.join(zero3, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    tp = deepspeed_tag(str(tmp_path / "tp"), 5)
+    shutil.copy(os.path.join(tp, "mp_rank_00_model_states.pt"), os.path.join(tp, "mp_rank_01_model_states.pt"))
+    for tag, said in ((zero3, "a ZeRO-3 tag"), (tp, "a pipeline or tensor parallel tag (2 model states files)")):
+        dst = str(tmp_path / "out.safetensors")
+        r = cli("convert", tag, dst, "--to", "safetensors")
+        assert r.exit_code == 2 and f"{tag}: {said}" in r.stderr and "zero_to_fp32.py" in r.stderr, r.stderr
+        assert not os.path.exists(dst) and "Traceback" not in r.stderr
+    for name in os.listdir(zero3):  # a save that wrote no model states yet: a checkpoint problem, exit 1
+        os.unlink(os.path.join(zero3, name))
+    r = cli("convert", zero3, str(tmp_path / "out.safetensors"), "--to", "safetensors")
+    assert r.exit_code == 1 and "no *model_states.pt" in r.stderr, r.stderr
 
 
 def _fake_deepspeed_module(monkeypatch):

@@ -11,7 +11,7 @@ from ckptctl.ops.verbs import convert_path
 
 @command
 def convert(
-    src: Annotated[str, typer.Argument(help="A ckptctl checkpoint, DCP directory, safetensors file/directory or torch.save file.")],
+    src: Annotated[str, typer.Argument(help="A ckptctl checkpoint, DCP directory, safetensors file/directory, torch.save file or DeepSpeed tag (global_stepN).")],
     dst: Annotated[str, typer.Argument(help="Where to write: a directory (ckptctl, dcp, sharded safetensors) or a file (torch, one .safetensors).")],
     to: Annotated[str, typer.Option("--to", help="Output format: ckptctl, safetensors, torch or dcp.", metavar="FORMAT")],
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Keep tensors whose names start with PREFIX (repeatable), e.g. model/.", metavar="PREFIX")] = None,
@@ -44,6 +44,12 @@ def convert(
     be loaded safely (rng_state.pth with numpy state, training_args.bin) is listed as dropped.
     A Hugging Face hub cache snapshot (links into ../../blobs) is read through its links while
     they stay inside the cache.
+
+    A DeepSpeed tag (global_stepN) is read through mp_rank_00_model_states.pt, whose module is
+    the model (its other keys come along as state): the ZeRO optimizer partitions
+    (*_optim_states.pt) are not converted and are listed as dropped. ZeRO-3, pipeline and
+    tensor parallel tags hold no whole model in one file: exit 2, pointing at DeepSpeed's
+    zero_to_fp32.py, whose output convert reads.
 
     Exit 0 success; 1 the source is invalid, incomplete (a DCP directory without .metadata)
     or disagrees about its step, or DST exists without --overwrite; 2 bad arguments (DST is

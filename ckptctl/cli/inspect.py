@@ -23,6 +23,10 @@ def inspect(
 
     content says whether it is resumable or an export (model weights only, no optimizer
     state), which `ckptctl latest` and prune's anchor pass over.
+
+    numbered_by (--json) says what step counts: a training step, or, for a checkpoint whose
+    tool records none, what the number in its name counts (accelerate's automatic checkpoint_N:
+    "save index", shown so instead of step; epoch_N: "epoch").
     """
     r = inspect_path(ckpt, tensors=tensors)
     if json:
@@ -56,7 +60,10 @@ def _print(r: "InspectResult", tensors: bool) -> None:
 
 def _print_foreign(r: "ForeignInspect", tensors: bool) -> None:
     say(f"checkpoint  {r.url}  ({r.format}; no checksums)")
-    say(f"step        {r.step if r.step is not None else '-'}")
+    if r.numbered_by == "step":
+        say(f"step        {r.step if r.step is not None else '-'}")
+    else:  # accelerate's checkpoint_N: what the name counts, never shown as a step
+        say(f"{r.numbered_by:<12}{r.step}   (not a training step: the number in the checkpoint's name)")
     say(f"tensors     {r.tensor_count}   on disk {human_bytes(r.total_bytes)}")
     _print_groups(r.bytes_by_group, r.state_keys)
     _print_content(r.content, r.content_reason)

@@ -9,6 +9,8 @@ from ckptctl.durations import format_duration
 from ckptctl.ops.tier_listing import list_tiers
 from ckptctl.ops.verbs import list_root
 
+NOT_A_STEP = "*"  # after a STEP that counts something else (accelerate's checkpoint_N: its save index)
+
 
 @command
 def ls(
@@ -16,8 +18,11 @@ def ls(
     json: Annotated[bool, typer.Option(
         "--json",
         help='Print one JSON object on stdout: {"url", "checkpoints": [{step, name, url, status, bytes, created, '
-             'age_s, reason, layout, content, content_reason}, ...], "counts", "bytes", "schema": 2} (ckptctl-json(7)); '
-             'content is "resumable" or "export" (model only) for a committed checkpoint, else null. A failure prints '
+             'age_s, reason, layout, content, content_reason, numbered_by}, ...], "counts", "bytes", "schema": 2} '
+             '(ckptctl-json(7)); content is "resumable" or "export" (model only) for a committed checkpoint, else '
+             'null; numbered_by says what step counts: "step", or "save index" or "epoch" (accelerate). "aliases": '
+             '[{name, url, layout, step, same_as, why}, ...]: files a tool keeps beside its checkpoints standing for one '
+             "of them (Lightning's last.ckpt), never counted among them. A failure prints "
              '{"error": {"message", "hint", "type"}, "exit": N, "schema": 2} instead. With --tier: '
              '{"tiers": [ROOT, URL, ...], "checkpoints": [{step, name, tiers: {URL: status or null}}, ...], "schema": 2}.',
     )] = False,
@@ -51,6 +56,15 @@ def ls(
     With --tier URL (repeatable), ROOT and each URL are the tiers of one run
     (Checkpointer(tiers=[...]): ROOT the nearest): one row per checkpoint with its status on
     each tier, "-" where a tier does not hold it (not promoted yet, or pruned there).
+
+    A STEP marked * is not a training step but what the checkpoint's name counts instead, said
+    under the table: accelerate's automatic checkpoint_N counts save_state calls (its save
+    index), its examples' epoch_N epochs. prune's step rules (--keep-every, --keep) refuse such
+    a root.
+
+    Lightning's last.ckpt (ModelCheckpoint(save_last=True), rewritten at every save) is not a
+    checkpoint of its own: it is said under the table with the step it records and the
+    checkpoint of that step, and prune never deletes it nor counts it.
     """
     if tier:
         _tiers(root, tier, json)
@@ -62,7 +76,7 @@ def ls(
         if listing.hint:  # none here, but a subdirectory holds some: on stderr, as without --json
             say(f"hint: {listing.hint}", console=err)
         emit_json({"url": _root_url(rows, root), "checkpoints": [_entry(r.to_dict()) for r in rows], "counts": counts,
-                   "bytes": sum(r.size for r in rows)})
+                   "bytes": sum(r.size for r in rows), "aliases": [a.to_dict() for a in listing.aliases]})
         return
     # Reasons (why a checkpoint is corrupt) can be long: their own column, last, and only when
     # there is one, so that the other columns stay aligned and easy to cut.
@@ -71,7 +85,7 @@ def ls(
     print_table(
         ("STEP", "FORMAT", "STATUS") + (("CONTENT",) if with_export else ()) + ("SIZE", "AGE", "PATH")
         + (("REASON",) if with_reason else ()),
-        [(str(r.step), r.layout, r.status) + ((r.content or "-",) if with_export else ())
+        [(str(r.step) + ("" if r.numbered_by == "step" else NOT_A_STEP), r.layout, r.status) + ((r.content or "-",) if with_export else ())
          + (human_bytes(r.size), format_duration(r.age_s), r.url) + ((r.reason or "-",) if with_reason else ())
          for r in rows],
         right=("STEP", "SIZE", "AGE"),
@@ -80,6 +94,14 @@ def ls(
     say(f"{len(rows)} checkpoints: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n or status == "committed")
         + (f" ({exports} of them model-only export{'' if exports == 1 else 's'})" if exports else "")
         + f"; total {human_bytes(sum(r.size for r in rows))}", console=err)
+    for counts in sorted({r.numbered_by for r in rows} - {"step"}):
+        names = [r.name for r in rows if r.numbered_by == counts]
+        which = names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
+        say(f"{NOT_A_STEP} not a training step: the {counts} in the name ({which}); prune's --keep-every and --keep "
+            "refuse this root", console=err)
+    for a in listing.aliases:  # Lightning's last.ckpt: shown, never counted above
+        of = (f"step {a.step}" + (f", as {a.same_as}" if a.same_as else "")) if a.step is not None else "step unknown"
+        say(f"{a.name}: {of}; {a.why}; not a checkpoint of its own: prune never deletes or counts it", console=err)
     if listing.hint:  # none here, but a subdirectory holds some
         say(f"hint: {listing.hint}", console=err)
 

@@ -46,6 +46,10 @@ def prune(
     (eval_loss, ..., and its best_metric); one without the metric is left to the other rules,
     and if no checkpoint records it (a misspelt name) all are kept.
 
+    --keep-every and --keep read checkpoint numbers as training steps: on a root whose numbers
+    count something else (accelerate's checkpoint_N, its save index: `ls` marks them *) they
+    are usage errors.
+
     The newest committed checkpoint that passes
     full verification (every checksum, every tensor decoded) is always kept, and nothing is
     deleted if none does. Checkpoints newer than it that fail are reported, not deleted

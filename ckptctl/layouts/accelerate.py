@@ -47,7 +47,7 @@ from typing import Sequence
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.base import CheckpointKind, Examined, Numbering, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
 from ckptctl.layouts.file_check import FileKind, name_of
 from ckptctl.layouts.stack import StackLayout
@@ -81,6 +81,14 @@ class AccelerateLayout(StackLayout):
     @property
     def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
         return tuple(safe_load.numpy_rng())
+
+    def numbered_by(self, name: str) -> Numbering:
+        # The ``step`` in random_states_0.pkl is the gradient accumulation counter, reset every
+        # epoch: accelerate records no training step, so checkpoint_N (automatic naming: N is
+        # ``ProjectConfiguration.iteration``, one more per save) stays a save index.
+        if name.startswith("checkpoint_"):
+            return "save index"
+        return "epoch" if name.startswith("epoch_") else "step"
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         if not names:

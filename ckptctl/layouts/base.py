@@ -54,6 +54,7 @@ from ckptctl.layouts.copying import AtDestination, CopySource
 from ckptctl.storage.base import ObjectInfo, Storage
 
 if TYPE_CHECKING:
+    from ckptctl.layouts.aliases import Alias
     from ckptctl.progress import Progress
 
 # committed: complete by its layout's own commit rule (contents not verified); partial: the
@@ -63,6 +64,12 @@ if TYPE_CHECKING:
 Status = Literal["committed", "partial", "corrupt", "link", "unknown"]
 
 UNKNOWN = "unknown"  # the layout name of an entry no layout claims
+
+# What the number in a checkpoint's name counts: a training step for nearly every tool;
+# accelerate's automatic ``checkpoint_N`` counts ``save_state`` calls and its examples'
+# ``epoch_N`` epochs. A rule that reads numbers as training steps (``prune --keep-every``,
+# ``--keep``) refuses a root whose numbers count anything else.
+Numbering = Literal["step", "save index", "epoch"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,18 @@ class Resume:
                 "pointer": self.pointer}
 
 
+@dataclass(frozen=True)
+class ModelWeights:
+    """Where a checkpoint that no file format's reader takes whole keeps its model weights, as
+    its layout says (``convert`` of a DeepSpeed tag): one ``torch.save`` file, read with
+    ``weights_only=True`` and ``allowed`` globals only (never unpickled); what else that file
+    holds comes along as state; ``left_out`` says what of the checkpoint does not, and why."""
+
+    file: str  # its key, relative to the checkpoint
+    allowed: tuple[object, ...] = ()  # globals torch's weights-only loader may build besides its own
+    left_out: tuple[str, ...] = ()
+
+
 class Layout(Protocol):
     """The handler of one tool's checkpoints: every verb asks these members and nothing else."""
 
@@ -162,6 +181,14 @@ class Layout(Protocol):
 
     def step_of(self, child: ObjectInfo) -> int | None:
         """The step a child of the root stands for, by its name; None when it is not one of ours."""
+
+    def numbered_by(self, name: str) -> Numbering:
+        """Optional: what the number ``step_of`` read in the checkpoint name ``name`` counts (a
+        layout without the member numbers by step: ``numbered_by`` below)."""
+
+    def aliases(self) -> "list[Alias]":
+        """Optional: files the tool keeps under the root standing for one of its checkpoints
+        (Lightning's ``last.ckpt``): shown by ``ls``, never a checkpoint (``layouts.aliases``)."""
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         """Whether a directory named as ours, whose immediate children are ``names``, holds our
@@ -213,6 +240,11 @@ class Layout(Protocol):
         """What the checkpoint holds (``tensors``: each tensor too). Raises InvalidCheckpoint
         when nothing reads it (a tool's files of no format ckptctl reads), UsageError when its
         reader needs a local path and it is on object storage."""
+
+    def model_weights(self, ckpt: Storage) -> ModelWeights | None:
+        """Optional: the file holding the model weights of a checkpoint whose files no format
+        reader takes as a whole, for ``convert``; None when a reader does. Raises UsageError
+        when no one file holds them (ZeRO-3 partitions, tensor parallel ranks)."""
 
     # --- seal ------------------------------------------------------------------------------------
 
@@ -292,6 +324,22 @@ class Layout(Protocol):
         commit and never moved to an older step; None for layouts without one."""
 
 
-# Every member a layout has: what the registry asks of a plugin's object, by name.
-MEMBERS: tuple[str, ...] = tuple(sorted(set(Layout.__annotations__) | {
-    name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}))
+# Members a plugin written before they existed may lack: each is asked through a function that
+# answers for a layout without it (``numbered_by`` and ``model_weights`` below, ``aliases.aliases``).
+OPTIONAL: frozenset[str] = frozenset({"numbered_by", "model_weights", "aliases"})
+# Every member a layout must have: what the registry asks of a plugin's object, by name.
+MEMBERS: tuple[str, ...] = tuple(sorted((set(Layout.__annotations__) | {
+    name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}) - OPTIONAL))
+
+
+def numbered_by(layout: Layout, name: str) -> Numbering:
+    """``layout.numbered_by(name)``: what the number in the checkpoint name ``name`` counts;
+    ``step`` for a layout without the member (a plugin older than it)."""
+    ask = getattr(layout, "numbered_by", None)
+    return "step" if ask is None else ask(name)
+
+
+def model_weights(layout: Layout, ckpt: Storage) -> ModelWeights | None:
+    """``layout.model_weights(ckpt)``; None for a layout without the member."""
+    ask = getattr(layout, "model_weights", None)
+    return None if ask is None else ask(ckpt)

@@ -46,7 +46,7 @@ from typing import Literal, Sequence
 from ckptctl.errors import InvalidCheckpoint, StorageError
 from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, check_seal_size, parse_seal
 from ckptctl.interop.detect import Format
-from ckptctl.layouts.base import Layout
+from ckptctl.layouts.base import Layout, ModelWeights, model_weights
 from ckptctl.layouts.checked import ALONE, Checked, Level, Split
 from ckptctl.layouts.files import NO_FORMAT_DIR, FileFormat, Unfinished, format_by_name, format_of
 from ckptctl.layouts.inspected import Inspected
@@ -198,6 +198,13 @@ class Found:
         if self.local is not None:
             return format_of(self.local)
         return format_by_name(self.name, "dir" if self.is_dir else "file", self.names)
+
+    def model_weights(self) -> ModelWeights | None:
+        """For a local checkpoint of a layout whose files no format reader takes whole, the file
+        its layout says holds the model weights (``Layout.model_weights``); None otherwise."""
+        if self.what != "checkpoint" or self.layout is None or self.local is None:
+            return None
+        return model_weights(self.layout, self.storage)
 
     def file_format(self) -> Format | None:
         """``reader_format``, None for an unfinished DCP save too (no reader takes it)."""

@@ -39,8 +39,9 @@ import re
 import types
 from typing import Iterable, Sequence
 
+from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.base import CheckpointKind, Examined, ModelWeights, Resume
 from ckptctl.layouts.checked import Checked, Level, Problem
 from ckptctl.layouts.file_check import name_of
 from ckptctl.layouts.stack import StackLayout, optimizer_in_file, undetermined
@@ -128,6 +129,30 @@ class DeepSpeedLayout(StackLayout):
             return undetermined("no *model_states.pt")
         return optimizer_in_file(ckpt, model, self.allowed, f"no *_optim_states.pt and no optimizer in {model}: "
                                                            "model weights only")
+
+    def model_weights(self, ckpt: Storage) -> ModelWeights:
+        """``mp_rank_00_model_states.pt``: its ``module`` is the whole model's state dict under
+        ZeRO-0/1/2 (and its ``optimizer`` the optimizer's without ZeRO). Under ZeRO-3, pipeline
+        or tensor parallelism no one file holds the model: a UsageError naming DeepSpeed's
+        own consolidation, whose output convert then reads."""
+        names = sorted(c.key for c in ckpt.children() if c.kind == "file")
+        models = [n for n in names if MODEL.match(n)]
+        whole = "`python ROOT/zero_to_fp32.py ROOT OUT` (DeepSpeed writes it beside its tags) consolidates the weights"
+        if not models:
+            raise InvalidCheckpoint(f"{ckpt.url}: no *model_states.pt, which every rank's save writes first",
+                                    hint="the save did not finish: convert an older tag (`ckptctl ls ROOT`)")
+        if any(n.startswith("zero_pp_rank_") for n in models):
+            raise UsageError(f"{ckpt.url}: a ZeRO-3 tag; its weights are partitioned across the optimizer states "
+                             "of every rank, no one file holds them", hint=f"{whole}; convert that output")
+        if any(n.startswith("layer_") for n in names) or models != [self.commit_files[0]]:
+            raise UsageError(f"{ckpt.url}: a pipeline or tensor parallel tag ({len(models)} model states files"
+                             f"{', and layer_* files' if any(n.startswith('layer_') for n in names) else ''}); "
+                             "convert reads a model held whole in mp_rank_00_model_states.pt",
+                             hint=f"{whole}; convert that output")
+        optim = [n for n in names if OPTIM.match(n)]
+        return ModelWeights(models[0], self.allowed, tuple(
+            f"{n}: rank {OPTIM.match(n).group(2)}'s ZeRO optimizer partition (fp32 master weights, Adam state), "  # type: ignore[union-attr]
+            "not converted: DeepSpeed's own classes, never unpickled; resume from the tag itself" for n in optim))
 
     def inspect(self, ckpt: Storage, *, tensors: bool = False) -> ForeignInspect:
         """The model states files read as ``torch.save`` files (their tensors under ``module``

@@ -65,6 +65,7 @@ _FALLBACKS: dict[str, Callable[[tuple, dict, plugins.GuestFailed], Any]] = {
     "kind_of_checkpoint": lambda a, k, f: CheckpointKind("resumable", f"not told apart ({f}); verify judges it"),
     "protected": _protected,
     "recorded_metrics": lambda a, k, f: {},
+    "numbered_by": lambda a, k, f: "step",  # as a plugin without the member
 }
 
 

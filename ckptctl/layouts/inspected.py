@@ -39,6 +39,7 @@ class InspectResult:
     tensors: list[TensorInfo] = field(default_factory=list)
     content: str = "resumable"  # or "export": model weights only, no optimizer
     content_reason: str = ""
+    numbered_by: str = "step"  # what ``step`` counts (``layouts.base.Numbering``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +60,7 @@ class ForeignInspect:
     tensors: list[dict] = field(default_factory=list)
     content: str | None = None  # "resumable" or "export" when a layout's checkpoint tells
     content_reason: str | None = None
+    numbered_by: str = "step"  # what ``step`` counts: accelerate's checkpoint_N is a "save index"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -12,9 +12,12 @@ transaction, which on a local disk writes a file in the *system* temporary direc
 mid-copy leaves a truncated ``.ckpt``): a file is complete when it is a whole ``torch.save``
 archive (its zip directory, written last, parses); a truncated one is Lightning's own
 incomplete save. Each file is one checkpoint: the catalog lists files, not directories,
-for this layout only. ``last.ckpt`` has no step in its name and is never listed, so nothing
-deletes it; the ``best_model_path`` that ``ModelCheckpoint`` records inside the newest
-complete file is protected by prune as Lightning's own ``save_top_k`` keeps it: the best of
+for this layout only. ``last.ckpt`` has no step in its name: it is an alias
+(``layouts.aliases``), a copy of the newest save that ``ModelCheckpoint`` rewrites at every
+save, shown by ``ls`` with the step it records and never a checkpoint of its own, so prune
+never deletes it nor counts it as a step. The ``best_model_path`` that ``ModelCheckpoint``
+records inside the newest complete file is protected by prune as Lightning's own
+``save_top_k`` keeps it: the best of
 *every* ``ModelCheckpoint`` callback (one per monitored metric), and its ``last_model_path``
 (what ``ckpt_path="last"`` resumes from). Files that record no callback
 state say nothing and the next older one is read; when the newest file that does cannot be
@@ -46,10 +49,12 @@ import zipfile
 from dataclasses import dataclass
 from typing import Iterable
 
+from ckptctl.interop.steps import as_step
 from ckptctl.layouts import safe_load
+from ckptctl.layouts.aliases import Alias
 from ckptctl.layouts.base import CheckpointKind, Examined, Resume
 from ckptctl.layouts.file_check import FileKind
-from ckptctl.layouts.stack import StackLayout, top_level_keys, undetermined, whole_torch_file
+from ckptctl.layouts.stack import StackLayout, top_level, top_level_keys, undetermined, whole_torch_file
 from ckptctl.format.manifest import Manifest
 from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.storage.stored_file import local_copy, open_file
@@ -58,6 +63,7 @@ from ckptctl.storage.stored_file import local_copy, open_file
 # so it stays out and such a file is reported as not test-loaded).
 PATHS: tuple[type, ...] = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
 NAME_RE = re.compile(r"(?:.*[^0-9A-Za-z])?step=([0-9]{1,18})(?:[^0-9].*)?\.ckpt\Z", re.ASCII)
+LAST = re.compile(r"last(-v[0-9]{1,9})?\.ckpt\Z", re.ASCII)  # ModelCheckpoint.CHECKPOINT_NAME_LAST, versioned
 
 
 class LightningLayout(StackLayout):
@@ -85,6 +91,30 @@ class LightningLayout(StackLayout):
     @property
     def allowed(self) -> tuple[object, ...]:  # type: ignore[override]
         return PATHS
+
+    def aliases(self) -> list[Alias]:
+        """``last.ckpt`` (``last-vN.ckpt`` beside an older one): ``save_last=True`` rewrites it
+        with every save as a copy of the newest, ``save_last="link"`` makes it a symlink
+        (never followed). Its step is the ``global_step`` it records, read as ``top_level``
+        reads (tensors not read; not downloaded when large on object storage)."""
+        root = self.root
+        if root is None:
+            return []
+        children = root.children()
+        steps = {self.step_of(c): c.key for c in children}
+        out = []
+        for c in children:
+            if not LAST.match(c.key) or c.kind not in ("file", "link"):
+                continue
+            if c.kind == "link":
+                out.append(Alias(c.key, root.url_of(c.key), self.name, None, None,
+                                 "ModelCheckpoint(save_last=\"link\")'s link to its newest save (never followed)"))
+                continue
+            doc = top_level(root, c.key, PATHS)
+            step = None if isinstance(doc, str) else as_step(doc.get("global_step"))
+            out.append(Alias(c.key, root.url_of(c.key), self.name, step, steps.get(step) if step is not None else None,
+                             "ModelCheckpoint(save_last=True)'s copy of its newest save, rewritten at every save"))
+        return out
 
     def protected(self, entries: Iterable[tuple[str, str]]) -> dict[str, str]:
         """Every ``ModelCheckpoint``'s ``best_model_path`` and ``last_model_path`` as the newest

@@ -23,7 +23,7 @@ from ckptctl.format.layout import MANIFEST, MARKER, is_manifest_name, is_own_sha
 from ckptctl.format.manifest import Manifest
 from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
 from ckptctl.format.node_record import NodeRecord
-from ckptctl.layouts.base import CheckpointKind, Examined, Resume
+from ckptctl.layouts.base import CheckpointKind, Examined, Numbering, Resume
 from ckptctl.layouts.copying import AtDestination, ByManifest, CopySource, ToCopy
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.inspected import Inspected, inspect_manifest
@@ -82,6 +82,9 @@ class NativeLayout:
         if child.kind not in ("dir", "link"):
             return None
         return parse_step_dir(child.key.rsplit("/", 1)[-1])
+
+    def numbered_by(self, name: str) -> Numbering:
+        return "step"  # the step the save was given: the manifest and marker record it too
 
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         """Ours when it holds a marker, a manifest, a shard named as we name them, or a

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 from ckptctl.errors import NotFound
 from ckptctl.format.manifest import Manifest
 from ckptctl.layouts import safe_load
-from ckptctl.layouts.base import NOT_TOLD, CheckpointKind, Examined, Resume
+from ckptctl.layouts.base import NOT_TOLD, CheckpointKind, Examined, Numbering, Resume
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.file_check import FileKind, check_files, kind_by_suffix, name_of, sealed_as_another
 from ckptctl.layouts.files import inspect_local
@@ -87,6 +87,9 @@ class StackLayout(StackCopying):
         m = self.pattern.match(name)
         return int(m.group(1)) if m is not None and len(m.group(1)) <= 18 else None
 
+    def numbered_by(self, name: str) -> Numbering:
+        return "step"  # every stack but accelerate names its checkpoints by training step
+
     def claims(self, ckpt: Storage, names: frozenset[str]) -> bool:
         if not names:
             return self.claims_empty
@@ -139,6 +142,10 @@ class StackLayout(StackCopying):
         result = inspect_local(ckpt, tensors=tensors)
         kind = self.kind_of_checkpoint(ckpt)
         result.content, result.content_reason = kind.kind, kind.reason
+        name = name_of(ckpt)
+        result.numbered_by = self.numbered_by(name)
+        if result.step is None and result.numbered_by != "step":  # its files record none: the name's number, labelled
+            result.step = self.step_in_name(name)
         return result
 
     def sealed_as_another(self, seal: Seal) -> str | None:
@@ -205,9 +212,16 @@ REMOTE_KEYS_LIMIT = 64 << 20  # largest object downloaded only to read its top-l
 
 def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> dict[str, bool] | str:
     """The top-level keys of the ``torch.save`` dict ``key``, each with whether its value is
-    not None (DeepSpeed saves ``optimizer: None`` under ZeRO), read with
-    ``torch.load(weights_only=True)`` and tensors memory-mapped (their bytes are not read);
-    a string saying why not when it cannot be read safely (never unpickled beyond ``allowed``)."""
+    not None (DeepSpeed saves ``optimizer: None`` under ZeRO); a string saying why not when it
+    cannot be read safely (``top_level``)."""
+    doc = top_level(ckpt, key, allowed)
+    return doc if isinstance(doc, str) else {k: v is not None for k, v in doc.items()}
+
+
+def top_level(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> dict[str, object] | str:
+    """The top-level dict (its string keys) of the ``torch.save`` file ``key``, read with
+    ``torch.load(weights_only=True)`` and tensors memory-mapped (their bytes are not read); a
+    string saying why not when it cannot be read safely (never unpickled beyond ``allowed``)."""
     import pickle
 
     import torch
@@ -229,7 +243,7 @@ def top_level_keys(ckpt: Storage, key: str, allowed: Sequence[object] = ()) -> d
         return f"{key} could not be read safely ({first[:120]})"
     if not isinstance(doc, dict):
         return f"{key} does not hold a dict"
-    return {k: v is not None for k, v in doc.items() if isinstance(k, str)}
+    return {k: v for k, v in doc.items() if isinstance(k, str)}
 
 
 def optimizer_in_file(ckpt: Storage, key: str, allowed: Sequence[object], export: str) -> CheckpointKind:

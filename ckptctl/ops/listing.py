@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 
 from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
 from ckptctl.layouts import catalog
-from ckptctl.layouts.base import kind_of_checkpoint
+from ckptctl.layouts.aliases import Alias, aliases
+from ckptctl.layouts.base import kind_of_checkpoint, numbered_by
 from ckptctl.layouts.native_read import total_size
 from ckptctl.storage.base import Storage
 
@@ -44,6 +45,7 @@ class Listed:
     layout: str = "ckptctl"  # the FORMAT column: which layout's checkpoint it is
     content: str | None = None  # committed: "resumable" or "export" (model only); else None
     content_reason: str | None = None  # what its layout saw
+    numbered_by: str = "step"  # what STEP counts: "step", or accelerate's "save index" / "epoch"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,8 +56,9 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
     now = time.time() if now is None else now
     out = []
     for e in catalog.list_checkpoints(root):
+        counts = "step" if e.owner is None else numbered_by(e.owner, e.name)
         if e.storage is None:  # a link: nothing behind it is looked at
-            out.append(Listed(e.step, e.name, e.url, e.status, 0, 0.0, 0.0, e.reason, e.layout))
+            out.append(Listed(e.step, e.name, e.url, e.status, 0, 0.0, 0.0, e.reason, e.layout, numbered_by=counts))
             continue
         info = root.stat(e.name)
         # A checkpoint that is one file (Lightning's *.ckpt): its own size and time.
@@ -69,7 +72,18 @@ def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]
             kind = kind_of_checkpoint(e.owner, e.storage, e.manifest)
             content, reason = kind.kind, kind.reason
         out.append(Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout,
-                          content, reason))
+                          content, reason, counts))
+    return out
+
+
+def aliases_under(root: Storage, rows: list[Listed]) -> list[Alias]:
+    """What the layouts of ``rows`` keep under ``root`` beside their checkpoints, standing for
+    one of them (``layouts.aliases``: Lightning's ``last.ckpt``)."""
+    out: list[Alias] = []
+    for name in dict.fromkeys(r.layout for r in rows):
+        layout = catalog.layout_called(name)
+        if layout is not None:
+            out.extend(aliases(layout.for_root(root)))
     return out
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
     from ckptctl.ops.interval import IntervalAdvice
     from ckptctl.ops.verify.latest import Latest
     from ckptctl.ops.inspect import ForeignInspect, InspectResult
+    from ckptctl.layouts.aliases import Alias
     from ckptctl.ops.listing import Listed
     from ckptctl.ops.retention.prune import PruneOutcome, PrunePlan
     from ckptctl.ops.repoint import PointerCheck, RepointResult
@@ -196,6 +197,7 @@ class RootListing:
 
     rows: "list[Listed]"
     hint: str | None = None
+    aliases: "list[Alias]" = field(default_factory=list)  # Lightning's last.ckpt: never a checkpoint of its own
 
 
 def _checkpoint_not_root(path: str, what: str) -> UsageError:
@@ -221,9 +223,10 @@ def list_root(root: str) -> RootListing:
     local = found.local
     if local is not None and os.path.isfile(local) and found.description is not None:  # a one-file checkpoint
         raise _checkpoint_not_root(root, found.description)
-    rows = listing.list_checkpoints(open_root(root))
+    st = open_root(root)
+    rows = listing.list_checkpoints(st)
     if rows:
-        return RootListing(rows)
+        return RootListing(rows, aliases=listing.aliases_under(st, rows))
     if found.description is not None:  # one checkpoint, not a root of them
         raise _checkpoint_not_root(root, found.description)
     below = listing.holders_below(found.storage)

@@ -115,12 +115,17 @@ class Policy(abc.ABC):
 
     Implementations must be pure and order-independent: same candidates in any order, same
     answer. Duplicate steps raise ``ValueError``. ``time_based`` rules read ``Candidate.time``;
+    ``step_option`` rules read ``Candidate.step`` as a training step;
     :class:`~ckptctl.ops.retention.policies.RetentionPolicy` hands them only the candidates whose time
     is trustworthy. Rules compose with ``|``: ``KeepLast(3) | KeepEvery(1000)`` keeps what
     either keeps.
     """
 
     time_based = False
+    # How the command line spells a rule that reads checkpoint numbers as training steps
+    # (``--keep-every``, ``--keep``): it refuses a root whose layout numbers its checkpoints
+    # by anything else (``Layout.numbered_by``: accelerate's save index). None: it reads none.
+    step_option: str | None = None
 
     @abc.abstractmethod
     def reasons(self, candidates: Sequence[Candidate]) -> dict[int, str]:

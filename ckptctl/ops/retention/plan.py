@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 from ckptctl.durations import format_duration
-from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint
+from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, UsageError
 from ckptctl.format.seal import SEAL
-from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout, kind_of_checkpoint
+from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout, kind_of_checkpoint, numbered_by
 from ckptctl.layouts.catalog import LAYOUTS, commit_time, list_checkpoints, recorded_metrics
 from ckptctl.layouts.checked import Level
 from ckptctl.layouts.protection import protected
@@ -156,6 +156,7 @@ def plan(
     p.cache = VerifyCache.load(root, read_only=not record)  # record=False: a dry run writes nothing
     entries = list_checkpoints(root)
     p.items = [survey(root, e, p.now, partial_after_s) for e in entries]
+    _refuse_step_rules(p)
     _attach_metrics(root, entries, p.items)
     for item in p.items:
         # A symlink under another stack's name is that stack's too (DeepSpeed's `latest` may
@@ -192,6 +193,24 @@ def plan(
     p.cache.save()
     p.notes.extend(p.cache.notes)
     return p
+
+
+def _refuse_step_rules(p: PrunePlan) -> None:
+    """A rule that reads checkpoint numbers as training steps (``--keep-every``, ``--keep``) on
+    a root whose layout numbers them by something else (accelerate's ``checkpoint_N``: its save
+    index) would keep the wrong checkpoints: a UsageError naming the rule, before any
+    checkpoint is read or deleted."""
+    rules = [pol.step_option for pol in p.policy.policies if pol.step_option is not None]
+    if not rules:
+        return
+    for item in p.items:
+        own = p.layout_of(item)
+        if own is None or (counts := numbered_by(own, item.name)) == "step":
+            continue
+        raise UsageError(f"{rules[0]} reads checkpoint numbers as training steps, but {own.title} numbers "
+                         f"{item.name} by {counts} under {p.root.url}",
+                         hint="keep by count or age instead (--keep-last N, --keep-within DURATION), or have the job "
+                              f"name its checkpoints by training step (ckptctl-layouts(7), {own.name}, says how)")
 
 
 def cached_names(p: PrunePlan) -> set[str]:

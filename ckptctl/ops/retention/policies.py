@@ -101,6 +101,7 @@ class KeepEvery(Policy):
     """
 
     steps: int
+    step_option = "--keep-every"
 
     def __post_init__(self) -> None:
         check_int(self.steps, "KeepEvery", "steps", 1)
@@ -241,6 +242,7 @@ class KeepSteps(Policy):
     """
 
     steps: frozenset[int] = field(default_factory=frozenset)
+    step_option = "--keep"
 
     def __post_init__(self) -> None:
         # Accept any iterable of ints but store a frozenset, so the policy stays hashable.

@@ -21,6 +21,11 @@ every format can hold it, so nothing is dropped on output. What a source cannot 
 DCP entry that needs pickle, a ckptctl per-rank RNG state going to another format, a Trainer's
 ``training_args.bin``) is listed in the report's ``dropped``.
 
+A checkpoint whose files no format reader takes whole is read through the file its layout
+says holds the model weights (``Layout.model_weights``): a DeepSpeed tag's
+``mp_rank_00_model_states.pt`` (``module``: the model; its other keys come along as state), its
+ZeRO optimizer partitions listed as dropped.
+
 The step (``interop.steps``): a ckptctl manifest's; otherwise what the source records of itself
 (torchtitan's ``train_state`` step, a Hugging Face ``checkpoint-N`` and its
 ``trainer_state.json`` ``global_step``, Megatron's ``iter_NNNNNNN``, a ``step`` /
@@ -61,6 +66,7 @@ from ckptctl.interop.base import Source, TensorMeta
 from ckptctl.interop.detect import Format, format_named
 from ckptctl.interop.sources import open_foreign
 from ckptctl.interop.steps import StepClue
+from ckptctl.layouts.base import ModelWeights
 from ckptctl.layouts.classify import classify
 from ckptctl.layouts.native_commit import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
@@ -147,6 +153,20 @@ def source_format(path: str) -> Format:
     raise UsageError(f"{path}: not a .safetensors or torch.save (.pt/.pth/.bin) file")
 
 
+def open_weights(path: str, weights: ModelWeights) -> Source:
+    """The model weights file of the checkpoint at ``path`` as a ``torch`` source (loaded with
+    ``weights_only=True`` and the layout's allowed globals), its step from the checkpoint's
+    name, and what its layout leaves out listed as dropped."""
+    from ckptctl.interop.torch_io import TorchSource
+
+    with torch.serialization.safe_globals(list(weights.allowed)):
+        src = TorchSource(os.path.join(path, weights.file))
+    src.step_clues.extend(steps.from_name(src.url))
+    src.settle_step()
+    src.dropped.extend(weights.left_out)
+    return src
+
+
 def open_source(path: str, fmt: Format | None = None) -> Source:
     """The checkpoint at ``path`` as a ``Source``; ``step`` is what every record of it agrees on
     (ckptctl's manifest; another tool's own records and its directory name, ``interop.steps``)."""
@@ -199,11 +219,12 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
     if to in ("torch", "dcp") and "://" in dst_path and not dst_path.startswith("file://"):
         raise UsageError(f"--to {to} writes local files only, not {dst_path}",
                          hint="write to a local path, or use --to ckptctl or safetensors for object storage")
-    src_fmt = source_format(src_path)
+    weights = classify(src_path).model_weights()  # a DeepSpeed tag: no format reader takes it whole
+    src_fmt = "torch" if weights is not None else source_format(src_path)
     _refuse_same(src_path, dst_path)
     if src_fmt == "ckptctl":
         require_verified(open_storage(src_path))  # every checksum, before anything is written
-    with open_source(src_path, src_fmt) as src:
+    with open_weights(src_path, weights) if weights is not None else open_source(src_path, src_fmt) as src:
         report = ConvertReport(src.url, dst_path, src.kind, to, cast=cast, source_checksums=src.has_checksums,
                                strip_prefix=strip_prefix)
         report.step, report.step_from = steps.decide_step(src.step_clues, step, src.url)
