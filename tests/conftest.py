@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Iterator
 
 import pytest
+
+# --- c10d stores and this machine's resolver -------------------------------------------------
+#
+# c10d looks up the name of the peer of every new TCPStore connection (getnameinfo of
+# ::ffff:127.0.0.1, which /etc/hosts does not list, so the query goes to the DNS server), on the
+# connecting process and on the store's single server thread. This sandbox's resolver drops
+# about one such query in 25 to 50, and glibc waits 5 s before asking again: a drop on the
+# server thread stalls every store request of the job (heartbeats, barriers, the tiers'
+# streams) for 5 s (the 5 s every two-node job's first save waited), and a resolver dropping
+# them all would cost a two-node job (about 34 connections) minutes, silently. Here a dropped
+# query costs 1 s and the second attempt answers; every process the tests start inherits it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
 
 # --- S3: a real HTTP endpoint (moto in server mode) ----------------------------------------
 #

@@ -231,6 +231,14 @@ def _tensors(state: dict) -> list:
 SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load, "soak": soak}
 
 
+# Each agent runs torchrun's own entry point under faulthandler (SIGUSR1 writes its threads'
+# stacks to the file named first), so that a job killed for time also shows whether an agent
+# was still in its rendezvous (no rank started) or waiting for its ranks.
+_AGENT = ("import faulthandler, runpy, signal, sys; "
+          "faulthandler.register(signal.SIGUSR1, file=open(sys.argv.pop(1), 'w'), all_threads=True); "
+          "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,7 +254,8 @@ class Job:
         self.port = port  # node 0's agent hosts the job's c10d store here
         self.procs = []
         for node, args in enumerate(node_args):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+            cmd = [sys.executable, "-c", _AGENT, os.path.join(out, f"agent{node}-stacks.txt"),
+                   "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                    "--max-restarts", "0", "--monitor-interval", "0.2", __file__, scenario, json.dumps(args), out]
             log = open(os.path.join(out, f"node{node}.log"), "w")
@@ -288,8 +297,12 @@ class Job:
         return found
 
     def dump_stacks(self) -> None:
-        """Ask every live rank for its threads' stacks (``faulthandler`` on SIGUSR1, into
-        ``OUT/stacksR.txt``): what a job killed for time was doing, for ``logs()``."""
+        """Ask every live rank and agent for its threads' stacks (``faulthandler`` on SIGUSR1,
+        into ``OUT/stacksR.txt`` and ``OUT/agentN-stacks.txt``): what a job killed for time was
+        doing, for ``logs()``."""
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGUSR1)
         for r in range(4):
             path = os.path.join(self.out, f"pid{r}")
             if os.path.exists(path):
@@ -315,10 +328,14 @@ class Job:
 
     def logs(self) -> str:
         parts = [open(os.path.join(self.out, f"node{n}.log")).read()[-3000:] for n in range(len(self.procs))]
-        for r in range(4):
-            path = os.path.join(self.out, f"stacks{r}.txt")
+        started = [r for r in range(4) if os.path.exists(os.path.join(self.out, f"pid{r}"))]
+        parts.append(f"--- ranks started (their pid file written): {started}")
+        stacks = [(f"rank {r}", f"stacks{r}.txt") for r in range(4)]
+        stacks += [(f"node {n}'s agent", f"agent{n}-stacks.txt") for n in range(len(self.procs))]
+        for who, name in stacks:
+            path = os.path.join(self.out, name)
             if os.path.exists(path) and os.path.getsize(path):
-                parts.append(f"--- rank {r}'s threads when the job was killed for time:\n" + open(path).read()[-6000:])
+                parts.append(f"--- {who}'s threads when the job was killed for time:\n" + open(path).read()[-6000:])
         return "\n".join(parts)
 
 
