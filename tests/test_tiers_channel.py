@@ -220,3 +220,77 @@ def test_store_keys_threads_and_files_stay_bounded_through_200_failed_rounds(tmp
     # is two descriptors here, the store's end being in this process too. None per round.
     assert len(os.listdir("/proc/self/fd")) - fds <= 2 * (len(link_mod.POOL._idle) + 2)
     assert os.listdir(tempfile.tempdir) == []
+
+
+class _Interleaved(dist.Store):
+    """A connection to a real store (torch's own ``TCPStore``: every request goes over TCP)
+    that runs ``after_append`` right after each ``append`` it sends: what another rank can do
+    while this one's thread is descheduled between two requests on a loaded host."""
+
+    def __init__(self, inner: dist.Store, after_append) -> None:
+        super().__init__()
+        self.inner, self.after_append = inner, after_append
+
+    def clone(self) -> "_Interleaved":
+        return _Interleaved(self.inner.clone(), self.after_append)
+
+    def append(self, key: str, value) -> None:
+        self.inner.append(key, value)
+        self.after_append(key)
+
+    def set(self, key, value):
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def wait(self, keys, timeout=None):
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def multi_get(self, keys):
+        return self.inner.multi_get(keys)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+
+def test_an_exchange_goes_on_when_the_last_reader_deleted_the_keys_between_two_requests(store, monkeypatch) -> None:
+    """Node-local tiers exchange each rank's node when the ``Checkpointer`` is built; the last
+    rank to read them all deletes them. Rank 1 appends itself to the readers; before it reads
+    that list back, rank 0 appends, sees both and deletes the keys. On 821c4f4 rank 1 then
+    blocked in a ``get`` of the deleted list until the store's timeout (30 min by default, here
+    3 s) and its Checkpointer failed (under torchrun: every other rank waits in its first save
+    meanwhile, the whole job silent)."""
+    ch0_done = threading.Event()
+    monkeypatch.setattr(channel_mod, "_default_store", lambda: store)
+    ch0 = Channel("interleaved", 0, 2)
+    dist.PrefixStore("ckptctl-tiers/interleaved/", store).set("nodes/0", "node-0")  # rank 0's first request, early
+    got: dict[int, object] = {}
+
+    def rank(r: int, ch: Channel) -> None:
+        try:
+            got[r] = ch.exchange("nodes", f"node-{r}", 30)
+        except Exception as e:  # noqa: BLE001  (the test reports what the rank raised)
+            got[r] = e
+        if r == 0:
+            ch0_done.set()
+
+    def rank0_runs_whole(key: str) -> None:  # between rank 1's append and its read
+        if key.endswith("nodes/read"):
+            threading.Thread(target=rank, args=(0, ch0)).start()
+            assert ch0_done.wait(30), "rank 0's exchange did not end"
+
+    slow = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=3))
+    monkeypatch.setattr(channel_mod, "_default_store", lambda: _Interleaved(slow, rank0_runs_whole))
+    ch1 = Channel("interleaved", 1, 2)
+    rank(1, ch1)
+    assert ch0_done.wait(30)
+    assert got == {0: ["node-0", "node-1"], 1: ["node-0", "node-1"]}, got
+    assert store.num_keys() == 0  # and nothing left behind
+    ch0.close(), ch1.close()

@@ -19,6 +19,10 @@ DEFAULT_LIVENESS_S = 60.0  # no heartbeat for this long: the rank is dead
 # a busy store) before a rank is taken as dead, and 4,096 ranks beating every 10 s are
 # ~400 store operations a second.
 BEAT_MIN_S, BEAT_MAX_S = 0.2, 10.0
+# ``compare_set`` of an absent key with this expected value creates nothing and answers it: a
+# read that never waits (``tiers.link.peek`` is the same for the tiers, a layer this one may
+# not import).
+_ABSENT = "\x00ckptctl: absent\x00"
 
 log = logging.getLogger("ckptctl")
 
@@ -86,11 +90,13 @@ class Heartbeat:
         st = self.store
         if self.rank == 0:
             # Rank 0 appended itself before watching, so the key exists, unless this thread
-            # lagged a whole save behind and the next barrier deleted it: a ``get`` would
-            # then block for the store's timeout, silencing this rank's heartbeat meanwhile.
-            if not st.check([f"{rnd}/arrived"]):
+            # lagged a whole save behind and the next barrier deleted it (even between a
+            # ``check`` and a ``get``): a ``get`` would then block for the store's timeout,
+            # silencing this rank's heartbeat meanwhile. So one request that never waits.
+            raw = st.compare_set(f"{rnd}/arrived", _ABSENT, _ABSENT)
+            if raw == _ABSENT.encode():
                 return
-            arrived = set(parse_ranks(st.get(f"{rnd}/arrived").decode()))
+            arrived = set(parse_ranks(raw.decode()))
             waiting = [r for r in range(self.world_size) if r not in arrived]
         else:
             waiting = [0]

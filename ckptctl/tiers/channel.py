@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ckptctl.errors import CoordinationError
 from ckptctl.tiers.health import Health
-from ckptctl.tiers.link import Link
+from ckptctl.tiers.link import Link, peek
 from ckptctl.tiers.stream import Outbox
 
 log = logging.getLogger("ckptctl")
@@ -103,7 +103,10 @@ class Channel:
 
         def done(st: "dist.Store") -> None:
             st.append(f"{key}/read", f"{self.rank},")  # a list of ranks, not a counter: safe to repeat
-            if len(set(st.get(f"{key}/read").decode().split(",")) - {""}) == self.world_size:
+            # Between the append and the read, the last rank may have read the list whole and
+            # deleted it: absent then, and a ``get`` would block for the store's timeout.
+            read = peek(st, f"{key}/read")
+            if read is not None and len(set(read.decode().split(",")) - {""}) == self.world_size:
                 for k in [*keys, f"{key}/read"]:
                     st.delete_key(k)  # by the last reader (two at once: both delete, harmlessly)
 

@@ -125,3 +125,16 @@ class Link:
         if self._raw is not None:
             POOL.give(self.base, self._raw)
         self._raw = None
+
+
+# What ``peek`` asks ``compare_set`` to expect and write: a value no key of ours ever holds.
+_ABSENT = "\x00ckptctl: absent\x00"
+
+
+def peek(st: "dist.Store", key: str) -> bytes | None:
+    """``key``'s value, or None when it does not exist, in one request that never waits: a
+    ``get`` of a key another rank deleted meanwhile (after a ``check`` or a ``wait`` said it was
+    there) blocks until the store's timeout, 30 minutes by default. ``compare_set`` of an absent
+    key with a non-empty expected value creates nothing and answers the expected value."""
+    got = st.compare_set(key, _ABSENT, _ABSENT)
+    return None if got == _ABSENT.encode() else got

@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptctl.tiers.health import Health
-from ckptctl.tiers.link import Link
+from ckptctl.tiers.link import Link, peek
 
 log = logging.getLogger("ckptctl")
 
@@ -282,14 +282,16 @@ class StreamWorker:
                 self._next = floor
             key = f"{self.stream}/{self._next}"
 
-            def get(st: "dist.Store") -> bytes:
+            def get(st: "dist.Store") -> bytes | None:
                 st.wait([key], timedelta(seconds=WAIT_S))
-                return st.get(key)
+                return peek(st, key)  # None: given up by rank 0 since the wait ended
 
             try:
-                return self._next, json.loads(self.link.call(get))
+                raw = self.link.call(get)
             except dist.DistStoreError:
                 continue  # no message for WAIT_S: look at the floor again, and wait on
+            if raw is not None:
+                return self._next, json.loads(raw)
 
     def _reply(self, n: int, text: str) -> None:
         def put(st: "dist.Store") -> None:
