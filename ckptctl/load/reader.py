@@ -155,7 +155,11 @@ class CheckpointReader(ShardIndex):
         locs = list(todo.values()) if self.verify_checksums else []
         self._drop_spool()
         self._spool = spool_remote(locs, self._reader, self.spool_dir) if locs else None
-        runs = file_runs(locs, lambda loc: loc, SEQUENTIAL_RUN)
+        files = sorted({loc.file for loc in locs})
+        # Without a spool a remote file is read by ranged GETs: one chunk per task, as many
+        # in flight as threads (no readahead to keep a long run busy).
+        sequential = self._spool is not None or len(self.local_files(files)) == len(files)
+        runs = file_runs(locs, lambda loc: loc, SEQUENTIAL_RUN if sequential else 0)
         try:
             if len(runs) <= 1:
                 for run in runs:
