@@ -11,7 +11,8 @@ the variable (the CLI turns it into exit 2), never a silent fallback to the defa
 - ``STREAM_THREADS`` (``CKPTCTL_STREAM_THREADS``): checksum threads of reshard and convert
 - ``WRITE_BEHIND`` (``CKPTCTL_WRITE_BEHIND_MIB``, 0 = off): the POSIX writer's write-behind window
 - ``TORCHRUN_TIMEOUT_S`` (``CKPTCTL_TORCHRUN_TIMEOUT``): how long a verb run by torchrun waits for a rank
-- ``VERIFY_PIECE``, ``STREAM_PIECE``, ``WRITE_PIECE``: bytes per read, buffer and write call
+- ``VERIFY_PIECE``, ``STREAM_PIECE``, ``WRITE_PIECE``, ``SEQUENTIAL_RUN``, ``READ_STEP``: bytes
+  per read, buffer, write call and sequential run
   (fixed: they trade memory against per-call overhead, not something to tune per machine)
 """
 
@@ -74,6 +75,16 @@ VERIFY_PIECE = 16 << 20
 # One reshard/convert buffer: pieces this small stay in the CPU cache between copying and
 # hashing; much larger ones ran several times slower end to end (see docs/decisions.md).
 STREAM_PIECE = 4 << 20
+
+# Loads read a local file as long runs, each front to back by one thread in READ_STEP calls:
+# the kernel's readahead then fetches ahead of the reader (in large page-cache folios) while it
+# copies and hashes each step, still in the CPU's cache. On the 2-core VM (virtual disk, 0.47
+# GiB shard, page cache dropped) runs of 60-240 MiB read in 2 MiB steps took 0.5-0.7x the time
+# and half the CPU of 16 MiB ranges spread over 8 threads, and 16 MiB runs read in 1 MiB steps
+# were no better than the ranges: readahead needs a run long enough to ramp up
+# (docs/decisions.md, "Loads read local files as long sequential runs").
+SEQUENTIAL_RUN = 64 << 20
+READ_STEP = 2 << 20
 
 # One write call of a shard: large sequential writes for throughput; it also bounds how much
 # one hash update covers.

@@ -27,7 +27,7 @@ from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.load.reader import CheckpointReader
 from ckptctl.ops.verify.engine import verify_checkpoint
-from ckptctl.settings import VERIFY_PIECE
+from ckptctl.settings import READ_STEP, VERIFY_PIECE
 from ckptctl.storage import open_storage
 
 MiB = 1 << 20
@@ -207,9 +207,10 @@ def test_a_load_from_s3_reads_each_byte_once_and_spools_nothing(s3_apart):
 # --- still all or nothing ----------------------------------------------------------------
 
 
-def test_a_flip_in_the_last_piece_of_a_large_chunk_changes_nothing(saved):
-    """The 20 MiB weight is read in pieces (``VERIFY_PIECE``) by several threads and hashed
-    once its last piece is in; a flipped bit there is found before any tensor changes."""
+def test_a_flip_in_the_last_step_of_a_large_chunk_changes_nothing(saved):
+    """The 20 MiB weight is read front to back in ``READ_STEP`` calls (a local file's run) and
+    hashed once its last byte is in; a flipped bit in its last step is found before any tensor
+    changes."""
     root, state = saved
     ckpt = os.path.join(root, step_dir(1))
     with CheckpointReader(open_storage(ckpt)) as r:
@@ -230,6 +231,77 @@ def test_a_flip_in_the_last_piece_of_a_large_chunk_changes_nothing(saved):
             ck.load(ckpt, target)
         assert ck.staging_held
     assert _same(_tensors(target), before)
+
+
+def test_a_flip_in_the_last_piece_of_a_large_chunk_on_s3_changes_nothing(s3_apart):
+    """From S3 the 20 MiB weight is fetched in ``VERIFY_PIECE`` ranged GETs by several threads
+    and hashed once its last piece has landed; a flipped bit in that piece is found before any
+    tensor changes."""
+    import boto3
+
+    state = _job(12)
+    with Checkpointer(s3_apart) as ck:
+        ck.save(1, state).wait()
+    store = open_storage(s3_apart)
+    with CheckpointReader(store.sub(step_dir(1))) as r:
+        loc = r.chunks("model/1.weight")[0]
+    start, end = loc.byte_range
+    assert end - start > VERIFY_PIECE
+    bucket, _, prefix = s3_apart[len("s3://"):].partition("/")
+    raw = boto3.client("s3")
+    key = f"{prefix}/{step_dir(1)}/{loc.file}"
+    data = bytearray(raw.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[end - 3] ^= 0x04
+    raw.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    target = _job(13)
+    before = _tensors(target)
+    with Checkpointer(s3_apart) as ck, pytest.raises(InvalidCheckpoint, match="does not match its checksum"):
+        ck.load(f"{s3_apart}/{step_dir(1)}", target)
+    assert _same(_tensors(target), before)
+
+
+def _odd_job(seed: int) -> dict:
+    """Tensors whose sizes are not multiples of a page or of ``READ_STEP``: in a run read in
+    ``READ_STEP`` calls, chunks begin and end inside a step and span step boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [700_001, 3, 1_300_007, 524_289, 17, 900_011]
+    return {"t": {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}}
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["one pass, buffer held", "two passes"])
+def test_flips_at_chunk_edges_inside_read_steps_change_nothing(tmp_path, held):
+    """Every chunk's first and last byte, flipped one at a time: each load refuses the
+    checkpoint and leaves every tensor as it was; unflipped, it loads bitwise."""
+    root = str(tmp_path / "ck")
+    state = _odd_job(1)
+    with Checkpointer(root) as ck:
+        ck.save(1, state).wait()
+    ckpt = os.path.join(root, step_dir(1))
+    with CheckpointReader(open_storage(ckpt)) as r:
+        locs = [loc for name in sorted(state["t"]) for loc in r.chunks(f"t/{name}")]
+    run = min(loc.byte_range[0] for loc in locs)  # the data section's start: one run, read in steps from there
+    assert any((a - run) // READ_STEP != (b - 1 - run) // READ_STEP for a, b in (loc.byte_range for loc in locs))
+    shard = os.path.join(ckpt, locs[0].file)
+    with Checkpointer(root) as ck:
+        for at in sorted({b for loc in locs for b in (loc.byte_range[0], loc.byte_range[1] - 1)}):
+            with open(shard, "r+b") as f:
+                f.seek(at)
+                b = f.read(1)
+                f.seek(at)
+                f.write(bytes([b[0] ^ 0x80]))
+            target = _odd_job(2)
+            if held:
+                assert ck.prepare(target) or ck.staging_held
+            before = {k: v.clone() for k, v in target["t"].items()}
+            with pytest.raises(InvalidCheckpoint, match="does not match its checksum"):
+                ck.load(ckpt, target, prepare=held)
+            assert all(torch.equal(target["t"][k], v) for k, v in before.items()), at
+            with open(shard, "r+b") as f:
+                f.seek(at)
+                f.write(b)
+        target = _odd_job(2)
+        ck.load(ckpt, target, prepare=held)
+    assert all(torch.equal(target["t"][k], v) for k, v in state["t"].items())
 
 
 def test_a_load_waits_for_the_save_writing_the_buffer_it_borrows(tmp_path):

@@ -39,9 +39,9 @@ from ckptctl.format import dtypes
 from ckptctl.format.checksum import Hasher, digest
 from ckptctl.format.geometry import Box, contiguous_in, fits, intersection
 from ckptctl.load.bounce import BouncePool
-from ckptctl.load.shard_index import Located, ReadJob, ShardIndex, region_of
+from ckptctl.load.shard_index import Located, ReadJob, ShardIndex, file_runs, region_of
 from ckptctl.load.spool import Spool, spool_remote
-from ckptctl.settings import IO_THREADS, STREAM_PIECE
+from ckptctl.settings import IO_THREADS, READ_STEP, SEQUENTIAL_RUN, STREAM_PIECE
 from ckptctl.state.buffers import tensor_bytes
 from ckptctl.storage.base import Reader, Storage
 
@@ -141,10 +141,12 @@ class CheckpointReader(ShardIndex):
         target: the first half of an all-or-nothing load (``load.into_state``). Raises what
         ``read_many`` would (``StateError`` for a target that does not fit, ``InvalidCheckpoint``
         for a chunk that fails its checksum or a region the chunks do not cover) before any
-        target is written. Each chunk is hashed once however many jobs overlap it, in parallel,
-        through one piece buffer per thread. Returns the bytes hashed. Chunks of remote files
-        are fetched once into a local spool (``load.spool``) that the next ``read_many``
-        reads, and hashes again, instead of the storage."""
+        target is written. Each chunk is hashed once however many jobs overlap it, in parallel:
+        adjacent chunks of a file as runs of up to ``SEQUENTIAL_RUN``, each read front to back
+        through one ``READ_STEP`` buffer per thread (the kernel reads ahead of each run). Returns
+        the bytes hashed. Chunks of remote files are fetched once into a local spool
+        (``load.spool``) that these runs and the next ``read_many`` read, and hash again,
+        instead of the storage."""
         self.prefetch(jobs)
         todo: dict[tuple[str, int], Located] = {}
         for j in jobs:
@@ -153,13 +155,18 @@ class CheckpointReader(ShardIndex):
         locs = list(todo.values()) if self.verify_checksums else []
         self._drop_spool()
         self._spool = spool_remote(locs, self._reader, self.spool_dir) if locs else None
+        files = sorted({loc.file for loc in locs})
+        # Without a spool a remote file is read by ranged GETs: one chunk per task, as many
+        # in flight as threads (no readahead to keep a long run busy).
+        sequential = self._spool is not None or len(self.local_files(files)) == len(files)
+        runs = file_runs(locs, lambda loc: loc, SEQUENTIAL_RUN if sequential else 0)
         try:
-            if len(locs) <= 1:
-                for loc in locs:
-                    self._verify_chunk(loc)
+            if len(runs) <= 1:
+                for run in runs:
+                    self._verify_run(run)
             else:
-                with ThreadPoolExecutor(min(IO_THREADS, len(locs))) as pool:
-                    for f in [pool.submit(self._verify_chunk, loc) for loc in locs]:
+                with ThreadPoolExecutor(min(IO_THREADS, len(runs))) as pool:
+                    for f in [pool.submit(self._verify_run, run) for run in runs]:
                         f.result()
         except BaseException:
             self._drop_spool()  # no fill follows a failed check
@@ -171,11 +178,23 @@ class CheckpointReader(ShardIndex):
         if spool is not None:
             spool.close()
 
-    def _verify_chunk(self, loc: Located) -> None:
-        start, end = loc.byte_range
-        h = Hasher()
-        self._hash_range(loc.file, start, end, h)
-        self.check_digest(loc, h.hexdigest())
+    def _verify_run(self, run: list[Located]) -> None:
+        """Hash and check each chunk of ``run`` (adjacent in one file, in file order), reading
+        it front to back in ``READ_STEP`` pieces through this thread's buffer."""
+        file, hi = run[0].file, run[-1].byte_range[1]
+        buf, at = memoryview(b""), run[0].byte_range[0]  # the buffer holds file bytes [at, at + len(buf))
+        for loc in run:
+            start, end = loc.byte_range
+            h = Hasher()
+            while start < end:
+                if start >= at + len(buf):
+                    at += len(buf)
+                    buf = self._piece(min(READ_STEP, hi - at))
+                    self.pread(file, at, buf)
+                stop = min(end, at + len(buf))
+                h.update(buf[start - at : stop - at])
+                start = stop
+            self.check_digest(loc, h.hexdigest())
 
     def plan_reads(self, job: ReadJob) -> list[Located]:
         """The chunks ``job`` reads from, after the checks ``_fill`` makes of its target."""
@@ -311,9 +330,12 @@ class CheckpointReader(ShardIndex):
             if h is not None:
                 self._hash_range(loc.file, start, lo, h)
             mid = tensor_bytes(dst)
-            self.pread(loc.file, lo, mid)
+            for a in range(0, len(mid), READ_STEP):  # each step hashed while it is in the CPU's cache
+                step = mid[a : a + READ_STEP]
+                self.pread(loc.file, lo + a, step)
+                if h is not None:
+                    h.update(step)
             if h is not None:
-                h.update(mid)
                 self._hash_range(loc.file, hi, end, h)
                 self.check_digest(loc, h.hexdigest(), name)
             return
@@ -371,12 +393,12 @@ class CheckpointReader(ShardIndex):
             if spool is None or not spool.read_into(file, offset, out):
                 self._reader(file).read_into(offset, out)
 
-    def all_local(self, files: Sequence[str]) -> bool:
-        """Whether every one of ``files`` is read through a local descriptor (a second read
-        would come from the page cache), none fetched over a network. Opens them, in parallel
-        (a HEAD each on S3)."""
+    def local_files(self, files: Sequence[str]) -> set[str]:
+        """Those of ``files`` read through a local descriptor (a second read would come from
+        the page cache, and the kernel reads ahead of a sequential reader), not fetched over a
+        network. Opens them, in parallel (a HEAD each on S3)."""
         with ThreadPoolExecutor(max(1, min(IO_THREADS, len(files)))) as pool:
-            return all(r.local_fd() is not None for r in pool.map(self._reader, files))
+            return {f for f, r in zip(files, pool.map(self._reader, files)) if r.local_fd() is not None}
 
     def _reader(self, file: str) -> Reader:
         with self._lock:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -29,6 +29,8 @@ from ckptctl.format.shard_identity import header_mismatch
 from ckptctl.layouts.native_read import read_committed, read_header
 from ckptctl.settings import IO_THREADS
 from ckptctl.storage.base import Storage
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,26 @@ def region_of(job: ReadJob) -> Box:
     """The region of the global tensor ``job`` fills."""
     shape = tuple(job.target.shape)
     return Box(tuple(job.offsets) if job.offsets is not None else tuple(0 for _ in shape), shape)
+
+
+def file_runs(items: Sequence[T], loc_of: Callable[[T], Located], cap: int) -> list[list[T]]:
+    """``items`` (each with chunk ``loc_of(item)``) in file order, grouped into runs of chunks
+    adjacent in one file, each run at most ``cap`` bytes (a chunk larger than ``cap`` is a run
+    of its own): the units a load reads front to back, one call or one sequential stream each."""
+    runs: list[list[T]] = []
+    end: tuple[str, int] | None = None  # where the current run ends
+    size = 0
+    for item in sorted(items, key=lambda i: (loc_of(i).file, loc_of(i).byte_range[0])):
+        loc = loc_of(item)
+        start, stop = loc.byte_range
+        if runs and end == (loc.file, start) and size + stop - start <= cap:
+            runs[-1].append(item)
+            size += stop - start
+        else:
+            runs.append([item])
+            size = stop - start
+        end = (loc.file, stop)
+    return runs
 
 
 class ShardIndex:

@@ -10,14 +10,18 @@ pass through host memory anyway).
 
 1. Plan (``StagedLoad``): a live job whose region is exactly one saved chunk gets that chunk's
    bytes at a place in host memory; these places are laid out in file order, so a run of
-   adjacent chunks is read with one call per piece of up to ``VERIFY_PIECE`` (one pread, or one
-   ranged GET on S3), never one per small tensor. Any other live job (a region made of parts of
+   adjacent chunks is one piece, never one read per small tensor. On S3 (a file without a
+   local descriptor) a piece is at most ``VERIFY_PIECE``, one ranged GET. A local file's
+   pieces are runs of up to ``SEQUENTIAL_RUN``, each read front to back in ``READ_STEP`` calls,
+   so the kernel reads ahead of every reader (``settings``, ``docs/decisions.md``, "Loads read
+   local files as long sequential runs"). Any other live job (a region made of parts of
    chunks: re-sharding) gets a contiguous host copy of its target, filled by
    ``CheckpointReader.read_into`` (each chunk read and hashed whole, the needed part kept, the
    rest only hashed). Fresh targets are filled in place the same way.
-2. Fetch: all of that on ``IO_THREADS`` threads. A chunk is hashed as soon as its bytes are in
-   (a chunk larger than a piece once its last piece has landed) and checked against its
-   checksum. Any failure raises before a live tensor is touched.
+2. Fetch: all of that on ``IO_THREADS`` threads. A chunk is hashed as soon as its last byte is
+   in (while a small one is still in the CPU's cache; a chunk larger than a piece once its last
+   piece has landed) and checked against its checksum. Any failure raises before a live tensor
+   is touched.
 3. Apply: each host copy into its target. Host targets: memcpys (``state.buffers.copy_host``).
    CUDA targets: asynchronous
    copies out of the page-locked memory, queued on the caller's current stream of the target's
@@ -43,8 +47,8 @@ import torch
 
 from ckptctl.format.checksum import digest
 from ckptctl.load.reader import CheckpointReader
-from ckptctl.load.shard_index import Located, ReadJob, region_of
-from ckptctl.settings import IO_THREADS, STAGING_ALIGN, VERIFY_PIECE
+from ckptctl.load.shard_index import Located, ReadJob, file_runs, region_of
+from ckptctl.settings import IO_THREADS, READ_STEP, SEQUENTIAL_RUN, STAGING_ALIGN, VERIFY_PIECE
 from ckptctl.state.buffers import copy_host, tensor_bytes
 from ckptctl.state.pinned import HostRegion, host_wait_event, split_at
 
@@ -77,13 +81,14 @@ class _Placed:
 
 @dataclass(eq=False)
 class _Piece:
-    """One read: bytes ``[lo, hi)`` of ``file`` into host bytes ``[at, at + hi - lo)``; ``chunks``
-    are the placed chunks it holds all or part of."""
+    """One read: bytes ``[lo, hi)`` of ``file`` into host bytes ``[at, at + hi - lo)``, in calls
+    of ``step`` bytes; ``chunks`` are the placed chunks it holds all or part of, in file order."""
 
     file: str
     lo: int
     hi: int
     at: int
+    step: int
     chunks: list[_Placed] = field(default_factory=list)
 
 
@@ -114,6 +119,8 @@ class StagedLoad:
         for job in self.fresh:
             files.update(loc.file for loc in reader.plan_reads(job))
         placed.sort(key=lambda p: (p.loc.file, p.loc.byte_range[0]))
+        local = reader.local_files(sorted(files))
+        self.remote = local != files
         at = 0
         for i, p in enumerate(placed):
             before = placed[i - 1].loc if i else None
@@ -122,7 +129,7 @@ class StagedLoad:
             p.at = at
             at += p.loc.chunk.nbytes
         self._placed = placed
-        self._pieces = _pieces(placed, VERIFY_PIECE)
+        self._pieces = _pieces(placed, local)
         self._others: list[tuple[ReadJob, int]] = []
         for job in others:
             at = -(-at // STAGING_ALIGN) * STAGING_ALIGN
@@ -131,7 +138,6 @@ class StagedLoad:
         self.nbytes = at
         cuda = [p.job.target.device for p in placed] + [j.target.device for j in others]
         self.cuda_device = next((_index(d) for d in cuda if d.type == "cuda"), None)
-        self.remote = not reader.all_local(sorted(files))
         self._region: HostRegion | None = None
         self._lock = threading.Lock()
 
@@ -152,14 +158,23 @@ class StagedLoad:
         _run_all(tasks)
 
     def _read_piece(self, piece: _Piece, mem: memoryview) -> None:
-        self.reader.pread(piece.file, piece.lo, mem[piece.at : piece.at + piece.hi - piece.lo])
-        for p in piece.chunks:
-            with self._lock:
-                p.left -= 1
-                last = p.left == 0
-            if last and self.reader.verify_checksums and p.loc.chunk.checksum is not None:
-                got = digest(mem[p.at : p.at + p.loc.chunk.nbytes])
-                self.reader.check_digest(p.loc, got, p.job.name)
+        chunks = iter(piece.chunks)
+        p = next(chunks, None)
+        for pos in range(piece.lo, piece.hi, piece.step):
+            end = min(pos + piece.step, piece.hi)
+            self.reader.pread(piece.file, pos, mem[piece.at + pos - piece.lo : piece.at + end - piece.lo])
+            while p is not None and min(p.loc.byte_range[1], piece.hi) <= end:  # its bytes of this piece are in
+                self._landed(p, mem)
+                p = next(chunks, None)
+
+    def _landed(self, p: _Placed, mem: memoryview) -> None:
+        """One piece holding part of ``p`` is in: the last one hashes and checks it."""
+        with self._lock:
+            p.left -= 1
+            last = p.left == 0
+        if last and self.reader.verify_checksums and p.loc.chunk.checksum is not None:
+            got = digest(mem[p.at : p.at + p.loc.chunk.nbytes])
+            self.reader.check_digest(p.loc, got, p.job.name)
 
     def _host(self, at: int, like: torch.Tensor) -> torch.Tensor:
         """The host copy of ``like`` at byte ``at`` of the lent memory."""
@@ -192,25 +207,22 @@ def _is_whole(job: ReadJob, locs: list[Located]) -> bool:
             and loc.chunk.begin % t.element_size() == 0)
 
 
-def _pieces(placed: list[_Placed], cap: int) -> list[_Piece]:
-    """The reads that fetch ``placed`` (in file order, at their host offsets): adjacent chunks
-    of one file share a read of up to ``cap`` bytes; a chunk larger than ``cap`` is read in
-    ``cap``-sized pieces of its own."""
+def _pieces(placed: list[_Placed], local: set[str]) -> list[_Piece]:
+    """The reads that fetch ``placed`` (in file order, at their host offsets, which are
+    contiguous wherever the chunks are adjacent in their file): adjacent chunks of one file
+    share a piece of up to ``SEQUENTIAL_RUN`` bytes read in ``READ_STEP`` calls (a local file),
+    or of up to ``VERIFY_PIECE`` read in one call (a ranged GET); a chunk larger than that is
+    read in pieces of its own."""
     out: list[_Piece] = []
-    cur: _Piece | None = None
-    for p in placed:
-        start, end = p.loc.byte_range
-        if end - start > cap:
-            p.left = -(-(end - start) // cap)
-            out += [_Piece(p.loc.file, a, min(a + cap, end), p.at + a - start, [p]) for a in range(start, end, cap)]
-            cur = None
-            continue
-        joins = cur is not None and cur.file == p.loc.file and cur.hi == start and cur.at + cur.hi - cur.lo == p.at
-        if cur is None or not joins or end - cur.lo > cap:
-            cur = _Piece(p.loc.file, start, end, p.at)
-            out.append(cur)
-        cur.hi = end
-        cur.chunks.append(p)
+    for is_local, cap, step in ((True, SEQUENTIAL_RUN, READ_STEP), (False, VERIFY_PIECE, VERIFY_PIECE)):
+        for run in file_runs([p for p in placed if (p.loc.file in local) == is_local], lambda p: p.loc, cap):
+            file, lo, hi = run[0].loc.file, run[0].loc.byte_range[0], run[-1].loc.byte_range[1]
+            if hi - lo <= cap:
+                out.append(_Piece(file, lo, hi, run[0].at, step, run))
+                continue
+            (p,) = run  # a chunk larger than a piece
+            p.left = -(-(hi - lo) // cap)
+            out += [_Piece(file, a, min(a + cap, hi), p.at + a - lo, step, [p]) for a in range(lo, hi, cap)]
     return out
 
 
