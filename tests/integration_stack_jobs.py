@@ -164,10 +164,12 @@ def _rchar() -> int:
 
 def _measured(ckpt: str, reads: tuple[int, int, int], sealer) -> dict:  # type: ignore[no-untyped-def]
     start, saved, sealed = reads
-    sources = sealer.sources[ckpt]
-    names = sources.during_save + sources.after_save
-    return {"path": ckpt, "during": saved - start, "after": sealed - saved, "during_save": sources.during_save,
-            "after_save": sources.after_save, "sizes": {name: os.path.getsize(os.path.join(ckpt, name)) for name in names}}
+    sources = getattr(sealer, "sources", {}).get(ckpt)  # none: a sealer that hashes every file after the save
+    names = sorted(n for n in os.listdir(ckpt) if n != ".ckptctl-seal.json")
+    during = sources.during_save if sources is not None else []
+    return {"path": ckpt, "during": saved - start, "after": sealed - saved, "during_save": during,
+            "after_save": [n for n in names if n not in during],
+            "sizes": {name: os.path.getsize(os.path.join(ckpt, name)) for name in names}}
 
 
 def _hashed(hook) -> None:  # type: ignore[no-untyped-def]
