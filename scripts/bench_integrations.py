@@ -6,8 +6,9 @@
 
 For each stack, the same save of the same state with and without the integration, alternating
 (base, ours, ours, base, ...) so that load on the machine falls on both; every figure is the
-median of ``--repeat`` pairs after one warm-up pair, and the ratio is ours / base of the
-medians. Three figures per save:
+median of ``--repeat`` pairs after one warm-up pair, and each ratio (ours / base) is the median
+of the pairs' own ratios, with their range: on a shared machine the load drifts between pairs
+far more than within one. Three figures per save:
 
   stall    how long the training thread is blocked: the save call (``dcp.async_save`` and the
            asynchronous Lightning plugins: until they hand the write to their thread)
@@ -232,15 +233,20 @@ def measure(name: str, base: Callable[[str], Timing], ours: Callable[[str], Timi
                 samples[arm].append(got)
             shutil.rmtree(path, ignore_errors=True)
     med = {arm: tuple(statistics.median(t[i] for t in v) for i in range(3)) for arm, v in samples.items()}
-    row = {"stack": name, "base_stall_s": med["base"][0], "ours_stall_s": med["ours"][0],
-           "base_durable_s": med["base"][1], "ours_durable_s": med["ours"][1],
-           "base_stall_cpu_s": med["base"][2], "ours_stall_cpu_s": med["ours"][2],
-           "stall_ratio": med["ours"][0] / med["base"][0], "durable_ratio": med["ours"][1] / med["base"][1],
-           "stall_cpu_ratio": med["ours"][2] / med["base"][2]}
-    print(f"{name:16s} stall {row['base_stall_s'] * 1e3:8.1f} -> {row['ours_stall_s'] * 1e3:8.1f} ms "
-          f"({row['stall_ratio']:.3f}x)   stall CPU {row['base_stall_cpu_s'] * 1e3:7.1f} -> "
-          f"{row['ours_stall_cpu_s'] * 1e3:7.1f} ms ({row['stall_cpu_ratio']:.3f}x)   durable "
-          f"{row['base_durable_s'] * 1e3:8.1f} -> {row['ours_durable_s'] * 1e3:8.1f} ms ({row['durable_ratio']:.3f}x)",
+    # Each ratio is the median of the pairs' own ratios (ours / base of one pair, measured back to
+    # back): on a shared machine the load drifts between pairs far more than within one.
+    ratios = [[o[i] / b[i] for b, o in zip(samples["base"], samples["ours"])] for i in range(3)]
+    row: dict[str, Any] = {"stack": name}
+    for i, what in enumerate(("stall", "durable", "stall_cpu")):
+        row |= {f"base_{what}_s": med["base"][i], f"ours_{what}_s": med["ours"][i],
+                f"{what}_ratio": statistics.median(ratios[i]), f"{what}_ratio_range": (min(ratios[i]), max(ratios[i]))}
+
+    def shown(what: str, label: str) -> str:
+        low, high = row[f"{what}_ratio_range"]
+        return (f"{label} {row[f'base_{what}_s'] * 1e3:7.1f} -> {row[f'ours_{what}_s'] * 1e3:7.1f} ms "
+                f"({row[f'{what}_ratio']:.3f}x, {low:.2f}-{high:.2f})")
+
+    print(f"{name:16s} {shown('stall', 'stall')}   {shown('stall_cpu', 'stall CPU')}   {shown('durable', 'durable')}",
           flush=True)
     return row
 
