@@ -106,7 +106,7 @@ class BackgroundSealer:
                      len(sources.during_save), ", ".join(sources.during_save), len(sources.after_save),
                      ", ".join(sources.after_save))
         except OSError as e:
-            log.warning("ckptctl: %s not sealed: fsync failed: %s (hint: check the disk, then run `ckptctl seal` on it)", path, e)
+            log.warning("ckptctl: %s not sealed: %s (hint: check the disk, then run `ckptctl seal` on it)", path, e)
         except CkptError as e:
             log.warning("ckptctl: %s not sealed: %s (hint: %s)", path, e, e.hint or "run `ckptctl seal` on it later")
         if self.policy is not None:
