@@ -6,11 +6,15 @@
 
 For each stack, the same save of the same state with and without the integration, alternating
 (base, ours, ours, base, ...) so that load on the machine falls on both; every figure is the
-median of ``--repeat`` pairs after one warm-up pair, and the ratio is ours / base of the
-medians. Two figures per save:
+median of ``--repeat`` pairs after one warm-up pair, and each ratio (ours / base) is the median
+of the pairs' own ratios, with their range: on a shared machine the load drifts between pairs
+far more than within one. Three figures per save:
 
   stall    how long the training thread is blocked: the save call (``dcp.async_save`` and the
            asynchronous Lightning plugins: until they hand the write to their thread)
+  stall CPU  the CPU time the training thread spends in that call (``time.thread_time``): what an
+           integration adds to the training thread's own work, which time on a shared
+           machine's clock buries under waiting for a core
   durable  from the save call to the checkpoint durable on disk and, with the integration,
            sealed: both arms end with an fsync of every file the save wrote and of its
            directory (DCP fsyncs its files but no directory; Lightning, the Trainer and
@@ -49,7 +53,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import files_under  # noqa: E402
 
-Timing = tuple[float, float]  # (stall, durable) in seconds
+Timing = tuple[float, float, float]  # (stall, durable, stall CPU) in seconds
+
+
+class Clock:
+    """One save's clocks: wall time from the call, and the calling thread's CPU time."""
+
+    def __init__(self) -> None:
+        self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
+        self.stall = self.stall_cpu = 0.0
+
+    def stalled(self) -> None:
+        """The training thread has its control back."""
+        self.stall, self.stall_cpu = time.perf_counter() - self.t0, time.thread_time() - self.cpu0
+
+    def done(self) -> Timing:
+        return self.stall, time.perf_counter() - self.t0, self.stall_cpu
 
 
 def fsync_tree(path: str) -> None:
@@ -88,16 +107,16 @@ def dcp_pair(state: dict[str, torch.Tensor], asynchronous: bool) -> tuple[Callab
     from ckptctl.integrations.dcp import Writer
 
     def run(path: str, writer: Any) -> Timing:
-        t0 = time.perf_counter()
+        clock = Clock()
         if asynchronous:
             fut = dcp.async_save(state, storage_writer=writer, no_dist=True)
-            stall = time.perf_counter() - t0
+            clock.stalled()
             fut.result()
         else:
             dcp.save(state, storage_writer=writer, no_dist=True)
-            stall = time.perf_counter() - t0
+            clock.stalled()
         fsync_tree(path)
-        return stall, time.perf_counter() - t0
+        return clock.done()
 
     return (lambda p: run(p, FileSystemWriter(p, sync_files=True)), lambda p: run(p, Writer(p)))
 
@@ -113,12 +132,12 @@ def lightning_pair(state: dict[str, torch.Tensor], asynchronous: bool) -> tuple[
     def run(path: str, io: Any) -> Timing:
         os.makedirs(path)
         target = os.path.join(path, "epoch=0-step=100.ckpt")
-        t0 = time.perf_counter()
+        clock = Clock()
         io.save_checkpoint(checkpoint, target)
-        stall = time.perf_counter() - t0
+        clock.stalled()
         io.teardown()  # waits for an asynchronous write
         fsync_tree(target)
-        return stall, time.perf_counter() - t0
+        return clock.done()
 
     def base(path: str) -> Timing:
         return run(path, AsyncCheckpointIO(TorchCheckpointIO()) if asynchronous else TorchCheckpointIO())
@@ -158,13 +177,13 @@ def trainer_pair(size_mib: int, base_dir: str) -> tuple[Callable[[str], Timing],
         t.args.output_dir = path
         counter["step"] += 1
         t.state.global_step = counter["step"]
-        t0 = time.perf_counter()
+        clock = Clock()
         t._save_checkpoint(t.model, trial=None)
         t.control = t.callback_handler.on_save(t.args, t.state, t.control)
-        stall = time.perf_counter() - t0
+        clock.stalled()
         wait()
         fsync_tree(os.path.join(path, f"checkpoint-{counter['step']}"))
-        return stall, time.perf_counter() - t0
+        return clock.done()
 
     return (lambda p: run(p, plain, lambda: None), lambda p: run(p, sealed, sealing.sealer.wait))
 
@@ -189,12 +208,12 @@ def accelerate_pair(size_mib: int) -> tuple[Callable[[str], Timing], Callable[[s
 
     def run(path: str, acc: Any, wait: Callable[[], None]) -> Timing:
         target = os.path.join(path, "checkpoint_1")
-        t0 = time.perf_counter()
+        clock = Clock()
         acc.save_state(target)
-        stall = time.perf_counter() - t0
+        clock.stalled()
         wait()
         fsync_tree(target)
-        return stall, time.perf_counter() - t0
+        return clock.done()
 
     return (lambda p: run(p, plain, lambda: None), lambda p: run(p, sealed, sealing.sealer.wait))
 
@@ -213,13 +232,22 @@ def measure(name: str, base: Callable[[str], Timing], ours: Callable[[str], Timi
             if i:
                 samples[arm].append(got)
             shutil.rmtree(path, ignore_errors=True)
-    med = {arm: (statistics.median(s for s, _ in v), statistics.median(d for _, d in v)) for arm, v in samples.items()}
-    row = {"stack": name, "base_stall_s": med["base"][0], "ours_stall_s": med["ours"][0],
-           "base_durable_s": med["base"][1], "ours_durable_s": med["ours"][1],
-           "stall_ratio": med["ours"][0] / med["base"][0], "durable_ratio": med["ours"][1] / med["base"][1]}
-    print(f"{name:16s} stall {row['base_stall_s'] * 1e3:8.1f} -> {row['ours_stall_s'] * 1e3:8.1f} ms "
-          f"({row['stall_ratio']:.3f}x)   durable {row['base_durable_s'] * 1e3:8.1f} -> "
-          f"{row['ours_durable_s'] * 1e3:8.1f} ms ({row['durable_ratio']:.3f}x)", flush=True)
+    med = {arm: tuple(statistics.median(t[i] for t in v) for i in range(3)) for arm, v in samples.items()}
+    # Each ratio is the median of the pairs' own ratios (ours / base of one pair, measured back to
+    # back): on a shared machine the load drifts between pairs far more than within one.
+    ratios = [[o[i] / b[i] for b, o in zip(samples["base"], samples["ours"])] for i in range(3)]
+    row: dict[str, Any] = {"stack": name}
+    for i, what in enumerate(("stall", "durable", "stall_cpu")):
+        row |= {f"base_{what}_s": med["base"][i], f"ours_{what}_s": med["ours"][i],
+                f"{what}_ratio": statistics.median(ratios[i]), f"{what}_ratio_range": (min(ratios[i]), max(ratios[i]))}
+
+    def shown(what: str, label: str) -> str:
+        low, high = row[f"{what}_ratio_range"]
+        return (f"{label} {row[f'base_{what}_s'] * 1e3:7.1f} -> {row[f'ours_{what}_s'] * 1e3:7.1f} ms "
+                f"({row[f'{what}_ratio']:.3f}x, {low:.2f}-{high:.2f})")
+
+    print(f"{name:16s} {shown('stall', 'stall')}   {shown('stall_cpu', 'stall CPU')}   {shown('durable', 'durable')}",
+          flush=True)
     return row
 
 

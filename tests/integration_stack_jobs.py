@@ -10,6 +10,12 @@ SIGKILLed in the middle of its last save (after the previous checkpoint's seal i
   ``CheckpointIO``, killed after 4096 bytes of the step-8 file are written;
 - ``accelerate``: ``save_state`` with ``seal_saves`` and ``KeepLast(2)``, killed in the fourth
   save (after the model and optimizer, before the scheduler and RNG files).
+
+One job is not killed: ``reads`` saves twice with the Trainer's ``SealCallback`` and twice with
+``seal_saves`` (models of a few MiB) and prints, as JSON, how many bytes this process read
+(``rchar`` of ``/proc/self/io``) during the second save (until the files it closed are hashed)
+and after it (until its seal is written), with the sizes of the checkpoint's files and when
+the seal's checksum of each was taken.
 """
 
 from __future__ import annotations
@@ -151,6 +157,87 @@ def accelerate(out: str) -> None:
         acc.save_state()
 
 
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def _measured(ckpt: str, reads: tuple[int, int, int], sealer) -> dict:  # type: ignore[no-untyped-def]
+    start, saved, sealed = reads
+    sources = getattr(sealer, "sources", {}).get(ckpt)  # none: a sealer that hashes every file after the save
+    names = sorted(n for n in os.listdir(ckpt) if n != ".ckptctl-seal.json")
+    during = sources.during_save if sources is not None else []
+    return {"path": ckpt, "during": saved - start, "after": sealed - saved, "during_save": during,
+            "after_save": [n for n in names if n not in during],
+            "sizes": {name: os.path.getsize(os.path.join(ckpt, name)) for name in names}}
+
+
+def _hashed(hook) -> None:  # type: ignore[no-untyped-def]
+    """Wait for the files the last save closed to be hashed (nothing to wait for without the hook)."""
+    written = getattr(hook, "written", None)
+    if written is not None:
+        written.wait()
+
+
+def reads(out: str) -> None:
+    import json
+
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from ckptctl.integrations.accelerate import seal_saves
+    from ckptctl.integrations.trainer import SealCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=512, n_positions=32))
+    data = [{"input_ids": torch.randint(0, 512, (16,))} for _ in range(8)]
+    for d in data:
+        d["labels"] = d["input_ids"].clone()
+    sealing = SealCallback()
+    reads: dict[int, list[int]] = {}
+
+    class Before(TrainerCallback):
+        """Runs before ``SealCallback``: from the step's end (the Trainer saves next) to its save done."""
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            reads[state.global_step] = [_rchar()]
+
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            _hashed(sealing)
+            reads[state.global_step].append(_rchar())
+
+    class After(TrainerCallback):
+        """Runs after ``SealCallback``: to the checkpoint sealed."""
+
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            sealing.sealer.wait()
+            reads[state.global_step].append(_rchar())
+
+    args = TrainingArguments(output_dir=os.path.join(out, "trainer"), max_steps=4, save_steps=2, save_strategy="steps",
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_steps=100,
+                             disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[Before(), sealing, After()]).train()
+    result = {"trainer": _measured(os.path.join(out, "trainer", "checkpoint-4"), tuple(reads[4]), sealing.sealer)}
+
+    acc = Accelerator(cpu=True)
+    hooked = seal_saves(acc)
+    net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net, opt = acc.prepare(net, opt)
+    acc.backward(net(torch.randint(0, 2, (4, 512)).float()).sum())
+    opt.step()
+    for i in range(2):  # the first save imports what saving needs: the second is measured
+        start = _rchar()
+        acc.save_state(os.path.join(out, "accelerate", f"checkpoint_{i}"))
+        _hashed(hooked)
+        saved = _rchar()
+        hooked.sealer.wait()
+        measured = (start, saved, _rchar())
+    hooked.close()
+    result["accelerate"] = _measured(os.path.join(out, "accelerate", "checkpoint_1"), measured, hooked.sealer)
+    print(json.dumps(result))
+
+
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
-    {"trainers": trainers, "lightning": lightning, "accelerate": accelerate}[sys.argv[1]](sys.argv[2])
+    {"trainers": trainers, "lightning": lightning, "accelerate": accelerate, "reads": reads}[sys.argv[1]](sys.argv[2])

@@ -146,3 +146,32 @@ def test_lightning_checkpoint_io_async_atomic_retention_safe_and_refuses_a_damag
     with pytest.raises(InvalidCheckpoint, match="epoch=0-step=6.ckpt"):
         trainer.fit(model, lightning_data(), ckpt_path=newest)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "the model changed"
+
+
+def test_trainer_and_accelerate_hash_what_torch_save_and_safetensors_wrote_during_the_save_and_read_it_once(tmp_path) -> None:
+    """The files the stacks write with ``torch.save`` and safetensors are hashed as each is
+    closed, while the save goes on: the process reads each of them once before the save is
+    over, and the seal written after reads them no more (under a tenth of their bytes are read
+    then: the small JSON files no hook saw). A seal that reads the checkpoint back after the
+    save reads everything then. The seal holds the bytes on disk: ``verify`` passes, and one
+    flipped bit in the optimizer's file fails it."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[frameworks]')")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[frameworks]')")
+    done = subprocess.run([sys.executable, os.path.join(HERE, "integration_stack_jobs.py"), "reads", str(tmp_path)],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    expect = {"trainer": ({"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"},
+                          "optimizer.pt"),
+              "accelerate": ({"model.safetensors", "optimizer.bin", "random_states_0.pkl"}, "optimizer.bin")}
+    for stack, (hooked, optimizer) in expect.items():
+        run = got[stack]
+        written = sum(run["sizes"][name] for name in hooked)
+        assert written > 4 << 20, run  # a few MiB: far above what the JSON files and the seal's own work read
+        assert written <= run["during"] < written * 1.1, f"{stack}: {run['during']} bytes read during the save of {written}"
+        assert run["after"] < written // 10, f"{stack}: {run['after']} bytes read after the save of {written}"
+        assert set(run["during_save"]) == hooked and not set(run["after_save"]) & hooked, run
+        ckpt = run["path"]
+        ok = cli("verify", ckpt)
+        assert ok.exit_code == 0, ok.stdout + ok.stderr
+        _flip_fails_verify(ckpt, optimizer)

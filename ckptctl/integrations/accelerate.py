@@ -13,10 +13,14 @@ writes and, optionally, applies a ckptctl retention policy to their root.
     sealing.close()                   # at the end: waits for the last seal
 
 Accelerate has a pre-save hook only (``register_save_state_pre_hook``, before any file is
-written), so ``seal_saves`` wraps this ``Accelerator``'s ``save_state``: the original runs,
+written), so ``seal_saves`` wraps this ``Accelerator``'s ``save_state``: the original runs, and
+on the main process each file it writes with ``torch.save`` or safetensors' ``save_file``
+(model, optimizer, scheduler, sampler, its RNG state) is hashed from the page cache as soon as
+it is closed, on a background thread, while the save goes on (``integrations.savehooks``);
 every process waits for the others (their RNG files are part of the checkpoint), then the main
-process hands the directory to a background thread that hashes each file once and writes the
-seal ``ckptctl seal`` writes, then runs ``ckptctl prune``'s retention on the directory above it
+process hands the directory to a background thread that fsyncs it, reads once more only what
+no hook saw written (the other processes' RNG files) and writes the seal ``ckptctl seal``
+writes, then runs ``ckptctl prune``'s retention on the directory above it
 (``integrations.sealer``). Use underscore names (``checkpoint_N``, ``step_N``, ``epoch_N``: the
 accelerate layout's) for explicit ``save_state(output_dir)`` calls, and leave
 ``ProjectConfiguration(total_limit=...)`` unset with ``retention``: both would delete.
@@ -27,6 +31,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import accelerate.utils.other
+
+from ckptctl.integrations.savehooks import Recorded, recording
 from ckptctl.integrations.sealer import BackgroundSealer
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
 
@@ -37,15 +44,21 @@ class SealSaves:
     def __init__(self, accelerator: Any, retention: Policy | RetentionPolicy | None = None) -> None:
         self.accelerator = accelerator
         self.sealer = BackgroundSealer(retention)
+        self.written: Recorded | None = None  # the files the last save hashed as it closed them
         self._save_state = accelerator.save_state
         accelerator.save_state = self.save_state  # this instance only; the class is untouched
 
     def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> str:
-        location = self._save_state(output_dir, *args, **kwargs)
+        if not self.accelerator.is_main_process:  # the main process seals, alone
+            location = self._save_state(output_dir, *args, **kwargs)
+            self.accelerator.wait_for_everyone()
+            return location
+        with recording(also=[(accelerate.utils.other, "safe_save_file")]) as written:
+            location = self._save_state(output_dir, *args, **kwargs)
+        self.written = written
         self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            path = os.fspath(location)
-            self.sealer.submit(path, os.path.dirname(os.path.abspath(path)))
+        path = os.fspath(location)
+        self.sealer.submit(path, os.path.dirname(os.path.abspath(path)), written)
         return location
 
     def close(self) -> None:

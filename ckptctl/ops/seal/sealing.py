@@ -19,8 +19,8 @@ The seal records the checkpoint's commit time (``commit_time``): the catalog rea
 checkpoint's age from it, so sealing a root never changes what an age or calendar rule keeps.
 
 The same sidecar is written by ``ckptctl.integrations`` inside a stack's own save, from
-checksums taken as the files were written (``seal_as_written``: DCP's writer) or read back right
-after (``seal_just_written``: the Trainer, accelerate); nothing is test-loaded there, and the
+checksums taken as the files were written (``seal_as_written``: DCP's writer) or read back as
+each was closed (``seal_just_written``: the Trainer, accelerate); nothing is test-loaded there, and the
 seal says so (``test_loaded: "written"``), so prune test-loads such a checkpoint itself.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.seal import CHUNK_SIZE, SEAL, Seal, SealedFile, encode_seal
@@ -44,6 +44,8 @@ from ckptctl.storage.base import ObjectInfo, Storage
 from ckptctl.version import tool_info
 
 SealStatus = Literal["sealed", "already sealed", "not needed", "skipped", "failed"]
+# A file's seal entry (key, chunk size) taken during its save, or None: read it back.
+Written = Callable[[str, int], SealedFile | None]
 WRITTEN = "written"  # ``test_loaded`` of a seal whose checksums were taken as the files were written
 WRITTEN_NOTE = "every file: checksums taken as it was written, not test-loaded"
 
@@ -132,9 +134,10 @@ def write_seal(ckpt: Storage, layout: Layout, report: VerifyReport, *,
 
 
 def hash_listing(ckpt: Storage, listing: tuple[tuple[str, int, float, str], ...], chunk_size: int = CHUNK_SIZE,
-                 progress: Progress | None = None) -> list[SealedFile]:
-    """The seal's entry of every file of ``listing`` (``_snapshot``), each read once. Raises
-    InvalidCheckpoint for a leftover temporary or anything but a regular file: never vouched for."""
+                 progress: Progress | None = None, written: Written | None = None) -> list[SealedFile]:
+    """The seal's entry of every file of ``listing`` (``_snapshot``): the one ``written`` gives
+    for it (taken during its save), else hashed from one read. Raises InvalidCheckpoint for a
+    leftover temporary or anything but a regular file: never vouched for."""
     files: list[SealedFile] = []
     for key, _size, _mtime, kind in listing:
         if is_temporary(key):  # never vouched for: it is not one of the checkpoint's files
@@ -143,6 +146,10 @@ def hash_listing(ckpt: Storage, listing: tuple[tuple[str, int, float, str], ...]
         if kind != "file":
             raise InvalidCheckpoint(f"{ckpt.url_of(key)}: a {kind}, not a regular file; not sealed",
                                     hint="the checkpoint layout was altered; treat it as untrusted")
+        entry = written(key, chunk_size) if written is not None else None
+        if entry is not None:
+            files.append(SealedFile(key, entry.size, entry.xxh3, entry.chunks))
+            continue
         got = hash_object(ckpt, key, chunk_size, progress=progress)
         assert got is not None
         files.append(SealedFile(key, got.size, got.xxh3, got.chunks))
@@ -171,11 +178,12 @@ def seal_as_written(ckpt: Storage, layout: str, step: int | None, files: Sequenc
     return result
 
 
-def seal_just_written(path: str, progress: Progress | None = None) -> SealResult:
+def seal_just_written(path: str, progress: Progress | None = None, *, written: Written | None = None) -> SealResult:
     """Seal the checkpoint another tool has just finished writing at ``path`` (the Trainer's
     ``checkpoint-N``, accelerate's ``checkpoint_N``), right after its save, without the test-load
-    of ``seal_checkpoint``: each file is read back once (the stacks hand over no bytes; the page
-    cache still holds them) and the seal records ``test_loaded: "written"`` (``seal_as_written``).
+    of ``seal_checkpoint``: each file's entry is the one ``written`` gives (hashed during the
+    save, ``integrations.savehooks``), else the file is read back once (the page cache still
+    holds it), and the seal records ``test_loaded: "written"`` (``seal_as_written``).
     Raises InvalidCheckpoint when ``path`` is not a complete checkpoint of a layout that takes
     seals, or changed while it was hashed (a rotation deleting it)."""
     found = classify(path)
@@ -191,7 +199,7 @@ def seal_just_written(path: str, progress: Progress | None = None) -> SealResult
         raise InvalidCheckpoint(f"{ckpt.url}: not a complete {layout.name} checkpoint ({seen.reason or seen.status}); "
                                 "not sealed", hint="seal a checkpoint once its save has finished")
     before = _snapshot(ckpt)
-    files = hash_listing(ckpt, before, progress=progress)
+    files = hash_listing(ckpt, before, progress=progress, written=written)
     if _snapshot(ckpt) != before:
         raise InvalidCheckpoint(f"{ckpt.url}: changed while it was being sealed; not sealed",
                                 hint="a save or a rotation is still at work on it; seal it once it is finished")
