@@ -106,7 +106,7 @@ def _print(r: "VerifyReport") -> None:
         read = (f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s"
                 + (f", {human_bytes(r.bytes_read / r.seconds)}/s" if r.seconds else "")
                 if r.bytes_read else f"headers and sizes only, no data read, in {r.seconds:.2f}s")
-        say(f"ok  {r.url}  step {r.step}: {r.files} files, {r.tensors} tensors, {read} ({r.checked})")
+        say(f"ok  {r.url}  {r.label}: {r.files} files, {r.tensors} tensors, {read} ({r.checked})")
         if r.seal_hint:
             say(f"  hint: {r.seal_hint}", console=err)
         if r.ranks:  # under torchrun: how the reading was shared

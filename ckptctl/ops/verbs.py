@@ -143,7 +143,7 @@ def _fallback(walked: "list[VerifyReport]") -> str:
     if good is None:
         return f"the newest checkpoint {newest.url} does not verify, and no older one does: nothing to resume from"
     return (f"the newest checkpoint {newest.url} does not verify; `ckptctl latest` would resume {good.url} "
-            f"(step {good.step}), the newest that does")
+            f"({good.label}), the newest that does")
 
 
 def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | None = None, *,
