@@ -219,6 +219,28 @@ def test_accelerate_save_index_is_labelled_and_step_rules_refuse_it(real_root) -
     assert r.exit_code == 0 and sorted(os.listdir(root)) == names[1:], r.stdout + r.stderr
 
 
+def test_accelerate_save_index_is_named_so_by_latest_verify_and_prune(real_root) -> None:
+    """Every verdict names accelerate's checkpoint_N by what N counts, as ls and inspect do
+    (main: ``latest --json`` had no numbered_by, and verify's lines, its fallback and prune's
+    anchor and reasons said ``step 2`` of a save index)."""
+    root = real_root("accelerate")
+    names = NAMES["accelerate"]
+    doc = cli("latest", root, "--json").json()
+    assert (doc["step"], doc["numbered_by"], doc["layout"]) == (2, "save index", "accelerate"), doc
+    r = cli("verify", root, "--latest")
+    assert r.exit_code == 0 and r.stdout.startswith(f"ok  {os.path.join(root, names[-1])}  save index 2: "), r.stdout
+    assert cli("verify", root, "--latest", "--json").json()["checkpoints"][0]["numbered_by"] == "save index"
+    r = cli("prune", root, "--keep-last", "1", "--dry-run")
+    assert r.exit_code == 0 and f"anchor: {os.path.join(root, names[-1])} (save index 2, " in r.stdout, r.stdout
+    assert r.stdout.count("older than the anchor (save index 2)") == 2 and "step 2" not in r.stdout, r.stdout
+    items = cli("prune", root, "--keep-last", "1", "--dry-run", "--json").json()["plan"]["items"]
+    assert {i["numbered_by"] for i in items} == {"save index"}, items
+    _break(os.path.join(root, names[-1]))  # the fallback names the one a resume takes by its save index
+    r = cli("verify", root, "--latest")
+    assert r.exit_code == 1 and f"would resume {os.path.join(root, names[1])} (save index 1)" in r.stdout + r.stderr
+    assert "step" not in r.stdout + r.stderr.replace("training step", ""), r.stdout + r.stderr
+
+
 def test_step_rules_still_apply_to_roots_numbered_by_step(real_root) -> None:
     """The refusal is the layout's: a root of training steps (the Trainer's checkpoint-N) keeps
     --keep-every and --keep, and its ls and inspect say step."""

@@ -321,6 +321,11 @@ def test_each_node_root_verifies_and_names_the_step_load_latest_resumes(tmp_path
         actions = {i["name"]: i["action"] for i in r.json()["plan"]["items"]}
         assert actions == {step_dir(10): "delete", step_dir(20): "keep"}, actions
         assert cli("du", root).exit_code == 0
+    # The node roots together hold step 20 whole: every file on one of them, one manifest.
+    r = cli("verify", roots[0], "--latest", "--tier", roots[1], "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    whole = r.json()["steps"][0]
+    assert (whole["step"], whole["roots"], whole["copies"]) == (20, [os.path.join(x, step_dir(20)) for x in roots], 4), whole
     job = Job("replica_load", [{"local": r, "remote": s3_url, "promote_timeout_s": 10} for r in roots],
               str(tmp_path / "run2"))
     results = job.wait()
@@ -330,3 +335,9 @@ def test_each_node_root_verifies_and_names_the_step_load_latest_resumes(tmp_path
     os.unlink(os.path.join(roots[1], step_dir(20), _shard(3)))
     r = cli("verify", os.path.join(roots[1], step_dir(20)))
     assert r.exit_code == 1 and _shard(3) in r.stdout and _shard(0) not in r.stdout, r.stdout
+    # Across the nodes the step is no longer whole, and the file is named; S3's copy holds it.
+    r = cli("verify", roots[0], "--latest", "--tier", roots[1])
+    assert r.exit_code == 1 and f"{step_dir(20)}/{_shard(3)}: missing from every root" in r.stdout, r.stdout + r.stderr
+    assert "step 10 is, the newest that is" in r.stderr, r.stderr
+    r = cli("verify", roots[0], "--latest", "--tier", roots[1], "--tier", s3_url, "--json")
+    assert r.exit_code == 0 and r.json()["steps"][0]["held"][_shard(3)] == [f"{s3_url}/{step_dir(20)}"], r.stdout

@@ -69,7 +69,7 @@ def latest(
         say(f"note: {good.url} was checked for structure only (its format records no checksums); "
             f"hint: {good.seal_hint}", console=err)
     if json:
-        emit_json({"url": good.url, "step": found.step, "level": level, "checked": good.checked, "layout": found.layout,
+        emit_json({"url": good.url, "step": found.step, "numbered_by": good.numbered_by, "level": level, "checked": good.checked, "layout": found.layout,
                    "resume": resume.to_dict(), "skipped": [r.to_dict() for r in bad], **found.kind.to_dict(),
                    "skipped_exports": [e.to_dict() for e in found.exports]})
     elif resume_args:
@@ -79,7 +79,7 @@ def latest(
     else:
         # The root resumes what its pointer names, not the checkpoint that verified: printing
         # it would hand a launcher the broken one.
-        say(f"{good.url} (step {found.step}) is the newest that verifies, but {resume.pointer}: "
+        say(f"{good.url} ({good.label}) is the newest that verifies, but {resume.pointer}: "
             f"resuming {resume.path} would load that one, not this", console=err)
         say(f"use `ckptctl latest {shell_quote(root)} --resume-args` ({shell_join(resume.argv)}), "
             f"or move the pointer back with `ckptctl repoint {shell_quote(root)}`", console=err)

@@ -151,7 +151,7 @@ def _print_plan(plan: PrunePlan, *, to_stderr: bool = False) -> None:
     if plan.anchor is not None:
         v = plan.anchor.verification or {}
         how = "recorded verification, unchanged" if v.get("cached") else f"{human_bytes(v.get('bytes_read', 0))} read"
-        console.print(f"anchor: {plan.anchor.url} (step {plan.anchor.step}, full verification: {how})", markup=False, highlight=False)
+        console.print(f"anchor: {plan.anchor.url} ({plan.anchor.label}, full verification: {how})", markup=False, highlight=False)
         if v.get("seal_hint"):  # no checksum recorded: structure and a test-load vouch for it
             err.print(f"  hint: its format records no checksums: {v['seal_hint']}; or pass --seal",
                       markup=False, highlight=False)

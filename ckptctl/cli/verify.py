@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -9,12 +9,13 @@ from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.cli.latest import AnyOpt
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT, UsageError
-from ckptctl.ops.verbs import verify_path
+from ckptctl.ops.verbs import verify_path, verify_tiers
 
 if TYPE_CHECKING:
     from ckptctl.ops.repoint import PointerCheck
     from ckptctl.ops.verbs import VerifyOutcome
     from ckptctl.ops.verify.report import VerifyReport
+    from ckptctl.ops.verify.whole import WholeOutcome
 
 
 @command
@@ -25,6 +26,10 @@ def verify(
     latest: Annotated[bool, typer.Option("--latest", help="PATH is a root: verify newest first until one passes; exit 1 if the newest fails.")] = False,
     all_: Annotated[bool, typer.Option("--all", help="PATH is a root: verify every checkpoint with a marker, oldest first (as ls lists them), then a summary line on stderr.")] = False,
     any_: AnyOpt = False,
+    tier: Annotated[Optional[list[str]], typer.Option(
+        "--tier", metavar="URL",
+        help="With --latest or --all (repeatable): PATH and each URL are roots of one job (each node's root of a "
+             "node-local tier, the tier it promotes to); judge each step whole across them.")] = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -47,6 +52,15 @@ def verify(
     --json gives each rank's files and bytes_read under "ranks"); rank 0 prints the report of
     the whole, and every rank exits with its status. Every rank must be given the same command
     line: ranks that differ (another level, another path) all stop with exit 2 before reading.
+
+    With --tier URL (repeatable), PATH and each URL are roots that together hold a job's
+    steps: a node-local tier keeps on each node only that node's shards, so `verify NODE_ROOT`
+    checks the node's part and names the rest as elsewhere. --tier judges the step whole: the
+    markers on every root that commits it record the same manifest, every file it lists is on
+    some root, and every copy found verifies. --latest walks the steps newest first until one
+    is whole (exit 1 when the newest is not, naming the files missing from every root or bad
+    and the newest step that is whole); --all judges every step. Only ckptctl's own format.
+    Example: ckptctl verify /nvme/n0/ckpt --latest --tier /nvme/n1/ckpt --tier s3://b/run
     """
     if quick and load:
         raise UsageError("--quick and --load are exclusive", hint="pick one verification level")
@@ -55,6 +69,9 @@ def verify(
     if any_ and not latest:
         raise UsageError("--any goes with --latest", hint="`ckptctl verify ROOT --latest --any`")
     level = "quick" if quick else "load" if load else "checksums"
+    if tier:
+        _whole(path, tier, level, "latest" if latest else "all" if all_ else None, any_, json=json, quiet=quiet)
+        return
     with rank0_speaks(json) as speaker:
         with byte_progress("verify", quiet=quiet or not speaker) as progress:
             outcome = verify_path(path, level, which="latest" if latest else "all" if all_ else "one", progress=progress,
@@ -87,6 +104,41 @@ def _report(outcome: "VerifyOutcome", level: str, *, json: bool, quiet: bool, al
                 f"{human_bytes(read)} read ({by})", console=err)
 
 
+def _whole(path: str, tier: list[str], level: str, which: str | None, any_: bool, *, json: bool, quiet: bool) -> None:
+    """``verify PATH --latest/--all --tier URL ...``: steps judged whole across the roots."""
+    if which is None:
+        raise UsageError("--tier goes with --latest or --all", hint=f"`ckptctl verify {path} --latest --tier {tier[0]}`")
+    if any_:
+        raise UsageError("--any does not go with --tier", hint="--tier judges every committed step of ckptctl's format")
+    with rank0_speaks(json) as speaker:  # under torchrun every rank checks it all; rank 0 prints
+        with byte_progress("verify", quiet=quiet or not speaker) as progress:
+            outcome = verify_tiers([path, *tier], level, which=which, progress=progress)  # type: ignore[arg-type]
+        if speaker and json:
+            emit_json(outcome.to_dict())
+        elif speaker:
+            _print_whole(outcome, quiet=quiet)
+    if not outcome.ok:
+        raise typer.Exit(EXIT_CHECKPOINT)
+
+
+def _print_whole(outcome: "WholeOutcome", *, quiet: bool) -> None:
+    n = len(outcome.roots)
+    for s in outcome.steps:
+        if s.ok and quiet:
+            continue
+        if s.ok:
+            say(f"ok  step {s.step} whole across {len(s.roots)} of {n} roots: {s.files} files ({s.copies} copies), "
+                f"{s.tensors} tensors, {human_bytes(s.bytes_read)} read in {s.seconds:.2f}s ({s.checked})")
+        else:
+            say(f"FAILED  step {s.step} across {n} roots: {len(s.problems)} problem(s)")
+            for p in s.problems:
+                say(f"  - {p}" + (f" (hint: {p.hint})" if p.hint else ""))
+        for note in s.notes:
+            say(f"  note: {note}", console=err)
+    if outcome.fallback:
+        say(outcome.fallback, console=err)
+
+
 def _print_pointer(p: "PointerCheck") -> None:
     if p.ok:
         say(f"ok  pointer {p.pointer} ({p.layout}) names {p.target}, which verifies", console=err)
@@ -106,7 +158,7 @@ def _print(r: "VerifyReport") -> None:
         read = (f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s"
                 + (f", {human_bytes(r.bytes_read / r.seconds)}/s" if r.seconds else "")
                 if r.bytes_read else f"headers and sizes only, no data read, in {r.seconds:.2f}s")
-        say(f"ok  {r.url}  step {r.step}: {r.files} files, {r.tensors} tensors, {read} ({r.checked})")
+        say(f"ok  {r.url}  {r.label}: {r.files} files, {r.tensors} tensors, {read} ({r.checked})")
         if r.seal_hint:
             say(f"  hint: {r.seal_hint}", console=err)
         if r.ranks:  # under torchrun: how the reading was shared

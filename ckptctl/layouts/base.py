@@ -339,6 +339,12 @@ def numbered_by(layout: Layout, name: str) -> Numbering:
     return "step" if ask is None else ask(name)
 
 
+def numbered(counts: str, number: int | None) -> str:
+    """How every verdict names a checkpoint's number: ``step 20``, or what it counts instead
+    (``save index 2`` for accelerate's ``checkpoint_2``), never a save index called a step."""
+    return f"{counts} {'-' if number is None else number}"
+
+
 def model_weights(layout: Layout, ckpt: Storage) -> ModelWeights | None:
     """``layout.model_weights(ckpt)``; None for a layout without the member."""
     ask = getattr(layout, "model_weights", None)

@@ -117,7 +117,7 @@ def _check_part(ckpt: Storage, manifest: Manifest, files: list[FileEntry], level
                 part.data[f.name] = problems
                 part.bytes_read += nbytes
     if level == "load":
-        part.loaded = _safetensors_accepts(ckpt, part.headers)
+        part.loaded = safetensors_accepts(ckpt, part.headers)
     return part
 
 
@@ -141,7 +141,7 @@ def coverage(manifest: Manifest, headers: dict[str, ShardHeader]) -> list[Proble
     return problems
 
 
-def _safetensors_accepts(ckpt: Storage, headers: dict[str, ShardHeader]) -> list[Problem]:
+def safetensors_accepts(ckpt: Storage, headers: dict[str, ShardHeader]) -> list[Problem]:
     from safetensors import SafetensorError, safe_open
 
     problems = []

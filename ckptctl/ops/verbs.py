@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # only for annotations: importing these pulls in torch
     from ckptctl.ops.save_stats import SaveStats
     from ckptctl.ops.transfer.copy import CopyResult, RestoreResult, Skipped
     from ckptctl.ops.verify.report import VerifyReport
+    from ckptctl.ops.verify.whole import WholeOutcome
 
 
 # --- inspect and verify ---------------------------------------------------------------------
@@ -117,6 +118,19 @@ def _verify_path(path: str, level: Level, which: Literal["one", "latest", "all"]
     return VerifyOutcome(report.ok, level, [report], report.note)
 
 
+def verify_tiers(paths: Sequence[str], level: str = "checksums", *, which: Literal["latest", "all"] = "latest",
+                 progress: Progress | None = None) -> "WholeOutcome":
+    """``ops.verify.whole.verify_whole`` over the roots at ``paths``: every node's root of a
+    node-local tier, and any tier the job promotes to."""
+    from ckptctl.ops.verify.whole import verify_whole
+
+    if level not in LEVELS:
+        raise UsageError(f"--level {level!r} is not one of {', '.join(LEVELS)}", hint="use --level checksums")
+    if len(set(paths)) != len(paths):
+        raise UsageError(f"a root is named twice: {', '.join(paths)}", hint="give each root once")
+    return verify_whole([open_root(p) for p in paths], which=which, level=level, progress=progress)  # type: ignore[arg-type]
+
+
 def _with_pointers(root: Storage, level: str, reports: "list[VerifyReport]", progress: Progress | None) -> VerifyOutcome:
     """``verify --latest``: the newest checkpoint that verifies, and what each stack's pointer
     names, which is what that stack's default resume loads: a pointer whose target does not
@@ -143,7 +157,7 @@ def _fallback(walked: "list[VerifyReport]") -> str:
     if good is None:
         return f"the newest checkpoint {newest.url} does not verify, and no older one does: nothing to resume from"
     return (f"the newest checkpoint {newest.url} does not verify; `ckptctl latest` would resume {good.url} "
-            f"(step {good.step}), the newest that does")
+            f"({good.label}), the newest that does")
 
 
 def repoint_root(root: str, level: str = "checksums", formats: Sequence[str] | None = None, *,

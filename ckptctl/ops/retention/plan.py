@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Sequence
 from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, NoValidCheckpoint, UsageError
 from ckptctl.format.seal import SEAL
-from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout, kind_of_checkpoint, numbered_by
+from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout, kind_of_checkpoint, numbered, numbered_by
 from ckptctl.layouts.catalog import LAYOUTS, commit_time, list_checkpoints, recorded_metrics
 from ckptctl.layouts.checked import Level
 from ckptctl.layouts.protection import protected
@@ -60,10 +60,17 @@ class PlanItem:
     metrics: dict[str, float] = field(default_factory=dict)  # recorded at save time (KeepBest ranks by them)
     owner: Layout | None = None  # its layout, bound to the root (None for an unknown entry)
     fingerprint: Fingerprint | None = None  # an anchor: what its verification vouched for
+    numbered_by: str = "step"  # what ``step`` counts: accelerate's checkpoint_N, a "save index"
+
+    @property
+    def label(self) -> str:
+        """``step 20``, or ``save index 2``: its number named for what it counts."""
+        return numbered(self.numbered_by, self.step)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "step": self.step, "name": self.name, "url": self.url, "kind": self.kind, "layout": self.layout,
+            "numbered_by": self.numbered_by,
             "action": self.action, "reason": self.reason, "size": self.size,
             "created": self.created, "modified": self.modified, "verification": self.verification,
             "metrics": dict(self.metrics),
@@ -224,13 +231,14 @@ def survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float)
     step, name, url, ckpt = entry.step, entry.name, entry.url, entry.storage
     if entry.status == "unknown" or entry.owner is None:
         return PlanItem(step, name, url, "unknown", "skip", entry.reason or "no layout recognises it", layout=entry.layout)
+    counts = numbered_by(entry.owner, name)
     if ckpt is None:  # a link
         return PlanItem(step, name, url, "link", "delete",
                         "symlink: the link is removed, never followed; its target is not touched", layout=entry.layout,
-                        owner=entry.owner)
+                        owner=entry.owner, numbered_by=counts)
     snap = entry_snapshot(root, name)
     item = PlanItem(step, name, url, "partial", size=sum(s[1] for s in snap if s[3] == "file"), snapshot=snap,
-                    layout=entry.layout, owner=entry.owner)
+                    layout=entry.layout, owner=entry.owner, numbered_by=counts)
     layout = entry.owner
     # From the snapshot execute deletes by: a marker newer than the catalog's look is a commit.
     marker = layout.commit_marker
@@ -377,8 +385,8 @@ def _apply_policy(p: PrunePlan, layout: str, members: list[PlanItem]) -> None:
             item.action, item.reason = "keep", "; ".join(d.reasons)
         else:
             item.action = "delete"
-            item.reason = (f"older than the anchor (step {anchor}) and kept by no policy ({p.policy.describe()})"
-                           if anchor is not None else f"kept by no policy ({p.policy.describe()})")
+            item.reason = (f"older than the anchor ({own.label}) and kept by no policy ({p.policy.describe()})"
+                           if own is not None else f"kept by no policy ({p.policy.describe()})")
 
 
 def _decide_broken(p: PrunePlan, item: PlanItem) -> None:

@@ -4,6 +4,8 @@
   handler's ``check`` (``layouts``), split over a torchrun job's ranks, made a report;
 * ``report``: ``VerifyReport``, what ``verify`` prints and its JSON;
 * ``latest``: a root's checkpoints newest first (``verify --latest/--all``, ``latest``);
+* ``whole``: a step judged whole across several roots (``verify --latest --tier URL``: a
+  node-local tier's roots hold one node's part each);
 * ``cache``: the record that lets prune skip re-reading a checkpoint it verified before.
 
 May import: ``format``, ``storage``, ``layouts``, ``progress``, the leaves and

@@ -14,9 +14,10 @@ from __future__ import annotations
 import time
 from typing import Callable, Protocol, Sequence, TypeVar
 
-from ckptctl.layouts.base import Checkpoint
+from ckptctl.layouts.base import Checkpoint, numbered_by
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.classify import classify
+from ckptctl.layouts.file_check import name_of
 from ckptctl.ops.distributed import Job, attempt, current, gathered, mine
 from ckptctl.ops.verify.report import VerifyReport, report_of
 from ckptctl.progress import Progress
@@ -55,7 +56,9 @@ def verify(ckpt: Storage, handler: Checks, level: Level = "checksums", progress:
     t0 = time.perf_counter()
     job = current()
     checked = handler.check(ckpt, level, split=ALONE if job is None else _JobSplit(job), progress=progress)
-    return report_of(ckpt.url, checked, time.perf_counter() - t0, job.nodes if job is not None else ())
+    report = report_of(ckpt.url, checked, time.perf_counter() - t0, job.nodes if job is not None else ())
+    report.numbered_by = numbered_by(handler, name_of(ckpt))  # type: ignore[arg-type]  # a file format: by step
+    return report
 
 
 def verify_entry(entry: Checkpoint, level: Level = "checksums", progress: Progress | None = None) -> VerifyReport:

@@ -105,7 +105,8 @@ class Latest:
     exports: list[SkippedExport] = field(default_factory=list)  # newer exports passed over
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.report.url, "step": self.step, "format": self.layout, "level": self.report.level,
+        return {"url": self.report.url, "step": self.step, "numbered_by": self.report.numbered_by,
+                "format": self.layout, "level": self.report.level,
                 "resume": self.resume.to_dict(), "note": self.report.note,
                 "skipped": [r.to_dict() for r in self.skipped], **self.kind.to_dict(),
                 "skipped_exports": [e.to_dict() for e in self.exports]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ckptctl.layouts.base import numbered
 from ckptctl.layouts.checked import Checked, Level, Problem, checked_by
 
 
@@ -43,6 +44,8 @@ class VerifyReport:
     # file's format records no checksum, whatever level was asked for; and how to get them.
     checked: str = ""
     seal_hint: str | None = None
+    # What ``step`` counts (``layouts.base.Numbering``): accelerate's checkpoint_N, a "save index".
+    numbered_by: str = "step"
 
     def __post_init__(self) -> None:
         self.checked = self.checked or self.level
@@ -50,6 +53,11 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def label(self) -> str:
+        """``step 20``, or ``save index 2``: its number named for what it counts."""
+        return numbered(self.numbered_by, self.step)
 
     def to_dict(self) -> dict:
         d = asdict(self)
