@@ -23,6 +23,8 @@ far more than within one. Three figures per save:
 
   dcp         ``dcp.save`` (FileSystemWriter, sync_files=True) vs ``Writer``
   dcp-async   ``dcp.async_save`` (FileSystemWriter) vs ``Writer``, until the future is done
+  dcp-tap     ``dcp.save`` through ``Writer`` hashing every piece on the saving thread (as it did
+              before) vs ``Writer`` as it is (large pieces hashed on a helper during their write)
   lightning   ``TorchCheckpointIO.save_checkpoint`` vs ``CheckpointIO()``
   lightning-async  ``AsyncCheckpointIO(TorchCheckpointIO())`` vs ``CheckpointIO(asynchronous=True)``
   trainer     ``Trainer._save_checkpoint`` + ``on_save`` callbacks, without and with ``SealCallback``
@@ -119,6 +121,22 @@ def dcp_pair(state: dict[str, torch.Tensor], asynchronous: bool) -> tuple[Callab
         return clock.done()
 
     return (lambda p: run(p, FileSystemWriter(p, sync_files=True)), lambda p: run(p, Writer(p)))
+
+
+def dcp_tap_pair(state: dict[str, torch.Tensor]) -> tuple[Callable[[str], Timing], Callable[[str], Timing]]:
+    from ckptctl.integrations import stream
+
+    _base, ours = dcp_pair(state, asynchronous=False)
+    beside = stream.TAP_BESIDE
+
+    def inline(path: str) -> Timing:
+        stream.TAP_BESIDE = 1 << 62  # no piece is that large: every one hashed on the saving thread
+        try:
+            return ours(path)
+        finally:
+            stream.TAP_BESIDE = beside
+
+    return inline, ours
 
 
 def lightning_pair(state: dict[str, torch.Tensor], asynchronous: bool) -> tuple[Callable[[str], Timing], Callable[[str], Timing]]:
@@ -273,6 +291,8 @@ def main() -> None:
         for name in wanted:
             if name in ("dcp", "dcp-async"):
                 pair = dcp_pair(state, name == "dcp-async")
+            elif name == "dcp-tap":
+                pair = dcp_tap_pair(state)
             elif name in ("lightning", "lightning-async"):
                 pair = lightning_pair(state, name == "lightning-async")
             elif name == "trainer":
