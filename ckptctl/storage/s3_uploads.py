@@ -7,7 +7,7 @@ of another object:
 
 * **One writer per object.** A writer about to start a multipart upload of key K first aborts
   the unfinished uploads of exactly K (``supersede``), as ``abort_stale_uploads(keys=...)``
-  does for the keys a copy is about to write. Such an upload is a dead writer's (a killed save
+  does for the keys a copy is about to write (their writers then skip that listing). Such an upload is a dead writer's (a killed save
   or copy of the same step, now run again) or a live one racing this writer for the same
   object, a race one of them loses anyway: S3 keeps one object per key, and a conditional
   complete lets only the first one win. Aborting it ends that race at the other's next request
