@@ -36,3 +36,36 @@ def test_verify_of_a_trainer_checkpoint_on_s3_opens_each_file_once(tmp_path, s3_
     # One HEAD per file for the checks, plus the commit rule's look at trainer_state.json and the
     # classifier's: before the files were opened once, a torch file alone took four.
     assert len(names) <= counts.get("HeadObject", 0) <= len(names) + 4, (counts, names)
+
+
+def test_cp_to_s3_lists_unfinished_uploads_once_not_per_file(tmp_path, s3_url):
+    # The copy aborts the open uploads of the keys it is about to write (one listing of the
+    # directory); each file's writer then listed the same key's uploads again before its first
+    # part: a request per file on the path of every cp, restore and tier promotion.
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+    from ckptctl.ops.transform.reshard import reshard
+
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        ck.save(1, {"w": torch.arange(3 << 20, dtype=torch.float32)}).wait()  # 12 MiB
+    src = str(tmp_path / "three" / step_dir(1))
+    reshard(open_storage(str(tmp_path / "one" / step_dir(1))), open_storage(src), 3)
+    # Parts of 5 MiB: every 4 MiB file is past a 1 MiB threshold, so each is a multipart upload.
+    dst = open_storage(s3_url, multipart_threshold=1 << 20, part_size=5 << 20)
+    counts: dict[str, int] = {}
+    client = dst._client.s3  # type: ignore[attr-defined]
+
+    def count(event_name: str, **_kw: object) -> None:
+        op = event_name.rsplit(".", 1)[-1]
+        counts[op] = counts.get(op, 0) + 1
+
+    client.meta.events.register("before-call.s3", count)
+    try:
+        copy_checkpoint(open_storage(src), dst.sub(step_dir(1)))
+    finally:
+        client.meta.events.unregister("before-call.s3", count)
+    assert counts.get("CreateMultipartUpload") == 3, counts
+    assert counts.get("ListMultipartUploads") == 1, counts  # on main: 4 (the copy's, then one per file)

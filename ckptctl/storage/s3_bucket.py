@@ -9,6 +9,7 @@ the three imports it, and none of them imports another's storage class, so they 
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -28,6 +29,10 @@ class Bucket:
     def __init__(self, name: str, endpoint_url: str | None) -> None:
         self.name = name
         self._holder = ClientHolder(endpoint_url)
+        # Full keys whose unfinished uploads this process has just aborted, for the writer about
+        # to write each (``s3_uploads``): that writer need not list them again.
+        self._cleared: set[str] = set()
+        self._cleared_lock = threading.Lock()
 
     @property
     def client(self) -> Client:
@@ -40,6 +45,19 @@ class Bucket:
             yield
         except (ClientError, BotoCoreError) as err:
             raise s3_error(err, shown, self.name, self._holder.endpoint()) from err
+
+    def mark_cleared(self, keys: list[str]) -> None:
+        with self._cleared_lock:
+            self._cleared.update(keys)
+
+    def take_cleared(self, key: str) -> bool:
+        """Whether ``key``'s uploads were cleared for the writer asking, once: the next writer
+        of the key finds it unmarked and lists them again."""
+        with self._cleared_lock:
+            if key not in self._cleared:
+                return False
+            self._cleared.discard(key)
+            return True
 
     def checksum_args(self) -> dict[str, str]:
         """The checksum a PUT or part carries, so S3 refuses bytes corrupted on the way."""

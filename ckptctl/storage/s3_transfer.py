@@ -429,6 +429,7 @@ class S3Writer(Writer):
 
     def _finish(self, state: str) -> None:
         self._state = state
+        self._bucket.take_cleared(self._obj)  # a one-PUT object never asked: the mark goes with its writer
         for future in self._futures:
             future.cancel()
         # A part still uploading must land before the abort, or it would outlive it.

@@ -7,7 +7,7 @@ of another object:
 
 * **One writer per object.** A writer about to start a multipart upload of key K first aborts
   the unfinished uploads of exactly K (``supersede``), as ``abort_stale_uploads(keys=...)``
-  does for the keys a copy is about to write. Such an upload is a dead writer's (a killed save
+  does for the keys a copy is about to write (their writers then skip that listing). Such an upload is a dead writer's (a killed save
   or copy of the same step, now run again) or a live one racing this writer for the same
   object, a race one of them loses anyway: S3 keeps one object per key, and a conditional
   complete lets only the first one win. Aborting it ends that race at the other's next request
@@ -66,7 +66,13 @@ def supersede(bucket: Bucket, obj_key: str, shown: str) -> int:
     """Abort every unfinished upload of exactly ``obj_key``; returns how many were aborted.
 
     A policy that may not list uploads (no ``s3:ListBucketMultipartUploads``) skips this: the
-    write is what matters here, and ``prune`` (or a lifecycle rule) cleans up later."""
+    write is what matters here, and ``prune`` (or a lifecycle rule) cleans up later. So does a
+    key whose uploads ``abort_idle`` aborted for this writer a moment ago (a copy names the keys
+    it is about to write): listing them again cost every copied file a request before its
+    first part (an upload started since is a racing writer's; the conditional complete still
+    lets only one of them publish)."""
+    if bucket.take_cleared(obj_key):
+        return 0
     listed = _list(bucket, obj_key, shown, denied_ok=True)
     if listed is None:
         return 0
@@ -104,6 +110,7 @@ def abort_idle(
             chosen.append((key, upload))
     if not dry_run:
         chosen = [(key, u) for key, u in chosen if _abort(bucket, u, shown)]
+        bucket.mark_cleared([storage_prefix + key for key in keys])
     return sorted(key for key, _ in chosen)
 
 
