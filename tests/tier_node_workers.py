@@ -303,24 +303,22 @@ class Job:
         for p in self.procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGUSR1)
+        self._signal_ranks(signal.SIGUSR1)
+        time.sleep(2)
+
+    def _signal_ranks(self, sig: int) -> None:
+        """Send ``sig`` to every rank that wrote its pid file and is still there."""
         for r in range(4):
             path = os.path.join(self.out, f"pid{r}")
             if os.path.exists(path):
                 try:
-                    os.kill(int(open(path).read()), signal.SIGUSR1)
+                    os.kill(int(open(path).read()), sig)
                 except ProcessLookupError:
                     pass
-        time.sleep(2)
 
     def kill(self) -> None:
         """SIGKILL every rank (torchrun starts each in a session of its own) and both agents."""
-        for r in range(4):
-            path = os.path.join(self.out, f"pid{r}")
-            if os.path.exists(path):
-                try:
-                    os.kill(int(open(path).read()), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        self._signal_ranks(signal.SIGKILL)
         for p in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
