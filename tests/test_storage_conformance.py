@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 
 from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError, UsageError
-from ckptctl.settings import WRITE_BEHIND
+from ckptctl.settings import WRITE_BEHIND, WRITE_BEHIND_LAG
 from ckptctl.storage import Storage, open_storage
 from ckptctl.storage.local import LocalStorage
 from ckptctl.storage.s3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Storage, part_size_for
@@ -473,6 +473,23 @@ def test_local_write_behind_keeps_bytes_and_leaves_the_cache(local: LocalStorage
         writer.write(data)
     assert _cached(path, 0, 1 << 20) is False
     assert _cached(path, size - (1 << 20), 1 << 20) is False
+
+
+def test_local_write_behind_bounds_the_cache_while_writing(local: LocalStorage) -> None:
+    # Memory bounded by a few windows, not the file: while a large file is still being written,
+    # its first window is already on disk and out of the page cache, its newest still cached.
+    if not WRITE_BEHIND:
+        pytest.skip("write-behind turned off (CKPTCTL_WRITE_BEHIND_MIB=0)")
+    window = WRITE_BEHIND
+    with local.open_writer("step/big") as writer:
+        for i in range(WRITE_BEHIND_LAG + 3):
+            writer.write(_pattern(window, seed=i))
+        (tmp,) = [e.path for e in os.scandir(local.local_path("step")) if e.name.startswith(".big.tmp-")]
+        first = _cached(tmp, 0, 1 << 20)
+        if first is None:
+            pytest.skip("this filesystem does not answer RWF_NOWAIT reads")
+        assert first is False
+        assert _cached(tmp, (WRITE_BEHIND_LAG + 3) * window - (1 << 20), 1 << 20)
 
 
 def test_local_writer_overwrite_replaces_written_bytes_only(local: LocalStorage) -> None:
