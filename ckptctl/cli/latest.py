@@ -8,7 +8,7 @@ from ckptctl.cli.common import JsonOpt, QuietOpt, answer, command, emit_json, er
 from ckptctl.cli.text import shell_join, shell_quote
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT
-from ckptctl.ops.verbs import latest_for
+from ckptctl.ops.verify_verbs import latest_for
 
 # Shared with `verify --latest`: the same choice, the same words.
 AnyOpt = Annotated[bool, typer.Option(
