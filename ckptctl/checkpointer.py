@@ -12,7 +12,8 @@ It composes parts that know nothing of each other: the save path (``save.saver``
 load path (``load.loader``), when asked for, library retention (``ops.retention.background``,
 the same policy and safety checks as ``ckptctl prune``) and tiers (``tiers``: commit to the
 first, promote to the next in the background). Choosing which checkpoint to resume from, and
-agreeing on it across ranks, is done here, where the two paths meet.
+agreeing on it across ranks, is ``resume``'s (``load_newest``), beside this module, where the
+two paths meet.
 """
 
 from __future__ import annotations
@@ -20,33 +21,24 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Sequence
 
-from ckptctl.errors import (
-    CkptError,
-    InvalidCheckpoint,
-    NotFound,
-    OperationalError,
-    StateError,
-    StorageError,
-    UsageError,
-)
+from ckptctl.errors import CkptError, UsageError
 from ckptctl.load.loader import load_checkpoint
 from ckptctl.ops.retention.background import BackgroundRetention
 from ckptctl.ops.retention.policies import Policy, RetentionPolicy
-from ckptctl.save.coordination import AGREE_FATAL, AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S
+from ckptctl.resume import load_newest
+from ckptctl.save.coordination import AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S
 from ckptctl.save.saver import SaveHandle, Saver
 from ckptctl.storage import Storage, open_storage
 from ckptctl.tiers.chain import Tiers
 from ckptctl.tiers.durability import Flushed
 from ckptctl.tiers.health import Trouble
 from ckptctl.tiers.node_chain import make_tiers
-from ckptctl.tiers.recovery import committed_across
 from ckptctl.tiers.spec import Tier
 
 DEFAULT_PROMOTE_TIMEOUT_S = 600.0  # how long close() waits for the last checkpoint to reach the last tier
 RELEASE_MARGIN_S = 30.0  # other ranks wait this much longer than rank 0's flush for its stop
-MAX_ATTEMPTS = 4  # attempts at one step: its nearest copy, the partner node's, each later tier's
 
 __all__ = ["Checkpointer", "Flushed", "SaveHandle", "Tier", "Trouble"]
 
@@ -190,11 +182,6 @@ class Checkpointer:
             self._tiers.begin(self.rank, self.world_size, coord.group.group_name if coord is not None else None,
                               timeout_s, liveness_s)
 
-    def _everyone(self, verdict: int) -> int:
-        """The lowest of every rank's verdict (this one's, in a single process)."""
-        coord = self._saver.coordinator
-        return verdict if coord is None else self._saver.collective(coord.agree, verdict)
-
     # --- saving -----------------------------------------------------------------------------
 
     def prepare(self, state: dict[str, Any]) -> bool:
@@ -318,67 +305,11 @@ class Checkpointer:
         of it; if any rank found its part corrupt, every rank moves on to the next older one
         together, so no two ranks ever resume from different steps.
         """
-        step = self._load_latest(state, strict, prepare)
+        step = load_newest(self._saver, self._tiers, self._roots,
+                           lambda ckpt: self.load(ckpt, state, strict=strict, prepare=prepare))
         if prepare:
             self._saver.prepare_when_stepped(state)
         return step
-
-    def _load_latest(self, state: dict[str, Any], strict: bool, prepare: bool) -> int | None:
-        coord = self._saver.coordinator
-        # Only rank 0 lists and reads markers: the others take its list, so the listing's
-        # cost does not grow with the number of ranks. A node-local first tier first tells
-        # rank 0 which steps the other nodes hold (every rank calls it; a no-op otherwise).
-        if self._tiers is not None:
-            self._tiers.gather()
-        if coord is None:
-            names: Iterable[tuple[int, str]] = self._candidates()  # lazily: one root costs what it always did
-        else:
-            names = self._saver.collective(coord.from_rank0, list(self._candidates()) if self.rank == 0 else [])
-        outage: OperationalError | None = None
-        for tier, name in names:
-            for _ in range(MAX_ATTEMPTS):  # each attempt reads the copies the one before did not
-                ckpt = self._at(tier, name)
-                step, error = None, None
-                try:
-                    step = self.load(ckpt, state, strict=strict, prepare=prepare)
-                    verdict = AGREE_OK
-                except (InvalidCheckpoint, NotFound) as e:
-                    error, verdict = e, AGREE_SKIP
-                except OperationalError as e:  # with tiers, one unreachable: another copy, or an older step
-                    error, verdict, outage = e, (AGREE_SKIP if self._tiers is not None else AGREE_FATAL), e
-                except CkptError as e:  # a mismatch with the state: no older checkpoint fixes it
-                    error, verdict = e, AGREE_FATAL
-                everyone = self._everyone(verdict)
-                if everyone == AGREE_OK:
-                    if self._tiers is not None:
-                        self._tiers.loaded(ckpt)
-                    return step
-                if everyone == AGREE_FATAL:
-                    if error is not None and verdict == AGREE_FATAL:
-                        raise error
-                    raise StateError(
-                        f"{ckpt.url}: another rank could not load its part of this checkpoint",
-                        hint="the failing rank's error says why (for example a shape mismatch)",
-                    )
-                # Every copy of a step before an older step: again, when some rank set a damaged one aside.
-                again = self._tiers is not None and error is not None and self._tiers.avoid(ckpt, error)
-                if self._everyone(AGREE_SKIP if again else AGREE_OK) == AGREE_OK:
-                    break
-            log.warning("skipping %s: %s", ckpt.url, error or "another rank found its part of it corrupt or missing")
-        # Nothing loaded. Not "no checkpoint" when a tier could not be reached: the job would start over.
-        if self._everyone(AGREE_SKIP if outage is not None else AGREE_OK) == AGREE_SKIP:
-            if outage is not None:
-                raise outage
-            raise StorageError("no checkpoint could be loaded, and another rank could not reach a tier",
-                               hint="that rank's log says which; resume once the tier is back")
-        return None
-
-    def _candidates(self) -> Iterator[tuple[int, str]]:
-        return self._tiers.candidates() if self._tiers is not None else committed_across(self._roots)
-
-    def _at(self, tier: int, name: str) -> Storage:
-        # A node-local first tier reads each file from the nearest tier holding it.
-        return self._tiers.checkpoint(tier, name) if self._tiers is not None else self._roots[tier].sub(name)
 
     # --- lifetime ---------------------------------------------------------------------------
 

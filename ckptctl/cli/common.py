@@ -56,6 +56,8 @@ class _Console(Console):
 out = _Console(soft_wrap=True, markup=False, highlight=False, emoji=False)  # data
 err = _Console(stderr=True, soft_wrap=True, markup=False, highlight=False, emoji=False)  # diagnostics, progress
 
+# The ROOT of the verbs that work on a whole root of checkpoints (ls, du, prune, latest).
+RootArg = Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")]
 JsonOpt = Annotated[bool, typer.Option(
     "--json",
     help='Print one JSON document on stdout, with "schema": 2 (bumped when a field changes meaning or name; the '

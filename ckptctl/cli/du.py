@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, print_table, say
+from ckptctl.cli.common import JsonOpt, QuietOpt, RootArg, command, emit_json, err, human_bytes, print_table, say
 from ckptctl.cli.policy import RetentionOptions, retention_options
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
@@ -15,7 +15,7 @@ from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S
 @command
 @retention_options
 def du(
-    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
+    root: RootArg,
     retention: RetentionOptions,
     partial_after: Annotated[str, typer.Option("--partial-after", help="As prune: directories without a marker count as abandoned once idle for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="As prune: count committed checkpoints that fail verification as freed.")] = False,

@@ -4,11 +4,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, answer, command, emit_json, err, say
+from ckptctl.cli.common import JsonOpt, QuietOpt, RootArg, answer, command, emit_json, err, say
 from ckptctl.cli.text import shell_join, shell_quote
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT
-from ckptctl.ops.verbs import latest_for
+from ckptctl.ops.verify_verbs import latest_for
 
 # Shared with `verify --latest`: the same choice, the same words.
 AnyOpt = Annotated[bool, typer.Option(
@@ -19,7 +19,7 @@ AnyOpt = Annotated[bool, typer.Option(
 
 @command
 def latest(
-    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.")],
+    root: RootArg,
     level: Annotated[str, typer.Option("--level", help="How hard to check: quick, checksums or load.")] = "checksums",
     format: Annotated[Optional[list[str]], typer.Option(
         "--format", "--layout", help="Only checkpoints of this layout (repeatable): a name from ckptctl-layouts(7), such as "

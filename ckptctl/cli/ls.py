@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.common import command, emit_json, err, human_bytes, print_table, say
+from ckptctl.cli.common import RootArg, command, emit_json, err, human_bytes, print_table, say
 from ckptctl.durations import format_duration
 from ckptctl.ops.tier_listing import list_tiers
 from ckptctl.ops.verbs import list_root
@@ -14,7 +14,7 @@ NOT_A_STEP = "*"  # after a STEP that counts something else (accelerate's checkp
 
 @command
 def ls(
-    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
+    root: RootArg,
     json: Annotated[bool, typer.Option(
         "--json",
         help='Print one JSON object on stdout: {"url", "checkpoints": [{step, name, url, status, bytes, created, '

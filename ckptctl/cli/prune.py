@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, human_bytes, out, print_table
+from ckptctl.cli.common import JsonOpt, QuietOpt, RootArg, command, emit_json, err, human_bytes, out, print_table
 from ckptctl.cli.policy import RetentionOptions, retention_options
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
@@ -22,7 +22,7 @@ def interactive() -> bool:
 @command
 @retention_options
 def prune(
-    root: Annotated[str, typer.Argument(help="Checkpoint root: a directory or s3://bucket/prefix.", metavar="ROOT")],
+    root: RootArg,
     retention: RetentionOptions,
     partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker once nothing in them changed for DURATION; on S3, also abort unfinished uploads inside checkpoint directories idle that long.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="Also delete committed checkpoints that fail verification.")] = False,

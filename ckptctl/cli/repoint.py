@@ -6,7 +6,7 @@ import typer
 
 from ckptctl.cli.common import JsonOpt, QuietOpt, command, emit_json, err, say
 from ckptctl.cli.progress import byte_progress
-from ckptctl.ops.verbs import repoint_root
+from ckptctl.ops.verify_verbs import repoint_root
 
 
 @command

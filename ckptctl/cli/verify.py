@@ -9,11 +9,11 @@ from ckptctl.cli.ranks import rank0_speaks
 from ckptctl.cli.latest import AnyOpt
 from ckptctl.cli.progress import byte_progress
 from ckptctl.errors import EXIT_CHECKPOINT, UsageError
-from ckptctl.ops.verbs import verify_path, verify_tiers
+from ckptctl.ops.verify_verbs import verify_path, verify_tiers
 
 if TYPE_CHECKING:
     from ckptctl.ops.repoint import PointerCheck
-    from ckptctl.ops.verbs import VerifyOutcome
+    from ckptctl.ops.verify_verbs import VerifyOutcome
     from ckptctl.ops.verify.report import VerifyReport
     from ckptctl.ops.verify.whole import WholeOutcome
 

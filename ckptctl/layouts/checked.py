@@ -5,7 +5,8 @@
   checksums that exist: a manifest's, a seal's, the stack's own CRC-32s), ``load`` (every file
   the stack reads on resume test-loaded, or decoded structurally where torch refuses it).
 - ``Problem``: one thing wrong, located as precisely as it can be (file, tensor, byte range).
-- ``Checked``: everything one check found; ``ops.verify`` turns it into the report a verb prints.
+- ``Checked``: everything one check found, the one record of it; a verb's report
+  (``ops.verify.report.VerifyReport``) is a view of it, adding where and how long.
 - ``Split``: how the work of one check is shared by the processes of one job (a ``verify``
   started by torchrun): which files this process reads, and everyone's results. A layout asks
   it and never talks to torch.distributed itself; ``ALONE`` is one process doing all of it.

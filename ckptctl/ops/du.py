@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl.ops.listing import Listed, list_checkpoints, wrong_level_error
-from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S, PrunePlan, plan
+from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S, plan
+from ckptctl.ops.retention.planned import PrunePlan
 from ckptctl.ops.retention.policies import RetentionPolicy
 from ckptctl.ops.targets import open_root
 from ckptctl.progress import Progress

@@ -3,7 +3,8 @@
 * ``policies`` (with ``base`` and ``best``): the rules, small pure objects that say why each
   checkpoint is kept (``KeepLast(3) | KeepEvery(1000)``), shared by the CLI and the library;
 * ``plan``, ``execute`` and ``prune``: restic-style: plan first (anchors verified), print the
-  plan, then execute against the snapshot the plan was made from;
+  plan, then execute against the snapshot the plan was made from; ``planned``: what a plan
+  says (``PlanItem``, ``PrunePlan``);
 * ``background``: the library's retention after each commit (``Checkpointer(retention=...)``).
 
 May import: ``format``, ``storage``, ``layouts``, ``ops.verify``, ``ops.seal``, ``ops.lock`` (the

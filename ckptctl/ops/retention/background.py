@@ -34,12 +34,12 @@ from ckptctl.errors import CheckpointError, CkptError
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard_identity import header_matches
 from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS
+from ckptctl.layouts.checked import Checked
 from ckptctl.layouts.native_read import read_committed, read_header
 from ckptctl.layouts.shard_scan import stream_file
 from ckptctl.ops.retention.prune import prune
 from ckptctl.ops.retention.policies import KeepEvery, KeepLast, Policy, RetentionPolicy
 from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, fingerprint
-from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.storage.base import Storage
 
 log = logging.getLogger("ckptctl")
@@ -95,9 +95,9 @@ class BackgroundRetention:
             except CheckpointError as e:
                 log.warning("retention: %s no longer reads as committed: %s", url, e)
                 continue
-            cache.record(name, fp, VerifyReport(url, "load", step=manifest.step, files=len(manifest.files),
-                                                tensors=len(manifest.tensors),
-                                                note="each rank re-read the shard it wrote, after the commit"))
+            cache.record(name, fp, Checked("load", step=manifest.step, files=len(manifest.files),
+                                           tensors=len(manifest.tensors),
+                                           notes=["each rank re-read the shard it wrote, after the commit"]))
         cache.save()
 
     def after(self, step: int, save: "Future[str | None]") -> None:

@@ -11,7 +11,8 @@ from typing import Any, Literal
 from ckptctl.errors import CkptError, RefusedForSafety
 from ckptctl.layouts.removal import entry_snapshot, remove_entry
 from ckptctl.ops.lock import RootLock
-from ckptctl.ops.retention.plan import Action, PlanItem, PrunePlan, cached_names, raise_if_refused
+from ckptctl.ops.retention.plan import cached_names
+from ckptctl.ops.retention.planned import Action, PlanItem, PrunePlan, raise_if_refused
 from ckptctl.ops.verify.cache import fingerprint
 from ckptctl.storage.base import Storage
 

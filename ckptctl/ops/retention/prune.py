@@ -45,17 +45,8 @@ from ckptctl.layouts.catalog import LAYOUTS
 from ckptctl.ops.transfer import uploads
 from ckptctl.ops.lock import DEFAULT_STALE_AFTER_S, RootLock
 from ckptctl.ops.retention.execute import ItemOutcome, PruneOutcome, Result, execute
-from ckptctl.ops.retention.plan import (
-    ANCHOR_LEVEL,
-    DEFAULT_PARTIAL_AFTER_S,
-    Action,
-    Kind,
-    PlanItem,
-    PrunePlan,
-    Snapshot,
-    plan,
-    raise_if_refused,
-)
+from ckptctl.ops.retention.plan import ANCHOR_LEVEL, DEFAULT_PARTIAL_AFTER_S, plan
+from ckptctl.ops.retention.planned import Action, Kind, PlanItem, PrunePlan, Snapshot, raise_if_refused
 from ckptctl.ops.retention.policies import RetentionPolicy
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage

@@ -41,6 +41,7 @@ from typing import Any, Literal
 from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, RefusedForSafety
 from ckptctl.layouts.base import Checkpoint, Layout
 from ckptctl.layouts.catalog import layout_named, list_checkpoints
+from ckptctl.layouts.checked import Checked
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.removal import entry_snapshot, remove_entry
 from ckptctl.progress import counting_only, expect_bytes
@@ -49,7 +50,6 @@ from ckptctl.ops.targets import open_root
 from ckptctl.ops.transfer import uploads
 from ckptctl.ops.transfer.engine import copy_in_layout
 from ckptctl.ops.transfer.uploads import UPLOAD_IDLE_S
-from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.ops.verify.cache import VerifyCache, fingerprint, verify_cached
 from ckptctl.progress import Progress
 from ckptctl.storage import open_storage
@@ -225,7 +225,7 @@ def _one(entry: Checkpoint, layout: Layout, dst_root: Storage, cache: VerifyCach
             item.action, item.bytes, item.detail = "copied", copied.bytes_copied, copied.note
         fp = fingerprint(dst, layout)
         if fp is not None and not vouched:  # checked on the way: the next sync need not download it again
-            cache.record(entry.name, fp, VerifyReport(dst.url, CHECK_LEVEL, step=entry.step, files=copied.files))
+            cache.record(entry.name, fp, Checked(CHECK_LEVEL, step=entry.step, files=copied.files))
     except NotFound as e:  # pruned at SRC while we looked: nothing to mirror any more
         item.action, item.detail = "skipped", f"gone from SRC during the sync: {e}"
     except (InvalidCheckpoint, RefusedForSafety) as e:

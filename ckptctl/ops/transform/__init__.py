@@ -4,7 +4,9 @@
 * ``convert``: into another file format, or from another tool's (``ckptctl convert``), with
   ``convert_tree`` for the state tree's names (``--only``, ``--strip-prefix``);
 * ``stream_shard``: writing one shard in two passes with bounded memory, and
-  ``reshard_source``: checking the source chunks as they are read.
+  ``reshard_source``: checking the source chunks as they are read;
+* ``safety``: what both keep around what they write: a new target, never the source, a
+  verified source, a result verified before success (its marker removed if it fails).
 
 May import: ``format``, ``storage``, ``load``, ``state``, ``interop``, ``layouts``,
 ``ops.verify`` (a source is verified before it is read), ``ops.distributed`` (reshard's

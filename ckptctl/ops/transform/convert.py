@@ -71,7 +71,7 @@ from ckptctl.layouts.classify import classify
 from ckptctl.layouts.native_commit import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
 from ckptctl.ops.transform.convert_tree import filter_tree, strip_names, strip_tree, tree_of
-from ckptctl.ops.transform.reshard import prepare_target, require_verified, same_place
+from ckptctl.ops.transform.safety import prepare_target, require_verified, same_place
 from ckptctl.ops.transform.stream_shard import ChunkSpec, write_shard_streaming
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage import Storage, open_storage

@@ -17,9 +17,9 @@ The layout rule (what a target rank holds):
   ``rank_state_from_rank_0``): a load restores rank 0's copy there and says why
   (``load.into_state``), and the report says so too.
 
-Safety: the source is verified (every checksum) before anything is committed and is only ever
-read: its structure and file checksums first (``check_source``, ``check_source_files``: no
-tensor data read), then each chunk's bytes against its checksum as pass 1 or pass 2 reads them
+Safety (the rules convert shares are in ``ops.transform.safety``): the source is verified
+(every checksum) before anything is committed and is only ever read: its structure and file
+checksums first (``check_source``, ``check_source_files``: no tensor data read), then each chunk's bytes against its checksum as pass 1 or pass 2 reads them
 (so a corrupt source is refused before anything is committed, and each source byte is read
 twice, not three times). A refused or failed write removes the shard files it left in the
 target (which was empty before it started).
@@ -40,7 +40,6 @@ source's structure first, gathers the file entries, commits and verifies the res
 from __future__ import annotations
 
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -48,20 +47,17 @@ from typing import Callable
 
 import torch
 
-from ckptctl.errors import CkptError, InvalidCheckpoint, RefusedForSafety, UsageError
+from ckptctl.errors import CkptError, UsageError
 from ckptctl.format import dtypes
-from ckptctl.format.layout import MARKER, shard_name
+from ckptctl.format.layout import shard_name
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
 from ckptctl.load.reader import CheckpointReader, ReadJob
-from ckptctl.layouts.native_commit import check_target_name, commit, remove, uncommit
+from ckptctl.layouts.native_commit import commit
 from ckptctl.layouts.native_read import read_committed
-from ckptctl.format.checksum import file_checksum
 from ckptctl.ops.distributed import collective
 from ckptctl.ops.transform.reshard_source import checked_source_checksums
+from ckptctl.ops.transform.safety import check_source, check_source_files, prepare_target, require_verified
 from ckptctl.ops.transform.stream_shard import ChunkSpec, ShardWritten, write_shard_streaming
-from ckptctl.layouts.checked import Level
-from ckptctl.ops.verify.engine import verify_checkpoint
-from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.settings import MAX_WORLD_SIZE, STREAM_PIECE
 from ckptctl.state.buffers import TensorBuffer
@@ -302,26 +298,6 @@ def _agree(dist_on: bool, failure: CkptError | None) -> None:
         raise failure
 
 
-def prepare_target(src: Storage, dst: Storage, *, overwrite: bool, step: int | None = None) -> None:
-    """Refuse to write onto the source, into the directory of another step than ``step`` or,
-    without ``overwrite``, onto anything that exists. With ``overwrite`` a committed target is
-    removed, marker first; an uncommitted one's files (an interrupted run's) are left alone:
-    the new shards are published beside them without replacing any (their names taken, under
-    the attempt's own), and only the files the manifest names count."""
-    if same_place(src, dst):
-        raise UsageError(f"{dst.url} is the source itself", hint="write the result to a new directory; the source is never modified")
-    if step is not None:
-        check_target_name(dst, step)
-    existing = list(dst.list())
-    if not existing:
-        return
-    if not overwrite:
-        raise RefusedForSafety(f"{dst.url} already exists and holds {len(existing)} file(s)",
-                               hint="choose a new directory, or pass --overwrite to replace it")
-    if dst.stat(MARKER) is not None:
-        remove(dst)  # marker first: an interrupted overwrite must never leave a committed-looking target
-
-
 def _remove_written(dst: Storage, written: list[FileEntry]) -> None:
     """After a refused or failed write, remove the shard files this rank wrote, by the names
     their publishes took (nobody else's); no marker exists yet. A file that cannot be removed
@@ -332,60 +308,3 @@ def _remove_written(dst: Storage, written: list[FileEntry]) -> None:
         except (CkptError, OSError):
             return
     dst.remove_dir("")  # only if empty; a directory the user named is kept, empty
-
-
-def same_place(a: Storage, b: Storage) -> bool:
-    """Whether two storages are the same place, or one lies inside the other."""
-    pa, pb = a.local_path(), b.local_path()
-    if pa is not None and pb is not None:
-        ra, rb = os.path.realpath(pa), os.path.realpath(pb)
-        return ra == rb or rb.startswith(ra.rstrip("/") + "/") or ra.startswith(rb.rstrip("/") + "/")
-    ua, ub = a.url.rstrip("/") + "/", b.url.rstrip("/") + "/"
-    return ua.startswith(ub) or ub.startswith(ua)
-
-
-def check_source(src: Storage) -> None:
-    """Rank 0's check of the source before anything is written: ``quick`` (marker, manifest,
-    every file present at its size, headers that agree with the manifest), no tensor data read.
-    Every chunk of a source that passes has a checksum (``quick`` refuses a shard with a chunk
-    without one: ``format.shard_identity``), so its data is checked chunk by chunk as it is read."""
-    require_verified(src, level="quick")
-
-
-def check_source_files(reader: CheckpointReader) -> None:
-    """Each source file's checksum, rebuilt from the header bytes the reader parsed and the
-    chunk checksums it will check the data against (the file checksum is defined that way,
-    ``format.checksum.file_checksum``): the headers in use are the committed ones. The data is
-    checked chunk by chunk as it is read, before anything is committed: pass 1
-    (``checked_source_checksums``) checks every source chunk it reads, pass 2 checks every
-    whole source chunk it copies against that chunk's checksum, and every chunk is one or the
-    other. With ``check_source`` that is the whole ``checksums`` verification, each source byte
-    read for it as part of a pass that reads it anyway."""
-    for f in reader.manifest.files:
-        h = reader.headers[f.name]
-        chunks = sorted(h.chunks, key=lambda c: c.begin)
-        # Every chunk has a checksum: the reader refused any header without one (shard_identity);
-        # were one missing, "" makes the file checksum differ: refused, never skipped.
-        if file_checksum(h.header_bytes, [c.checksum or "" for c in chunks]) != f.checksum:
-            raise InvalidCheckpoint(
-                f"{reader.storage.url}: the source failed verification: {f.name}: file checksum does not match the manifest",
-                hint="run `ckptctl verify` on it; reshard a good checkpoint instead (`ckptctl latest`)",
-            )
-
-
-def require_verified(ckpt: Storage, *, level: Level = "checksums", after_write: bool = False) -> VerifyReport:
-    """Verify ``ckpt``; raise InvalidCheckpoint naming the first problem. A freshly written
-    target that fails loses its marker, so it never looks committed."""
-    rep = verify_checkpoint(ckpt, level)
-    if rep.ok:
-        return rep
-    if after_write:
-        uncommit(ckpt)
-    first = rep.problems[0]
-    more = f" (and {len(rep.problems) - 1} more problem(s))" if len(rep.problems) > 1 else ""
-    what = "the result" if after_write else "the source"
-    raise InvalidCheckpoint(
-        f"{ckpt.url}: {what} failed verification: {first}{more}",
-        hint=first.hint or ("nothing was committed; check the target storage and retry" if after_write
-                            else "run `ckptctl verify` on it; reshard a good checkpoint instead (`ckptctl latest`)"),
-    )

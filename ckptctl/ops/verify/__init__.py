@@ -2,7 +2,8 @@
 
 * ``engine``: the one road for every checkpoint of every layout (and every file format): its
   handler's ``check`` (``layouts``), split over a torchrun job's ranks, made a report;
-* ``report``: ``VerifyReport``, what ``verify`` prints and its JSON;
+* ``report``: ``VerifyReport``, what ``verify`` prints and its JSON: a view of the layout's
+  ``Checked`` with the URL, the time taken and the ranks that shared it;
 * ``latest``: a root's checkpoints newest first (``verify --latest/--all``, ``latest``);
 * ``whole``: a step judged whole across several roots (``verify --latest --tier URL``: a
   node-local tier's roots hold one node's part each);

@@ -32,7 +32,7 @@ from typing import Any
 from ckptctl.errors import InvalidCheckpoint, NotFound, StorageError
 from ckptctl.format import parse
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.checked import LEVELS, Level
+from ckptctl.layouts.checked import LEVELS, Checked, Level
 from ckptctl.ops.verify.engine import verify
 from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
@@ -160,16 +160,17 @@ class VerifyCache:
             return None
         return entry if Fingerprint.from_doc(entry) == fp else None
 
-    def record(self, name: str, fp: Fingerprint, report: VerifyReport) -> None:
-        if not report.ok or fp.manifest_checksum is None:  # failures are never remembered: re-checked every time
+    def record(self, name: str, fp: Fingerprint, found: Checked) -> None:
+        """Remember that the check ``found`` passed on the checkpoint ``name`` as ``fp`` shows it."""
+        if not found.ok or fp.manifest_checksum is None:  # failures are never remembered: re-checked every time
             self.forget(name)
             return
         self.entries[name] = {
-            "level": report.level,
+            "level": found.level,
             "verified_at": time.time(),
-            "step": report.step,
-            "files": report.files,
-            "tensors": report.tensors,
+            "step": found.step,
+            "files": found.files,
+            "tensors": found.tensors,
             **fp.to_doc(),
         }
         self._dirty = True
@@ -219,15 +220,15 @@ def verify_cached(
         hit = cache.lookup(name, before, level)
         if hit is not None:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(hit.get("verified_at", 0))))
-            report = VerifyReport(ckpt.url, level, step=hit.get("step"), files=int(hit.get("files", 0)),
-                                  tensors=int(hit.get("tensors", 0)),
-                                  note=f"verified at {when}; unchanged since (--reverify re-reads it)")
-            return report, True, before
+            recorded = Checked(level, step=hit.get("step"), files=int(hit.get("files", 0)),
+                               tensors=int(hit.get("tensors", 0)),
+                               notes=[f"verified at {when}; unchanged since (--reverify re-reads it)"])
+            return VerifyReport(ckpt.url, recorded), True, before
     report = verify(ckpt, layout, level, progress)
     vouched = before if fingerprint(ckpt, layout) == before else None
     if cache is not None:
         if report.ok and vouched is not None:
-            cache.record(name, vouched, report)
+            cache.record(name, vouched, report.found)
         else:
             cache.forget(name)
     return report, False, vouched

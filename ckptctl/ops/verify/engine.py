@@ -19,7 +19,7 @@ from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.classify import classify
 from ckptctl.layouts.file_check import name_of
 from ckptctl.ops.distributed import Job, attempt, current, gathered, mine
-from ckptctl.ops.verify.report import VerifyReport, report_of
+from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.progress import Progress
 from ckptctl.storage.base import Storage
 
@@ -56,9 +56,8 @@ def verify(ckpt: Storage, handler: Checks, level: Level = "checksums", progress:
     t0 = time.perf_counter()
     job = current()
     checked = handler.check(ckpt, level, split=ALONE if job is None else _JobSplit(job), progress=progress)
-    report = report_of(ckpt.url, checked, time.perf_counter() - t0, job.nodes if job is not None else ())
-    report.numbered_by = numbered_by(handler, name_of(ckpt))  # type: ignore[arg-type]  # a file format: by step
-    return report
+    return VerifyReport(ckpt.url, checked, time.perf_counter() - t0, job.nodes if job is not None else (),
+                        numbered_by(handler, name_of(ckpt)))  # type: ignore[arg-type]  # a file format: by step
 
 
 def verify_entry(entry: Checkpoint, level: Level = "checksums", progress: Progress | None = None) -> VerifyReport:
@@ -75,4 +74,4 @@ def verify_checkpoint(ckpt: Storage, level: Level = "checksums", progress: Progr
     if found.what in ("checkpoint", "file"):
         return verify(ckpt, found.handler, level, progress)
     why = found.reason or f"a root of {found.entries} checkpoint(s), not one checkpoint"
-    return VerifyReport(ckpt.url, level, problems=[Problem(f"not a checkpoint: {ckpt.url} ({why})")])
+    return VerifyReport(ckpt.url, Checked(level, problems=[Problem(f"not a checkpoint: {ckpt.url} ({why})")]))
