@@ -225,7 +225,9 @@ class S3Writer(Writer):
         self._next_part = 1
         self._ready: list[tuple[int, bytearray]] = []  # full parts not yet handed to the pool
         self._total = 0
-        self._upload_id: str | None = None
+        # The multipart upload's id, once started: CreateMultipartUpload runs on the part pool,
+        # so the first part's bytes are read while it is in flight (``expect``).
+        self._created: Future[str] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._slots = threading.Semaphore(self._inflight)
         self._futures: list[Future[None]] = []
@@ -239,6 +241,8 @@ class S3Writer(Writer):
         with self._aborting_on_failure():
             while pos < len(view):
                 size = part_size_for(self._base_part, self._next_part)
+                if not self._cur and (self._created is not None or self._next_part > 1):
+                    self._cur = _PART_BUFFERS.take(size)  # the first part of a small object grows instead
                 take = min(size - self._fill, len(view) - pos)
                 if self._fill == len(self._cur):
                     self._cur += view[pos : pos + take]
@@ -249,17 +253,54 @@ class S3Writer(Writer):
                 self._total += take
                 if self._fill == size:
                     self._seal_part()
-                if self._upload_id is None and self._total > self._threshold:
+                if self._created is None and self._total > self._threshold:
                     self._start_multipart()
-                if self._upload_id is not None:
+                if self._created is not None:
                     self._submit_ready()
+
+    def expect(self, size: int) -> None:
+        """At least ``size`` bytes are coming: past the threshold, the multipart upload starts now,
+        in the background, instead of once the threshold's worth was written. A copy knows
+        each file's size; its first part then leaves as soon as its bytes are in, not a
+        CreateMultipartUpload (and the listing before it) later. Writing fewer bytes after
+        all is still correct (a multipart upload of one short part)."""
+        self._require_open()
+        if self._created is None and size > self._threshold:
+            self._start_multipart()
+
+    def spare(self, size: int) -> memoryview:
+        """Room for the caller to read ``size`` bytes into and then ``hand_over``: a part
+        buffer whose upload is done when one of that size is free (its memory already faulted
+        in), else a new one."""
+        buf = _PART_BUFFERS.take(size)
+        return memoryview(buf if len(buf) == size else bytearray(size))
+
+    def hand_over(self, view: memoryview) -> None:
+        """``write``, without copying when ``view`` is the whole of a ``spare`` buffer the
+        size of the next part of a started multipart upload: the buffer becomes that part,
+        and the caller does not touch it again. Any other view is copied, as ``write`` does.
+        A copy reads its pieces into spare buffers, so each byte is copied once, by the read,
+        instead of twice."""
+        buf = view.obj
+        size = part_size_for(self._base_part, self._next_part)
+        whole = isinstance(buf, bytearray) and len(buf) == len(view) == size
+        if not (whole and self._created is not None and self._fill == 0 and not self._cur):
+            self.write(view)
+            return
+        self._require_open()
+        with self._aborting_on_failure():
+            assert isinstance(buf, bytearray)
+            self._cur, self._fill = buf, size
+            self._total += size
+            self._seal_part()
+            self._submit_ready()
 
     def commit(self) -> None:
         """One PUT below the threshold; else upload the last part and complete the upload."""
         self._require_open()
         s3 = self._bucket.client.s3
         with self._aborting_on_failure():
-            if self._upload_id is None:
+            if self._created is None:
                 parts = [buf for _, buf in self._ready] + [self._cur]
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 with self._bucket.errors(self._shown):
@@ -279,7 +320,7 @@ class S3Writer(Writer):
                     s3.complete_multipart_upload(
                         Bucket=self._bucket.name,
                         Key=self._obj,
-                        UploadId=self._upload_id,
+                        UploadId=self._created.result(),
                         MultipartUpload={"Parts": [self._parts[n] for n in sorted(self._parts)]},
                     )
         self._finish("committed")
@@ -296,7 +337,7 @@ class S3Writer(Writer):
         s3, bucket, checksum = self._bucket.client.s3, self._bucket.name, self._bucket.checksum_args()
         taken: int | None = None
         with self._aborting_on_failure():
-            if self._upload_id is None:
+            if self._created is None:
                 parts = [buf for _, buf in self._ready] + [self._cur]
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 head, _, own = self._obj.rpartition("/")
@@ -316,8 +357,9 @@ class S3Writer(Writer):
                 wait(self._futures)
                 self._raise_failed()
                 parts_done = {"Parts": [self._parts[n] for n in sorted(self._parts)]}
+                upload_id = self._created.result()
                 if self._bucket.if_absent(self._shown, lambda: s3.complete_multipart_upload(
-                        Bucket=bucket, Key=self._obj, UploadId=self._upload_id, MultipartUpload=parts_done, IfNoneMatch="*")):
+                        Bucket=bucket, Key=self._obj, UploadId=upload_id, MultipartUpload=parts_done, IfNoneMatch="*")):
                     taken = 0
         if taken is None:
             self._abort_quietly()  # nothing published: drop the body, or the upload's parts
@@ -329,13 +371,14 @@ class S3Writer(Writer):
         """Discard everything; aborts the multipart upload so no parts are left billed."""
         if self._state != "open":
             return
-        self._finish("aborted")
-        if self._upload_id is None:
-            return
+        self._finish("aborted")  # waits for the CreateMultipartUpload too
+        created, self._created = self._created, None
+        if created is None or created.cancelled() or created.exception() is not None:
+            return  # no upload, or none was created
         with self._bucket.errors(self._shown):
             try:
                 self._bucket.client.s3.abort_multipart_upload(
-                    Bucket=self._bucket.name, Key=self._obj, UploadId=self._upload_id
+                    Bucket=self._bucket.name, Key=self._obj, UploadId=created.result()
                 )
             except ClientError as err:
                 if error_code(err) != "NoSuchUpload":
@@ -359,16 +402,22 @@ class S3Writer(Writer):
             pass
 
     def _seal_part(self) -> None:
-        """Queue the current buffer as the next part for upload and start a new one: a spare
-        one of the next part's size when an upload has handed one back, else a new one
-        (grown as written for the first part, which may turn out to be a small object)."""
+        """Queue the current buffer as the next part for upload. The next part's buffer is
+        taken when its first byte is written (a spare one of its size when an upload has
+        handed one back, else a new one), or handed over whole (``hand_over``)."""
         if self._fill < len(self._cur):
             del self._cur[self._fill :]  # the last part: only what was written
         self._ready.append((self._next_part, self._cur))
         self._next_part += 1
-        self._cur, self._fill = _PART_BUFFERS.take(part_size_for(self._base_part, self._next_part)), 0
+        self._cur, self._fill = bytearray(), 0
 
     def _start_multipart(self) -> None:
+        """Create the upload on the part pool; parts queued behind it wait for its id."""
+        self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckptctl-s3-part")
+        self._created = self._pool.submit(self._create)
+        self._futures.append(self._created)  # a failure surfaces at the next write, as a part's does
+
+    def _create(self) -> str:
         # An upload of this key still open is a killed writer's, or a racing one's that cannot
         # both publish: one writer per object (s3_uploads).
         supersede(self._bucket, self._obj, self._shown)
@@ -379,8 +428,7 @@ class S3Writer(Writer):
                 Metadata=writer_metadata(),
                 **self._bucket.checksum_args(),
             )
-        self._upload_id = response["UploadId"]
-        self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckptctl-s3-part")
+        return response["UploadId"]
 
     def _submit_ready(self) -> None:
         assert self._pool is not None
@@ -401,12 +449,14 @@ class S3Writer(Writer):
 
     def _upload_part(self, number: int, buf: bytearray) -> None:
         try:
+            assert self._created is not None
+            upload_id = self._created.result()  # raises the CreateMultipartUpload's error
             checksum = self._bucket.checksum_args()
             with self._bucket.errors(f"{self._shown} (part {number})"):
                 response = self._bucket.client.s3.upload_part(
                     Bucket=self._bucket.name,
                     Key=self._obj,
-                    UploadId=self._upload_id,
+                    UploadId=upload_id,
                     PartNumber=number,
                     Body=buf,
                     **checksum,

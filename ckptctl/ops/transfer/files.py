@@ -30,7 +30,7 @@ from ckptctl.layouts.checked import Problem
 from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS, VERIFY_PIECE
-from ckptctl.storage.base import Reader, Storage
+from ckptctl.storage.base import Reader, Storage, Writer
 
 T = TypeVar("T")
 
@@ -155,7 +155,8 @@ def _copy_one(ends: Ends, item: ToCopy, taken: bool, header: ShardHeader | None,
     with _at_destination(ends.dst):
         writer = where.open_writer(key)
     try:
-        found = _stream(ends.src, item, header, progress, writer.write, stop)
+        writer.expect(item.size)
+        found = _stream(ends.src, item, header, progress, writer, stop)
     except BaseException:
         writer.abort()
         raise
@@ -190,13 +191,18 @@ def _reuse(ends: Ends, item: ToCopy, progress: Progress | None) -> tuple[list[Pr
 
 
 def _stream(src: Storage, item: ToCopy, header: ShardHeader | None, progress: Progress | None,
-            sink: Callable[[memoryview], None], stop: threading.Event) -> list[Problem] | None:
-    """Read ``item`` once from ``src`` into ``sink``, checking it against its proof; the
+            writer: Writer, stop: threading.Event) -> list[Problem] | None:
+    """Read ``item`` once from ``src`` into ``writer``, checking it against its proof; the
     problems found, or None when ``stop`` was set meanwhile (no verdict)."""
     proof = item.proof
+    sink = writer.write
     if isinstance(proof, ByManifest):
         assert header is not None
-        found, _ = stream_file(src, proof.entry, header, progress, sink=sink, stop=stop)
+        # An S3 writer lends its part buffers: each piece is read into one, checked there and
+        # becomes a part as it is, instead of being copied into one.
+        lends = callable(getattr(writer, "hand_over", None))
+        found, _ = stream_file(src, proof.entry, header, progress, sink=writer.hand_over if lends else sink,  # type: ignore[attr-defined]
+                               stop=stop, spare=writer.spare if lends else None)  # type: ignore[attr-defined]
         return None if stop.is_set() else found
     if isinstance(proof, BySeal):
         got = hash_object(src, item.name, proof.chunk_size, progress=progress, sink=sink, stop=stop)
