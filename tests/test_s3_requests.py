@@ -124,3 +124,38 @@ def test_cp_to_s3_creates_the_upload_before_reading_the_file(tmp_path, s3_url):
         client.meta.events.unregister("before-call.s3.CreateMultipartUpload", seen)
     r = cli("verify", dst.url_of(step_dir(1)))
     assert r.exit_code == 0, r.stdout + r.stderr
+
+
+def test_cp_to_s3_lists_uploads_and_objects_of_the_destination_at_once(tmp_path, s3_url):
+    # Before the first part, a copy aborts a killed earlier run's uploads (ListMultipartUploads)
+    # and looks for files already there (ListObjectsV2): independent, so both are in flight at
+    # once. On main the second waited for the first; here the first waits for the second to be
+    # sent, which only a copy asking both at once gets past.
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        ck.save(1, {"w": torch.arange(1 << 20, dtype=torch.float32)}).wait()
+    dst = open_storage(s3_url)
+    listing = threading.Event()
+    client = dst._client.s3  # type: ignore[attr-defined]
+
+    def objects(params: dict, **_kw: object) -> None:
+        if params.get("Prefix", "").endswith(step_dir(1) + "/"):  # the directory's listing, not a stat's
+            listing.set()
+
+    def uploads(**_kw: object) -> None:
+        if not listing.wait(30):
+            raise AssertionError("ListMultipartUploads went out alone: the destination's listing waited for it")
+
+    client.meta.events.register("provide-client-params.s3.ListObjectsV2", objects)
+    client.meta.events.register("before-call.s3.ListMultipartUploads", uploads)
+    try:
+        copy_checkpoint(open_storage(str(tmp_path / "one" / step_dir(1))), dst.sub(step_dir(1)))
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.ListObjectsV2", objects)
+        client.meta.events.unregister("before-call.s3.ListMultipartUploads", uploads)
+    assert cli("verify", dst.url_of(step_dir(1))).exit_code == 0

@@ -75,27 +75,34 @@ class Copied:
 
 
 def copy_files(ends: Ends, files: Sequence[ToCopy], progress: Progress | None = None, *,
-               threads: int = COPY_THREADS) -> Copied:
+               threads: int = COPY_THREADS, before_writing: Callable[[], object] | None = None) -> Copied:
     """Copy ``files`` from ``ends.src`` to ``ends.dst``, each checked against its proof as it
     streams and published only where nothing has its name; a file already there holding
     exactly its proven bytes is kept. Headers are checked first, all of them (in parallel: on
     S3 each costs a HEAD and a ranged GET), so a bad one stops the copy before a byte is copied.
+    ``before_writing`` (``ops.transfer.uploads.before_copy``) runs beside those checks and the
+    listing of the destination, and is over before any file's writer opens: on S3 each is a
+    request the first part would otherwise wait for, one after the other.
     Writes no commit record. Raises RefusedForSafety (a name holds other bytes: never
     replaced) and StorageError."""
     out = Copied(files=len(files))
     headers: dict[str, ShardHeader] = {}
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-check") as pool:
+    with ThreadPoolExecutor(max(1, threads) + 2, thread_name_prefix="ckptctl-check") as pool:
+        cleared = pool.submit(before_writing) if before_writing is not None else None
+        listed = pool.submit(_names_there, ends, files)
         for item, (h, found) in zip(files, pool.map(lambda item: _header(ends.src, item), files)):
             if found:
                 out.problems[item.name] = found
             if h is not None:
                 headers[item.name] = h
+    if cleared is not None:
+        cleared.result()
     if out.problems:
         out.before_copy = True
         return out
+    there = listed.result()  # after the verdict on the headers, as when it was asked after them
     expect_bytes(progress, sum(f.size for f in files))  # a bar's total, %, ETA
     stop = threading.Event()  # one corrupt or failed file ends the others early
-    there = _names_there(ends, files)
 
     def one(item: ToCopy) -> tuple[list[Problem], str]:
         try:
