@@ -96,3 +96,19 @@ def test_a_copy_uploads_the_buffers_it_read_into(tmp_path, s3_url):
     with Checkpointer(s3_url) as ck:
         assert ck.load_latest(loaded) == 1
     assert torch.equal(loaded["w"], state["w"])
+
+
+def test_lent_buffers_out_of_step_with_the_parts_are_copied_bitwise(s3_url):
+    # ``hand_over`` takes a lent buffer as a part only when it is exactly the next part; a
+    # byte written before shifts every piece against the parts, and each is then copied.
+    store = open_storage(s3_url, part_size=PART, multipart_threshold=PART, max_inflight_parts=2)
+    data = os.urandom(1 + 3 * PART)
+    with store.open_writer("shifted") as w:
+        assert w.spare(PART + 1) is None  # not a part's size: the caller uses its own memory
+        w.expect(len(data))
+        w.write(data[:1])
+        for pos in range(1, len(data), PART):
+            room = w.spare(PART)
+            room[:] = data[pos : pos + PART]
+            w.hand_over(room)
+    assert store.read("shifted") == data

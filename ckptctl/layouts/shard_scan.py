@@ -80,7 +80,7 @@ def stream_file(
     sink: Callable[[memoryview], None] | None = None,
     stop: threading.Event | None = None,
     parts: int = 1,
-    spare: Callable[[int], memoryview] | None = None,
+    spare: Callable[[int], memoryview | None] | None = None,
 ) -> tuple[list[Problem], int]:
     """Read the file once, in pieces, hashing each chunk; the file checksum is built from the
     header bytes and the chunk digests (``format.checksum.file_checksum``).
@@ -88,8 +88,8 @@ def stream_file(
     ``sink`` receives every piece, in order, after it was hashed (the buffer is reused, so it
     must consume the bytes before returning): ``copy_checkpoint`` writes the copy from it, so
     copying and checking read the source once. With ``spare``, each piece is read into the
-    memory ``spare(n)`` returns instead (a writer's own part buffers: ``S3Writer.spare``) and
-    ``sink`` keeps it, so the piece is not copied again on its way out. ``stop``, once set, ends the read early with
+    memory ``spare(n)`` returns, when it returns any (a writer's own part buffers:
+    ``S3Writer.spare``), and ``sink`` keeps it, so the piece is not copied again on its way out. ``stop``, once set, ends the read early with
     no verdict (another file of the same copy already failed). Without a sink the file may be
     split into ``parts`` byte ranges on chunk boundaries, read and hashed in parallel (chunk
     digests are independent): one large shard is then not limited to one thread's read and
@@ -146,7 +146,7 @@ def _scan(
     problems: list[Problem],
     sink: Callable[[memoryview], None] | None,
     stop: threading.Event | None,
-    spare: Callable[[int], memoryview] | None = None,
+    spare: Callable[[int], memoryview | None] | None = None,
 ) -> tuple[str, list[str]] | None:
     """Hash bytes ``[start, end)``: the header part (if the range has one) and each of
     ``chunks``. Returns (header digest, chunk digests), or None when ``stop`` was set."""
@@ -158,7 +158,9 @@ def _scan(
     header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
     size = min(VERIFY_PIECE, max(end - start, 1))
-    bufs = (bytearray(size), bytearray(size)) if spare is None else ()
+    # The scan's own two buffers, taken in turn; with ``spare``, made only for a piece the sink
+    # lends no memory for (the short last one), and only as large as it.
+    bufs = [bytearray(size if spare is None else 0) for _ in range(2)]
     starts = range(start, end, VERIFY_PIECE)
     ci = 0
     # While one piece is hashed (and copied by ``sink``), the next is already being read: on
@@ -169,7 +171,11 @@ def _scan(
         def fetch(k: int) -> memoryview:
             pos = starts[k]
             n = min(VERIFY_PIECE, end - pos)
-            view = memoryview(bufs[k % 2])[:n] if spare is None else spare(n)
+            view = spare(n) if spare is not None else None
+            if view is None:
+                if len(bufs[k % 2]) < n:
+                    bufs[k % 2] = bytearray(n)
+                view = memoryview(bufs[k % 2])[:n]
             r.read_into(pos, view)
             return view
 

@@ -102,6 +102,8 @@ class S3Writer(Writer):
         # The multipart upload's id, once started: CreateMultipartUpload runs on the part pool,
         # so the first part's bytes are read while it is in flight (``expect``).
         self._created: Future[str] | None = None
+        self._lent: dict[int, bytearray] = {}  # the ``spare`` buffers out with the caller, by id
+        self._lent_lock = threading.Lock()  # spare() runs on the caller's read-ahead thread
         self._pool: ThreadPoolExecutor | None = None
         self._slots = threading.Semaphore(self._inflight)
         self._futures: list[Future[None]] = []
@@ -142,29 +144,37 @@ class S3Writer(Writer):
         if self._created is None and size > self._threshold:
             self._start_multipart()
 
-    def spare(self, size: int) -> memoryview:
-        """Room for the caller to read ``size`` bytes into and then ``hand_over``: a part
-        buffer whose upload is done when one of that size is free (its memory already faulted
-        in), else a new one."""
+    def spare(self, size: int) -> memoryview | None:
+        """Room for the caller to read ``size`` bytes into and then ``hand_over``, when that
+        many bytes make one of this upload's parts (its first part size): a part buffer whose
+        upload is done when one is free (its memory already faulted in), else a new one. None
+        for any other size: the caller reads into memory of its own, and ``hand_over`` copies."""
+        if size != self._base_part:
+            return None
         buf = _PART_BUFFERS.take(size)
-        return memoryview(buf if len(buf) == size else bytearray(size))
+        buf = buf if len(buf) == size else bytearray(size)
+        with self._lent_lock:
+            self._lent[id(buf)] = buf
+        return memoryview(buf)
 
     def hand_over(self, view: memoryview) -> None:
-        """``write``, without copying when ``view`` is the whole of a ``spare`` buffer the
-        size of the next part of a started multipart upload: the buffer becomes that part,
-        and the caller does not touch it again. Any other view is copied, as ``write`` does.
-        A copy reads its pieces into spare buffers, so each byte is copied once, by the read,
-        instead of twice."""
+        """``write``, without copying when ``view`` is the whole of a ``spare`` buffer and the
+        next part of a started multipart upload is its size: the buffer becomes that part.
+        Any other view is copied, as ``write`` does (a spare buffer then goes back to the
+        pool). Either way the caller does not touch a spare buffer again. A copy reads its
+        pieces into spare buffers, so each byte is copied once, by the read, instead of twice."""
         buf = view.obj
+        with self._lent_lock:
+            lent = self._lent.pop(id(buf), None) is buf
         size = part_size_for(self._base_part, self._next_part)
-        whole = isinstance(buf, bytearray) and len(buf) == len(view) == size
-        if not (whole and self._created is not None and self._fill == 0 and not self._cur):
+        if not (lent and len(view) == len(buf) == size and self._created is not None and self._fill == 0):
             self.write(view)
+            if lent:
+                _PART_BUFFERS.give(buf)  # type: ignore[arg-type]
             return
         self._require_open()
         with self._aborting_on_failure():
-            assert isinstance(buf, bytearray)
-            self._cur, self._fill = buf, size
+            self._cur, self._fill = buf, size  # type: ignore[assignment]
             self._total += size
             self._seal_part()
             self._submit_ready()
@@ -363,6 +373,8 @@ class S3Writer(Writer):
             self._pool = None
         self._cur, self._fill = bytearray(), 0
         self._ready.clear()
+        with self._lent_lock:
+            self._lent.clear()
 
     def _require_open(self) -> None:
         if self._state != "open":
