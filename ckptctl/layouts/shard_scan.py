@@ -89,8 +89,9 @@ def stream_file(
     must consume the bytes before returning): ``copy_checkpoint`` writes the copy from it, so
     copying and checking read the source once. With ``spare``, each piece is read into the
     memory ``spare(n)`` returns, when it returns any (a writer's own part buffers:
-    ``S3Writer.spare``), and ``sink`` keeps it, so the piece is not copied again on its way out. ``stop``, once set, ends the read early with
-    no verdict (another file of the same copy already failed). Without a sink the file may be
+    ``S3Writer.spare``), and ``sink`` keeps it, so the piece is not copied again on its way
+    out. ``stop``, once set, ends the read early with no verdict (another file of the same
+    copy already failed). Without a sink the file may be
     split into ``parts`` byte ranges on chunk boundaries, read and hashed in parallel (chunk
     digests are independent): one large shard is then not limited to one thread's read and
     hash rate. ``decode`` also checks that every chunk decodes as its dtype (verify's

@@ -207,9 +207,10 @@ def _stream(src: Storage, item: ToCopy, header: ShardHeader | None, progress: Pr
         assert header is not None
         # An S3 writer lends its part buffers: each piece is read into one, checked there and
         # becomes a part as it is, instead of being copied into one.
-        lends = callable(getattr(writer, "hand_over", None))
-        found, _ = stream_file(src, proof.entry, header, progress, sink=writer.hand_over if lends else sink,  # type: ignore[attr-defined]
-                               stop=stop, spare=writer.spare if lends else None)  # type: ignore[attr-defined]
+        hand_over, spare = getattr(writer, "hand_over", None), getattr(writer, "spare", None)
+        lends = callable(hand_over) and callable(spare)
+        found, _ = stream_file(src, proof.entry, header, progress, sink=hand_over if lends else sink, stop=stop,
+                               spare=spare if lends else None)
         return None if stop.is_set() else found
     if isinstance(proof, BySeal):
         got = hash_object(src, item.name, proof.chunk_size, progress=progress, sink=sink, stop=stop)
