@@ -67,12 +67,21 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise SystemExit("moto server did not start within 30 s")
 
 
-def timed(fn: Callable[[], object], before: Callable[[], None] | None = None) -> float:
+# CPU seconds this process (every thread) spent in each timed section, by label: on a machine
+# whose cores the server, the client and other work share, the client's CPU per byte decides
+# as much as its concurrency, and it does not swing with the load as wall time does.
+CPU: dict[str, list[float]] = {}
+
+
+def timed(fn: Callable[[], object], before: Callable[[], None] | None = None, *, cpu: str = "") -> float:
     if before:
         before()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if cpu:
+        CPU.setdefault(cpu, []).append(time.process_time() - c0)
+    return seconds
 
 
 def best_pair(repeat: int, a: Callable[[], float], b: Callable[[], float]) -> tuple[float, float]:
@@ -83,6 +92,11 @@ def best_pair(repeat: int, a: Callable[[], float], b: Callable[[], float]) -> tu
         ta.append(a())
         tb.append(b())
     return min(ta), min(tb)
+
+
+def cpu_of(label: str) -> float:
+    """The least CPU time of ``label``'s runs (as the best wall time is the least)."""
+    return min(CPU[label])
 
 
 def main() -> None:
@@ -146,8 +160,10 @@ def main() -> None:
 
         up_ckptctl, up_boto = best_pair(
             args.repeat,
-            lambda: timed(lambda: copy_checkpoint(open_storage(src), store.sub("ckptctl-up").sub(step_dir(1))), clear_ckptctl_upload),
-            lambda: timed(lambda: [s3.upload_file(os.path.join(src, n), bucket, f"{prefix}/boto/{n}", Config=cfg) for n in names]),
+            lambda: timed(lambda: copy_checkpoint(open_storage(src), store.sub("ckptctl-up").sub(step_dir(1))), clear_ckptctl_upload,
+                          cpu="up ckptctl"),
+            lambda: timed(lambda: [s3.upload_file(os.path.join(src, n), bucket, f"{prefix}/boto/{n}", Config=cfg) for n in names],
+                          cpu="up boto3"),
         )
 
         dst = os.path.join(work, "restored")
@@ -156,8 +172,9 @@ def main() -> None:
         down_ckptctl, down_boto = best_pair(
             args.repeat,
             lambda: timed(lambda: restore_latest(store.sub("ckptctl-up"), open_storage(dst)),
-                          lambda: shutil.rmtree(dst, ignore_errors=True)),
-            lambda: timed(lambda: [s3.download_file(bucket, f"{prefix}/boto/{n}", os.path.join(boto_dst, n), Config=cfg) for n in names]),
+                          lambda: shutil.rmtree(dst, ignore_errors=True), cpu="down ckptctl"),
+            lambda: timed(lambda: [s3.download_file(bucket, f"{prefix}/boto/{n}", os.path.join(boto_dst, n), Config=cfg) for n in names],
+                          cpu="down boto3"),
         )
         # Both moved the right bytes (checked outside the timing).
         for n in names:
@@ -172,9 +189,9 @@ def main() -> None:
             ck.save(next(steps), state).wait()  # its staging buffer mapped: later saves copy into it
             save_s3, up_boto2 = best_pair(
                 args.repeat,
-                lambda: timed(lambda: ck.save(next(steps), state).wait()),
+                lambda: timed(lambda: ck.save(next(steps), state).wait(), cpu="save ckptctl"),
                 lambda: timed(lambda: [s3.upload_file(os.path.join(src, n), bucket, f"{prefix}/boto2/{n}", Config=cfg)
-                                       for n in names]),
+                                       for n in names], cpu="save boto3"),
             )
 
         def rate(seconds: float) -> str:
@@ -185,6 +202,11 @@ def main() -> None:
         print(f"save      Checkpointer.save {rate(save_s3)}   boto3 upload_file   {rate(up_boto2)}   ratio {up_boto2 / save_s3:.2f}x"
               "  (save: host copy + checksums + upload + commit)")
         print("ratio > 1: ckptctl faster; ckptctl's times include checking every checksum, boto3's include none")
+        print("client CPU (this process, all threads; least of the runs), boto3 / ckptctl > 1: ckptctl uses less")
+        for what in ("up", "down", "save"):
+            ours, theirs = cpu_of(f"{what} ckptctl"), cpu_of(f"{what} boto3")
+            print(f"  {what:8}  ckptctl {ours:6.2f} s   boto3 {theirs:6.2f} s   ratio {theirs / ours:.2f}x")
+        print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if server is not None:

@@ -154,6 +154,23 @@ def test_shard_larger_than_the_multipart_threshold(s3_url, s3_server, tmp_path):
     assert restored.step == 2 and cli("verify", restored.path).exit_code == 0
 
 
+def test_a_writer_told_the_size_ahead_commits_what_it_got_and_aborts_cleanly(s3_url, s3_server):
+    # ``expect`` creates the multipart upload before a byte is written; the bytes actually
+    # written still decide the object, and an abort leaves no upload behind.
+    st = open_storage(s3_url, multipart_threshold=5 * MiB, part_size=5 * MiB)
+    data = os.urandom(1 * MiB)
+    w = st.open_writer("short")
+    w.expect(12 * MiB)  # fewer bytes come after all: one short part
+    w.write(data)
+    w.commit()
+    assert st.read("short") == data and _uploads(s3_server, s3_url) == []
+    w = st.open_writer("dropped")
+    w.expect(12 * MiB)
+    w.write(os.urandom(6 * MiB))
+    w.abort()
+    assert st.stat("dropped") is None and _uploads(s3_server, s3_url) == []
+
+
 # --- corruption behind the tool's back ---------------------------------------------------
 
 

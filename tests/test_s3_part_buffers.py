@@ -9,6 +9,8 @@ import os
 import pytest
 
 from ckptctl.storage import open_storage
+from ckptctl.storage.base import Reader
+from ckptctl.storage.local import LocalStorage
 
 MiB = 1 << 20
 PART = 5 * MiB  # S3's smallest part
@@ -39,3 +41,74 @@ def test_parts_reuse_their_buffers_and_arrive_bitwise(s3_url, size):
         assert r.size == size
         r.read_into(0, memoryview(out))
     assert bytes(out) == data
+
+
+class _ReadsRecorded(LocalStorage):
+    """A source that records the buffers its file reads fill."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.filled: set[int] = set()
+
+    def open_reader(self, key: str) -> Reader:
+        reader = super().open_reader(key)
+        inner, filled = reader.read_into, self.filled
+
+        def read_into(offset: int, out: memoryview) -> None:
+            filled.add(id(out.obj))
+            inner(offset, out)
+
+        reader.read_into = read_into  # type: ignore[method-assign]
+        return reader
+
+
+def test_a_copy_uploads_the_buffers_it_read_into(tmp_path, s3_url):
+    # A copy reads each piece into a part buffer the S3 writer lends (``S3Writer.spare``),
+    # checks it there, and the buffer goes out as the part: each byte copied once, by the
+    # read. On main every piece was copied again into the writer's own buffers. At the default
+    # part size (the copy's piece size), a 40 MiB shard: two whole parts and a short last one.
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    state = {"w": torch.randn(10 * MiB)}
+    with Checkpointer(str(tmp_path / "src")) as ck:
+        ck.save(1, state).wait()
+    src = _ReadsRecorded(str(tmp_path / "src" / step_dir(1)))
+    dst = open_storage(s3_url)
+    bodies: list[tuple[int, int]] = []
+
+    def seen(params: dict, **_kw: object) -> None:
+        bodies.append((id(params["Body"]), len(params["Body"])))
+
+    s3 = dst._client.s3  # type: ignore[attr-defined]
+    s3.meta.events.register("provide-client-params.s3.UploadPart", seen)
+    try:
+        copy_checkpoint(src, dst.sub(step_dir(1)))
+    finally:
+        s3.meta.events.unregister("provide-client-params.s3.UploadPart", seen)
+    whole = [body for body, size in bodies if size == 16 * MiB]
+    assert len(bodies) == 3 and len(whole) == 2, bodies
+    assert all(body in src.filled for body in whole), "a whole part was copied out of the buffer it was read into"
+    loaded = {"w": torch.zeros(10 * MiB)}
+    with Checkpointer(s3_url) as ck:
+        assert ck.load_latest(loaded) == 1
+    assert torch.equal(loaded["w"], state["w"])
+
+
+def test_lent_buffers_out_of_step_with_the_parts_are_copied_bitwise(s3_url):
+    # ``hand_over`` takes a lent buffer as a part only when it is exactly the next part; a
+    # byte written before shifts every piece against the parts, and each is then copied.
+    store = open_storage(s3_url, part_size=PART, multipart_threshold=PART, max_inflight_parts=2)
+    data = os.urandom(1 + 3 * PART)
+    with store.open_writer("shifted") as w:
+        assert w.spare(PART + 1) is None  # not a part's size: the caller uses its own memory
+        w.expect(len(data))
+        w.write(data[:1])
+        for pos in range(1, len(data), PART):
+            room = w.spare(PART)
+            room[:] = data[pos : pos + PART]
+            w.hand_over(room)
+    assert store.read("shifted") == data

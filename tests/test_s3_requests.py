@@ -5,10 +5,14 @@ layout's check opens each file of another tool's checkpoint once, whatever it ch
 from __future__ import annotations
 
 import os
+import threading
 
 import boto3
 
+from ckptctl.errors import StorageError
 from ckptctl.storage import open_storage
+from ckptctl.storage.base import Reader
+from ckptctl.storage.local import LocalStorage
 from helpers import cli
 from test_layouts import hf_checkpoint
 
@@ -69,3 +73,89 @@ def test_cp_to_s3_lists_unfinished_uploads_once_not_per_file(tmp_path, s3_url):
         client.meta.events.unregister("before-call.s3", count)
     assert counts.get("CreateMultipartUpload") == 3, counts
     assert counts.get("ListMultipartUploads") == 1, counts  # on main: 4 (the copy's, then one per file)
+
+
+class _ReadWaitsForUpload(LocalStorage):
+    """A source whose file reads past the header wait until the destination's multipart upload
+    was created: a copy that creates it only once a part's worth was read never gets there."""
+
+    def __init__(self, path: str, created: threading.Event) -> None:
+        super().__init__(path)
+        self.created = created
+
+    def open_reader(self, key: str) -> Reader:
+        reader = super().open_reader(key)
+        if not key.endswith(".safetensors"):
+            return reader
+        inner, created = reader.read_into, self.created
+
+        def read_into(offset: int, out: memoryview) -> None:
+            if len(out) >= 1 << 20 and not created.wait(30):  # not the header check's small read
+                raise StorageError(f"{key}: read before the multipart upload was created", hint="")
+            inner(offset, out)
+
+        reader.read_into = read_into  # type: ignore[method-assign]
+        return reader
+
+
+def test_cp_to_s3_creates_the_upload_before_reading_the_file(tmp_path, s3_url):
+    # The copy knows each file's size, so the writer creates the multipart upload while the first
+    # part's bytes are read and checked; on main it was created only once more than a part's
+    # worth had been read, a request's wait before the first part of every cp and promotion.
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        ck.save(1, {"w": torch.arange(3 << 20, dtype=torch.float32)}).wait()  # 12 MiB
+    dst = open_storage(s3_url, multipart_threshold=5 << 20, part_size=5 << 20)
+    created = threading.Event()
+    client = dst._client.s3  # type: ignore[attr-defined]
+
+    def seen(**_kw: object) -> None:
+        created.set()
+
+    client.meta.events.register("before-call.s3.CreateMultipartUpload", seen)
+    try:
+        copy_checkpoint(_ReadWaitsForUpload(str(tmp_path / "one" / step_dir(1)), created), dst.sub(step_dir(1)))
+    finally:
+        client.meta.events.unregister("before-call.s3.CreateMultipartUpload", seen)
+    r = cli("verify", dst.url_of(step_dir(1)))
+    assert r.exit_code == 0, r.stdout + r.stderr
+
+
+def test_cp_to_s3_lists_uploads_and_objects_of_the_destination_at_once(tmp_path, s3_url):
+    # Before the first part, a copy aborts a killed earlier run's uploads (ListMultipartUploads)
+    # and looks for files already there (ListObjectsV2): independent, so both are in flight at
+    # once. On main the second waited for the first; here the first waits for the second to be
+    # sent, which only a copy asking both at once gets past.
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        ck.save(1, {"w": torch.arange(1 << 20, dtype=torch.float32)}).wait()
+    dst = open_storage(s3_url)
+    listing = threading.Event()
+    client = dst._client.s3  # type: ignore[attr-defined]
+
+    def objects(params: dict, **_kw: object) -> None:
+        if params.get("Prefix", "").endswith(step_dir(1) + "/"):  # the directory's listing, not a stat's
+            listing.set()
+
+    def uploads(**_kw: object) -> None:
+        if not listing.wait(30):
+            raise AssertionError("ListMultipartUploads went out alone: the destination's listing waited for it")
+
+    client.meta.events.register("provide-client-params.s3.ListObjectsV2", objects)
+    client.meta.events.register("before-call.s3.ListMultipartUploads", uploads)
+    try:
+        copy_checkpoint(open_storage(str(tmp_path / "one" / step_dir(1))), dst.sub(step_dir(1)))
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.ListObjectsV2", objects)
+        client.meta.events.unregister("before-call.s3.ListMultipartUploads", uploads)
+    assert cli("verify", dst.url_of(step_dir(1))).exit_code == 0

@@ -80,14 +80,18 @@ def stream_file(
     sink: Callable[[memoryview], None] | None = None,
     stop: threading.Event | None = None,
     parts: int = 1,
+    spare: Callable[[int], memoryview | None] | None = None,
 ) -> tuple[list[Problem], int]:
     """Read the file once, in pieces, hashing each chunk; the file checksum is built from the
     header bytes and the chunk digests (``format.checksum.file_checksum``).
 
     ``sink`` receives every piece, in order, after it was hashed (the buffer is reused, so it
     must consume the bytes before returning): ``copy_checkpoint`` writes the copy from it, so
-    copying and checking read the source once. ``stop``, once set, ends the read early with
-    no verdict (another file of the same copy already failed). Without a sink the file may be
+    copying and checking read the source once. With ``spare``, each piece is read into the
+    memory ``spare(n)`` returns, when it returns any (a writer's own part buffers:
+    ``S3Writer.spare``), and ``sink`` keeps it, so the piece is not copied again on its way
+    out. ``stop``, once set, ends the read early with no verdict (another file of the same
+    copy already failed). Without a sink the file may be
     split into ``parts`` byte ranges on chunk boundaries, read and hashed in parallel (chunk
     digests are independent): one large shard is then not limited to one thread's read and
     hash rate. ``decode`` also checks that every chunk decodes as its dtype (verify's
@@ -96,7 +100,7 @@ def stream_file(
     ranges = [(0, f.size, chunks)] if sink is not None or parts <= 1 else _split(f, h, chunks, parts)
     problems: list[Problem] = []
     if len(ranges) == 1:
-        scans = [_scan(ckpt, f, h, *ranges[0], decode, progress, problems, sink, stop)]
+        scans = [_scan(ckpt, f, h, *ranges[0], decode, progress, problems, sink, stop, spare)]
     else:
         with ThreadPoolExecutor(len(ranges), thread_name_prefix="ckptctl-verify") as pool:
             scans = list(pool.map(lambda r: _scan(ckpt, f, h, *r, decode, progress, problems, None, stop), ranges))
@@ -143,6 +147,7 @@ def _scan(
     problems: list[Problem],
     sink: Callable[[memoryview], None] | None,
     stop: threading.Event | None,
+    spare: Callable[[int], memoryview | None] | None = None,
 ) -> tuple[str, list[str]] | None:
     """Hash bytes ``[start, end)``: the header part (if the range has one) and each of
     ``chunks``. Returns (header digest, chunk digests), or None when ``stop`` was set."""
@@ -154,7 +159,9 @@ def _scan(
     header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
     size = min(VERIFY_PIECE, max(end - start, 1))
-    bufs = (bytearray(size), bytearray(size))
+    # The scan's own two buffers, taken in turn; with ``spare``, made only for a piece the sink
+    # lends no memory for (the short last one), and only as large as it.
+    bufs = [bytearray(size if spare is None else 0) for _ in range(2)]
     starts = range(start, end, VERIFY_PIECE)
     ci = 0
     # While one piece is hashed (and copied by ``sink``), the next is already being read: on
@@ -164,7 +171,12 @@ def _scan(
 
         def fetch(k: int) -> memoryview:
             pos = starts[k]
-            view = memoryview(bufs[k % 2])[: min(VERIFY_PIECE, end - pos)]
+            n = min(VERIFY_PIECE, end - pos)
+            view = spare(n) if spare is not None else None
+            if view is None:
+                if len(bufs[k % 2]) < n:
+                    bufs[k % 2] = bytearray(n)
+                view = memoryview(bufs[k % 2])[:n]
             r.read_into(pos, view)
             return view
 

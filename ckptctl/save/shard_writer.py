@@ -81,6 +81,7 @@ def _write_all(w: Writer, layout: ShardLayout, data: memoryview, rank: int, rank
     chunks = [Chunk(s.name, s.dtype, s.shape, s.offsets, s.begin, s.end, None) for s in layout.slots]
     if callable(getattr(w, "overwrite", None)):
         return _write_hashing_as_it_goes(w, chunks, layout, data, rank, rank_state)
+    w.expect(layout.nbytes)  # S3: the multipart upload is created while the chunks are hashed
     chunks = [replace(c, checksum=digest(data[s.staged : s.staged + s.end - s.begin])) for c, s in zip(chunks, layout.slots)]
     header = build_header(chunks, rank=rank, rank_state=rank_state)
     w.write(header)

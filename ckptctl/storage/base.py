@@ -77,6 +77,11 @@ class Writer(ABC):
     def abort(self) -> None:
         """Discard what was written (removes the partial file; aborts the multipart upload)."""
 
+    def expect(self, size: int) -> None:
+        """A hint: at least ``size`` bytes will be written (a copy knows each file's size). A backend
+        may start work it would otherwise start later (``S3Writer``: the multipart upload);
+        this default ignores it."""
+
     def publish(self, fallbacks: Sequence[str] = ()) -> int | None:
         """``commit``, but never replacing anything: under the key this writer was opened for
         if nothing has that key, else under the first of ``fallbacks`` (plain names in the same

@@ -8,9 +8,9 @@ Around it, by concept:
 * ``s3_bucket``: one bucket through one client: errors translated, request checksums,
   conditional writes. The modules below take a ``Bucket``, never an ``S3Storage``.
 * ``s3_errors``: classifying botocore's errors and translating them into ckptctl's tree.
-* ``s3_transfer``: the multipart ``S3Writer`` and the ranged, parallel ``S3Reader``. Writes
-  are visible only when complete, as S3 itself guarantees; a failed multipart upload is
-  aborted so no orphaned parts are left to pay for.
+* ``s3_transfer``: the multipart ``S3Writer``. Writes are visible only when complete, as S3
+  itself guarantees; a failed multipart upload is aborted so no orphaned parts are left to
+  pay for. ``s3_reader``: the ranged, parallel ``S3Reader``.
 * ``s3_uploads``: the uploads a killed writer left open: a new writer of the same key aborts
   them, and ``abort_stale_uploads`` those idle for longer than a bound.
 """
@@ -27,12 +27,12 @@ from ckptctl.storage.s3_bucket import Bucket
 from ckptctl.storage.s3_client import Client
 from ckptctl.storage.s3_errors import is_missing, s3_error
 from ckptctl.storage.s3_uploads import abort_idle
+from ckptctl.storage.s3_reader import S3Reader
 from ckptctl.storage.s3_transfer import (
     MAX_PART_SIZE,
     MAX_PARTS,
     MIN_PART_SIZE,
     PART_GROWTH_EVERY,
-    S3Reader,
     S3Writer,
     TransferOptions,
     part_size_for,

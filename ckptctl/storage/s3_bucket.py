@@ -1,10 +1,11 @@
 """One bucket, reached through one client: the requests every S3 module makes the same way.
 
-``S3Storage`` (addressing, listing, one-PUT writes), ``s3_transfer`` (multipart writes, ranged
-reads) and ``s3_uploads`` (unfinished uploads) all talk to a bucket: with the shared client,
-errors translated into ckptctl's tree, the request checksum the user's configuration asks for,
-and conditional writes that tell "created" from "already there". That is this module; each of
-the three imports it, and none of them imports another's storage class, so they form no cycle.
+``S3Storage`` (addressing, listing, one-PUT writes), ``s3_transfer`` (multipart writes),
+``s3_reader`` (ranged reads) and ``s3_uploads`` (unfinished uploads) all talk to a bucket:
+with the shared client, errors translated into ckptctl's tree, the request checksum the user's
+configuration asks for, and conditional writes that tell "created" from "already there". That
+is this module; each of the four imports it, and none of them imports another's storage
+class, so they form no cycle.
 """
 
 from __future__ import annotations

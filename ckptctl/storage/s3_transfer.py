@@ -1,13 +1,11 @@
-"""Moving an object's bytes: the multipart ``S3Writer`` and the ranged, parallel ``S3Reader``.
+"""Writing an object's bytes: the multipart ``S3Writer`` (reads: ``s3_reader``).
 
 Writes are visible only when complete, as S3 itself guarantees: small objects are one PUT on
 ``commit``; large ones are a multipart upload completed on ``commit`` and aborted on any
 failure, so no orphaned parts are left to pay for; those a killed writer left are aborted
 by the next writer of the key (``s3_uploads``). Uploads carry a CRC32 checksum (CRC32C
-needs the optional awscrt package) so S3 refuses bytes corrupted on the way.
-
-Retries are botocore's. The one loop of our own re-issues a ranged GET whose body stream broke
-mid-read, from the byte where it broke: botocore retries a request, not a body being consumed.
+needs the optional awscrt package) so S3 refuses bytes corrupted on the way. Retries are
+botocore's.
 """
 
 from __future__ import annotations
@@ -18,12 +16,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import ClientError
 
-from ckptctl.errors import CkptError, InvalidCheckpoint, StorageError
-from ckptctl.storage.base import Reader, Writer, byte_view
+from ckptctl.errors import CkptError, StorageError
+from ckptctl.storage.base import Writer, byte_view
 from ckptctl.storage.s3_bucket import Bucket
-from ckptctl.storage.s3_errors import error_code, is_precondition_failed
+from ckptctl.storage.s3_errors import error_code
 from ckptctl.storage.s3_uploads import supersede, writer_metadata
 
 MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
@@ -32,9 +30,6 @@ MAX_PARTS = 10_000
 # Part sizes double every this many parts, so an upload whose size is not known in advance
 # still fits in 10,000 parts: from 5 MiB parts that reaches 4.9 TiB, about S3's 5 TiB cap.
 PART_GROWTH_EVERY = 1_000
-
-_BODY_CHUNK = 1 << 20  # urllib3 copies each readinto through a bytes object of this size
-_STREAM_RETRIES = 5  # body streams that may break in a row before a read gives up
 
 
 def part_size_for(base: int, part_number: int) -> int:
@@ -51,127 +46,6 @@ class TransferOptions:
     max_inflight_parts: int
     read_chunk_size: int
     read_concurrency: int
-
-
-# --- reader --------------------------------------------------------------------------------
-
-# A body stream that broke while being read; botocore does not retry these, we re-issue the GET.
-_STREAM_DROPS = (HTTPClientError, IncompleteReadError)
-
-
-class S3Reader(Reader):
-    """Ranged GETs of one object, straight into the caller's buffer.
-
-    Every GET carries ``If-Match`` with the ETag seen at open, so an object replaced while we
-    read fails loudly instead of yielding a mix of two versions.
-    """
-
-    def __init__(self, bucket: Bucket, opts: TransferOptions, obj_key: str, shown: str, size: int,
-                 etag: str | None) -> None:
-        self._bucket = bucket
-        self._opts = opts
-        self._obj = obj_key
-        self._shown = shown
-        self._etag = etag
-        self.size = size
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        if offset < 0:
-            raise ValueError(f"negative offset {offset}")
-        view = byte_view(out)
-        want = len(view)
-        if offset + want > self.size:
-            raise InvalidCheckpoint(
-                f"{self._shown}: truncated: wanted {want} bytes at offset {offset}, "
-                f"object has {self.size}",
-                hint="the object was cut short or replaced; restore it or use an older checkpoint",
-            )
-        if want == 0:
-            return
-        opts = self._opts
-        chunk = opts.read_chunk_size
-        if opts.read_concurrency == 1 or want <= chunk:
-            self._get_range(offset, view)
-            return
-        # One S3 connection streams ~100 MB/s; big reads go over several in parallel.
-        pool = self._get_pool(opts.read_concurrency)
-        futures = [
-            pool.submit(self._get_range, offset + start, view[start : start + chunk])
-            for start in range(0, want, chunk)
-        ]
-        # Every GET writes into the caller's buffer: all must stop before we return or raise.
-        wait(futures)
-        for future in futures:
-            future.result()
-
-    def _get_range(self, offset: int, view: memoryview) -> None:
-        s3 = self._bucket.client.s3
-        last = offset + len(view) - 1
-        done = 0
-        drops = 0
-        while True:
-            first = offset + done
-            with self._bucket.errors(self._shown):
-                try:
-                    response = s3.get_object(
-                        Bucket=self._bucket.name,
-                        Key=self._obj,
-                        Range=f"bytes={first}-{last}",
-                        **({"IfMatch": self._etag} if self._etag else {}),
-                    )
-                except ClientError as err:
-                    if is_precondition_failed(err):
-                        raise InvalidCheckpoint(
-                            f"{self._shown} changed while being read",
-                            hint="another process replaced it; read again once writes are done",
-                        ) from err
-                    raise
-            if response.get("ContentLength") != last - first + 1:
-                raise StorageError(
-                    f"{self._shown}: the server ignored the byte range {first}-{last}",
-                    hint="this S3-compatible store does not support ranged GETs",
-                )
-            body = response["Body"]
-            try:
-                while done < len(view):
-                    got = body.readinto(view[done : done + _BODY_CHUNK])
-                    if got == 0:
-                        break
-                    done += got
-            except _STREAM_DROPS as err:
-                body.close()  # the connection is broken; do not hand it back to the pool
-                drops += 1
-                if drops > _STREAM_RETRIES:
-                    raise self._gave_up(f"connection dropped {drops} times", first, last) from err
-                continue
-            if done == len(view):
-                return
-            drops += 1  # the stream ended early without an error: ask again for the rest
-            if drops > _STREAM_RETRIES:
-                raise self._gave_up(f"stream ended early {drops} times", first, last)
-
-    def _gave_up(self, what: str, first: int, last: int) -> StorageError:
-        return StorageError(
-            f"{self._shown}: {what} reading bytes {first}-{last}",
-            hint="check the network path to the S3 endpoint and retry",
-        )
-
-    def _get_pool(self, workers: int) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-s3-read")
-            return self._pool
-
-    def close(self) -> None:
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-
-# --- writer --------------------------------------------------------------------------------
 
 
 class _PartBuffers:
@@ -225,7 +99,11 @@ class S3Writer(Writer):
         self._next_part = 1
         self._ready: list[tuple[int, bytearray]] = []  # full parts not yet handed to the pool
         self._total = 0
-        self._upload_id: str | None = None
+        # The multipart upload's id, once started: CreateMultipartUpload runs on the part pool,
+        # so the first part's bytes are read while it is in flight (``expect``).
+        self._created: Future[str] | None = None
+        self._lent: dict[int, bytearray] = {}  # the ``spare`` buffers out with the caller, by id
+        self._lent_lock = threading.Lock()  # spare() runs on the caller's read-ahead thread
         self._pool: ThreadPoolExecutor | None = None
         self._slots = threading.Semaphore(self._inflight)
         self._futures: list[Future[None]] = []
@@ -239,6 +117,8 @@ class S3Writer(Writer):
         with self._aborting_on_failure():
             while pos < len(view):
                 size = part_size_for(self._base_part, self._next_part)
+                if not self._cur and (self._created is not None or self._next_part > 1):
+                    self._cur = _PART_BUFFERS.take(size)  # the first part of a small object grows instead
                 take = min(size - self._fill, len(view) - pos)
                 if self._fill == len(self._cur):
                     self._cur += view[pos : pos + take]
@@ -249,17 +129,62 @@ class S3Writer(Writer):
                 self._total += take
                 if self._fill == size:
                     self._seal_part()
-                if self._upload_id is None and self._total > self._threshold:
+                if self._created is None and self._total > self._threshold:
                     self._start_multipart()
-                if self._upload_id is not None:
+                if self._created is not None:
                     self._submit_ready()
+
+    def expect(self, size: int) -> None:
+        """At least ``size`` bytes are coming: past the threshold, the multipart upload starts now,
+        in the background, instead of once the threshold's worth was written. A copy knows
+        each file's size; its first part then leaves as soon as its bytes are in, not a
+        CreateMultipartUpload (and the listing before it) later. Writing fewer bytes after
+        all is still correct (a multipart upload of one short part)."""
+        self._require_open()
+        if self._created is None and size > self._threshold:
+            self._start_multipart()
+
+    def spare(self, size: int) -> memoryview | None:
+        """Room for the caller to read ``size`` bytes into and then ``hand_over``, when that
+        many bytes make one of this upload's parts (its first part size): a part buffer whose
+        upload is done when one is free (its memory already faulted in), else a new one. None
+        for any other size: the caller reads into memory of its own, and ``hand_over`` copies."""
+        if size != self._base_part:
+            return None
+        buf = _PART_BUFFERS.take(size)
+        buf = buf if len(buf) == size else bytearray(size)
+        with self._lent_lock:
+            self._lent[id(buf)] = buf
+        return memoryview(buf)
+
+    def hand_over(self, view: memoryview) -> None:
+        """``write``, without copying when ``view`` is the whole of a ``spare`` buffer and the
+        next part of a started multipart upload is its size: the buffer becomes that part.
+        Any other view is copied, as ``write`` does (a spare buffer then goes back to the
+        pool). Either way the caller does not touch a spare buffer again. A copy reads its
+        pieces into spare buffers, so each byte is copied once, by the read, instead of twice."""
+        buf = view.obj
+        with self._lent_lock:
+            lent = self._lent.pop(id(buf), None) is buf
+        size = part_size_for(self._base_part, self._next_part)
+        if not (lent and len(view) == len(buf) == size and self._created is not None and self._fill == 0):
+            self.write(view)
+            if lent:
+                _PART_BUFFERS.give(buf)  # type: ignore[arg-type]
+            return
+        self._require_open()
+        with self._aborting_on_failure():
+            self._cur, self._fill = buf, size  # type: ignore[assignment]
+            self._total += size
+            self._seal_part()
+            self._submit_ready()
 
     def commit(self) -> None:
         """One PUT below the threshold; else upload the last part and complete the upload."""
         self._require_open()
         s3 = self._bucket.client.s3
         with self._aborting_on_failure():
-            if self._upload_id is None:
+            if self._created is None:
                 parts = [buf for _, buf in self._ready] + [self._cur]
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 with self._bucket.errors(self._shown):
@@ -279,7 +204,7 @@ class S3Writer(Writer):
                     s3.complete_multipart_upload(
                         Bucket=self._bucket.name,
                         Key=self._obj,
-                        UploadId=self._upload_id,
+                        UploadId=self._created.result(),
                         MultipartUpload={"Parts": [self._parts[n] for n in sorted(self._parts)]},
                     )
         self._finish("committed")
@@ -296,7 +221,7 @@ class S3Writer(Writer):
         s3, bucket, checksum = self._bucket.client.s3, self._bucket.name, self._bucket.checksum_args()
         taken: int | None = None
         with self._aborting_on_failure():
-            if self._upload_id is None:
+            if self._created is None:
                 parts = [buf for _, buf in self._ready] + [self._cur]
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 head, _, own = self._obj.rpartition("/")
@@ -316,8 +241,9 @@ class S3Writer(Writer):
                 wait(self._futures)
                 self._raise_failed()
                 parts_done = {"Parts": [self._parts[n] for n in sorted(self._parts)]}
+                upload_id = self._created.result()
                 if self._bucket.if_absent(self._shown, lambda: s3.complete_multipart_upload(
-                        Bucket=bucket, Key=self._obj, UploadId=self._upload_id, MultipartUpload=parts_done, IfNoneMatch="*")):
+                        Bucket=bucket, Key=self._obj, UploadId=upload_id, MultipartUpload=parts_done, IfNoneMatch="*")):
                     taken = 0
         if taken is None:
             self._abort_quietly()  # nothing published: drop the body, or the upload's parts
@@ -329,13 +255,14 @@ class S3Writer(Writer):
         """Discard everything; aborts the multipart upload so no parts are left billed."""
         if self._state != "open":
             return
-        self._finish("aborted")
-        if self._upload_id is None:
-            return
+        self._finish("aborted")  # waits for the CreateMultipartUpload too
+        created, self._created = self._created, None
+        if created is None or created.cancelled() or created.exception() is not None:
+            return  # no upload, or none was created
         with self._bucket.errors(self._shown):
             try:
                 self._bucket.client.s3.abort_multipart_upload(
-                    Bucket=self._bucket.name, Key=self._obj, UploadId=self._upload_id
+                    Bucket=self._bucket.name, Key=self._obj, UploadId=created.result()
                 )
             except ClientError as err:
                 if error_code(err) != "NoSuchUpload":
@@ -359,16 +286,22 @@ class S3Writer(Writer):
             pass
 
     def _seal_part(self) -> None:
-        """Queue the current buffer as the next part for upload and start a new one: a spare
-        one of the next part's size when an upload has handed one back, else a new one
-        (grown as written for the first part, which may turn out to be a small object)."""
+        """Queue the current buffer as the next part for upload. The next part's buffer is
+        taken when its first byte is written (a spare one of its size when an upload has
+        handed one back, else a new one), or handed over whole (``hand_over``)."""
         if self._fill < len(self._cur):
             del self._cur[self._fill :]  # the last part: only what was written
         self._ready.append((self._next_part, self._cur))
         self._next_part += 1
-        self._cur, self._fill = _PART_BUFFERS.take(part_size_for(self._base_part, self._next_part)), 0
+        self._cur, self._fill = bytearray(), 0
 
     def _start_multipart(self) -> None:
+        """Create the upload on the part pool; parts queued behind it wait for its id."""
+        self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckptctl-s3-part")
+        self._created = self._pool.submit(self._create)
+        self._futures.append(self._created)  # a failure surfaces at the next write, as a part's does
+
+    def _create(self) -> str:
         # An upload of this key still open is a killed writer's, or a racing one's that cannot
         # both publish: one writer per object (s3_uploads).
         supersede(self._bucket, self._obj, self._shown)
@@ -379,8 +312,7 @@ class S3Writer(Writer):
                 Metadata=writer_metadata(),
                 **self._bucket.checksum_args(),
             )
-        self._upload_id = response["UploadId"]
-        self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckptctl-s3-part")
+        return response["UploadId"]
 
     def _submit_ready(self) -> None:
         assert self._pool is not None
@@ -401,12 +333,14 @@ class S3Writer(Writer):
 
     def _upload_part(self, number: int, buf: bytearray) -> None:
         try:
+            assert self._created is not None
+            upload_id = self._created.result()  # raises the CreateMultipartUpload's error
             checksum = self._bucket.checksum_args()
             with self._bucket.errors(f"{self._shown} (part {number})"):
                 response = self._bucket.client.s3.upload_part(
                     Bucket=self._bucket.name,
                     Key=self._obj,
-                    UploadId=self._upload_id,
+                    UploadId=upload_id,
                     PartNumber=number,
                     Body=buf,
                     **checksum,
@@ -439,6 +373,8 @@ class S3Writer(Writer):
             self._pool = None
         self._cur, self._fill = bytearray(), 0
         self._ready.clear()
+        with self._lent_lock:
+            self._lent.clear()
 
     def _require_open(self) -> None:
         if self._state != "open":

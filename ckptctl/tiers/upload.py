@@ -41,9 +41,11 @@ def upload_files(src: Storage, dst: Storage, manifest: Manifest, files: Sequence
     t0 = time.perf_counter()
     names = {f.name for f in files}
     items = [item for item in files_to_copy(manifest) if item.name in names]
-    if items:
-        before_copy(dst, [item.name for item in items])  # a killed earlier promotion's open uploads
-    done = copy_files(Ends(src, dst), items, threads=1)
+
+    def clear() -> None:  # a killed earlier promotion's open uploads, aborted beside the header checks
+        before_copy(dst, [item.name for item in items])
+
+    done = copy_files(Ends(src, dst), items, threads=1, before_writing=clear if items else None)
     for name, problems in done.problems.items():
         hint = "the shard on this node's first tier is damaged or gone" if done.before_copy else "the shard changed after it was written"
         raise InvalidCheckpoint(f"{src.url}: {problems[0]}" if problems[0].file else f"{src.url_of(name)}: {problems[0]}",

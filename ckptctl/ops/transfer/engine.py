@@ -200,10 +200,16 @@ def _copy_all(layout: Layout, source: CopySource, ends: Ends, files: list[ToCopy
     commit, and check the copy when the layout asks; returns what each rank copied."""
     dst = ends.dst
     place = ends.at(source.files[0])[0] if source.files else dst
-    _finish(lambda: before_copy(place, [ends.at(f)[1] for f in files]), dst, job)  # a killed earlier run's uploads
+
+    def clear() -> None:  # a killed earlier run's uploads
+        at_destination(dst, lambda: before_copy(place, [ends.at(f)[1] for f in files]))
+
+    if job is not None:  # once, on rank 0, before any rank writes
+        _finish(clear, dst, job)
     data = [f for f in files if not f.commit]
     share = [data[i] for i in mine(job, [f.size for f in data])]
-    done, failure = attempt(lambda: copy_files(ends, share, progress, threads=threads))
+    done, failure = attempt(lambda: copy_files(ends, share, progress, threads=threads,
+                                               before_writing=clear if job is None else None))
     copied = gathered(job, done, failure)
     if any(c is not None and c.problems for c in copied):
         assert done is not None

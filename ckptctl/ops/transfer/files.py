@@ -30,7 +30,7 @@ from ckptctl.layouts.checked import Problem
 from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS, VERIFY_PIECE
-from ckptctl.storage.base import Reader, Storage
+from ckptctl.storage.base import Reader, Storage, Writer
 
 T = TypeVar("T")
 
@@ -75,27 +75,34 @@ class Copied:
 
 
 def copy_files(ends: Ends, files: Sequence[ToCopy], progress: Progress | None = None, *,
-               threads: int = COPY_THREADS) -> Copied:
+               threads: int = COPY_THREADS, before_writing: Callable[[], object] | None = None) -> Copied:
     """Copy ``files`` from ``ends.src`` to ``ends.dst``, each checked against its proof as it
     streams and published only where nothing has its name; a file already there holding
     exactly its proven bytes is kept. Headers are checked first, all of them (in parallel: on
     S3 each costs a HEAD and a ranged GET), so a bad one stops the copy before a byte is copied.
+    ``before_writing`` (``ops.transfer.uploads.before_copy``) runs beside those checks and the
+    listing of the destination, and is over before any file's writer opens: on S3 each is a
+    request the first part would otherwise wait for, one after the other.
     Writes no commit record. Raises RefusedForSafety (a name holds other bytes: never
     replaced) and StorageError."""
     out = Copied(files=len(files))
     headers: dict[str, ShardHeader] = {}
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptctl-check") as pool:
+    with ThreadPoolExecutor(max(1, threads) + 2, thread_name_prefix="ckptctl-check") as pool:
+        cleared = pool.submit(before_writing) if before_writing is not None else None
+        listed = pool.submit(_names_there, ends, files)
         for item, (h, found) in zip(files, pool.map(lambda item: _header(ends.src, item), files)):
             if found:
                 out.problems[item.name] = found
             if h is not None:
                 headers[item.name] = h
+    if cleared is not None:
+        cleared.result()
     if out.problems:
         out.before_copy = True
         return out
+    there = listed.result()  # after the verdict on the headers, as when it was asked after them
     expect_bytes(progress, sum(f.size for f in files))  # a bar's total, %, ETA
     stop = threading.Event()  # one corrupt or failed file ends the others early
-    there = _names_there(ends, files)
 
     def one(item: ToCopy) -> tuple[list[Problem], str]:
         try:
@@ -155,7 +162,8 @@ def _copy_one(ends: Ends, item: ToCopy, taken: bool, header: ShardHeader | None,
     with _at_destination(ends.dst):
         writer = where.open_writer(key)
     try:
-        found = _stream(ends.src, item, header, progress, writer.write, stop)
+        writer.expect(item.size)
+        found = _stream(ends.src, item, header, progress, writer, stop)
     except BaseException:
         writer.abort()
         raise
@@ -190,13 +198,19 @@ def _reuse(ends: Ends, item: ToCopy, progress: Progress | None) -> tuple[list[Pr
 
 
 def _stream(src: Storage, item: ToCopy, header: ShardHeader | None, progress: Progress | None,
-            sink: Callable[[memoryview], None], stop: threading.Event) -> list[Problem] | None:
-    """Read ``item`` once from ``src`` into ``sink``, checking it against its proof; the
+            writer: Writer, stop: threading.Event) -> list[Problem] | None:
+    """Read ``item`` once from ``src`` into ``writer``, checking it against its proof; the
     problems found, or None when ``stop`` was set meanwhile (no verdict)."""
     proof = item.proof
+    sink = writer.write
     if isinstance(proof, ByManifest):
         assert header is not None
-        found, _ = stream_file(src, proof.entry, header, progress, sink=sink, stop=stop)
+        # An S3 writer lends its part buffers: each piece is read into one, checked there and
+        # becomes a part as it is, instead of being copied into one.
+        hand_over, spare = getattr(writer, "hand_over", None), getattr(writer, "spare", None)
+        lends = callable(hand_over) and callable(spare)
+        found, _ = stream_file(src, proof.entry, header, progress, sink=hand_over if lends else sink, stop=stop,
+                               spare=spare if lends else None)
         return None if stop.is_set() else found
     if isinstance(proof, BySeal):
         got = hash_object(src, item.name, proof.chunk_size, progress=progress, sink=sink, stop=stop)
