@@ -652,6 +652,17 @@ def s3_small_parts(s3_url: str) -> S3Storage:
     )
 
 
+def _uploads_once_created(raw, bucket: str) -> list[dict]:
+    """The bucket's unfinished uploads, once there is one: a writer creates its upload on its
+    part pool while the bytes arrive, so it may not exist yet when ``write`` returns."""
+    for _ in range(200):
+        uploads = raw.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        if uploads:
+            return uploads
+        time.sleep(0.05)
+    return []
+
+
 def test_s3_multipart_upload_commit(s3_small_parts: S3Storage, s3_url: str, s3_server: str) -> None:
     store = s3_small_parts
     raw = _raw_client(s3_server)
@@ -661,7 +672,7 @@ def test_s3_multipart_upload_commit(s3_small_parts: S3Storage, s3_url: str, s3_s
     for start in range(0, len(data), 1 * MiB):
         writer.write(memoryview(data)[start : start + 1 * MiB])
     assert store.stat("step/shard") is None  # parts uploaded, object not yet visible
-    assert len(raw.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1
+    assert len(_uploads_once_created(raw, bucket)) == 1
     writer.commit()
     assert raw.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     head = raw.head_object(Bucket=bucket, Key=f"{prefix}/step/shard")
@@ -680,7 +691,7 @@ def test_s3_multipart_abort_leaves_no_parts(s3_small_parts: S3Storage, s3_url: s
     bucket, _ = _bucket_and_prefix(s3_url)
     writer = s3_small_parts.open_writer("a")
     writer.write(bytes(12 * MiB))
-    assert len(raw.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1
+    assert len(_uploads_once_created(raw, bucket)) == 1
     writer.abort()
     assert raw.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert s3_small_parts.stat("a") is None
@@ -703,7 +714,7 @@ def test_s3_failed_part_fails_the_writer(
     bucket, _ = _bucket_and_prefix(s3_url)
     writer = s3_small_parts.open_writer("a")
     writer.write(bytes(6 * MiB))  # past the threshold: the upload exists, part 1 is going up
-    (upload,) = raw.list_multipart_uploads(Bucket=bucket)["Uploads"]
+    (upload,) = _uploads_once_created(raw, bucket)
     # Another process (a lifecycle rule, an operator) aborts it: the next part must fail.
     raw.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
     with pytest.raises(StorageError) as info:
