@@ -170,6 +170,37 @@ def replica_load(rank: int, a: dict) -> dict:
     return {"step": step, "bitwise_equal": equal, **_close_report(ck)}
 
 
+# --- close at the end of a job (tests/test_tiers_close.py) --------------------------------------
+
+
+def save_then_close(rank: int, a: dict) -> dict:
+    """Save ``steps`` (S3 takes the first, then every 20 steps: the last is promoted by close
+    alone), write ``OUT/savedR``, wait for ``OUT/close`` (the harness may first kill node 0's
+    agent, the c10d store's host), then close; report how long close took, what it returned
+    and the warnings it logged."""
+    import logging
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("ckptctl").addHandler(Keep(logging.WARNING))
+    ck = _checkpointer(a)
+    for step in a["steps"]:
+        ck.save(step, state_for(step, rank)).wait()
+    _write(a["out"], f"saved{rank}.json", {})
+    while not os.path.exists(os.path.join(a["out"], "close")):
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        report = _close_report(ck)
+    except Exception as e:  # the test reads it
+        report = {"close_error": f"{type(e).__name__}: {e}"}
+    return {**report, "close_s": time.monotonic() - t0, "warnings": warnings}
+
+
 # --- the soak (scripts/soak_tiers.py) -----------------------------------------------------------
 
 
@@ -228,7 +259,8 @@ def _tensors(state: dict) -> list:
     return out
 
 
-SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load, "soak": soak}
+SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load, "soak": soak,
+             "save_then_close": save_then_close}
 
 
 # Each agent runs torchrun's own entry point under faulthandler (SIGUSR1 writes its threads'
