@@ -136,7 +136,7 @@ def test_close_still_waits_for_a_slow_promotion(tmp_path, s3_server: str, s3_url
     try:
         job = Job("save_then_close", [_args(tmp_path, s3_url, n) for n in (0, 1)], out, env=env)
         try:
-            _await(job, "saved", "saving steps 20 and 21")
+            saved = _await(job, "saved", "saving steps 20 and 21")
             open(os.path.join(out, "close"), "w").close()
             results = _await(job, "rank", "close of a healthy job")
         finally:
@@ -149,3 +149,10 @@ def test_close_still_waits_for_a_slow_promotion(tmp_path, s3_server: str, s3_url
     assert results[0]["flushed"]["complete"] is True and results[0]["flushed"]["step"] == 21, results[0]
     assert any(a.startswith("stall") for a, _, _ in proxy.injected), "the promotion of 21 was never slowed"
     assert 21 in _s3_committed(s3_url)
+    # Each new store connection costs a reverse DNS lookup on the store's one server thread
+    # (``tiers.link``). Every rank: the default group's, the heartbeat's, the save barrier's, the
+    # channel's own, the upload thread's; a node's leader: its keeper's; rank 0: its
+    # after-commit thread's (node messages and node lists: one, shared; two before), the
+    # promote sender's, the promotion leader's and its watch's. A guard: the count only goes down.
+    connections = {r: v["store_connections"] for r, v in saved.items()}
+    assert connections == {0: 10, 1: 5, 2: 6, 3: 5}, connections

@@ -190,7 +190,7 @@ def save_then_close(rank: int, a: dict) -> dict:
     ck = _checkpointer(a)
     for step in a["steps"]:
         ck.save(step, state_for(step, rank)).wait()
-    _write(a["out"], f"saved{rank}.json", {})
+    _write(a["out"], f"saved{rank}.json", {"store_connections": store_connections()})
     while not os.path.exists(os.path.join(a["out"], "close")):
         time.sleep(0.05)
     t0 = time.monotonic()
@@ -199,6 +199,29 @@ def save_then_close(rank: int, a: dict) -> dict:
     except Exception as e:  # the test reads it
         report = {"close_error": f"{type(e).__name__}: {e}"}
     return {**report, "close_s": time.monotonic() - t0, "warnings": warnings}
+
+
+def store_connections() -> int:
+    """This process's open TCP connections to the job's c10d store (``MASTER_PORT``): its
+    sockets (``/proc/self/fd``) that ``/proc/self/net/tcp*`` lists as established to that port."""
+    port = int(os.environ["MASTER_PORT"])
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    found = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                remote, state, inode = cols[2], cols[3], cols[9]
+                if state == "01" and int(remote.rsplit(":", 1)[1], 16) == port and inode in mine:
+                    found += 1
+    return found
 
 
 # --- the soak (scripts/soak_tiers.py) -----------------------------------------------------------

@@ -76,9 +76,10 @@ class Channel:
         return Link(self.base, self.prefix if prefixed else "", worker, tier, self.health, self.closing)
 
     def outbox(self, stream: str, receivers: Collection[int], keep: int, *, collected: bool,
-               latest_only: bool = False) -> Outbox:
-        """Rank 0's side of ``stream`` (``tiers.stream``), with a connection of its own."""
-        return Outbox(self.link(f"{stream} sender", ""), stream, receivers, keep, collected=collected,
+               latest_only: bool = False, link: Link | None = None) -> Outbox:
+        """Rank 0's side of ``stream`` (``tiers.stream``), on ``link`` (the sending thread's,
+        under no prefix of the channel), else a connection of its own."""
+        return Outbox(link or self.link(f"{stream} sender", ""), stream, receivers, keep, collected=collected,
                       latest_only=latest_only)
 
     def begin_closing(self) -> None:

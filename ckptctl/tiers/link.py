@@ -30,7 +30,9 @@ connection, on the client and on the store's single server thread, and a resolve
 one of a burst of queries stalls every rank of the job for its retry timeout (glibc: 5 s). So
 a connection left idle for good (a thread that took ``stop``, a closed channel) goes back to
 a pool that the next ``Checkpointer`` of the process takes from (``_Pool``); one that failed
-never does.
+never does. And the users of one thread that never wait long share one link (``share``):
+rank 0's after-commit thread sends the node and replica messages and reads the nodes' lists
+on one connection.
 
 May import: ``tiers.health``, ``settings``, ``errors``, leaves (and torch.distributed).
 """
@@ -137,7 +139,15 @@ class Link:
         self.closing = closing if closing is not None else Closing()
         self._raw: "dist.Store | None" = POOL.take(base)  # None after a network error: made again
         self._lock = threading.Lock()  # a connection serves one request at a time
+        self._users = 1  # ``share`` adds one; the connection goes back once every user gave it back
         self.reconnects = 0
+
+    def share(self) -> "Link":
+        """This link again, for another user on the same thread (no wait of one may hold up the
+        other: rank 0's after-commit thread sends and reads short requests only). Each user
+        calls ``give_back`` once; the last one returns the connection."""
+        self._users += 1
+        return self
 
     def _store(self, failing_since: float | None) -> "dist.Store":
         if self._raw is None:  # each raises DistNetworkError while the store is unreachable
@@ -194,7 +204,10 @@ class Link:
 
     def give_back(self) -> None:
         """Idle for good, no request in flight and none to come: the next ``Checkpointer`` of
-        this process may use the connection."""
+        this process may use the connection (once every user of a shared link said so)."""
+        self._users -= 1
+        if self._users > 0:
+            return
         if self._raw is not None:
             POOL.give(self.base, self._raw)
         self._raw = None

@@ -42,6 +42,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before Python 3.11
 from typing import Callable, Iterator
 
 from ckptctl.errors import CkptError, InvalidCheckpoint
@@ -126,12 +127,14 @@ class NodeTiers(Tiers):
         nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
         self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
         leaders = {min(k for k, m in enumerate(nodes) if m == n) for n in set(nodes)}
+        # Rank 0's after-commit thread: its node and replica messages and node-list reads share one connection.
+        after = channel.link("after-commit thread (rank 0)", "") if rank == 0 else None
         if replicas:  # every rank sees the same nodes: a bad topology raises on every rank alike
             ring = ring_of(nodes)
             self._replica_timeout_s = min(timeout_s, REPLICA_TIMEOUT_S)
             group = open_group(world_size, self._replica_timeout_s)
-            if rank == 0:
-                self._announce = replica_outbox(channel)
+            if after is not None:
+                self._announce = replica_outbox(channel, after.share())
             self._replicas = ReplicaWorker(channel, group, ring, self.roots[0], self._replica_timeout_s,
                                            self.durability if rank == 0 else None, self._announce)
             self._recovery = Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
@@ -147,7 +150,7 @@ class NodeTiers(Tiers):
         if len(self.roots) > 1:
             self._worker = RoundWorker(channel, self.roots[0], self.roots[1])
         if rank == 0:
-            self._messages = NodeMessages(channel, leaders)
+            self._messages = NodeMessages(channel, leaders, after)
             self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
             if len(self.roots) > 1:
                 self._round = RoundLeader(channel, self.roots[1], liveness_s)
@@ -310,7 +313,7 @@ class NodeTiers(Tiers):
             t0 = time.monotonic()
             try:  # the last commit is offered before the wait
                 self._after.submit(lambda: None).result(timeout_s)
-            except TimeoutError:
+            except FutureTimeout:
                 log.warning("tiers: rank 0's after-commit work did not finish within %.0f s", timeout_s)
             timeout_s = max(0.0, timeout_s - (time.monotonic() - t0))
         return super().flush(timeout_s)
