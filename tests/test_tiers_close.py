@@ -80,20 +80,21 @@ def test_a_closing_link_gives_up_on_a_store_that_is_gone(monkeypatch) -> None:
         server.wait()
 
 
-def _args(tmp_path, s3_url: str, node: int) -> dict:
+def _args(tmp_path, s3_url: str, node: int, replicas: int = 0) -> dict:
     return {"local": str(tmp_path / f"node{node}"), "remote": s3_url, "steps": [20, 21],
-            "promote_timeout_s": PROMOTE_TIMEOUT_S}
+            "promote_timeout_s": PROMOTE_TIMEOUT_S, "replicas": replicas}
 
 
-def test_close_returns_when_the_store_is_gone_for_good(tmp_path, s3_server: str, s3_url: str) -> None:
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_close_returns_when_the_store_is_gone_for_good(tmp_path, s3_server: str, s3_url: str, replicas: int) -> None:
     """Node 0's agent hosts the c10d store; it is killed once every rank saved steps 20 and 21
     (S3's cadence chose 20; 21 only close would promote). Every rank then closes: rank 0 gives
     up on promoting 21, naming it and the store, and says the nodes' disks hold it; the other
     ranks stop waiting for rank 0's last round. Both nodes still hold 21 committed, and it
-    verifies."""
+    verifies. With peer replicas, every rank's replica thread ends too."""
     out = str(tmp_path / "out")
     env = {"AWS_ENDPOINT_URL": s3_server, "CKPTCTL_CLOSE_STORE_TIMEOUT": "5"}
-    job = Job("save_then_close", [_args(tmp_path, s3_url, n) for n in (0, 1)], out, env=env)
+    job = Job("save_then_close", [_args(tmp_path, s3_url, n, replicas) for n in (0, 1)], out, env=env)
     try:
         _await(job, "saved", "saving steps 20 and 21")
         store_host = job.procs[0]

@@ -174,8 +174,8 @@ def replica_load(rank: int, a: dict) -> dict:
 
 
 def save_then_close(rank: int, a: dict) -> dict:
-    """Save ``steps`` (S3 takes the first, then every 20 steps: the last is promoted by close
-    alone), write ``OUT/savedR``, wait for ``OUT/close`` (the harness may first kill node 0's
+    """Save ``steps`` (S3 takes the first, and no later one by its cadence: the last is
+    promoted by close alone; with ``replicas``, peer replicas too), write ``OUT/savedR``, wait for ``OUT/close`` (the harness may first kill node 0's
     agent, the c10d store's host), then close; report how long close took, what it returned
     and the warnings it logged."""
     import logging
@@ -187,7 +187,7 @@ def save_then_close(rank: int, a: dict) -> dict:
             warnings.append(record.getMessage())
 
     logging.getLogger("ckptctl").addHandler(Keep(logging.WARNING))
-    ck = _checkpointer(a)
+    ck = _replica_checkpointer(a) if a.get("replicas") else _checkpointer(a)
     for step in a["steps"]:
         ck.save(step, state_for(step, rank)).wait()
     _write(a["out"], f"saved{rank}.json", {"store_connections": store_connections()})

@@ -177,8 +177,9 @@ class Link:
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if since is None:
                     since, first = time.monotonic(), why  # the first error says most (a refused reconnect, little)
-                    log.warning("tiers: the %s lost its connection to the c10d store (%s); reconnecting",
-                                self.worker, why)
+                    if self.closing.gone is None:  # else it gives up at once, below: no "reconnecting"
+                        log.warning("tiers: the %s lost its connection to the c10d store (%s); reconnecting",
+                                    self.worker, why)
                 if self.health is not None:
                     self.health.failing(self.worker, self.tier, f"the c10d store is unreachable ({why})")
                 left = self.closing.left(since)
