@@ -320,7 +320,14 @@ class Checkpointer:
         With tiers (rank 0): then waits up to ``promote_timeout_s`` (default: the constructor's)
         for the newest checkpoint to reach the last tier, and returns what it found
         (``Flushed``: true when it got there); a warning is logged when it did not. Returns
-        None without tiers, on other ranks, and when already closed."""
+        None without tiers, on other ranks, and when already closed.
+
+        A node-local first tier talks through the c10d store; once it is unreachable for
+        ``CKPTCTL_CLOSE_STORE_TIMEOUT`` seconds (default 60) after close began (its host, node
+        0's torchrun agent, exited: the job is being torn down), close stops waiting for it on
+        every rank: rank 0's ``Flushed`` names the step that did not reach the next tier and
+        why, a warning names it (and an unfinished peer replica) on every rank, and what the
+        first tier holds stays valid for ``load_latest``."""
         if self._saver.closed:
             return None
         flushed = None
@@ -342,8 +349,8 @@ class Checkpointer:
                 return None
             flushed = replace(self._tiers.flush(timeout), troubles=self._tiers.health.troubles())
             if not flushed:
-                log.warning("close: step %d did not reach %s: %s; it is on %s", flushed.step, flushed.missing,
-                            flushed.reason, ", ".join(flushed.tiers))
+                log.warning("close: step %d did not reach %s: %s; it is on %s, which a later load_latest resumes "
+                            "from", flushed.step, flushed.missing, flushed.reason, ", ".join(flushed.tiers))
             for t in flushed.troubles:
                 log.warning("close: tiers: %s", t)
             return flushed

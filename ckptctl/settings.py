@@ -11,6 +11,8 @@ the variable (the CLI turns it into exit 2), never a silent fallback to the defa
 - ``STREAM_THREADS`` (``CKPTCTL_STREAM_THREADS``): checksum threads of reshard and convert
 - ``WRITE_BEHIND`` (``CKPTCTL_WRITE_BEHIND_MIB``, 0 = off): the POSIX writer's write-behind window
 - ``TORCHRUN_TIMEOUT_S`` (``CKPTCTL_TORCHRUN_TIMEOUT``): how long a verb run by torchrun waits for a rank
+- ``CLOSE_STORE_TIMEOUT_S`` (``CKPTCTL_CLOSE_STORE_TIMEOUT``): how long ``Checkpointer.close`` tries an
+  unreachable c10d store before it takes it as gone
 - ``VERIFY_PIECE``, ``STREAM_PIECE``, ``WRITE_PIECE``, ``SEQUENTIAL_RUN``, ``READ_STEP``: bytes
   per read, buffer, write call and sequential run
   (fixed: they trade memory against per-call overhead, not something to tune per machine)
@@ -110,6 +112,20 @@ WRITE_BEHIND_LAG = 2
 # few seconds however long its work takes, so this bounds how late a rank that is gone (killed,
 # never started, its host down) is reported, never how long the work may take.
 TORCHRUN_TIMEOUT_S = env_int("CKPTCTL_TORCHRUN_TIMEOUT", 300, minimum=1, maximum=24 * 3600)
+
+# --- closing -----------------------------------------------------------------------------------
+
+# How long ``Checkpointer.close`` keeps trying to reach the c10d store once it cannot
+# (``CKPTCTL_CLOSE_STORE_TIMEOUT``, seconds), counted from close's start or the first failure,
+# whichever is later. While the job runs the tiers' threads retry the store for as long as it
+# runs (a blip must not end them); at its end the store may be gone for good (its host, node
+# 0's torchrun agent, exited), and close would wait forever. After this long close stops
+# waiting for the store, reports what it could not finish (the local tier still holds it) and
+# returns. Never a bound on a healthy close: a reachable store is waited for as long as
+# ``promote_timeout_s`` and the replica timeout say. 60 s outlasts a store restart or a
+# network blip; set it lower where the scheduler kills a job sooner after it ends (Slurm's
+# KillWait and Kubernetes' termination grace period are 30 s by default).
+CLOSE_STORE_TIMEOUT_S = env_int("CKPTCTL_CLOSE_STORE_TIMEOUT", 60, minimum=1, maximum=24 * 3600)
 
 # --- limits (not user settings: bounds that keep a typo from running away) ------------------
 

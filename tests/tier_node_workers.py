@@ -170,6 +170,60 @@ def replica_load(rank: int, a: dict) -> dict:
     return {"step": step, "bitwise_equal": equal, **_close_report(ck)}
 
 
+# --- close at the end of a job (tests/test_tiers_close.py) --------------------------------------
+
+
+def save_then_close(rank: int, a: dict) -> dict:
+    """Save ``steps`` (S3 takes the first, and no later one by its cadence: the last is
+    promoted by close alone; with ``replicas``, peer replicas too), write ``OUT/savedR``, wait for ``OUT/close`` (the harness may first kill node 0's
+    agent, the c10d store's host), then close; report how long close took, what it returned
+    and the warnings it logged."""
+    import logging
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("ckptctl").addHandler(Keep(logging.WARNING))
+    ck = _replica_checkpointer(a) if a.get("replicas") else _checkpointer(a)
+    for step in a["steps"]:
+        ck.save(step, state_for(step, rank)).wait()
+    _write(a["out"], f"saved{rank}.json", {"store_connections": store_connections()})
+    while not os.path.exists(os.path.join(a["out"], "close")):
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        report = _close_report(ck)
+    except Exception as e:  # the test reads it
+        report = {"close_error": f"{type(e).__name__}: {e}"}
+    return {**report, "close_s": time.monotonic() - t0, "warnings": warnings}
+
+
+def store_connections() -> int:
+    """This process's open TCP connections to the job's c10d store (``MASTER_PORT``): its
+    sockets (``/proc/self/fd``) that ``/proc/self/net/tcp*`` lists as established to that port."""
+    port = int(os.environ["MASTER_PORT"])
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    found = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                remote, state, inode = cols[2], cols[3], cols[9]
+                if state == "01" and int(remote.rsplit(":", 1)[1], 16) == port and inode in mine:
+                    found += 1
+    return found
+
+
 # --- the soak (scripts/soak_tiers.py) -----------------------------------------------------------
 
 
@@ -228,7 +282,8 @@ def _tensors(state: dict) -> list:
     return out
 
 
-SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load, "soak": soak}
+SCENARIOS = {"save": save, "load": load, "replica_save": replica_save, "replica_load": replica_load, "soak": soak,
+             "save_then_close": save_then_close}
 
 
 # Each agent runs torchrun's own entry point under faulthandler (SIGUSR1 writes its threads'

@@ -8,7 +8,9 @@ coordinator's gloo collectives or the training's NCCL ones. A rank that dies lea
 missing, which rank 0 sees at its deadline (sooner when its heartbeat stops:
 ``tiers.liveness``), and nothing else breaks. Every thread that waits holds a connection of its
 own (a ``tiers.link.Link``: one request at a time per TCPStore connection, made again after a
-network error, taken from and given back to a pool so that new connections stay few).
+network error, taken from and given back to a pool so that new connections stay few). The
+channel's links share one ``tiers.link.Closing``: once close began (``begin_closing``), they
+give up on a store they cannot reach after ``settings.CLOSE_STORE_TIMEOUT_S``.
 
 Keys, under ``ckptctl-tiers/<group name>/``, each deleted once read by everyone who needs it
 (``tiers.stream`` says when, for the streams; the store holds a bounded number of keys
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from ckptctl.errors import CoordinationError
 from ckptctl.tiers.health import Health
-from ckptctl.tiers.link import Link, peek
+from ckptctl.tiers.link import Closing, Link, StoreGone, peek
 from ckptctl.tiers.stream import Outbox
 
 log = logging.getLogger("ckptctl")
@@ -62,6 +64,7 @@ class Channel:
         self.base, self.group_name = base, group_name
         self.prefix = f"ckptctl-tiers/{group_name}/"
         self.rank, self.world_size, self.health = rank, world_size, health
+        self.closing = Closing()
         self._own_lock = threading.Lock()  # the caller's thread's collectives: one connection
         self._own = self.link(f"tiers channel of rank {rank}", "")
         self._late: list[str] = []  # rank 0: ``to_rank0`` keys that came after the deadline, to delete
@@ -70,19 +73,27 @@ class Channel:
         """A connection of its own, for one thread (``worker``, serving ``tier``), under this
         channel's prefix (or, not ``prefixed``, to the whole store): made by the thread that
         starts it, before it starts (see ``tiers.link``). ``give_back`` it once idle for good."""
-        return Link(self.base, self.prefix if prefixed else "", worker, tier, self.health)
+        return Link(self.base, self.prefix if prefixed else "", worker, tier, self.health, self.closing)
 
     def outbox(self, stream: str, receivers: Collection[int], keep: int, *, collected: bool,
-               latest_only: bool = False) -> Outbox:
-        """Rank 0's side of ``stream`` (``tiers.stream``), with a connection of its own."""
-        return Outbox(self.link(f"{stream} sender", ""), stream, receivers, keep, collected=collected,
+               latest_only: bool = False, link: Link | None = None) -> Outbox:
+        """Rank 0's side of ``stream`` (``tiers.stream``), on ``link`` (the sending thread's,
+        under no prefix of the channel), else a connection of its own."""
+        return Outbox(link or self.link(f"{stream} sender", ""), stream, receivers, keep, collected=collected,
                       latest_only=latest_only)
+
+    def begin_closing(self) -> None:
+        """From now on this channel's links give up on an unreachable store (``tiers.link``)."""
+        self.closing.begin()
 
     def close(self) -> None:
         """Delete what rank 0 still holds of late gathers; the caller's thread's connection goes
         back to the pool (call it once this channel's collectives are over)."""
         with self._own_lock:
-            self._delete_late()
+            try:
+                self._delete_late()
+            except StoreGone:
+                pass  # they went with the store
             self._own.give_back()
 
     # --- collectives of the caller's thread -------------------------------------------------------

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from ckptctl.tiers.link import Link
+from ckptctl.tiers.link import Link, StoreGone
 
 HEARTBEAT_PREFIX = "ckptctl/{group}/"  # the save coordinator's side channel: keys alive/<rank>
 BEAT_MIN_S, BEAT_MAX_S = 0.2, 10.0  # how often the counters are read: liveness_s / 6, within these
@@ -54,6 +54,12 @@ class Watch:
             t.join()
 
     def _run(self, keys: dict[int, str], stop: threading.Event) -> None:
+        try:
+            self._watch(keys, stop)
+        except StoreGone:
+            pass  # closing without a store: the round's own wait gives up with it
+
+    def _watch(self, keys: dict[int, str], stop: threading.Event) -> None:
         seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last changed)
         while not stop.wait(self.interval):
             pending = self.link.call(lambda st: [k for k, key in keys.items() if not self._replied(st, key)])

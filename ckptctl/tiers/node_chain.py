@@ -42,6 +42,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before Python 3.11
 from typing import Callable, Iterator
 
 from ckptctl.errors import CkptError, InvalidCheckpoint
@@ -53,6 +54,7 @@ from ckptctl.tiers.chain import Tiers
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.durability import Flushed
 from ckptctl.tiers.layered import Layered
+from ckptctl.tiers.link import StoreGone
 from ckptctl.tiers.node_candidates import NodeSteps
 from ckptctl.tiers.node_keeper import NodeKeeper, NodeMessages
 from ckptctl.tiers.node_retention import NodePruner, plan
@@ -101,6 +103,7 @@ class NodeTiers(Tiers):
         self._pruner: NodePruner | None = None  # one process: rank 0 applies its own plans
         self._replicas: ReplicaWorker | None = None
         self._announce: Outbox | None = None  # rank 0: the replica rounds' announcements
+        self._announced: int | None = None  # rank 0: the step of the newest one
         self._recovery: Recovery | None = None
         self._steps: NodeSteps | None = None
         self._skips: dict[str, dict[str, set[int]]] = {}  # step -> file -> layers whose copy was damaged
@@ -124,12 +127,14 @@ class NodeTiers(Tiers):
         nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
         self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
         leaders = {min(k for k, m in enumerate(nodes) if m == n) for n in set(nodes)}
+        # Rank 0's after-commit thread: its node and replica messages and node-list reads share one connection.
+        after = channel.link("after-commit thread (rank 0)", "") if rank == 0 else None
         if replicas:  # every rank sees the same nodes: a bad topology raises on every rank alike
             ring = ring_of(nodes)
             self._replica_timeout_s = min(timeout_s, REPLICA_TIMEOUT_S)
             group = open_group(world_size, self._replica_timeout_s)
-            if rank == 0:
-                self._announce = replica_outbox(channel)
+            if after is not None:
+                self._announce = replica_outbox(channel, after.share())
             self._replicas = ReplicaWorker(channel, group, ring, self.roots[0], self._replica_timeout_s,
                                            self.durability if rank == 0 else None, self._announce)
             self._recovery = Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
@@ -145,7 +150,7 @@ class NodeTiers(Tiers):
         if len(self.roots) > 1:
             self._worker = RoundWorker(channel, self.roots[0], self.roots[1])
         if rank == 0:
-            self._messages = NodeMessages(channel, leaders)
+            self._messages = NodeMessages(channel, leaders, after)
             self._after = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-tiers")
             if len(self.roots) > 1:
                 self._round = RoundLeader(channel, self.roots[1], liveness_s)
@@ -186,6 +191,7 @@ class NodeTiers(Tiers):
             if self._messages is not None:
                 self._messages.commit(name, source)
             if self._announce is not None:
+                self._announced = step
                 announce(self._announce, name, source.manifest_raw)  # off this thread: each rank's replica thread
             self._newest = (step, name)
             self._reached(0, step, name)  # offered to the promoter, which pins it when chosen
@@ -302,21 +308,57 @@ class NodeTiers(Tiers):
     # --- closing ------------------------------------------------------------------------------
 
     def flush(self, timeout_s: float) -> Flushed:
+        self._begin_closing()
         if self._after is not None:
-            self._after.submit(lambda: None).result()  # the last commit is offered before the wait
+            t0 = time.monotonic()
+            try:  # the last commit is offered before the wait
+                self._after.submit(lambda: None).result(timeout_s)
+            except FutureTimeout:
+                log.warning("tiers: rank 0's after-commit work did not finish within %.0f s", timeout_s)
+            timeout_s = max(0.0, timeout_s - (time.monotonic() - t0))
         return super().flush(timeout_s)
 
+    def _begin_closing(self) -> None:
+        """From here on, a thread of ours that cannot reach the store gives up on it after
+        ``settings.CLOSE_STORE_TIMEOUT_S`` (``tiers.link``): close never waits on a store that
+        is gone for good."""
+        if self.channel is not None:
+            self.channel.begin_closing()
+
+    def _store_gone(self) -> str | None:
+        return self.channel.closing.gone if self.channel is not None else None
+
     def release(self, timeout_s: float) -> None:
+        self._begin_closing()
+        deadline = time.monotonic() + timeout_s
         for t in self._workers():
-            if not t.join(timeout_s):
+            if not t.join(max(0.0, deadline - time.monotonic())):
                 log.warning("tiers: rank %d stopped waiting for rank 0's last promotion after %.0f s", self.rank, timeout_s)
+        gone = self._store_gone()
+        if gone is not None and self.rank != 0:
+            log.warning("close: rank %d: %s; rank 0's last promotion and replica rounds may not have finished; its "
+                        "newest save (step %s) stays on %s for a later load_latest", self.rank, gone,
+                        self.durability.newest_started(), self.roots[0].url)
 
     def close(self, join_s: float = 5.0) -> None:
+        self._begin_closing()
         super().close(join_s)  # promoters first: their last callback may still ask for a prune
         with self._lock:
             self._closing = True
         if self._after is not None:
             self._after.shutdown(wait=True)  # the last commit's message and prune go out before stop
+        try:
+            self._stop_streams(join_s)
+        except StoreGone as e:  # logged by the link; what was not finished is named below
+            log.info("tiers: rank %d's streams not stopped: %s", self.rank, e)
+        if self.rank == 0:
+            self.release(join_s)
+        self._report_unreplicated()
+        if self.channel is not None:
+            self.channel.close()  # its idle connections, for the next Checkpointer of this process
+
+    def _stop_streams(self, join_s: float) -> None:
+        """Send ``stop`` on every stream of rank 0, then wait (bounded) for every receiver."""
         stops = []  # (outbox, its stop): every stream is told first, then waited for together
         if self._round is not None:
             stops.append((self._round.outbox, self._round.stop()))
@@ -331,7 +373,13 @@ class NodeTiers(Tiers):
             out.finish(n, deadline - time.monotonic())
         if self._messages is not None:
             self._messages.forget()  # after the leaders' last prune
-        if self.rank == 0:
-            self.release(join_s)
-        if self.channel is not None:
-            self.channel.close()  # its idle connections, for the next Checkpointer of this process
+
+    def _report_unreplicated(self) -> None:
+        """Rank 0 with peer replicas: name the newest announced step whose replica round did not
+        complete (a partner or the store gone); its node-local copy is whole."""
+        step = self._announced
+        if step is None or self.durability.replication(step):
+            return
+        log.warning("close: the peer replica of step %d did not complete%s; each node's first tier (%s) still holds "
+                    "its own part of it", step, f" ({self._store_gone()})" if self._store_gone() else "",
+                    self.roots[0].url)

@@ -13,7 +13,7 @@ covers what it missed. After each prune a leader also publishes which steps its 
 committed (``held/<leader>``, one key per node, overwritten), and rank 0 plans over those too:
 a step rank 0's node no longer holds is still decided by the rules on the others.
 
-May import: ``tiers.stream``, ``tiers.channel``, ``tiers.node_commit``, ``tiers.node_retention``,
+May import: ``tiers.stream``, ``tiers.channel``, ``tiers.link``, ``tiers.node_commit``, ``tiers.node_retention``,
 ``layouts``, ``storage``, leaves.
 """
 
@@ -31,6 +31,7 @@ from ckptctl.errors import CkptError
 from ckptctl.layouts.native_read import Committed
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
+from ckptctl.tiers.link import Link
 from ckptctl.tiers.node_commit import commit_here, parse_committed
 from ckptctl.tiers.node_retention import NodePruner, PrunePlan, held
 from ckptctl.tiers.stream import StreamWorker
@@ -43,12 +44,14 @@ KEEP = 16  # node messages open at once (each leader applies them in order, a co
 
 
 class NodeMessages:
-    """Rank 0's side of the ``node`` stream (``leaders``: each node's lowest rank)."""
+    """Rank 0's side of the ``node`` stream (``leaders``: each node's lowest rank), on ``link``
+    (rank 0's after-commit thread's; else one of its own): the messages and the nodes' lists."""
 
-    def __init__(self, channel: Channel, leaders: Collection[int]) -> None:
-        self.outbox = channel.outbox(STREAM, leaders, KEEP, collected=False)
+    def __init__(self, channel: Channel, leaders: Collection[int], link: Link | None = None) -> None:
+        link = link or channel.link("node messages", "")
+        self.outbox = channel.outbox(STREAM, leaders, KEEP, collected=False, link=link)
         self.leaders = sorted(k for k in leaders if k != 0)
-        self._reader = channel.link("node lists reader", "")  # rank 0's after-commit thread's
+        self._reader = link.share()
 
     def elsewhere(self) -> list[list]:
         """What the other nodes last said they hold (``node_retention.held``), by step."""

@@ -23,7 +23,7 @@ the staging buffer, so the next save's snapshot never waits for a replica. A par
 died or hangs fails the round's transfers at the timeout (``replica_link``), and the next
 round uses a tag of its own.
 
-May import: ``tiers.channel``, ``tiers.stream``, ``tiers.replica_link``, ``tiers.replica_store``,
+May import: ``tiers.channel``, ``tiers.link``, ``tiers.stream``, ``tiers.replica_link``, ``tiers.replica_store``,
 ``tiers.durability``, ``format``, ``storage``, leaves.
 """
 
@@ -42,6 +42,7 @@ from ckptctl.format.layout import parse_step_dir
 from ckptctl.format.manifest import Manifest
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.channel import Channel
+from ckptctl.tiers.link import Link
 from ckptctl.tiers.durability import Durability
 from ckptctl.tiers.replica_link import Ring, recv_files, send_files
 from ckptctl.tiers.replica_store import replica_dir, write_marker
@@ -55,9 +56,10 @@ STREAM = "replica"
 KEEP = 16  # announcements open at once (one per save; each rank takes them in order)
 
 
-def outbox(channel: Channel) -> Outbox:
-    """Rank 0's side of the ``replica`` stream: every rank replies to each announcement."""
-    return channel.outbox(STREAM, range(channel.world_size), KEEP, collected=True)
+def outbox(channel: Channel, link: Link | None = None) -> Outbox:
+    """Rank 0's side of the ``replica`` stream, on ``link`` (the announcing thread's; else one
+    of its own): every rank replies to each announcement."""
+    return channel.outbox(STREAM, range(channel.world_size), KEEP, collected=True, link=link)
 
 
 def announce(out: Outbox, name: str, manifest_raw: bytes) -> int:

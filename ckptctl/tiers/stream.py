@@ -30,7 +30,9 @@ as long as the job runs.
 Every store request goes through a ``tiers.link.Link``: a network error is retried on a new
 connection, and a receiver's thread survives everything else its work raises; a thread that
 ends anyway (a bug) is recorded in ``tiers.health`` and restarted from the message it was at
-(``StreamWorker.revive``).
+(``StreamWorker.revive``). Once close began, a link that gives up on a store that is gone
+(``tiers.link.StoreGone``) ends the receiver's thread as ``stop`` would, and makes rank 0's
+``send``, ``replies`` and ``finish`` raise it.
 
 May import: ``tiers.link``, ``tiers.health``, leaves (and torch.distributed).
 """
@@ -47,7 +49,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptctl.tiers.health import Health
-from ckptctl.tiers.link import Link, peek
+from ckptctl.tiers.link import Link, StoreGone, peek
 
 log = logging.getLogger("ckptctl")
 
@@ -263,6 +265,8 @@ class StreamWorker:
                 self._reply(n, self.handle(n, msg))
                 self.rounds, self._next = n, n + 1
                 self.after(n, msg)
+        except StoreGone:  # closing, and the store is gone: no message can come any more (logged by the link)
+            self._stopped = True
         except Exception as e:  # a bug: recorded, and the thread is started again by ``revive``
             log.error("tiers: the %s ended unexpectedly at message %d", self.link.worker, self._next, exc_info=e)
             n = self._next
