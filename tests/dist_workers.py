@@ -223,6 +223,9 @@ def kill_mid_write(rank: int, world_size: int, a: dict) -> dict:
                 self.w.__enter__()
                 return self
 
+            def expect(self, size):
+                self.w.expect(size)
+
             def write(self, b):
                 self.w.write(b)
                 if len(b) and not isinstance(b, bytes):  # header written as bytes, data as a view
