@@ -14,9 +14,10 @@ real store), makes one checkpoint on local disk, then times:
 Both sides are checked afterwards, outside the timing: boto3's files byte for byte against the
 source files, ckptctl's restored checkpoint by ``verify`` at the checksums level (the format's
 own rule: a shard's file checksum covers its header bytes and chunk digests, not a hash of the
-whole file). Only ckptctl's timing includes checking. Each
-measurement is the best of ``--repeat`` runs. Against moto both sides share one Python
-server, so the ratios say more than the absolute numbers.
+whole file). Only ckptctl's timing includes checking. Each comparison runs ``--repeat``
+rounds alternating the two tools, each upload onto an emptied prefix; the verdict is the
+median of the per-round ratios (the best of each side is printed beside it). Against moto
+both sides share one Python server, so the ratios say more than the absolute numbers.
 
     .venv/bin/python scripts/bench_s3.py --size-mib 256 --files 2
 """
@@ -28,6 +29,7 @@ import filecmp
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,14 +86,27 @@ def timed(fn: Callable[[], object], before: Callable[[], None] | None = None, *,
     return seconds
 
 
-def best_pair(repeat: int, a: Callable[[], float], b: Callable[[], float]) -> tuple[float, float]:
-    """Best of ``repeat`` for each, alternating a and b so that drift in the server (moto keeps
-    every object in memory) weighs on both alike."""
+def pairs(repeat: int, a: Callable[[], float], b: Callable[[], float]) -> tuple[list[float], list[float]]:
+    """``repeat`` timings of each, alternating a and b so that drift in the server (moto keeps
+    every object in memory) and in the machine's load weighs on both alike."""
     ta, tb = [], []
     for _ in range(repeat):
         ta.append(a())
         tb.append(b())
-    return min(ta), min(tb)
+    return ta, tb
+
+
+def ratio_line(what: str, ours: list[float], theirs: list[float], label_ours: str, label_theirs: str, total: int) -> str:
+    """Best of each side, their ratio, and the median of the per-pair ratios (the figure that
+    a single slow round of either side moves least)."""
+    pair = statistics.median(t / o for o, t in zip(ours, theirs))
+    each = " ".join(f"{t / o:.2f}" for o, t in zip(ours, theirs))
+    return (f"{what:9} {label_ours:18} {rate(total, min(ours))}   {label_theirs:20} {rate(total, min(theirs))}   "
+            f"best/best {min(theirs) / min(ours):.2f}x   pairs median {pair:.2f}x [{each}]")
+
+
+def rate(total: int, seconds: float) -> str:
+    return f"{total / MiB / seconds:8.1f} MiB/s ({seconds:6.2f} s)"
 
 
 def cpu_of(label: str) -> float:
@@ -103,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=256, help="checkpoint size (default 256)")
     ap.add_argument("--files", type=int, default=1, help="shard files it is split into, as ranks would (default 1)")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="alternating rounds per comparison (default 3)")
     ap.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"), help="use this store instead of moto")
     ap.add_argument("--bucket", default=None, help="existing bucket (default: a new one)")
     ap.add_argument("--part-mib", type=int, default=None, help="ckptctl's multipart threshold and part size (default: S3Storage's)")
@@ -143,7 +158,7 @@ def main() -> None:
         manifest, _ = read_committed(open_storage(src))
         total = manifest.total_bytes
         names = [f.name for f in manifest.files]
-        print(f"endpoint {endpoint}; checkpoint {total / MiB:.0f} MiB in {len(names)} file(s); best of {args.repeat}")
+        print(f"endpoint {endpoint}; checkpoint {total / MiB:.0f} MiB in {len(names)} file(s); {args.repeat} alternating rounds")
 
         cfg = TransferConfig()  # boto3's defaults: 8 MiB threshold and chunks, 10 threads
         tuning: dict[str, int] = {}
@@ -153,23 +168,29 @@ def main() -> None:
             tuning.update(max_inflight_parts=args.inflight)
         store = open_storage(url, **tuning)
 
-        def clear_ckptctl_upload() -> None:
-            sub = store.sub("ckptctl-up")
-            for info in list(sub.list()):
-                sub.delete(info.key)
+        def clearer(where: str) -> Callable[[], None]:
+            """Empty ``where`` before a timed upload (untimed), for both tools alike: moto
+            replaces an existing object about 2x slower than it creates one (a probe: 2.2-2.4 s
+            against 1.1-1.2 s for 256 MiB), so an upload onto last round's object is not a fair
+            round."""
+            def clear() -> None:
+                sub = store.sub(where)
+                for info in list(sub.list()):
+                    sub.delete(info.key)
+            return clear
 
-        up_ckptctl, up_boto = best_pair(
+        up_ckptctl, up_boto = pairs(
             args.repeat,
-            lambda: timed(lambda: copy_checkpoint(open_storage(src), store.sub("ckptctl-up").sub(step_dir(1))), clear_ckptctl_upload,
-                          cpu="up ckptctl"),
+            lambda: timed(lambda: copy_checkpoint(open_storage(src), store.sub("ckptctl-up").sub(step_dir(1))),
+                          clearer("ckptctl-up"), cpu="up ckptctl"),
             lambda: timed(lambda: [s3.upload_file(os.path.join(src, n), bucket, f"{prefix}/boto/{n}", Config=cfg) for n in names],
-                          cpu="up boto3"),
+                          clearer("boto"), cpu="up boto3"),
         )
 
         dst = os.path.join(work, "restored")
         boto_dst = os.path.join(work, "boto")
         os.makedirs(boto_dst)
-        down_ckptctl, down_boto = best_pair(
+        down_ckptctl, down_boto = pairs(
             args.repeat,
             lambda: timed(lambda: restore_latest(store.sub("ckptctl-up"), open_storage(dst)),
                           lambda: shutil.rmtree(dst, ignore_errors=True), cpu="down ckptctl"),
@@ -187,21 +208,19 @@ def main() -> None:
         steps = iter(range(100, 101 + args.repeat))
         with Checkpointer(url + "/saves", storage=store.sub("saves")) as ck:
             ck.save(next(steps), state).wait()  # its staging buffer mapped: later saves copy into it
-            save_s3, up_boto2 = best_pair(
+            save_s3, up_boto2 = pairs(
                 args.repeat,
                 lambda: timed(lambda: ck.save(next(steps), state).wait(), cpu="save ckptctl"),
                 lambda: timed(lambda: [s3.upload_file(os.path.join(src, n), bucket, f"{prefix}/boto2/{n}", Config=cfg)
-                                       for n in names], cpu="save boto3"),
+                                       for n in names], clearer("boto2"), cpu="save boto3"),
             )
 
-        def rate(seconds: float) -> str:
-            return f"{total / MiB / seconds:8.1f} MiB/s ({seconds:6.2f} s)"
-
-        print(f"upload    ckptctl cp      {rate(up_ckptctl)}   boto3 upload_file   {rate(up_boto)}   ratio {up_boto / up_ckptctl:.2f}x")
-        print(f"download  ckptctl restore {rate(down_ckptctl)}   boto3 download_file {rate(down_boto)}   ratio {down_boto / down_ckptctl:.2f}x")
-        print(f"save      Checkpointer.save {rate(save_s3)}   boto3 upload_file   {rate(up_boto2)}   ratio {up_boto2 / save_s3:.2f}x"
-              "  (save: host copy + checksums + upload + commit)")
-        print("ratio > 1: ckptctl faster; ckptctl's times include checking every checksum, boto3's include none")
+        print(ratio_line("upload", up_ckptctl, up_boto, "ckptctl cp", "boto3 upload_file", total))
+        print(ratio_line("download", down_ckptctl, down_boto, "ckptctl restore", "boto3 download_file", total))
+        print(ratio_line("save", save_s3, up_boto2, "Checkpointer.save", "boto3 upload_file", total)
+              + "  (save: host copy + checksums + upload + commit)")
+        print("ratio > 1: ckptctl faster; ckptctl's times include checking every checksum, boto3's include none;")
+        print("the verdict is the pairs' median (rounds alternate the tools; each starts on an empty prefix)")
         print("client CPU (this process, all threads; least of the runs), boto3 / ckptctl > 1: ckptctl uses less")
         for what in ("up", "down", "save"):
             ours, theirs = cpu_of(f"{what} ckptctl"), cpu_of(f"{what} boto3")
