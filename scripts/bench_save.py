@@ -105,6 +105,9 @@ INFO = [
     ("held_load_cpu_vs_raw", "CPU time: load, buffer held / raw read"),
     ("load_cpu_vs_dcp", "CPU time: load / DCP load"),
     ("held_load_vs_dcp", "load, buffer held / DCP load"),
+    # What any reader could gain over DCP on this disk: near the disk's speed, DCP's load sets
+    # a ceiling on load / DCP load that no reader (ours included) can pass.
+    ("raw_read_vs_dcp", "fastest raw read / DCP load: the ceiling"),
     ("held_storage_vs_size", "load, buffer held: storage bytes / checkpoint"),
     ("held_calls_vs_size", "load, buffer held: read-call bytes / checkpoint"),
     ("load_calls_vs_size", "read-call bytes per load / checkpoint"),
@@ -420,6 +423,34 @@ def raw_read_threads(path: str, data: memoryview, threads: int) -> float:
     return time.perf_counter() - t0
 
 
+def raw_read_runs(path: str, data: memoryview, threads: int) -> float:
+    """Read a whole file as the load reads a local shard: runs of ``SEQUENTIAL_RUN`` bytes, each
+    front to back in ``READ_STEP`` calls by one of ``threads`` readers (the kernel reads ahead
+    of each): on this kind of disk the fastest plain read found, so the ceiling for a loader."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptctl.settings import READ_STEP, SEQUENTIAL_RUN
+
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+
+        def one(start: int) -> None:
+            pos, end = start, min(start + SEQUENTIAL_RUN, size)
+            while pos < end:
+                n = os.preadv(fd, [data[pos : min(pos + READ_STEP, end)]], pos)
+                if n == 0:
+                    raise IOError(f"{path}: short read")
+                pos += n
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(0, size, SEQUENTIAL_RUN)))
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
 class Bench:
     def __init__(self, kit, nbytes: int, work: str, repeat: int, skip: set[str], log, t_start: float) -> None:
         self.kit, self.nbytes, self.work, self.repeat, self.skip, self.log = kit, nbytes, work, repeat, skip, log
@@ -675,6 +706,9 @@ class Bench:
                 with self.timer("raw"), ReadCount() as count:
                     self.add("raw", key, raw_read_threads(path, data, n))
             counted("raw", count)
+            cold("raw", path)
+            with self.timer("raw"):
+                self.add("raw", "read_runs_s", raw_read_runs(path, data, IO_THREADS))
 
         def verify() -> None:
             path = self.paths["ckptctl"]
@@ -882,6 +916,7 @@ def ratios(res: dict, f: dict, nbytes: int) -> dict[str, dict[str, Any]]:
         "held_load_cpu_vs_raw": (paired(h.get("load_cpu_s"), raw.get("load_cpu_s")), None),
         "load_cpu_vs_dcp": (paired(c.get("load_cpu_s"), d.get("load_cpu_s")), None),
         "held_load_vs_dcp": (paired(d.get("load_s"), h.get("load_s")), None),
+        "raw_read_vs_dcp": (paired(d.get("load_s"), [min(a, b) for a, b in zip(rl or [], raw.get("read_runs_s") or [])]), None),
         "held_storage_vs_size": (per_size(h, "load_read_storage"), None),
         "held_calls_vs_size": (per_size(h, "load_read_calls"), None),
         # bytes: lower is better, ratio = bytes read / the checkpoint's bytes on disk
@@ -976,6 +1011,7 @@ def print_report(res: dict, nbytes: int, out=sys.stdout) -> None:
     th = res.get("threads", {})
     p(f"  read, evicted, {th.get('verify', '?')} threads (verify) {ms(f['raw_read_v_s'])} {thr(f['raw_read_v_s'])}   {samples(raw.get('read_verify_threads_s'))}")
     p(f"  read, evicted, {th.get('load', '?')} threads (load)   {ms(f['raw_read_l_s'])} {thr(f['raw_read_l_s'])}   {samples(raw.get('read_load_threads_s'))}")
+    p(f"  read, evicted, runs as load reads {ms(median(raw.get('read_runs_s')))} {thr(median(raw.get('read_runs_s')))}   {samples(raw.get('read_runs_s'))}")
     p(f"  read, page-cache hot             {ms(f['raw_read_hot_s'])} {thr(f['raw_read_hot_s'])}")
     p()
     p("SAVE STALL (lower is better)           first    steady best  steady median   samples")
