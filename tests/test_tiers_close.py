@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ckptctl.format.layout import step_dir
 from ckptctl.tiers import link as link_mod
+from ckptctl.tiers.health import Health
 from ckptctl.tiers.link import Closing, Link, StoreGone
 from helpers import cli
 from s3_fault_proxy import FaultProxy
@@ -62,8 +63,9 @@ def test_a_closing_link_gives_up_on_a_store_that_is_gone(monkeypatch) -> None:
     try:
         base = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=600))  # waits for the server
         closing = Closing(timeout_s=1)
-        first = Link(base, "p/", "first thread", "", None, closing)
-        second = Link(base, "p/", "second thread", "", None, closing)
+        health = Health()
+        first = Link(base, "p/", "first thread", "s3://b/t", health, closing)
+        second = Link(base, "p/", "second thread", "s3://b/t", health, closing)
         first.call(lambda st: st.set("k", b"v"))
         assert second.call(lambda st: st.get("k")) == b"v"
         server.kill()
@@ -75,6 +77,11 @@ def test_a_closing_link_gives_up_on_a_store_that_is_gone(monkeypatch) -> None:
         with pytest.raises(StoreGone):
             second.call(lambda st: st.get("k"))
         assert second.reconnects == 0
+        # What close() reports for them: stopped, not still "retrying".
+        troubles = {t.worker: t for t in health.troubles()}
+        assert set(troubles) == {"first thread", "second thread"}
+        for t in troubles.values():
+            assert t.dead and "gave up" in str(t) and "retrying" not in str(t), str(t)
     finally:
         server.kill()
         server.wait()

@@ -200,6 +200,8 @@ class Link:
         if closing.gone is None:
             closing.gone = f"the c10d store has been unreachable for {time.monotonic() - since:.0f} s while closing ({why})"
             log.warning("tiers: the %s gives up on the c10d store: %s", self.worker, closing.gone)
+        if self.health is not None:  # it stops for good: close's troubles must not say "retrying"
+            self.health.died(self.worker, self.tier, f"gave up: {closing.gone}")
         return StoreGone(closing.gone, hint="the job's store is gone (its host exited); what the local tier holds stays "
                                             "valid: resume from it with load_latest")
 
