@@ -57,8 +57,14 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # moto spools every object and part over 5 MiB to a temporary file on this machine's disk,
+    # so each upload also wrote (and the kernel flushed) its bytes twice there: rounds of the
+    # same tool took 1.0 s or 2.1 s depending on writeback, whichever tool ran. A real store
+    # writes nothing to the client's disk: keep objects in the server's memory (override with
+    # MOTO_S3_DEFAULT_KEY_BUFFER_SIZE).
+    env = {**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": os.environ.get("MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(4 << 30))}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         with socket.socket() as s:
