@@ -66,56 +66,31 @@ class Checkpointer:
         overlap_copies: bool = False,
         check_replicas: bool | None = None,
     ) -> None:
-        """``retention``: after each commit, rank 0 prunes older checkpoints in the background
-        with these rules and the same safety checks as ``ckptctl prune`` (the new checkpoint is
-        fully verified before anything is deleted; it is always kept). The rules are the CLI's
-        own objects and compose with ``|``: ``KeepLast(3) | KeepEvery(1000) | KeepBest(2,
-        "val_loss")`` (``KeepBest`` ranks by the ``metrics`` each ``save`` recorded).
-        ``keep_last=N``/``keep_every=S`` are shorthand for ``KeepLast(N)``/``KeepEvery(S)``;
-        giving them together with ``retention`` raises ``ValueError``, as does a bad value. The verification is shared
-        out: every rank re-reads the shard it wrote, on its writer thread, and rank 0 records
-        the verdict in the verification record, so the prune downloads no checkpoint (see
-        ``ops.retention.background``). Pass the same options on every rank (different ones
-        raise ``UsageError``). Retention problems are logged on the "ckptctl" logger and never
+        """Each option in short; in full, with examples: ``docs/checkpointer.md``. Pass the
+        same options on every rank.
+
+        ``root``: a path or ``s3://bucket/prefix`` (``storage``: a ``Storage`` to use instead).
+        ``tiers`` instead: ``[Tier("/nvme/ckpt", retention=KeepLast(2)), Tier("s3://lab/run7")]``:
+        commit to the first, promote to each next one in the background, each pruned by its own
+        retention; ``close`` waits up to ``promote_timeout_s`` for the last tier (``tiers``).
+
+        ``retention`` (``KeepLast(3) | KeepEvery(1000) | KeepBest(2, "val_loss")``, or the
+        shorthand ``keep_last``/``keep_every``): after each commit rank 0 prunes in the
+        background with ``ckptctl prune``'s rules and safety checks; problems are logged, never
         fail a save.
 
-        When torch.distributed is initialised, every rank of ``process_group`` (default: all
-        ranks) must construct its Checkpointer at the same point (this creates the gloo group
-        that coordinates saves), call ``save`` with the same steps, and see the same ``root``
-        (a shared filesystem or bucket). ``timeout_s`` bounds how long the ranks wait for
-        each other once their own shard is written: a rank that does not report by then
-        (killed, hung) fails the save on every rank, naming it. ``liveness_s``: a rank whose
-        process has shown no sign of life (a heartbeat through the c10d store) for this long
-        is taken as dead sooner than ``timeout_s``.
+        With torch.distributed: every rank of ``process_group`` (default: all) builds its
+        Checkpointer at the same point, saves the same steps and sees the same root.
+        ``timeout_s``: how long the ranks wait for each other once their shard is written;
+        ``liveness_s``: a rank without a heartbeat that long is taken as dead sooner.
 
-        ``overlap_copies`` (opt-in, not yet measured on a GPU): ``save`` returns once the
-        copies from the GPU are queued instead of done; the copies of parameters and optimizer
-        state then run under the next forward/backward, and each optimizer's next ``step()``
-        waits for them on the GPU (a one-shot step pre-hook; no host stall). Module buffers
-        and everything else are still copied before ``save`` returns. Do not use it if the job
-        writes parameters in place outside ``optimizer.step()`` between a save and the next
-        step.
+        ``async_save=False``: ``save`` returns once committed. ``overlap_copies`` (opt-in): the
+        GPU copies of parameters and optimizer state run under the next forward/backward.
+        ``check_replicas``: each rank hashes its copy of the tensors every rank holds whole, and
+        a save whose copies differ fails (None: CPU-resident ones; True: all; False: none).
 
-        ``check_replicas``: with several ranks, each rank hashes its copy of every tensor that
-        every rank holds whole (DDP parameters and buffers; one rank writes it) when ``save``
-        snapshots the state, and a save whose copies differ fails naming the tensors and the
-        ranks. None (default): the CPU-resident parameters and optimizer state (XXH3 on the
-        training thread, about 0.14 s per GiB); True: every replicated tensor, module buffers
-        (BatchNorm statistics under DDP ``broadcast_buffers=False`` drift apart), GPU ones too
-        (each copied to the host to be hashed) and plain tensors of other keys; False: none
-        (see ``ckptctl.save.replicas``).
-
-        ``tiers`` instead of ``root``: ``[Tier("/nvme/ckpt", retention=KeepLast(2)),
-        Tier("s3://lab/run7", retention=KeepLast(3), every=Steps(1000) | Minutes(30))]``.
-        ``save`` commits to the first tier exactly as to a single root; rank 0 then promotes
-        committed checkpoints to each next tier on a thread of its own (``tiers.promoter``:
-        verified on the way, marker last; behind, it promotes the newest and skips the rest;
-        an outage is retried with backoff). Each tier prunes by its own ``retention`` and never
-        deletes a checkpoint still awaiting promotion. ``load_latest`` takes the newest
-        committed step on any tier, nearest tier first. ``close`` waits up to
-        ``promote_timeout_s`` for the last checkpoint to reach the last tier. With several
-        ranks the first tier must be shared by them, or be ``node_local=True`` (each node's own
-        disk; every rank uploads its shards: ``tiers.node_chain``)."""
+        Raises ``ValueError`` for a bad value or options that exclude each other, and
+        ``UsageError`` for retention set on some ranks only."""
         self._tiers: Tiers | None = None
         if tiers is not None:
             if root is not None or storage is not None:

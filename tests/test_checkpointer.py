@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ckptctl import Checkpointer
-from ckptctl.demo import ToyJob
+from ckptctl.demo.job import ToyJob
 from ckptctl.errors import RefusedForSafety, SaveFailed, StateError
 from ckptctl.format.layout import MARKER, step_dir
 

@@ -18,20 +18,8 @@ import pytest
 import torch
 
 from ckptctl import Checkpointer
-from ckptctl.demo import (
-    KILLED,
-    REFERENCE,
-    RESUMED,
-    Mismatch,
-    ToyJob,
-    bits,
-    compare_curves,
-    judge,
-    job_environment,
-    read_curve,
-    stitch,
-    write_loss,
-)
+from ckptctl.demo.curves import KILLED, REFERENCE, RESUMED, Mismatch, bits, compare_curves, judge, read_curve, stitch, write_loss
+from ckptctl.demo.job import ToyJob, job_environment
 from ckptctl.format.layout import MARKER, step_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

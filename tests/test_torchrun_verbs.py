@@ -314,3 +314,34 @@ def test_a_rank_that_stops_answering_is_named_within_the_timeout(tmp_path, s3_se
     assert len(ran[0]) == 1 and ran[0][0].exit == 3, (ran, logs(run, 1))
     assert "rank(s) 1 of this torchrun job stopped answering (no sign of life for 20s)" in ran[0][0].stderr, \
         ran[0][0].stderr
+
+
+def test_restore_under_torchrun_skips_a_corrupt_newest_on_every_rank_together(tmp_path) -> None:
+    """2 ranks: the newest checkpoint of the root has a flipped bit in one shard, so the rank
+    copying that shard finds it corrupt; every rank passes it over together (rank 0 names the
+    candidates) and the job restores the one before, naming the skipped one; pinned to the
+    corrupt step, every rank exits 1 and nothing is committed at the destination."""
+    torch.manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(64 * (i + 1), 32) for i in range(4)}, "extra": {}}
+    with Checkpointer(str(tmp_path / "one")) as ck:
+        five = ck.save(5, state).wait()
+        six = ck.save(6, state).wait()
+    root = tmp_path / "root"
+    for one in (five, six):
+        assert cli("reshard", one, str(root / os.path.basename(one)), "--world-size", "4").exit_code == 0
+    flipped = root / step_dir(6) / shard_name(3, 4)
+    with open(flipped, "r+b") as f:
+        f.seek(os.path.getsize(flipped) - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    dst, pinned = str(tmp_path / "dst"), str(tmp_path / "pinned")
+    ran = launch(str(tmp_path / "run"), [[["restore", str(root), dst, "--json"],
+                                          ["restore", str(root), pinned, "--step", "6"]]])
+    assert all(len(ran[r]) == 2 for r in (0, 1)), (ran, logs(str(tmp_path / "run"), 1))
+    assert [[x.exit for x in ran[r]] for r in (0, 1)] == [[0, 1]] * 2, ran
+    doc = json.loads(ran[0][0].stdout)
+    assert doc["step"] == 5 and [(s["step"], shard_name(3, 4) in s["reason"]) for s in doc["skipped"]] == [(6, True)], doc
+    assert cli("verify", os.path.join(dst, step_dir(5))).exit_code == 0
+    assert not os.path.exists(os.path.join(dst, step_dir(6), MARKER))
+    assert not os.path.exists(os.path.join(pinned, step_dir(6), MARKER))

@@ -6,7 +6,7 @@ training's NCCL collectives, and a CPU-only exchange needs no device memory.
 
 One save is a barrier (through the c10d store, ``barrier``), a ``gather`` of one fixed-size
 report per rank to rank 0, rank 0's decision (fail naming the ranks, compare replicas, plan,
-or commit), and one ``broadcast`` of the outcome, so every rank's ``wait()`` returns the same
+or commit: ``save.decision``), and one ``broadcast`` of the outcome, so every rank's ``wait()`` returns the same
 URL or raises the same error. Rank 0 receives O(ranks) bytes per save and O(tensors) per
 re-plan, never ranks x tensors. A collective that fails leaves the group unusable: the
 coordinator is then *broken* and every later save fails at once. A killed rank is noticed by
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 
 from ckptctl.errors import CoordinationError, RefusedForSafety, UsageError
-from ckptctl.format.geometry import numel
 from ckptctl.format.manifest import FileEntry, TensorEntry
 from ckptctl.save.barrier import StoreBarrier
+from ckptctl.save.decision import covered, decide, merged_stats
 from ckptctl.save.heartbeat import BEAT_MIN_S, DEFAULT_LIVENESS_S, Heartbeat, first_line
 from ckptctl.save.messages import ANSWER_BYTES, REPORT_BYTES, RankReport, pack, unpack
 from ckptctl.save.replicas import NAMED, bounds, combined, differing, replica_message
 from ckptctl.save.replicas import ranks_text as _ranks
 from ckptctl.save.save_id import NONCE_BYTES, new_nonce
-from ckptctl.save.shard_layout import ShardLayout, placement_hints
+from ckptctl.save.shard_layout import ShardLayout
 
 DEFAULT_TIMEOUT_S = 900.0
 
@@ -160,27 +160,9 @@ class Coordinator:
         return message
 
     def _decide(self, gathered: list | None, layout: ShardLayout, *, replicas_checked: bool = False) -> tuple[str, str]:
-        """Rank 0: fail, compare replicas, plan, or commit; from the gathered reports alone."""
-        reports = [RankReport(**{**r, "file": FileEntry(**r["file"]) if r["file"] else None}) for r in gathered or []]
-        failed = [r for r in reports if r.error is not None]
-        if failed:
-            return "fail", f"step {reports[0].step}: {_ranks([r.rank for r in failed])} failed: " + "; ".join(
-                f"rank {r.rank}: {r.error}" for r in failed[:8]
-            ) + (f"; and {len(failed) - 8} more" if len(failed) > 8 else "")
-        steps = sorted({r.step for r in reports})
-        if len(steps) > 1:  # saves out of step: never mix shards of different saves
-            return "fail", f"ranks are saving different steps {steps}; every rank must call save() with the same step"
-        odd = [r.rank for r in reports if r.structure != reports[0].structure]
-        if odd:
-            return "fail", (
-                f"step {steps[0]}: the state's tensors (names, dtypes or global shapes) differ between "
-                f"rank 0 and {_ranks(odd)}; every rank must save the same state structure"
-            )
-        if not replicas_checked and len({r.replicas for r in reports}) > 1:
-            return "replicas", ""
-        if any(r.replanned for r in reports) or self._structure != layout.structure:
-            return "plan", ""
-        return "commit", ""
+        """Rank 0: fail, compare replicas, plan, or commit; from the gathered reports alone
+        (``save.decision``)."""
+        return decide(gathered, layout.structure, self._structure, replicas_checked=replicas_checked)
 
     def _replica_round(self, step: int, layout: ShardLayout, gathered: list | None, digests: list[int], commit: CommitFn) -> tuple[str, str]:
         """Replica digests differ: which tensors (MIN and MAX reduces, O(tensors) at rank 0),
@@ -235,33 +217,18 @@ class Coordinator:
         return action, message
 
     def _check_coverage(self, step: int, layout: ShardLayout, cov: torch.Tensor) -> tuple[str, str]:
-        tensors: dict[str, TensorEntry] = {}
-        bad: list[str] = []
-        for meta, (chunks, elements, regular, owner1) in zip(layout.table, cov.tolist()):
-            if elements != numel(meta.shape):
-                bad.append(f"{meta.name!r} ({elements} of {numel(meta.shape)} elements)")
-            owner, split = placement_hints(meta.shape, chunks, regular, owner1, self.world_size)
-            tensors[meta.name] = TensorEntry(meta.dtype, meta.shape, meta.group, int(chunks), owner, split)
-        if bad:
-            return "fail", (
-                f"step {step}: the ranks' shards do not cover {len(bad)} tensors exactly once, e.g. "
-                + ", ".join(bad[:3])
-                + "; a tensor assumed replicated may have a different shape on some rank"
-            )
-        self._tensors, self._structure = tensors, layout.structure
+        tensors, failure = covered(step, layout, cov, self.world_size)
+        if tensors is None:
+            return "fail", failure
+        self._tensors, self._structure = tensors, layout.structure  # the next saves skip the plan round
         return "commit", ""
 
     def _commit(self, step: int, gathered: list | None, commit: CommitFn) -> tuple[str, str]:
         """Rank 0: manifest and marker. Storage errors become the outcome every rank sees."""
         assert gathered is not None and self._tensors is not None
         files = [FileEntry(**r["file"]) for r in gathered]
-        stats: dict[str, float] = {}
-        for r in gathered:  # the slowest rank bounds the save: keep maxima, and total bytes
-            for k, v in r["stats"].items():
-                stats[k] = stats.get(k, 0.0) + v if k == "bytes" else max(stats.get(k, 0.0), v)
-        stats["ranks"] = float(len(gathered))
         try:
-            return "ok", commit(files, self._tensors, stats)
+            return "ok", commit(files, self._tensors, merged_stats(gathered))
         except RefusedForSafety as e:  # lost to another writer; every rank fails the same way
             return "refused", f"step {step}: {e}"
         except Exception as e:  # any failure must reach every rank, or they would wait on rank 0

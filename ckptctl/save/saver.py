@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch.distributed as dist
 
@@ -28,7 +28,8 @@ from ckptctl.errors import CkptError, CoordinationError, RefusedForSafety, SaveF
 from ckptctl.format.layout import MARKER, attempt_name, shard_name, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry, check_metrics
 from ckptctl.layouts.native_commit import commit
-from ckptctl.save.coordination import AGREE_OK, AGREE_SKIP, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coordinator
+from ckptctl.save.after_commit import AfterCommit, check_committed
+from ckptctl.save.coordination import DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coordinator
 from ckptctl.save.replicas import replica_digests
 from ckptctl.save.save_id import SaveIds
 from ckptctl.save.shard_layout import ShardLayout, make_layout, signature_of
@@ -47,20 +48,6 @@ T = TypeVar("T")
 # Called on rank 0 after each save is handed to the writer, with the step and the future of
 # its commit (library retention: see ``ckptctl.Checkpointer``).
 OnSave = Callable[[int, "Future[str]"], None]
-
-class AfterCommit(Protocol):
-    """A check of each committed save by the ranks that wrote it (library retention's: see
-    ``ops.retention.background``). On every rank, after the commit and on the writer thread:
-    ``snapshot`` (rank 0), ``check_shard`` (every rank re-reads the shard it wrote; a problem
-    as a line of text, or None), one ``agree`` over the ranks, and ``record`` (rank 0, only
-    when every rank's shard checked out)."""
-
-    def snapshot(self, ckpt: Storage) -> Any: ...
-
-    def check_shard(self, ckpt: Storage, entry: FileEntry) -> str | None: ...
-
-    def record(self, step: int, ckpt: Storage, snapshot: Any) -> None: ...
-
 
 # What a rank reports when its save failed before anything was written: no tensors, no
 # structure to compare (rank 0 fails the round on the error before it looks at structures).
@@ -242,38 +229,13 @@ class Saver:
             handle = self._pending = SaveHandle(step, ckpt.url, self._pool.submit(_as_save_failure(step, ckpt.url, job)), save_id)
             checked = handle._future
             if self._after_commit is not None:  # queued right behind the save, on the writer thread
-                checked = self._pool.submit(self._check_committed, step, ckpt, handle._future, written)
+                checked = self._pool.submit(check_committed, self._after_commit, self.coordinator, self.rank, step, ckpt,
+                                            handle._future, written)
             if self._on_save is not None:
                 self._on_save(step, checked)
         if not self.async_save:
             handle.wait()
         return handle
-
-    def _check_committed(self, step: int, ckpt: Storage, save: "Future[str]", written: list[FileEntry]) -> str | None:
-        """Every rank re-reads the shard it wrote; rank 0 records the save as verified when
-        every rank's checked out (``AfterCommit``). Returns the URL, or None when the save
-        failed (every rank knows that alike, so none of them takes part in the exchange)."""
-        assert self._after_commit is not None
-        if save.exception() is not None or not written:
-            return None
-        after = self._after_commit
-        try:
-            before = after.snapshot(ckpt) if self.rank == 0 else None
-            problem = after.check_shard(ckpt, written[0])
-        except CkptError as e:  # storage trouble: no verdict from this rank
-            problem = f"{type(e).__name__}: {e}"
-        if problem is not None:
-            log.error("rank %d: re-reading its shard of step %d after the commit: %s", self.rank, step, problem)
-        ok = problem is None
-        if self.coordinator is not None:
-            try:
-                ok = self.coordinator.agree(AGREE_OK if ok else AGREE_SKIP) == AGREE_OK
-            except CoordinationError as e:
-                log.warning("step %d: the ranks could not exchange their shard checks: %s", step, e)
-                ok = False
-        if ok and self.rank == 0:
-            after.record(step, ckpt, before)
-        return save.result()
 
     def _hold_steps(self, optimizers: list[Any], fence: Any) -> None:
         for handle in self._step_holds:  # the previous save's copies are done: stop waiting on them

@@ -27,7 +27,9 @@ own ranks' shards plus the manifest and marker) is wired by ``node_chain`` from:
 * ``leftovers``: abandoned partial steps (a node's failed save, a promotion round's objects on
   the next tier) removed by ``ckptctl prune``'s partial rules and its ``execute``;
 * ``node_keeper``: the thread on each node's leader that applies rank 0's commits and prunes;
-* ``layered``: the recovery view, each file from the nearest tier that holds it.
+* ``layered``: the recovery view, each file from the nearest tier that holds it;
+* ``node_resume``: what a rank reads when it resumes: the candidates, the view of each, the
+  damaged copies it sets aside, and where its files came from.
 
 Peer replicas (``Tier(..., node_local=True, replicas=1)``: each node also keeps the shards of
 the node before it in a ring), wired by ``node_chain`` from:

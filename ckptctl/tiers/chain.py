@@ -184,13 +184,13 @@ class Tiers:
 
     def avoid(self, view: Storage, error: CkptError) -> bool:
         """This rank's load of ``view`` failed with ``error``: whether another attempt at the
-        same candidate could read other copies (``tiers.node_chain``'s can; here each tier's
+        same candidate could read other copies (``tiers.node_resume``'s can; here each tier's
         copy is a candidate of its own already)."""
         return False
 
     def loaded(self, view: Storage) -> None:
         """This rank loaded ``view`` (what ``checkpoint`` returned): say where its files came
-        from when that is not obvious (``tiers.node_chain``); here one tier served them all."""
+        from when that is not obvious (``tiers.node_resume``); here one tier served them all."""
 
     def release(self, timeout_s: float) -> None:
         """On ranks other than 0, at close: nothing to wait for here (see ``tiers.node_chain``)."""

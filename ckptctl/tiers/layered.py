@@ -9,7 +9,7 @@ Nothing is trusted for having come from nearby: the loader checks every chunk it
 against its checksum and every shard header against the manifest that was read, whichever
 tier each came from, so a file of another attempt at S, or a damaged one, fails the load.
 The view remembers which layer served each file (``served``), so that the next attempt at
-the same step can read that file from the layer after it (``skip``; ``tiers.node_chain``):
+the same step can read that file from the layer after it (``skip``; ``tiers.node_resume``):
 every copy of a step is tried before an older step is.
 
 Read-only: every write raises.

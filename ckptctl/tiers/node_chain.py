@@ -16,8 +16,8 @@ What differs from ``tiers.chain`` (a first tier every rank shares):
   its part of the newest checkpoint and deletes, abandoned partial saves on its node included
   (``tiers.node_retention``). Later tiers prune as in ``tiers.chain``; the promotion round
   sweeps its own leftovers there (``tiers.promotion_round``).
-* **Recovery.** Candidates: rank 0's node's steps (with replicas, every node's:
-  ``tiers.node_candidates``) and the later tiers', newest first, each read through
+* **Recovery** (``tiers.node_resume``). Candidates: rank 0's node's steps (with replicas, every
+  node's: ``tiers.node_candidates``) and the later tiers', newest first, each read through
   ``tiers.layered`` (own disk, then each later tier), checksummed by the loader; every rank
   moves on together when one lacks a file (docs/protocol.md, "The recovery choice").
 
@@ -45,18 +45,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before Python 3.11
 from typing import Callable, Iterator
 
-from ckptctl.errors import CkptError, InvalidCheckpoint
-from ckptctl.format.layout import is_own_shard_name
+from ckptctl.errors import CkptError
 from ckptctl.layouts.native_read import read_committed_raw
 from ckptctl.ops.transfer.copy import CopyResult
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.chain import Tiers
 from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.durability import Flushed
-from ckptctl.tiers.layered import Layered
 from ckptctl.tiers.link import StoreGone
 from ckptctl.tiers.node_candidates import NodeSteps
 from ckptctl.tiers.node_keeper import NodeKeeper, NodeMessages
+from ckptctl.tiers.node_resume import NodeResume, name_of
 from ckptctl.tiers.node_retention import NodePruner, plan
 from ckptctl.tiers.promotion_round import RoundLeader, RoundWorker
 from ckptctl.tiers.replica import ReplicaWorker, announce
@@ -64,7 +63,6 @@ from ckptctl.tiers.replica import outbox as replica_outbox
 from ckptctl.tiers.replica_link import TIMEOUT_S as REPLICA_TIMEOUT_S
 from ckptctl.tiers.replica_link import open_group, ring_of
 from ckptctl.tiers.replica_recovery import Recovery
-from ckptctl.tiers.replica_store import replica_dir
 from ckptctl.tiers.spec import Tier
 from ckptctl.tiers.stream import Outbox, StreamWorker
 
@@ -85,10 +83,6 @@ def make_tiers(tiers: list[Tier]) -> Tiers:
     return NodeTiers(tiers) if tiers and isinstance(tiers[0], Tier) and tiers[0].node_local else Tiers(tiers)
 
 
-def _name_of(url: str) -> str:
-    return url.rstrip("/").rsplit("/", 1)[-1]
-
-
 class NodeTiers(Tiers):
     def __init__(self, tiers: list[Tier]) -> None:
         super().__init__(tiers)
@@ -104,9 +98,7 @@ class NodeTiers(Tiers):
         self._replicas: ReplicaWorker | None = None
         self._announce: Outbox | None = None  # rank 0: the replica rounds' announcements
         self._announced: int | None = None  # rank 0: the step of the newest one
-        self._recovery: Recovery | None = None
-        self._steps: NodeSteps | None = None
-        self._skips: dict[str, dict[str, set[int]]] = {}  # step -> file -> layers whose copy was damaged
+        self._resume = NodeResume(self.roots)
         self._replica_timeout_s = REPLICA_TIMEOUT_S
         self._after: ThreadPoolExecutor | None = None  # rank 0's work after each commit, in order
         self._lock = threading.Lock()
@@ -115,6 +107,7 @@ class NodeTiers(Tiers):
 
     def begin(self, rank: int, world_size: int, group_name: str | None, timeout_s: float, liveness_s: float) -> None:
         self.rank = rank
+        self._resume = NodeResume(self.roots, rank)
         replicas = self.specs[0].replicas > 0
         if world_size <= 1 or group_name is None:
             if replicas:
@@ -137,9 +130,10 @@ class NodeTiers(Tiers):
                 self._announce = replica_outbox(channel, after.share())
             self._replicas = ReplicaWorker(channel, group, ring, self.roots[0], self._replica_timeout_s,
                                            self.durability if rank == 0 else None, self._announce)
-            self._recovery = Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
-                                      self._replica_timeout_s)
-            self._steps = NodeSteps(channel, self.roots[0], rank, {ranks[0] for ranks in ring.nodes}, timeout_s)
+            self._resume = NodeResume(self.roots, rank,
+                                      Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
+                                               self._replica_timeout_s),
+                                      NodeSteps(channel, self.roots[0], rank, {ranks[0] for ranks in ring.nodes}, timeout_s))
         if rank == min(self.node_ranks):
             # The root says it is this node's part (format.node_record): verify, latest, prune
             # and du of it then judge the files of these ranks and name the others' as elsewhere.
@@ -170,7 +164,7 @@ class NodeTiers(Tiers):
     def after_save(self, step: int, save: "Future[str | None]") -> None:
         def committed(f: "Future[str | None]") -> None:
             if f.exception() is None and f.result() is not None:
-                self._submit(self._committed, step, _name_of(str(f.result())))
+                self._submit(self._committed, step, name_of(str(f.result())))
             else:  # a full disk may have failed it: what is no longer pinned goes now, and what it left
                 with self._lock:
                     self._failed = [*self._failed[-MAX_FAILED + 1:], step]
@@ -233,77 +227,22 @@ class NodeTiers(Tiers):
         elif self._pruner is not None:
             self._pruner.apply(p)
 
-    # --- resuming -----------------------------------------------------------------------------
+    # --- resuming (``tiers.node_resume``) ----------------------------------------------------
 
     def gather(self) -> None:
-        self._skips.clear()
-        if self._steps is not None:
-            self._steps.gather()
+        self._resume.gather()
 
     def candidates(self) -> Iterator[tuple[int, str]]:
-        seen: set[str] = set()
-        listed = super().candidates()
-        for tier, name in self._steps.merged(listed) if self._steps is not None else listed:
-            if name not in seen:  # one view reads every tier's copy of it
-                seen.add(name)
-                yield tier, name
+        return self._resume.candidates(super().candidates())
 
     def checkpoint(self, tier: int, name: str) -> Storage:
-        if self._recovery is None:
-            return Layered([root.sub(name) for root in self.roots], self._skips.get(name))
-        if tier == 0:  # collective: every rank takes the same candidates in the same order
-            self._recovery.restore(name)
-        layers = [self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])]
-        return Layered(layers, self._skips.get(name))
+        return self._resume.checkpoint(tier, name)
 
     def avoid(self, view: Storage, error: CkptError) -> bool:
-        """This rank's load of ``view`` failed with ``error``: set aside the copies of the
-        step's shard files it found damaged, so that the next attempt at the same step reads
-        each from the next copy. A copy on this node's disk (its step directory, or a replica
-        it holds) is renamed hidden in place (``.<name>.damaged``: kept for a look, ignored by
-        every reader, removed with its step), so that recovery restores it from the partner
-        node, else the next tier serves it; a remote one is skipped by the next view of the
-        step. True when it set one aside."""
-        if not isinstance(view, Layered) or not isinstance(error, InvalidCheckpoint):
-            return False
-        text, name = str(error), _name_of(view.url)
-        bad = [k for k in view.served if is_own_shard_name(k) and view.url_of(k) in text]
-        for key in bad:
-            i = view.served[key]
-            path = view.layers[i].local_path(key)
-            if path is None:
-                self._skips.setdefault(name, {}).setdefault(key, set()).add(i)
-                log.warning("tiers: %s does not check out; the next attempt at %s reads it from another copy",
-                            view.layers[i].url_of(key), name)
-                continue
-            try:
-                os.replace(path, os.path.join(os.path.dirname(path), f".{key}.damaged"))
-                log.warning("tiers: %s does not check out; set aside as .%s.damaged, the next attempt at %s "
-                            "restores it from another copy", view.layers[i].url_of(key), key, name)
-            except FileNotFoundError:
-                pass  # another rank of this node set it aside already
-        return bool(bad)
+        return self._resume.avoid(view, error)
 
     def loaded(self, view: Storage) -> None:
-        """One INFO line per load: where this rank's files came from (its node's disk, the
-        replicas its node holds, the next tiers), so an operator can tell a resume that read
-        everything locally from one that fell back to the partner node or S3."""
-        if not isinstance(view, Layered) or not view.served:
-            return
-        by_layer: dict[int, list[str]] = {}
-        for key, i in sorted(view.served.items()):
-            by_layer.setdefault(i, []).append(key)
-        parts = [f"{len(keys)} file{'s' if len(keys) != 1 else ''} from {self._source(view, i)}"
-                 + (f" ({', '.join(keys)})" if i > 0 else "")
-                 for i, keys in sorted(by_layer.items())]
-        log.info("tiers: rank %d loaded %s: %s", self.rank, _name_of(view.url), "; ".join(parts))
-
-    def _source(self, view: Layered, layer: int) -> str:
-        if layer == 0:
-            return f"this node's disk ({view.layers[0].url})"
-        if self._recovery is not None and layer == 1:
-            return f"the partner's replica on this node ({view.layers[1].url})"
-        return view.layers[layer].url
+        self._resume.loaded(view)
 
     # --- closing ------------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class BackgroundRetention:
         self._owed: int | None = None  # the newest committed save whose prune has not run yet
         self._verified: dict[str, tuple[Fingerprint, str]] = {}  # checked by its ranks, not yet recorded
 
-    # --- the check of each commit by the ranks that wrote it (``save.saver.AfterCommit``) ---
+    # --- the check of each commit by the ranks that wrote it (``save.after_commit.AfterCommit``) ---
 
     def snapshot(self, ckpt: Storage) -> Fingerprint | None:
         """Rank 0, before the ranks re-read their shards: the checkpoint's fingerprint."""

@@ -14,7 +14,7 @@ destination ever replaced, the commit record written last.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ckptctl.errors import (CheckpointError, CkptError, InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety,
                             UsageError)
@@ -111,22 +111,37 @@ def restore_latest(
         from ckptctl.ops.transform.reshard import check_world_size
 
         check_world_size(world_size)
+
+    def restore_one(layout: Layout, src: Storage) -> CopyResult:
+        source = layout.copy_source(src) if world_size is not None else None
+        if source is not None and world_size != _saved_ranks(layout, source.world_size, src):
+            return _reshard_restore(layout, src, dst_root, source.record, world_size, progress, threads)  # type: ignore[arg-type]
+        return copy_in_layout(layout, src, dst_root, progress=progress, threads=threads)
+
+    return restore_first(candidates(src_root, step), restore_one, src_root, dst_root, step, on_skip)
+
+
+def restore_first(tries: Iterable[tuple[Layout, Storage, int]], restore_one: Callable[[Layout, Storage], CopyResult],
+                  src_root: Storage, dst_root: Storage, step: int | None,
+                  on_skip: Callable[[Skipped], None] | None) -> RestoreResult:
+    """The first of ``tries`` (``candidates``: layout, checkpoint, step; newest first) that
+    ``restore_one`` copies into ``dst_root``, and what its stack resumes from. One that does
+    not check out is passed over for the next, told to ``on_skip`` (raised instead when
+    ``step`` is pinned); when none is left, the error says why nothing was restored."""
     skipped: list[Skipped] = []
-    for layout, src, cand_step in candidates(src_root, step):
+    for layout, src, cand_step in tries:
         try:
-            source = layout.copy_source(src) if world_size is not None else None
-            if source is not None and world_size != _saved_ranks(layout, source.world_size, src):
-                copied = _reshard_restore(layout, src, dst_root, source.record, world_size, progress, threads)  # type: ignore[arg-type]
-            else:
-                copied = copy_in_layout(layout, src, dst_root, progress=progress, threads=threads)
+            copied = restore_one(layout, src)
         except (InvalidCheckpoint, NotFound) as e:
             if step is not None:
                 raise
-            skip_candidate(skipped, Skipped(src.url, cand_step, str(e)), on_skip)
+            skipped.append(Skipped(src.url, cand_step, str(e)))
+            if on_skip is not None:
+                on_skip(skipped[-1])
             continue
         dst = dst_root.sub(copied.dst.rstrip("/").rsplit("/", 1)[-1])
         return RestoreResult(layout.resume(dst.local_path() or dst.url, copied.step).path, copied.step, copied, skipped)
-    raise nothing_restored(src_root, step, skipped)
+    raise _nothing_restored(src_root, step, skipped)
 
 
 def _saved_ranks(layout: Layout, saved: int | None, src: Storage) -> int:
@@ -157,14 +172,7 @@ def candidates(src_root: Storage, step: int | None) -> Iterator[tuple[Layout, St
             yield layout, entry.storage, entry.step
 
 
-def skip_candidate(skipped: list[Skipped], skip: Skipped, on_skip: Callable[[Skipped], None] | None) -> None:
-    """A corrupt candidate passed over for the next newest: recorded, and told to ``on_skip``."""
-    skipped.append(skip)
-    if on_skip is not None:
-        on_skip(skip)
-
-
-def nothing_restored(src_root: Storage, step: int | None, skipped: list[Skipped]) -> CkptError:
+def _nothing_restored(src_root: Storage, step: int | None, skipped: list[Skipped]) -> CkptError:
     """The error of a restore that found no candidate to copy (``skipped``: those that did not
     verify): the pinned step is missing, SRC holds no checkpoint, or none verifies."""
     if step is not None:

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
-from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, RefusedForSafety, UsageError
+from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, RefusedForSafety, UsageError
 from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.layouts.base import Layout
@@ -45,7 +45,7 @@ from ckptctl.layouts.native_commit import commit_copy, uncommit
 from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.ops.distributed import Job, agree, alone, attempt, everyone, gathered, mine, on_root
 from ckptctl.ops.seal.leftovers import remove_temporaries
-from ckptctl.ops.transfer.copy import RestoreResult, Skipped, candidates, nothing_restored, skip_candidate
+from ckptctl.ops.transfer.copy import RestoreResult, Skipped, candidates, restore_first
 from ckptctl.ops.transfer.engine import CopyResult, copy_in_layout
 from ckptctl.ops.transfer.files import Ends, at_destination, copy_files, describe_problems
 from ckptctl.ops.transfer.uploads import before_copy
@@ -74,7 +74,14 @@ def restore_to_nodes(src_root: Storage, dst_root: Storage, job: Job, step: int |
         from ckptctl.ops.transform.reshard import check_world_size
 
         check_world_size(world_size)
-    skipped: list[Skipped] = []
+    return restore_first(_job_candidates(src_root, step, job),
+                         lambda layout, src: _restore_one(layout, src, dst_root, job, world_size, progress, threads),
+                         src_root, dst_root, step, on_skip)
+
+
+def _job_candidates(src_root: Storage, step: int | None, job: Job) -> Iterator[tuple[Layout, Storage, int]]:
+    """``copy.candidates`` on every rank as rank 0 lists them (lazily: a look per candidate
+    tried), so that every rank tries the same checkpoints in the same order."""
     found = candidates(src_root, step) if job.rank == 0 else None
 
     def next_candidate() -> tuple[str, int, str] | None:
@@ -83,22 +90,12 @@ def restore_to_nodes(src_root: Storage, dst_root: Storage, job: Job, step: int |
         return None if cand is None else (cand[0].name, cand[2], cand[1].url)
 
     while True:
-        cand = on_root(job, next_candidate)  # rank 0 lists (lazily: a look per candidate tried)
+        cand = on_root(job, next_candidate)
         if cand is None:
-            break
+            return
         layout_name, cand_step, url = cand
-        layout = layout_named(layout_name, src_root)
         src = src_root if url == src_root.url else src_root.sub(url.rstrip("/").rsplit("/", 1)[-1])
-        try:
-            copied = _restore_one(layout, src, dst_root, job, world_size, progress, threads)
-        except (InvalidCheckpoint, NotFound) as e:
-            if step is not None:
-                raise
-            skip_candidate(skipped, Skipped(src.url, cand_step, str(e)), on_skip)
-            continue
-        dst = dst_root.sub(copied.dst.rstrip("/").rsplit("/", 1)[-1])
-        return RestoreResult(layout.resume(dst.local_path() or dst.url, copied.step).path, copied.step, copied, skipped)
-    raise nothing_restored(src_root, step, skipped)
+        yield layout_named(layout_name, src_root), src, cand_step
 
 
 def _restore_one(layout: Layout, src: Storage, dst_root: Storage, job: Job, world_size: int | None,

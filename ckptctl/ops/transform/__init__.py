@@ -2,7 +2,8 @@
 
 * ``reshard``: the same checkpoint for another world size (``ckptctl reshard``);
 * ``convert``: into another file format, or from another tool's (``ckptctl convert``), with
-  ``convert_tree`` for the state tree's names (``--only``, ``--strip-prefix``);
+  ``convert_tree`` for the state tree's names (``--only``, ``--strip-prefix``) and
+  ``convert_target`` for where and how the target is written;
 * ``stream_shard``: writing one shard in two passes with bounded memory, and
   ``reshard_source``: checking the source chunks as they are read;
 * ``safety``: what both keep around what they write: a new target, never the source, a

@@ -50,17 +50,15 @@ source format's own temporaries (a DCP read holds one serialized tensor record).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from ckptctl.errors import UsageError
-from ckptctl.format.layout import MARKER, shard_name
-from ckptctl.format.manifest import Manifest, TensorEntry
+from ckptctl.format.layout import MARKER
 from ckptctl.interop import steps
 from ckptctl.interop.base import Source, TensorMeta
 from ckptctl.interop.detect import Format, format_named
@@ -68,11 +66,10 @@ from ckptctl.interop.sources import open_foreign
 from ckptctl.interop.steps import StepClue
 from ckptctl.layouts.base import ModelWeights
 from ckptctl.layouts.classify import classify
-from ckptctl.layouts.native_commit import commit
 from ckptctl.load.reader import CheckpointReader, ReadJob
+from ckptctl.ops.transform.convert_target import prepare_dst, refuse_same, write_target
 from ckptctl.ops.transform.convert_tree import filter_tree, strip_names, strip_tree, tree_of
-from ckptctl.ops.transform.safety import prepare_target, require_verified, same_place
-from ckptctl.ops.transform.stream_shard import ChunkSpec, write_shard_streaming
+from ckptctl.ops.transform.safety import require_verified
 from ckptctl.state.buffers import TensorBuffer
 from ckptctl.storage import Storage, open_storage
 from ckptctl.progress import Progress
@@ -80,7 +77,6 @@ from ckptctl.progress import Progress
 CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
          "fp32": "float32", "float32": "float32"}
 FLOATING = ("float64", "float32", "float16", "bfloat16")
-
 
 
 @dataclass
@@ -221,7 +217,7 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
                          hint="write to a local path, or use --to ckptctl or safetensors for object storage")
     weights = classify(src_path).model_weights()  # a DeepSpeed tag: no format reader takes it whole
     src_fmt = "torch" if weights is not None else source_format(src_path)
-    _refuse_same(src_path, dst_path)
+    refuse_same(src_path, dst_path)
     if src_fmt == "ckptctl":
         require_verified(open_storage(src_path))  # every checksum, before anything is written
     with open_weights(src_path, weights) if weights is not None else open_source(src_path, src_fmt) as src:
@@ -233,7 +229,7 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
                              "checkpoint needs one (a resume continues from it)",
                              hint="pass --step N, the step it was saved at")
         # Once the step is known: a ckptctl result must not land in another step's directory.
-        _prepare_dst(src_path, dst_path, to, overwrite, step=report.step or 0)
+        prepare_dst(src_path, dst_path, to, overwrite, step=report.step or 0)
         keep = [m for n, m in src.tensors.items() if not only or any(n.startswith(p) for p in only)]
         report.skipped_by_only = len(src.tensors) - len(keep)
         if not keep:
@@ -263,8 +259,8 @@ def convert(src_path: str, dst_path: str, to: str, *, only: Sequence[str] = (), 
             if progress:
                 progress(out.numel() * out.element_size())
 
-        files = _write(to, dst_path, out_metas, fill, tree=tree, step=report.step, metadata=src.metadata,
-                       max_shard_size=max_shard_size, source=src, rank_states=rank_states)
+        files = write_target(to, dst_path, out_metas, fill, tree=tree, step=report.step, metadata=src.metadata,
+                             max_shard_size=max_shard_size, source=src, rank_states=rank_states)
         report.files = files
         report.tensors = len(out_metas)
         report.bytes = sum(m.nbytes for m in out_metas.values())
@@ -290,95 +286,7 @@ def _rank_states(src: Source, to: str, only: Sequence[str], strip_prefix: str | 
     return {}
 
 
-def _write(to: str, dst: str, metas: dict[str, TensorMeta], fill: Any, *, tree: Any, step: int | None,
-           metadata: dict[str, str], max_shard_size: int | None, source: Source,
-           rank_states: dict[int, dict]) -> list[str]:
-    if to == "safetensors":
-        from ckptctl.interop.safetensors_io import STATE_KEY, STEP_KEY, write_safetensors
-
-        meta = {"format": "pt", **metadata, STATE_KEY: json.dumps(tree, separators=(",", ":"))}
-        if step is not None:
-            meta[STEP_KEY] = str(step)
-        return write_safetensors(dst, list(metas.values()), fill, metadata=meta, max_shard_size=max_shard_size).files
-    if to == "torch":
-        from ckptctl.interop.torch_io import write_torch
-
-        return write_torch(dst, tree, metas, fill).files
-    if to == "dcp":
-        from ckptctl.interop.dcp_io import write_dcp
-
-        return write_dcp(dst, metas, fill, tree=tree, step=step).files
-    assert step is not None  # convert refuses a ckptctl target without one
-    return _write_ckptctl(open_storage(dst), metas, fill, tree=tree, step=step, metadata=metadata, source=source,
-                          rank_states=rank_states)
-
-
-def _write_ckptctl(dst: Storage, metas: dict[str, TensorMeta], fill: Any, *, tree: Any, step: int,
-                   metadata: dict[str, str], source: Source, rank_states: dict[int, dict]) -> list[str]:
-    """Every tensor in rank 0's shard (``ckptctl reshard`` spreads them afterwards). A source's
-    per-rank state keeps its ranks: rank r's header goes in a shard r of its own, without
-    tensors, so a job of the source's size resumes each rank with its own RNG state."""
-    specs = [ChunkSpec(m.name, m.dtype, m.shape, tuple(0 for _ in m.shape)) for m in metas.values()]
-    by_name = metas
-    world = max([1, *(r + 1 for r in rank_states)])
-    world = max(world, getattr(source, "world_size", 1) if rank_states else 1)
-
-    def fill_chunk(spec: ChunkSpec, out: torch.Tensor, row: int) -> None:
-        fill(by_name[spec.name], out)
-
-    # Whole chunks: sources read whole tensors (a DCP record is one unit).
-    written = [write_shard_streaming(dst, shard_name(0, world), specs, fill_chunk, rank=0, piece_bytes=None,
-                                     rank_state=rank_states.get(0))]
-    for r in range(1, world):
-        written.append(write_shard_streaming(dst, shard_name(r, world), [], fill_chunk, rank=r, piece_bytes=None,
-                                             rank_state=rank_states.get(r)))
-    manifest = Manifest.new(
-        step, world, [w.file for w in written],
-        {n: TensorEntry(m.dtype, m.shape, m.group, 1) for n, m in metas.items()},
-        tree if isinstance(tree, dict) else {"state": tree},
-        {"bytes": float(sum(w.file.size for w in written))},
-        extra={"converted_from": {"url": source.url, "format": source.kind, "checksums": source.has_checksums},
-               **({"safetensors_metadata": metadata} if metadata else {})},
-    )
-    name = commit(dst, manifest, published=[w.file.name for w in written])  # another writer's marker wins: ours go
-    require_verified(dst, after_write=True)
-    return [dst.url_of(w.file.name) for w in written] + [dst.url_of(name), dst.url_of(MARKER)]
-
-
 def _cast_meta(m: TensorMeta, cast: str | None) -> TensorMeta:
     if cast is None or m.dtype not in FLOATING or m.dtype == cast:
         return m
     return TensorMeta(m.name, cast, m.shape, m.group)
-
-
-def _refuse_same(src: str, dst: str) -> None:
-    if "://" in src or "://" in dst:
-        if same_place(open_storage(src), open_storage(dst)):
-            raise UsageError(f"{dst} is the source itself", hint="convert into a new file or directory")
-        return
-    a, b = os.path.realpath(src), os.path.realpath(dst)
-    if a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/"):
-        raise UsageError(f"{dst} is the source itself or inside it",
-                         hint="convert into a new file or directory; the source is never modified")
-
-
-def _prepare_dst(src: str, dst: str, to: str, overwrite: bool, *, step: int) -> None:
-    from ckptctl.errors import RefusedForSafety
-
-    if to == "ckptctl":
-        prepare_target(open_storage(src), open_storage(dst), overwrite=overwrite, step=step)
-        return
-    if to == "torch" and os.path.isdir(dst):
-        raise UsageError(f"{dst} is a directory; --to torch writes one file", hint="give a file name, e.g. model.pt")
-    if os.path.lexists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
-        if not overwrite:
-            raise RefusedForSafety(f"{dst} already exists", hint="choose a new path, or pass --overwrite to replace it")
-        if os.path.isdir(dst) and not os.path.islink(dst):
-            for name in os.listdir(dst):
-                p = os.path.join(dst, name)
-                if os.path.isdir(p) and not os.path.islink(p):
-                    raise RefusedForSafety(f"{dst} holds a directory ({name}); not removing it", hint="remove it yourself")
-                os.unlink(p)
-        else:
-            os.unlink(dst)
-
