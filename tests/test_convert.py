@@ -222,6 +222,23 @@ def test_refusals(tmp_path):
     assert convert(src, str(tmp_path / "z"), "--to", "safetensors").exit_code == 1
 
 
+def test_overwrite_refused_for_a_directory_inside_deletes_nothing(tmp_path):
+    """--overwrite replaces another format's files, never a directory: refused, and the
+    files beside that directory all still there (they were removed in listing order until the
+    directory came up)."""
+    src, _, _ = saved(tmp_path)
+    out = tmp_path / "hf"
+    out.mkdir()
+    names = {f"keep-{i:02d}.bin" for i in range(40)}
+    for name in names:
+        (out / name).write_bytes(name.encode())
+    (out / "nested").mkdir()
+    r = convert(src, str(out), "--to", "safetensors", "--overwrite")
+    assert r.exit_code == 1 and "nested" in r.stderr, r.stderr
+    assert set(os.listdir(out)) == names | {"nested"}
+    assert all((out / name).read_bytes() == name.encode() for name in names)
+
+
 @pytest.mark.parametrize("to,suffix", [("safetensors", ""), ("ckptctl", ""), ("torch", ".pt"), ("dcp", "")])
 def test_convert_memory_is_bounded_by_the_largest_tensor(big_checkpoint, tmp_path, to, suffix):  # noqa: F811
     # DCP's own modules cost ~45 MiB to import: code, not data, so they count as baseline.

@@ -112,10 +112,13 @@ def prepare_dst(src: str, dst: str, to: str, overwrite: bool, *, step: int) -> N
         if not overwrite:
             raise RefusedForSafety(f"{dst} already exists", hint="choose a new path, or pass --overwrite to replace it")
         if os.path.isdir(dst) and not os.path.islink(dst):
-            for name in os.listdir(dst):
+            names = os.listdir(dst)
+            # Every entry is judged before the first is removed: a refusal deletes nothing.
+            for name in names:
                 p = os.path.join(dst, name)
                 if os.path.isdir(p) and not os.path.islink(p):
                     raise RefusedForSafety(f"{dst} holds a directory ({name}); not removing it", hint="remove it yourself")
-                os.unlink(p)
+            for name in names:
+                os.unlink(os.path.join(dst, name))
         else:
             os.unlink(dst)
