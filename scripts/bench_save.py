@@ -376,60 +376,11 @@ class Timer:
         return self.pressure / self.wall if self.wall else None
 
 
-def raw_read(path: str, data: memoryview) -> float:
-    """Read a whole file in 64 MiB pieces into ``data``; returns the seconds taken."""
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        for pos in range(0, size, PIECE):
-            view = data[pos : min(pos + PIECE, size)]
-            got = 0
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], pos + got)
-                if n == 0:
-                    raise IOError(f"{path}: short read")
-                got += n
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t0
-
-
-def raw_read_threads(path: str, data: memoryview, threads: int) -> float:
-    """Read a whole file with ``threads`` readers, each taking VERIFY_PIECE ranges in turn (as
-    verify and load spread their reads): the limit for a tool that uses that many threads."""
+def timed_read(path: str, data: memoryview, piece: int, threads: int = 1, step: int | None = None) -> float:
+    """Read a whole file into ``data`` as ``piece``-byte pieces handed to ``threads`` readers in
+    turn, each piece front to back in calls of ``step`` bytes (None: as large as the rest of
+    the piece); returns the seconds taken."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from ckptctl.settings import VERIFY_PIECE
-
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-
-        def one(pos: int) -> None:
-            view = data[pos : min(pos + VERIFY_PIECE, size)]
-            got = 0
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], pos + got)
-                if n == 0:
-                    raise IOError(f"{path}: short read")
-                got += n
-
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, range(0, size, VERIFY_PIECE)))
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t0
-
-
-def raw_read_runs(path: str, data: memoryview, threads: int) -> float:
-    """Read a whole file as the load reads a local shard: runs of ``SEQUENTIAL_RUN`` bytes, each
-    front to back in ``READ_STEP`` calls by one of ``threads`` readers (the kernel reads ahead
-    of each): on this kind of disk the fastest plain read found, so the ceiling for a loader."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ckptctl.settings import READ_STEP, SEQUENTIAL_RUN
 
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
@@ -437,18 +388,44 @@ def raw_read_runs(path: str, data: memoryview, threads: int) -> float:
         size = os.fstat(fd).st_size
 
         def one(start: int) -> None:
-            pos, end = start, min(start + SEQUENTIAL_RUN, size)
+            pos, end = start, min(start + piece, size)
             while pos < end:
-                n = os.preadv(fd, [data[pos : min(pos + READ_STEP, end)]], pos)
+                n = os.preadv(fd, [data[pos : end if step is None else min(pos + step, end)]], pos)
                 if n == 0:
                     raise IOError(f"{path}: short read")
                 pos += n
 
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, range(0, size, SEQUENTIAL_RUN)))
+        if threads == 1:
+            for start in range(0, size, piece):
+                one(start)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, range(0, size, piece)))
     finally:
         os.close(fd)
     return time.perf_counter() - t0
+
+
+def raw_read(path: str, data: memoryview) -> float:
+    """One reader, 64 MiB pieces: the plain sequential read."""
+    return timed_read(path, data, PIECE)
+
+
+def raw_read_threads(path: str, data: memoryview, threads: int) -> float:
+    """``threads`` readers, each taking VERIFY_PIECE ranges in turn (as verify and a load's
+    ranged reads spread them): the limit for a tool that uses that many threads."""
+    from ckptctl.settings import VERIFY_PIECE
+
+    return timed_read(path, data, VERIFY_PIECE, threads)
+
+
+def raw_read_runs(path: str, data: memoryview, threads: int) -> float:
+    """Read a whole file as the load reads a local shard: runs of ``SEQUENTIAL_RUN`` bytes, each
+    front to back in ``READ_STEP`` calls by one of ``threads`` readers (the kernel reads ahead
+    of each): on this kind of disk the fastest plain read found, so the ceiling for a loader."""
+    from ckptctl.settings import READ_STEP, SEQUENTIAL_RUN
+
+    return timed_read(path, data, SEQUENTIAL_RUN, threads, READ_STEP)
 
 
 class Bench:
