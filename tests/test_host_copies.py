@@ -57,3 +57,26 @@ def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
         p.join()
         raise AssertionError("the forked child's copy never finished")
     assert p.exitcode == 0 and q.get(timeout=5) is True
+
+
+def test_a_copy_does_not_wait_for_busy_helpers() -> None:
+    """Two threads copying at once (two Checkpointers in one process) share the helpers: a
+    copy returns once its own pieces are in, never waiting for a helper busy elsewhere (here
+    held by a task that blocks until released)."""
+    import threading
+
+    pool = buffers._helpers(1)
+    release = threading.Event()
+    blockers = [pool.submit(release.wait) for _ in range(4)]  # every helper taken, more queued
+    pairs = _pairs([buffers._COPY_PIECE // 4] * 3, 6)
+    t = threading.Thread(target=copy_host, args=(pairs,))
+    try:
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the copy waited for a helper busy with another thread's work"
+        assert all(torch.equal(d, s) for d, s in pairs)
+    finally:
+        release.set()
+        for b in blockers:
+            b.result(timeout=60)
+        t.join(60)

@@ -74,8 +74,13 @@ def _run(moves: list[tuple[int, int, int]], threads: int) -> None:
     helpers (whoever is free takes the next: a helper the scheduler holds back holds nothing
     up). The caller works too, and the helpers are the process's own (``_helpers``): a pool
     started for each copy, one task per piece, cost a 0.47 GiB snapshot 2-3 ms of its 15-18
-    (``docs/decisions.md``, "Host copies are libc memcpys")."""
-    lock, taken = threading.Lock(), [0]
+    (``docs/decisions.md``, "Host copies are libc memcpys"). The caller returns once every
+    piece is copied, not once every helper task ran: a task still queued behind another
+    thread's copy finds nothing left, so concurrent copies never wait for each other."""
+    if not moves:
+        return
+    lock, finished = threading.Lock(), threading.Event()
+    taken, done = [0], [0]
 
     def drain() -> None:
         while True:
@@ -85,11 +90,20 @@ def _run(moves: list[tuple[int, int, int]], threads: int) -> None:
             if i >= len(moves):
                 return
             ctypes.memmove(*moves[i])  # releases the GIL for the copy
+            with lock:
+                done[0] += 1
+                if done[0] == len(moves):
+                    finished.set()
 
-    pending = [_helpers(threads - 1).submit(drain) for _ in range(threads - 1)]
+    if threads > 1:
+        pool = _helpers(threads - 1)
+        try:
+            for _ in range(threads - 1):
+                pool.submit(drain)
+        except RuntimeError:  # the interpreter is shutting down: the caller copies alone
+            pass
     drain()
-    for f in pending:
-        f.result()
+    finished.wait()
 
 
 _pool: ThreadPoolExecutor | None = None
