@@ -108,18 +108,27 @@ def _run(moves: list[tuple[int, int, int]], threads: int) -> None:
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
-_pool_pid = 0
 _pool_lock = threading.Lock()
 
 
 def _helpers(n: int) -> ThreadPoolExecutor:
     """The process's copy helpers, at least ``n`` of them: made once and kept (idle threads
-    cost nothing), made again when more are needed or in a forked child (a child inherits the
-    pool but none of its threads, so a task given to it would never run)."""
-    global _pool, _pool_size, _pool_pid
+    cost nothing), made again when more are needed."""
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool_size < n or _pool_pid != os.getpid():
-            if _pool is not None and _pool_pid == os.getpid():
+        if _pool is None or _pool_size < n:
+            if _pool is not None:
                 _pool.shutdown(wait=False)  # its threads end once idle
-            _pool, _pool_size, _pool_pid = ThreadPoolExecutor(max(1, n), thread_name_prefix="ckptctl-copy"), max(1, n), os.getpid()
+            _pool, _pool_size = ThreadPoolExecutor(max(1, n), thread_name_prefix="ckptctl-copy"), max(1, n)
         return _pool
+
+
+def _forget_helpers() -> None:
+    """In a fork()ed child (a DataLoader worker): the pool came along without its threads, so
+    a task given to it would never run, and its lock may have been held by a thread that is
+    not there: start over."""
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
