@@ -159,3 +159,25 @@ def test_cp_to_s3_lists_uploads_and_objects_of_the_destination_at_once(tmp_path,
         client.meta.events.unregister("provide-client-params.s3.ListObjectsV2", objects)
         client.meta.events.unregister("before-call.s3.ListMultipartUploads", uploads)
     assert cli("verify", dst.url_of(step_dir(1))).exit_code == 0
+
+
+def test_stat_is_one_request_for_a_file_a_directory_and_a_miss(s3_url):
+    # Every commit asks whether the marker is there (a miss, the common case) and every copy
+    # asks first; a HEAD answered a miss only with a second request (a LIST: is it a
+    # "directory"?), two round trips in series on the path of each save and copy.
+    st = open_storage(s3_url)
+    st.write_atomic("step/COMMITTED", b"x")
+    counts: dict[str, int] = {}
+    client = st._client.s3  # type: ignore[attr-defined]
+
+    def count(event_name: str, **_kw: object) -> None:
+        op = event_name.rsplit(".", 1)[-1]
+        counts[op] = counts.get(op, 0) + 1
+
+    client.meta.events.register("before-call.s3", count)
+    try:
+        answers = [st.stat(key) for key in ("step/COMMITTED", "step", "step/manifest.json")]
+    finally:
+        client.meta.events.unregister("before-call.s3", count)
+    assert [a.kind if a else None for a in answers] == ["file", "dir", None]
+    assert sum(counts.values()) == 3, counts  # on main: 5 (HEAD + LIST for each of the two not files)

@@ -152,6 +152,30 @@ def test_stat(store: Storage) -> None:
     assert d is not None and d.kind == "dir"
 
 
+def test_stat_among_keys_it_prefixes(store: Storage) -> None:
+    # On S3 a key is a prefix of its neighbours ("m.tmp", "m-1", "m/"): stat must tell the
+    # object itself and a "directory" below it from keys that merely start alike.
+    for key in ("m.tmp", "m-1", "mx", "m/y", "n.tmp", "o", "o.bak", "ox/y"):
+        store.write_atomic(key, b"12")
+    m = store.stat("m")
+    assert m is not None and m.kind == "dir"
+    assert store.stat("n") is None
+    o = store.stat("o")
+    assert o is not None and (o.kind, o.size) == ("file", 2)
+    assert store.stat("o/x") is None
+
+
+def test_stat_of_a_directory_listed_after_a_thousand_neighbours(store: Storage) -> None:
+    # "q.0000" ... sort before "q/" ("." < "/"): past S3's 1,000 keys a page, the directory
+    # is on the second page of the listing, and an absent key's answer must not stop early.
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: store.write_atomic(f"q.{i:04d}", b""), range(1001)))
+    assert store.stat("q") is None
+    store.write_atomic("q/z", b"")
+    q = store.stat("q")
+    assert q is not None and q.kind == "dir"
+
+
 def test_ranged_reads(store: Storage) -> None:
     data = _pattern(1 * MiB + 123)
     store.write_atomic("blob", data)

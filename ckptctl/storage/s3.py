@@ -178,19 +178,32 @@ class S3Storage(Storage):
 
     def stat(self, key: str) -> ObjectInfo | None:
         """An object's size and mtime; for a key that is only a prefix of others, kind "dir"
-        (one extra LIST on a miss, so both backends answer alike)."""
+        (as the local backend answers for a directory).
+
+        One LIST (the key as prefix, "/" as delimiter) answers both: the object is the
+        listing's own key, the "directory" its common prefix ``key/``. A HEAD answers only
+        the first, so every miss cost a second request, in series: on the path of every
+        commit (is the marker there?) and every copy. An object named ``key`` wins over
+        keys below it, as a HEAD would find it."""
         key = check_key(key)
         obj = self._obj_key(key)
+        below = obj + "/"
         with self._bucket.errors(self.url_of(key)):
-            try:
-                head = self._client.s3.head_object(Bucket=self._bucket.name, Key=obj)
-            except ClientError as err:
-                if not is_missing(err):
-                    raise
-            else:
-                return ObjectInfo(key, head["ContentLength"], head["LastModified"].timestamp())
-            below = self._client.s3.list_objects_v2(Bucket=self._bucket.name, Prefix=obj + "/", MaxKeys=1)
-        return ObjectInfo(key, 0, 0.0, "dir") if below.get("KeyCount", 0) else None
+            pages = self._client.s3.get_paginator("list_objects_v2").paginate(
+                Bucket=self._bucket.name, Prefix=obj, Delimiter="/"
+            )
+            for page in pages:
+                contents, commons = page.get("Contents", []), page.get("CommonPrefixes", [])
+                for found in contents:
+                    if found["Key"] == obj:
+                        return ObjectInfo(key, found["Size"], found["LastModified"].timestamp())
+                if any(common["Prefix"] == below for common in commons):
+                    return ObjectInfo(key, 0, 0.0, "dir")
+                # In key order: ``key`` itself comes first, and nothing after ``key/`` is either.
+                seen = [found["Key"] for found in contents] + [common["Prefix"] for common in commons]
+                if not seen or max(seen) > below:
+                    break
+        return None
 
     # --- reading and writing ---------------------------------------------------------------
 
