@@ -1,12 +1,12 @@
 """Loads onto GPU targets read the file straight into the bounce pool's page-locked buffers.
 
-A GPU target of ``CheckpointReader`` is filled through a ``BouncePool`` (``_fill_through``):
-the needed rows of each chunk go from the file into a pinned buffer and up, hashed there, with
-no pageable temporary of the tensor. On the CPU the same path runs with a CPU pool: the reader
-routes a target to the pool registered for its device (the table ``read_many`` builds for
-CUDA devices), page-locking goes through a recording registrar, and everything else is real
-(a real checkpoint on disk, real reads and checksums). ``tests/test_gpu.py`` loads the same
-shapes onto a GPU.
+A GPU target of ``CheckpointReader`` is filled through a ``BouncePool``
+(``load.fill._fill_through``): the needed rows of each chunk go from the file into a pinned
+buffer and up, hashed there, with no pageable temporary of the tensor. On the CPU the same path
+runs with a CPU pool: the reader routes a target to the pool registered for its device (the
+table ``read_many`` builds for CUDA devices), page-locking goes through a recording registrar,
+and everything else is real (a real checkpoint on disk, real reads and checksums).
+``tests/test_gpu.py`` loads the same shapes onto a GPU.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ data is read. Every chunk read is then checked against its chunk checksum, which
 data to the marker: marker -> manifest -> file checksum -> header -> chunk checksum -> bytes.
 
 Reads are by *chunk*, the region of a tensor one shard holds. A target region (a whole tensor,
-or the part a rank holds after re-sharding) is filled from every chunk that overlaps it:
+or the part a rank holds after re-sharding) is filled from every chunk that overlaps it
+(``load.fill``):
 
 - a chunk the target needs whole, and whose elements are one contiguous run of the target
   (same sharding, or whole rows of it), is read straight into the target and hashed there:
@@ -34,20 +35,16 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ckptctl.errors import InvalidCheckpoint, StateError
+from ckptctl.errors import InvalidCheckpoint
 from ckptctl.format import dtypes
 from ckptctl.format.checksum import Hasher, digest
-from ckptctl.format.geometry import Box, contiguous_in, fits, intersection
+from ckptctl.format.geometry import intersection
 from ckptctl.load.bounce import BouncePool
+from ckptctl.load.fill import VERIFY_PIECE, check_covered, check_target, fill_target
 from ckptctl.load.shard_index import Located, ReadJob, ShardIndex, file_runs, region_of
 from ckptctl.load.spool import Spool, spool_remote
-from ckptctl.settings import IO_THREADS, READ_STEP, SEQUENTIAL_RUN, STREAM_PIECE
-from ckptctl.state.buffers import tensor_bytes
+from ckptctl.settings import IO_THREADS, READ_STEP, SEQUENTIAL_RUN
 from ckptctl.storage.base import Reader, Storage
-
-# Bytes of a chunk streamed at a time when only part of it is needed (the rest is read only to
-# be hashed): cache-sized pieces, as reshard's, so hashing reads them from cache.
-VERIFY_PIECE = STREAM_PIECE
 
 
 class CheckpointReader(ShardIndex):
@@ -197,171 +194,25 @@ class CheckpointReader(ShardIndex):
             self.check_digest(loc, h.hexdigest())
 
     def plan_reads(self, job: ReadJob) -> list[Located]:
-        """The chunks ``job`` reads from, after the checks ``_fill`` makes of its target."""
-        self._check_target(job)
+        """The chunks ``job`` reads from, after the checks ``load.fill`` makes of its target."""
+        check_target(self, job)
         want = region_of(job)
         found = self.locate(job.name, want)
         covered = sum(p.numel for p in (intersection(loc.box, want) for loc in found) if p is not None)
-        self._check_covered(job, covered)
+        check_covered(self, job, covered)
         return found
 
     def read_into(self, job: ReadJob) -> None:
         """Fill ``job.target`` from every chunk that overlaps its region, each chunk read whole
         and checked against its checksum (``InvalidCheckpoint`` naming file, tensor and byte
         range on a mismatch)."""
-        self._fill(job, verify=self.verify_checksums)
+        fill_target(self, job, verify=self.verify_checksums)
 
     def read_into_unverified(self, job: ReadJob) -> None:
         """Like ``read_into``, but reading only the bytes the target needs, unchecked: only for
         a caller that checks them against a checksum of verified bytes (reshard's second pass
         compares each chunk it writes with its verified first pass's digest)."""
-        self._fill(job, verify=False)
-
-    def _check_target(self, job: ReadJob) -> None:
-        entry = self.tensor(job.name)
-        target = job.target
-        want = region_of(job)
-        if target.dtype != dtypes.torch_dtype(entry.dtype):
-            raise StateError(
-                f"tensor {job.name!r}: checkpoint has {entry.dtype}, target is {dtypes.name_of(target.dtype)}",
-                hint="cast after loading, or convert the checkpoint with `ckptctl convert --dtype`",
-            )
-        if not fits(want, entry.shape):
-            raise StateError(
-                f"tensor {job.name!r}: checkpoint shape {list(entry.shape)} does not fit the "
-                f"target {list(target.shape)} at offsets {list(want.offsets)}",
-                hint="the model's architecture differs from the checkpoint's; pass strict=False to skip mismatched tensors",
-            )
-
-    def _check_covered(self, job: ReadJob, covered: int) -> None:
-        if covered != job.target.numel():
-            raise InvalidCheckpoint(
-                f"{self.storage.url}: tensor {job.name!r}: saved chunks cover {covered} of the "
-                f"{job.target.numel()} elements requested",
-                hint="shards are missing from this checkpoint; run `ckptctl verify`",
-            )
-
-    def _fill(self, job: ReadJob, *, verify: bool) -> None:
-        self._check_target(job)
-        target = job.target
-        want = region_of(job)
-        bounce = self._bounce.get(target.device)
-        if bounce is not None:
-            self._fill_through(bounce, job, want, verify)
-            return
-        if target.device.type != "cpu" or not target.is_contiguous():
-            # A bounce through host memory (pinned for a GPU target, so the copy is a DMA):
-            # reads and hashing need contiguous CPU memory.
-            pin = target.device.type == "cuda" and torch.cuda.is_available()
-            host = torch.empty(target.shape, dtype=target.dtype, pin_memory=pin)
-            self._fill(ReadJob(job.name, host, want.offsets), verify=verify)
-            target.copy_(host)
-            return
-        covered = 0
-        for loc in self.locate(job.name, want):
-            part = intersection(loc.box, want)
-            if part is not None:
-                self._copy_part(job.name, loc, target, want, part, verify)
-                covered += part.numel
-        self._check_covered(job, covered)
-
-    def _fill_through(self, bounce: BouncePool, job: ReadJob, want: Box, verify: bool) -> None:
-        """A GPU target, through the pool's page-locked buffers: the rows of a chunk that are
-        one run of the target are read from the file straight into those buffers, hashed
-        there, and copied up (no pageable temporary of the tensor, no second memcpy); the
-        rest of the chunk is read only to be hashed. Other parts (column splits, a
-        non-contiguous target) go through a host temporary of that part only. A mismatch
-        raises ``InvalidCheckpoint`` as on the CPU path, after some bytes may have gone up:
-        the caller falls back and overwrites them (``load.into_state`` checked every chunk
-        before this pass already)."""
-        target = job.target
-        covered = 0
-        for loc in self.locate(job.name, want):
-            part = intersection(loc.box, want)
-            if part is None:
-                continue
-            covered += part.numel
-            c, cbox, at = loc.chunk, loc.box, part.relative_to(want)
-            dst = target[at.slices()]
-            in_chunk = part.relative_to(cbox)
-            whole_rows = cbox.ndim == 0 or in_chunk.shape[1:] == cbox.shape[1:]
-            if not (whole_rows and contiguous_in(at, Box((0,) * want.ndim, want.shape)) and dst.is_contiguous()):
-                host = torch.empty(tuple(part.shape), dtype=target.dtype)
-                self._copy_part(job.name, loc, host, part, part, verify)
-                bounce.upload(host, dst)
-                continue
-            row_bytes = (c.end - c.begin) // max(cbox.shape[0] if cbox.ndim else 1, 1)
-            r0, r1 = (in_chunk.offsets[0], in_chunk.end[0]) if cbox.ndim else (0, 1)
-            start, end = loc.byte_range
-            lo, hi = start + r0 * row_bytes, start + r1 * row_bytes
-            h = Hasher() if verify and c.checksum is not None else None
-            if h is not None:
-                self._hash_range(loc.file, start, lo, h)
-
-            def fill(out: torch.Tensor, offset: int, lo: int = lo, file: str = loc.file, h: Hasher | None = h) -> None:
-                view = tensor_bytes(out)
-                self.pread(file, lo + offset, view)
-                if h is not None:  # in file order: the pool fills its buffers in order
-                    h.update(view)
-
-            bounce.upload_from(fill, dst)
-            if h is not None:
-                self._hash_range(loc.file, hi, end, h)
-                self.check_digest(loc, h.hexdigest(), job.name)
-        self._check_covered(job, covered)
-
-    def _copy_part(self, name: str, loc: Located, target: torch.Tensor, want: Box, part: Box, verify: bool) -> None:
-        """Copy region ``part`` (global coordinates) of chunk ``loc`` into ``target`` (which
-        holds region ``want``), reading and hashing the whole chunk when ``verify``."""
-        c = loc.chunk
-        verify = verify and c.checksum is not None
-        cbox = loc.box
-        dst = target[part.relative_to(want).slices()]
-        in_chunk = part.relative_to(cbox)
-        rows = cbox.shape[0] if cbox.ndim else 1
-        row_bytes = (c.end - c.begin) // max(rows, 1)
-        r0, r1 = (in_chunk.offsets[0], in_chunk.end[0]) if cbox.ndim else (0, 1)
-        whole_rows = cbox.ndim == 0 or in_chunk.shape[1:] == cbox.shape[1:]
-        start, end = loc.byte_range
-        if whole_rows and contiguous_in(part.relative_to(want), Box((0,) * want.ndim, want.shape)) and dst.is_contiguous():
-            # The needed rows are one run in the file and in the target: read them in place.
-            lo, hi = start + r0 * row_bytes, start + r1 * row_bytes
-            h = Hasher() if verify else None
-            if h is not None:
-                self._hash_range(loc.file, start, lo, h)
-            mid = tensor_bytes(dst)
-            for a in range(0, len(mid), READ_STEP):  # each step hashed while it is in the CPU's cache
-                step = mid[a : a + READ_STEP]
-                self.pread(loc.file, lo + a, step)
-                if h is not None:
-                    h.update(step)
-            if h is not None:
-                self._hash_range(loc.file, hi, end, h)
-                self.check_digest(loc, h.hexdigest(), name)
-            return
-        # Rows through the piece buffer; the needed columns of each are copied out of it.
-        first, last = (0, rows) if verify else (r0, r1)
-        step = max(1, VERIFY_PIECE // max(row_bytes, 1))
-        h = Hasher() if verify else None
-        cols = in_chunk.slices()[1:]
-        for a in range(first, last, step):
-            b = min(a + step, last)
-            piece = self._piece((b - a) * row_bytes)
-            self.pread(loc.file, start + a * row_bytes, piece)
-            if h is not None:
-                h.update(piece)
-            lo, hi = max(a, r0), min(b, r1)
-            if lo < hi:
-                rows_view = torch.frombuffer(piece, dtype=target.dtype).view(b - a, *cbox.shape[1:])
-                dst[lo - r0 : hi - r0].copy_(rows_view[(slice(lo - a, hi - a), *cols)])
-        if h is not None:
-            self.check_digest(loc, h.hexdigest(), name)
-
-    def _hash_range(self, file: str, lo: int, hi: int, h: Hasher) -> None:
-        for pos in range(lo, hi, VERIFY_PIECE):
-            piece = self._piece(min(VERIFY_PIECE, hi - pos))
-            self.pread(file, pos, piece)
-            h.update(piece)
+        fill_target(self, job, verify=False)
 
     def _piece(self, n: int) -> memoryview:
         """This thread's piece buffer, ``n`` bytes of it (grown when needed: one row may be
