@@ -128,7 +128,10 @@ class Storage(ABC):
 
     @abstractmethod
     def stat(self, key: str) -> ObjectInfo | None:
-        """Size and mtime of ``key``, or None when it does not exist."""
+        """Size and mtime of ``key``, or None when it does not exist; kind "dir" for a
+        directory (on object storage: a key that only prefixes others, ``key/...``). Callers
+        ask it on the path of every commit and copy (is the marker there?): one request on
+        object storage, whatever the answer."""
 
     @abstractmethod
     def open_reader(self, key: str) -> Reader:
