@@ -108,6 +108,7 @@ class Saver:
         self._layout: ShardLayout | None = None
         self._pending: SaveHandle | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-writer")
+        self._looks = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-look")  # save()'s marker look
         self._lock = threading.Lock()  # one save() at a time, even from several threads
         self.closed = False
 
@@ -182,14 +183,11 @@ class Saver:
             waited = time.perf_counter() - t0
             ckpt = self.root.sub(step_dir(step))
             save_id = self._save_ids.next(step)  # on every rank alike, even if this save fails here
+            # Is the step committed already? Asked beside the snapshot, answered before save
+            # returns: on object storage the look is a round trip (retried by botocore when the
+            # store stumbles), which the training thread used to wait for before copying.
+            looked = self._looks.submit(ckpt.stat, MARKER)
             try:
-                # Inside: the other ranks learn it at once. A node-local root answers per node (a
-                # step committed on one node's disk only), and they would otherwise wait for it.
-                if ckpt.stat(MARKER) is not None:
-                    raise RefusedForSafety(
-                        f"{ckpt.url} is already committed; a checkpoint is never overwritten",
-                        hint="save under a new step, or delete the old checkpoint with `ckptctl rm` or `ckptctl prune`",
-                    )
                 t1 = time.perf_counter()
                 captured = capture(state, per_rank=self.world_size > 1)
                 layout = self._layout_for(captured)
@@ -199,9 +197,19 @@ class Saver:
                 deferred, optimizers = overlap_plan(state, captured.tensors) if self.overlap_copies else (frozenset(), [])
                 buf = self.staging.snapshot(layout, captured.tensors, deferred=deferred)
                 fence = self.staging.fence
-                self._hold_steps(optimizers, fence)
                 t3 = time.perf_counter()
+                # Inside: the other ranks learn it at once. A node-local root answers per node (a
+                # step committed on one node's disk only), and they would otherwise wait for it.
+                if looked.result() is not None:
+                    if fence is not None:
+                        fence.synchronize()  # the refused snapshot's copies land before anything reuses the buffer
+                    raise RefusedForSafety(
+                        f"{ckpt.url} is already committed; a checkpoint is never overwritten",
+                        hint="save under a new step, or delete the old checkpoint with `ckptctl rm` or `ckptctl prune`",
+                    )
+                self._hold_steps(optimizers, fence)
             except BaseException as e:
+                wait([looked])  # a failed snapshot leaves no look running against a closing storage
                 self._report_lost_save(step, ckpt, e)
                 raise
             # The stall, and its two parts: finding the tensors (and planning, when the state's
@@ -333,6 +341,7 @@ class Saver:
         finally:
             self.closed = True
             self._pool.shutdown(wait=True)
+            self._looks.shutdown(wait=True)
             self._hold_steps([], None)
             self._drop_prepare_hooks()
             self.staging.release()
