@@ -201,8 +201,7 @@ class Saver:
                 # Inside: the other ranks learn it at once. A node-local root answers per node (a
                 # step committed on one node's disk only), and they would otherwise wait for it.
                 if looked.result() is not None:
-                    if fence is not None:
-                        fence.synchronize()  # the refused snapshot's copies land before anything reuses the buffer
+                    self.staging.settle()  # the refused snapshot's copies land before anything reuses the buffer
                     raise RefusedForSafety(
                         f"{ckpt.url} is already committed; a checkpoint is never overwritten",
                         hint="save under a new step, or delete the old checkpoint with `ckptctl rm` or `ckptctl prune`",
