@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import boto3
 
@@ -17,6 +20,21 @@ from helpers import cli
 from test_layouts import hf_checkpoint
 
 
+@contextmanager
+def counting(client: Any) -> Iterator[Counter[str]]:
+    """The requests ``client`` makes inside the block, by operation name."""
+    counts: Counter[str] = Counter()
+
+    def count(event_name: str, **_kw: object) -> None:
+        counts[event_name.rsplit(".", 1)[-1]] += 1
+
+    client.meta.events.register("before-call.s3", count)
+    try:
+        yield counts
+    finally:
+        client.meta.events.unregister("before-call.s3", count)
+
+
 def test_verify_of_a_trainer_checkpoint_on_s3_opens_each_file_once(tmp_path, s3_url):
     ckpt = hf_checkpoint(str(tmp_path), 5)
     bucket, prefix = s3_url[len("s3://"):].split("/", 1)
@@ -24,18 +42,9 @@ def test_verify_of_a_trainer_checkpoint_on_s3_opens_each_file_once(tmp_path, s3_
     names = sorted(os.listdir(ckpt))
     for name in names:
         raw.upload_file(os.path.join(ckpt, name), bucket, f"{prefix}/checkpoint-5/{name}")
-    counts: dict[str, int] = {}
     client = open_storage(s3_url)._client.s3  # the process's shared client: every verb uses it
-
-    def count(event_name: str, **_kw: object) -> None:
-        op = event_name.rsplit(".", 1)[-1]
-        counts[op] = counts.get(op, 0) + 1
-
-    client.meta.events.register("before-call.s3", count)
-    try:
+    with counting(client) as counts:
         r = cli("verify", f"{s3_url}/checkpoint-5")
-    finally:
-        client.meta.events.unregister("before-call.s3", count)
     assert r.exit_code == 0, r.stderr
     # One HEAD per file for the checks, plus the commit rule's look at trainer_state.json and the
     # classifier's: before the files were opened once, a torch file alone took four.
@@ -59,18 +68,8 @@ def test_cp_to_s3_lists_unfinished_uploads_once_not_per_file(tmp_path, s3_url):
     reshard(open_storage(str(tmp_path / "one" / step_dir(1))), open_storage(src), 3)
     # Parts of 5 MiB: every 4 MiB file is past a 1 MiB threshold, so each is a multipart upload.
     dst = open_storage(s3_url, multipart_threshold=1 << 20, part_size=5 << 20)
-    counts: dict[str, int] = {}
-    client = dst._client.s3  # type: ignore[attr-defined]
-
-    def count(event_name: str, **_kw: object) -> None:
-        op = event_name.rsplit(".", 1)[-1]
-        counts[op] = counts.get(op, 0) + 1
-
-    client.meta.events.register("before-call.s3", count)
-    try:
+    with counting(dst._client.s3) as counts:  # type: ignore[attr-defined]
         copy_checkpoint(open_storage(src), dst.sub(step_dir(1)))
-    finally:
-        client.meta.events.unregister("before-call.s3", count)
     assert counts.get("CreateMultipartUpload") == 3, counts
     assert counts.get("ListMultipartUploads") == 1, counts  # on main: 4 (the copy's, then one per file)
 
@@ -167,17 +166,7 @@ def test_stat_is_one_request_for_a_file_a_directory_and_a_miss(s3_url):
     # "directory"?), two round trips in series on the path of each save and copy.
     st = open_storage(s3_url)
     st.write_atomic("step/COMMITTED", b"x")
-    counts: dict[str, int] = {}
-    client = st._client.s3  # type: ignore[attr-defined]
-
-    def count(event_name: str, **_kw: object) -> None:
-        op = event_name.rsplit(".", 1)[-1]
-        counts[op] = counts.get(op, 0) + 1
-
-    client.meta.events.register("before-call.s3", count)
-    try:
+    with counting(st._client.s3) as counts:  # type: ignore[attr-defined]
         answers = [st.stat(key) for key in ("step/COMMITTED", "step", "step/manifest.json")]
-    finally:
-        client.meta.events.unregister("before-call.s3", count)
     assert [a.kind if a else None for a in answers] == ["file", "dir", None]
     assert sum(counts.values()) == 3, counts  # on main: 5 (HEAD + LIST for each of the two not files)
