@@ -1,0 +1,246 @@
+"""The copy verbs against S3 under faults and concurrency, by experiment (a review's findings
+kept as regression tests where the suite had no test of the same path).
+
+* ``cp`` to S3 with each kind of request it makes failing: for good (exit 3, one line, nothing
+  committed; the next plain run finishes), or answered but the answer lost on the way back (the
+  request took effect; botocore's retry then finds the copy's own object there, which a
+  conditional write answers with 412 and the copy must take as its own).
+* Two ``cp`` processes into one S3 step, one held by its own proxy at a chosen request while the
+  other runs to the end: of the same checkpoint both succeed (the held one's upload superseded,
+  its name then found holding its own bytes); of different ones the held one is refused.
+* ``sync`` to S3 SIGKILLed mid-upload, run again, then ``prune``: everything committed verifies
+  and prune keeps what its policy keeps.
+
+Everything runs through the real CLI (in-process ``cli``, or real processes) against moto's
+server over HTTP, with ``tests/s3_fault_proxy.py`` between them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator
+
+import boto3
+import pytest
+import torch
+
+from ckptctl import Checkpointer
+from ckptctl.format.layout import MARKER, step_dir
+from ckptctl.layouts.native_read import read_committed_raw
+from ckptctl.storage import open_storage
+from helpers import cli
+from s3_fault_proxy import FaultProxy
+
+MiB = 1 << 20
+STEP = 100
+
+
+def _save(root: str, fill: float, step: int = STEP) -> str:
+    """One committed checkpoint whose shard is just over cp's 16 MiB multipart threshold (two
+    parts), so a copy makes every kind of request: list, list uploads, create, part, complete,
+    manifest PUT, marker PUT."""
+    with Checkpointer(root) as ck:
+        return ck.save(step, {"model": {"w": torch.full((4 * MiB + 1024,), fill)}, "extra": {"fill": fill}}).wait()
+
+
+def _request_kind(method: str, path: str) -> str | None:
+    """Which of cp's requests this is (path and query as the proxy sees them)."""
+    where, _, query = path.partition("?")
+    if method == "GET" and "list-type=2" in query:
+        return "ListObjectsV2"
+    if method == "GET" and query.startswith("uploads") and where.count("/") == 1:
+        return "ListMultipartUploads"
+    if method == "POST" and query == "uploads":
+        return "CreateMultipartUpload"
+    if method == "PUT" and "partNumber=" in query:
+        return "UploadPart"
+    if method == "POST" and "uploadId=" in query:
+        return "CompleteMultipartUpload"
+    if method == "PUT" and where.endswith("/manifest.json"):
+        return "PutManifest"
+    if method == "PUT" and where.endswith("/" + MARKER):
+        return "PutMarker"
+    return None
+
+
+KINDS = ["ListObjectsV2", "ListMultipartUploads", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
+         "PutManifest", "PutMarker"]
+
+
+@pytest.fixture
+def proxy(s3_server: str, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3_server).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def _one_line_error(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+
+
+def _same_checkpoint(dst: str, src: str) -> None:
+    """DST commits exactly SRC's checkpoint, and every byte of it verifies."""
+    v = cli("verify", dst)
+    assert v.exit_code == 0, v.stdout + v.stderr
+    assert read_committed_raw(open_storage(dst)).manifest_raw == read_committed_raw(open_storage(src)).manifest_raw
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cp_to_s3_with_each_request_failing_for_good_or_losing_its_answer(kind, proxy, s3_url, tmp_path, monkeypatch):
+    src = _save(str(tmp_path / "src"), 1.0)
+
+    # Failing for good: exit 3, one line naming the object, nothing committed; a plain run again finishes.
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    proxy.rule = lambda method, path: "500" if _request_kind(method, path) == kind else None
+    failed = f"{s3_url}/failed/{step_dir(STEP)}"
+    r = cli("cp", src, failed)
+    assert proxy.injected, f"cp made no {kind} request"
+    assert r.exit_code == 3, r.stdout + r.stderr
+    _one_line_error(r.stderr)
+    assert "storage error" in r.stderr and "after retries" in r.stderr, r.stderr
+    proxy.rule = lambda method, path: None
+    assert open_storage(failed).stat(MARKER) is None
+    again = cli("cp", src, failed)
+    assert again.exit_code == 0, again.stderr
+    _same_checkpoint(failed, src)
+
+    # The first such request lands but its answer is lost: botocore's retry meets the copy's own
+    # object (a conditional write answers 412 then), and the copy goes on as if it had been answered.
+    proxy.injected.clear()
+    seen = []
+
+    def lose_first(method: str, path: str) -> str | None:
+        if _request_kind(method, path) != kind or seen:
+            return None
+        seen.append(path)
+        return "lose"
+
+    proxy.rule = lose_first
+    lost = f"{s3_url}/lost/{step_dir(STEP)}"
+    r = cli("cp", src, lost)
+    assert [a for a, _, _ in proxy.injected] == ["lose"]
+    assert r.exit_code == 0, r.stderr
+    _same_checkpoint(lost, src)
+
+
+# --- two copies into one step, one held at a chosen request ----------------------------------
+
+
+def _cp_process(src: str, dst: str, endpoint: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "cp", src, dst], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "AWS_ENDPOINT_URL": endpoint})
+
+
+@pytest.mark.parametrize("same,held_at", [(True, "UploadPart"), (True, "CompleteMultipartUpload"), (True, "PutMarker"),
+                                          (False, "UploadPart")])
+def test_two_cp_processes_into_one_step_one_held(same, held_at, atomic_s3_url, tmp_path):
+    """Copy A is held at its first ``held_at`` request (its own proxy) while copy B runs to the
+    end; then A goes on. B's writer of the shard aborts A's open upload (one writer per object),
+    so a held part or completion meets NoSuchUpload. Of one checkpoint, both succeed with one
+    set of files; of two, B commits and A is refused for safety (exit 1), deleting nothing."""
+    a = _save(str(tmp_path / "a"), 1.0)
+    b = a if same else _save(str(tmp_path / "b"), 2.0)
+    upstream = os.environ["AWS_ENDPOINT_URL"]
+    held = FaultProxy(upstream).start()
+    reached = threading.Event()
+
+    def hold(method: str, path: str) -> str | None:
+        if _request_kind(method, path) == held_at and not held.release.is_set():
+            reached.set()
+            return "hold"
+        return None
+
+    held.rule = hold
+    dst = f"{atomic_s3_url}/{step_dir(STEP)}"
+    try:
+        first = _cp_process(a, dst, held.url)
+        assert reached.wait(240), first.communicate(timeout=60)  # a bound against hanging, not a timing assertion
+        second = _cp_process(b, dst, upstream)
+        out_b, err_b = second.communicate(timeout=240)
+        held.release.set()
+        out_a, err_a = first.communicate(timeout=240)
+    finally:
+        held.release.set()
+        held.stop()
+    assert second.returncode == 0, err_b
+    _same_checkpoint(dst, b)
+    if same:
+        assert first.returncode == 0, err_a
+        return
+    assert first.returncode == 1, err_a
+    _one_line_error(err_a)
+    assert "does not hold this checkpoint's bytes" in err_a and "nothing was replaced" in err_a, err_a
+
+
+# --- sync killed mid-upload, run again, then prune ---------------------------------------------
+
+
+def test_sync_killed_mid_upload_then_run_again_and_pruned(s3_url, s3_server, tmp_path):
+    """A ``sync`` of three checkpoints SIGKILLed while the second one's parts are in flight (the
+    first committed, its lock left behind): the next run breaks the dead run's lock, completes
+    the partial step and copies the third; all three verify as exactly SRC's; ``prune
+    --keep-last 2`` deletes the oldest only and leaves no upload open."""
+    local = str(tmp_path / "local")
+    sources = {s: _save(local, float(s), step=s) for s in (100, 200, 300)}
+    parts = []
+    reached, release = threading.Event(), threading.Event()
+
+    def hold_second_checkpoint(method: str, path: str) -> str | None:
+        if _request_kind(method, path) != "UploadPart":
+            return None
+        parts.append(path)
+        if "step-0000000100" in path:
+            return None
+        reached.set()
+        release.wait()  # the proxy answers nobody meanwhile: the sync's parts stay in flight
+        return "drop"
+
+    proxy = FaultProxy(s3_server)
+    proxy.rule = hold_second_checkpoint
+    proxy.start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "sync", local, s3_url],
+                                env={**os.environ, "AWS_ENDPOINT_URL": proxy.url},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240  # a bound against hanging, not a timing assertion
+            while not reached.is_set():
+                assert proc.poll() is None, proc.communicate()[0].decode(errors="replace")
+                assert time.monotonic() < deadline, "the sync never reached the second checkpoint's parts"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            release.set()
+    finally:
+        proxy.stop()
+    assert proc.returncode == -signal.SIGKILL
+    root = open_storage(s3_url)
+    assert root.sub(step_dir(100)).stat(MARKER) is not None and root.sub(step_dir(200)).stat(MARKER) is None
+
+    r = cli("sync", local, s3_url)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "broke a stale lock" in r.stdout + r.stderr
+    for step, src in sources.items():
+        _same_checkpoint(f"{s3_url}/{step_dir(step)}", src)
+
+    p = cli("prune", s3_url, "--keep-last", "2", "--yes")
+    assert p.exit_code == 0, p.stdout + p.stderr
+    assert root.sub(step_dir(100)).stat(MARKER) is None
+    for step in (200, 300):
+        _same_checkpoint(f"{s3_url}/{step_dir(step)}", sources[step])
+    bucket = s3_url[len("s3://"):].split("/", 1)[0]
+    assert boto3.client("s3", endpoint_url=s3_server).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
