@@ -244,3 +244,45 @@ def test_sync_killed_mid_upload_then_run_again_and_pruned(s3_url, s3_server, tmp
         _same_checkpoint(f"{s3_url}/{step_dir(step)}", sources[step])
     bucket = s3_url[len("s3://"):].split("/", 1)[0]
     assert boto3.client("s3", endpoint_url=s3_server).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+# --- a copy at DST rewritten within the second its record was made --------------------------
+
+
+def _rewrite_within_the_second(s3_url: str, key: str) -> None:
+    """Flip one byte of the object ``key`` below ``s3_url`` (same size), as another writer
+    rewriting it within the same second would: S3 gives LastModified to the second, so the
+    rewrite's LastModified equals the original's. moto stamps its own clock (finer), so its
+    stamp is put back on the new object: only the listing's view of "when" is set, never the
+    bytes or the ETag, which change as they would on S3."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    bucket, _, prefix = s3_url[len("s3://"):].partition("/")
+    full = f"{prefix}/{key}"
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    before = backend.get_object(bucket, full)
+    stamp = before.last_modified
+    data = bytearray(before.value)
+    data[-5] ^= 0x01
+    backend.put_object(bucket, full, bytes(data))
+    backend.get_object(bucket, full).last_modified = stamp
+
+
+def test_sync_does_not_vouch_for_a_copy_rewritten_within_the_second(s3_url, tmp_path):
+    """sync's "unchanged since verified" rests on DST's fingerprint. On S3 a file's stamp was
+    its key, size and LastModified (one-second resolution): a same-size rewrite within the
+    second left it unchanged, and sync called a damaged copy present and good (verify said
+    otherwise). The ETag, in the same listing, changes with the bytes."""
+    local = str(tmp_path / "local")
+    src = _save(local, 1.0)
+    assert cli("sync", local, s3_url).exit_code == 0
+    shard = next(i.key for i in open_storage(f"{s3_url}/{step_dir(STEP)}").list() if i.key.endswith(".safetensors"))
+    _rewrite_within_the_second(s3_url, f"{step_dir(STEP)}/{shard}")
+    assert cli("verify", f"{s3_url}/{step_dir(STEP)}").exit_code == 1  # the copy is damaged
+
+    r = cli("sync", local, s3_url, "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    (item,) = r.json()["checkpoints"]
+    assert item["action"] == "copied", item  # found damaged and completed again, not "present"
+    _same_checkpoint(f"{s3_url}/{step_dir(STEP)}", src)

@@ -196,7 +196,7 @@ class S3Storage(Storage):
                 contents, commons = page.get("Contents", []), page.get("CommonPrefixes", [])
                 for found in contents:
                     if found["Key"] == obj:
-                        return ObjectInfo(key, found["Size"], found["LastModified"].timestamp())
+                        return _object_info("", key, found)
                 if any(common["Prefix"] == below for common in commons):
                     return ObjectInfo(key, 0, 0.0, "dir")
                 # In key order: ``key`` itself comes first, and nothing after ``key/`` is either.
@@ -313,4 +313,4 @@ def _join(prefix: str, name: str) -> str:
 
 def _object_info(prefix: str, name: str, obj: dict[str, Any]) -> ObjectInfo:
     """An entry of a LIST answer's ``Contents``, keyed relative to the storage."""
-    return ObjectInfo(_join(prefix, name), obj["Size"], obj["LastModified"].timestamp())
+    return ObjectInfo(_join(prefix, name), obj["Size"], obj["LastModified"].timestamp(), etag=obj.get("ETag"))
