@@ -286,3 +286,29 @@ def test_sync_does_not_vouch_for_a_copy_rewritten_within_the_second(s3_url, tmp_
     (item,) = r.json()["checkpoints"]
     assert item["action"] == "copied", item  # found damaged and completed again, not "present"
     _same_checkpoint(f"{s3_url}/{step_dir(STEP)}", src)
+
+
+# --- a lock whose release failed, in a process that goes on ------------------------------------
+
+
+def test_a_failed_lock_release_does_not_lock_its_own_process_out(proxy, s3_url, tmp_path, monkeypatch):
+    """The store refuses the DELETE that releases DST's lock (past botocore's retries): that
+    sync exits 3, the lock file stays. A later sync in the same process (a library user; the
+    Checkpointer's retention prunes the same way, under the same lock) found the lock naming
+    its own live pid and was refused for ``stale_after_s`` (6 h) behind itself. Nothing in the
+    process holds it any more, so it is stale."""
+    local = str(tmp_path / "local")
+    src = _save(local, 1.0)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    proxy.rule = lambda method, path: "500" if method == "DELETE" and path.split("?")[0].endswith("/.ckptctl-lock") else None
+    r = cli("sync", local, s3_url)
+    assert r.exit_code == 3 and ".ckptctl-lock" in r.stderr, r.stdout + r.stderr
+    _one_line_error(r.stderr)
+    proxy.rule = lambda method, path: None
+    assert open_storage(s3_url).stat(".ckptctl-lock") is not None
+
+    again = cli("sync", local, s3_url)
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert "broke a stale lock" in again.stdout + again.stderr
+    _same_checkpoint(f"{s3_url}/{step_dir(STEP)}", src)
+    assert open_storage(s3_url).stat(".ckptctl-lock") is None
