@@ -312,3 +312,30 @@ def test_a_failed_lock_release_does_not_lock_its_own_process_out(proxy, s3_url, 
     assert "broke a stale lock" in again.stdout + again.stderr
     _same_checkpoint(f"{s3_url}/{step_dir(STEP)}", src)
     assert open_storage(s3_url).stat(".ckptctl-lock") is None
+
+
+# --- sync --delete when the store refuses the deletions -------------------------------------
+
+
+def test_sync_delete_against_a_store_refusing_deletes_is_exit_3(proxy, s3_url, tmp_path, monkeypatch):
+    """A DST checkpoint SRC no longer has, and S3 failing every DELETE past botocore's retries:
+    an operational error (exit 3, one line naming the object), as a failing copy is; it was a
+    'failed' item and exit 1, 'invalid checkpoint ... fix or delete the source checkpoint', which
+    sends the person to a source that is fine. Nothing is lost, and the next run finishes."""
+    local = str(tmp_path / "local")
+    sources = {s: _save(local, float(s), step=s) for s in (100, 200)}
+    extra = _save(str(tmp_path / "gone"), 3.0, step=50)
+    assert cli("cp", extra, s3_url).exit_code == 0
+    assert cli("sync", local, s3_url).exit_code == 0
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    proxy.rule = lambda method, path: "500" if method == "DELETE" and "/step-" in path else None
+    r = cli("sync", local, s3_url, "--delete")
+    assert r.exit_code == 3, r.stdout + r.stderr
+    _one_line_error(r.stderr)
+    assert "storage error" in r.stderr and step_dir(50) in r.stderr, r.stderr
+    proxy.rule = lambda method, path: None
+    again = cli("sync", local, s3_url, "--delete")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert [e.key for e in open_storage(s3_url).children() if e.kind == "dir"] == [step_dir(100), step_dir(200)]
+    for step, src in sources.items():
+        _same_checkpoint(f"{s3_url}/{step_dir(step)}", src)
