@@ -339,3 +339,45 @@ def test_sync_delete_against_a_store_refusing_deletes_is_exit_3(proxy, s3_url, t
     assert [e.key for e in open_storage(s3_url).children() if e.kind == "dir"] == [step_dir(100), step_dir(200)]
     for step, src in sources.items():
         _same_checkpoint(f"{s3_url}/{step_dir(step)}", src)
+
+
+# --- a stack's pointer at an S3 root, two copies at once --------------------------------------
+
+
+def test_the_pointer_never_moves_back_when_two_copies_write_it_at_once(s3_url, s3_server, tmp_path):
+    """Two ``cp`` of DeepSpeed tags into one S3 root: the older one's PUT of ``latest`` is held
+    (its own proxy) after it judged the pointer absent, the newer one runs to the end and points
+    ``latest`` at global_step20; then the held PUT lands. It replaced the pointer with
+    global_step10, so DeepSpeed's default resume went back 10 steps, though a copy never moves
+    the pointer to an older step; the write is now conditional on what was judged."""
+    from test_layouts import deepspeed_tag
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    old, new = deepspeed_tag(root, 10), deepspeed_tag(root, 20)
+    for tag in (old, new):
+        assert cli("seal", tag).exit_code == 0  # checked against the seal on the way: no test-load to wait for
+    held = FaultProxy(s3_server).start()
+    reached = threading.Event()
+
+    def hold_pointer(method: str, path: str) -> str | None:
+        if method == "PUT" and path.split("?")[0].endswith("/latest") and not held.release.is_set():
+            reached.set()
+            return "hold"
+        return None
+
+    held.rule = hold_pointer
+    try:
+        first = _cp_process(old, s3_url, held.url)
+        assert reached.wait(240), first.communicate(timeout=60)  # a bound against hanging, not a timing assertion
+        r = cli("cp", new, s3_url)
+        assert r.exit_code == 0, r.stderr
+        assert open_storage(s3_url).read("latest") == b"global_step20"
+        held.release.set()
+        _, err = first.communicate(timeout=240)
+    finally:
+        held.release.set()
+        held.stop()
+    assert first.returncode == 0, err
+    assert open_storage(s3_url).read("latest") == b"global_step20"
+    assert "names a newer step (20), left as is" in err, err
