@@ -381,3 +381,25 @@ def test_the_pointer_never_moves_back_when_two_copies_write_it_at_once(s3_url, s
     assert first.returncode == 0, err
     assert open_storage(s3_url).read("latest") == b"global_step20"
     assert "names a newer step (20), left as is" in err, err
+
+
+def test_a_lost_answer_to_the_lock_s_own_create_is_not_another_holder(proxy, s3_url, tmp_path):
+    """The conditional PUT that takes DST's lock lands, its answer is lost, and botocore's retry
+    gets 412: the lock file holds this very run's token. It was read as another holder (this
+    pid, alive): sync exited 3 'held by pid N', naming itself, and left the lock behind."""
+    local = str(tmp_path / "local")
+    src = _save(local, 1.0)
+    seen = []
+
+    def lose_the_lock_answer(method: str, path: str) -> str | None:
+        if method == "PUT" and path.split("?")[0].endswith("/.ckptctl-lock") and not seen:
+            seen.append(path)
+            return "lose"
+        return None
+
+    proxy.rule = lose_the_lock_answer
+    r = cli("sync", local, s3_url)
+    assert seen and r.exit_code == 0, r.stdout + r.stderr
+    assert "stale lock" not in r.stdout + r.stderr
+    _same_checkpoint(f"{s3_url}/{step_dir(STEP)}", src)
+    assert open_storage(s3_url).stat(".ckptctl-lock") is None

@@ -132,6 +132,9 @@ class RootLock:
             if current is None:
                 raise self._held(None, None)
         holder, mtime = current
+        if holder is not None and holder.token == mine.token:
+            # Our own create landed and its answer was lost: the retried conditional write met it.
+            return self._took(mine)
         reason = self._stale(holder, mtime)
         if reason is None:
             raise self._held(holder, mtime)
