@@ -403,3 +403,41 @@ def test_a_lost_answer_to_the_lock_s_own_create_is_not_another_holder(proxy, s3_
     assert "stale lock" not in r.stdout + r.stderr
     _same_checkpoint(f"{s3_url}/{step_dir(STEP)}", src)
     assert open_storage(s3_url).stat(".ckptctl-lock") is None
+
+
+# --- a swap whose answer was lost --------------------------------------------------------------
+
+
+def test_repoint_whose_pointer_swap_lost_its_answer_says_it_moved_it(proxy, s3_url, s3_server, tmp_path):
+    """``repoint`` on S3 swaps DeepSpeed's ``latest`` with one PUT carrying ``If-Match``; it
+    lands, the answer is lost, botocore's retry gets 412 (the ETag is now the new content's).
+    The pointer held exactly what repoint wrote, yet it said 'changed while repoint judged it
+    ... left as it is, not moved' and exited 1. A key holding the swap's own bytes is swapped."""
+    from test_layouts import deepspeed_tag
+
+    local = str(tmp_path / "root")
+    os.makedirs(local)
+    for step in (10, 20, 30):
+        deepspeed_tag(local, step)  # `latest` names global_step30 last
+    shard = os.path.join(local, "global_step30", "mp_rank_00_model_states.pt")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    raw = boto3.client("s3", endpoint_url=s3_server)
+    bucket, _, prefix = s3_url[len("s3://"):].partition("/")
+    for top, _dirs, files in os.walk(local):
+        for name in files:
+            path = os.path.join(top, name)
+            raw.upload_file(path, bucket, f"{prefix}/{os.path.relpath(path, local)}")
+    seen = []
+
+    def lose_the_swap_answer(method: str, path: str) -> str | None:
+        if method == "PUT" and path.split("?")[0].endswith("/latest") and not seen:
+            seen.append(path)
+            return "lose"
+        return None
+
+    proxy.rule = lose_the_swap_answer
+    r = cli("repoint", s3_url)
+    assert seen, "repoint wrote no pointer"
+    assert r.exit_code == 0 and "global_step30 -> global_step20" in r.stderr, r.stdout + r.stderr
+    assert open_storage(s3_url).read("latest") == b"global_step20"

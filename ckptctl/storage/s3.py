@@ -243,7 +243,9 @@ class S3Storage(Storage):
 
     def compare_and_swap(self, key: str, expected: bytes | None, data: bytes) -> bytes | None:
         """One conditional PUT: ``If-Match`` the ETag of the content just compared
-        (``If-None-Match: *`` when it was absent), so S3 refuses it once anything else wrote."""
+        (``If-None-Match: *`` when it was absent), so S3 refuses it once anything else wrote.
+        Refused, but the key holds exactly ``data``: the PUT had landed and a retry of it was
+        refused (or another writer made the very same change), so it is swapped."""
         key = check_key(key)
         shown, obj = self.url_of(key), self._obj_key(key)
         limit = len(expected or b"") + 4096
@@ -265,6 +267,8 @@ class S3Storage(Storage):
                     Bucket=self._bucket.name, Key=obj, Body=data, **condition, **self._bucket.checksum_args())):
                 return expected
             found = self._content(key, limit)
+            if found == data:  # ours landed, its answer lost: botocore's retry met it (412)
+                return expected
             if found != expected:
                 return found
         raise StorageError(f"{shown} keeps being rewritten with the same content; not replaced",
