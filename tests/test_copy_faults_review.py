@@ -441,3 +441,36 @@ def test_repoint_whose_pointer_swap_lost_its_answer_says_it_moved_it(proxy, s3_u
     assert seen, "repoint wrote no pointer"
     assert r.exit_code == 0 and "global_step30 -> global_step20" in r.stderr, r.stdout + r.stderr
     assert open_storage(s3_url).read("latest") == b"global_step20"
+
+
+def test_a_lost_answer_to_the_breakers_own_guard_is_not_another_breaker(proxy, s3_url, tmp_path):
+    """DST's lock was left by a process that is gone; breaking it takes a guard file with a
+    conditional PUT. That PUT lands and its answer is lost: the guard read back holds this run's
+    own token. It was read as another run breaking the lock right now: sync exited 3, and its
+    guard kept every run from breaking the stale lock for 5 minutes."""
+    import socket
+
+    from ckptctl.ops.lock_info import LockInfo
+
+    local = str(tmp_path / "local")
+    src = _save(local, 1.0)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    now = time.time()
+    left = LockInfo(socket.gethostname(), gone.pid, None, now, now, "ckptctl sync (killed)", "killed0token")
+    open_storage(s3_url).write_atomic(".ckptctl-lock", left.to_json())
+    seen = []
+
+    def lose_the_guard_answer(method: str, path: str) -> str | None:
+        if method == "PUT" and path.split("?")[0].endswith("/.ckptctl-lock.break") and not seen:
+            seen.append(path)
+            return "lose"
+        return None
+
+    proxy.rule = lose_the_guard_answer
+    r = cli("sync", local, s3_url)
+    assert seen and r.exit_code == 0, r.stdout + r.stderr
+    assert "broke a stale lock" in r.stdout + r.stderr
+    _same_checkpoint(f"{s3_url}/{step_dir(STEP)}", src)
+    root = open_storage(s3_url)
+    assert root.stat(".ckptctl-lock") is None and root.stat(".ckptctl-lock.break") is None

@@ -132,8 +132,7 @@ class RootLock:
             if current is None:
                 raise self._held(None, None)
         holder, mtime = current
-        if holder is not None and holder.token == mine.token:
-            # Our own create landed and its answer was lost: the retried conditional write met it.
+        if holder is not None and holder.token == mine.token:  # see _holds_token
             return self._took(mine)
         reason = self._stale(holder, mtime)
         if reason is None:
@@ -155,7 +154,7 @@ class RootLock:
 
     def _break(self, holder: LockInfo | None, mtime: float, reason: str, mine: LockInfo) -> "RootLock":
         guard = self._new_info()
-        if not self._create(GUARD_KEY, guard):
+        if not self._create(GUARD_KEY, guard) and not self._holds_token(GUARD_KEY, guard.token):
             seen = self._read(GUARD_KEY)
             if seen is None or self._clock() - seen[1] <= GUARD_STALE_AFTER_S:
                 raise self._held(holder, mtime, breaking=seen is not None)
@@ -184,6 +183,12 @@ class RootLock:
             return self._took(mine)
         finally:
             self._delete_if_ours(GUARD_KEY, guard.token)
+
+    def _holds_token(self, key: str, token: str) -> bool:
+        """Whether ``key`` holds ``token``: a create that "failed" because its own conditional
+        write had landed and only its answer was lost (botocore's retry met it: 412)."""
+        found = self._read(key)
+        return found is not None and found[0] is not None and found[0].token == token
 
     def _this_process(self, holder: LockInfo) -> bool:
         pid = os.getpid()
