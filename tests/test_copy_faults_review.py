@@ -11,6 +11,12 @@ kept as regression tests where the suite had no test of the same path).
 * ``sync`` to S3 SIGKILLed mid-upload, run again, then ``prune``: everything committed verifies
   and prune keeps what its policy keeps.
 
+And the bugs the review found, each test failing on the commit before its fix: a copy at DST
+rewritten within the second vouched for by sync (the S3 stamp lacked the ETag); a failed lock
+release locking its own process out; sync --delete's storage error reported as exit 1; a
+stack's pointer moved back by two copies at once; and conditional writes whose answer was lost
+(the lock, its breaking guard, repoint's swap) taken for another writer's.
+
 Everything runs through the real CLI (in-process ``cli``, or real processes) against moto's
 server over HTTP, with ``tests/s3_fault_proxy.py`` between them.
 """
