@@ -15,7 +15,8 @@ And the bugs the review found, each test failing on the commit before its fix: a
 rewritten within the second vouched for by sync (the S3 stamp lacked the ETag); a failed lock
 release locking its own process out; sync --delete's storage error reported as exit 1; a
 stack's pointer moved back by two copies at once; and conditional writes whose answer was lost
-(the lock, its breaking guard, repoint's swap) taken for another writer's.
+(the lock, its breaking guard, repoint's swap) taken for another writer's; and a re-sharding
+restore removing the step a concurrent one had just committed.
 
 Everything runs through the real CLI (in-process ``cli``, or real processes) against moto's
 server over HTTP, with ``tests/s3_fault_proxy.py`` between them.
@@ -482,22 +483,19 @@ def test_a_lost_answer_to_the_breakers_own_guard_is_not_another_breaker(proxy, s
     assert root.stat(".ckptctl-lock") is None and root.stat(".ckptctl-lock.break") is None
 
 
-# --- two re-sharding restores into one root (found, not fixed: strict xfail) ------------------
+# --- two re-sharding restores into one root ----------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="open: a re-sharding restore deletes a committed step another restore "
-                   "just wrote, then falls back to an older step (see the docstring)")
 def test_two_resharding_restores_into_one_root_never_delete_the_committed_step(s3_url, s3_server):
     """Restore B (``--world-size 2``) is held at the listing ``reshard`` makes of the target
-    step, after it judged the step uncommitted (so it re-shards with ``overwrite``); restore A
-    runs to the end meanwhile: step 200 re-sharded, committed, verified, staging removed. Then
-    B goes on: ``prepare_target`` with ``overwrite`` finds A's marker and removes A's committed
-    step, then B finds the shared staging copy gone, takes that for the source failing
-    verification, skips step 200 and restores step 100, exit 0. A said it restored step 200
-    there; the root ends with step 100 only. Causes: ``_reshard_restore`` decides ``overwrite``
-    from a look at the marker taken before ``prepare_target`` removes whatever is committed
-    then; the staging directory is shared by concurrent restores; a failure reading the
-    restore's own staging copy is an InvalidCheckpoint of "the source", which restore skips."""
+    step, after it judged the step uncommitted; restore A runs to the end meanwhile: step 200
+    re-sharded, committed, verified, the (shared) staging copy removed. Then B went on:
+    ``prepare_target`` with the ``overwrite`` B had decided from its earlier look found A's
+    marker and removed A's committed step; B then found the staging copy gone, took that for
+    the source failing verification, skipped step 200 and restored step 100, exit 0: the root
+    ended with step 100 only, though A had said it restored step 200. Now a target committed
+    meanwhile is refused, never removed, and judged: this very checkpoint re-sharded, so B
+    says "already present"."""
     src_root, dst_root = f"{s3_url}/src", f"{s3_url}/dst"
     with Checkpointer(src_root) as ck:
         for s in (100, 200):
@@ -528,5 +526,5 @@ def test_two_resharding_restores_into_one_root_never_delete_the_committed_step(s
         held.release.set()
         held.stop()
     assert cli("verify", f"{dst_root}/{step_dir(200)}").exit_code == 0, "the step restore A reported was deleted"
-    assert second.returncode in (0, 1), err
-    assert out.strip() in ("", f"{dst_root}/{step_dir(200)}"), f"restore B fell back to an older step: {out} {err}"
+    assert second.returncode == 0 and out.strip() == f"{dst_root}/{step_dir(200)}", f"restore B: {out} {err}"
+    assert "already holds step 200" in err, err

@@ -211,9 +211,15 @@ def _reshard_restore(layout: Layout, src: Storage, dst_root: Storage, record: ob
     # Imported here: only a re-sharding restore needs the reshard machinery (and torch's).
     from ckptctl.ops.transform.reshard import reshard
 
-    # Leftovers of an interrupted restore (no marker) may be replaced; a committed dst was
-    # handled by _resharded_present and never reaches this point.
-    report = reshard(staging, dst, world_size, overwrite=dst.stat(MARKER) is None, progress=progress)
+    # Leftovers of an interrupted restore (no marker) are written beside; a dst committed since
+    # _resharded_present looked (a concurrent restore of the same step) is judged again, never
+    # removed: deciding "overwrite" from that earlier look removed another restore's result.
+    try:
+        report = reshard(staging, dst, world_size, overwrite="uncommitted", progress=progress)
+    except RefusedForSafety:
+        if at_destination(dst, lambda: _resharded_present(dst, record, world_size)):
+            return CopyResult(src.url, dst.url, step, "already present", files=world_size)
+        raise
     remove(staging)
     return CopyResult(copied.src, dst.url, copied.step, "copied", files=report.files,
                       bytes_copied=copied.bytes_copied, files_reused=copied.files_reused,
