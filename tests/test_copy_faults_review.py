@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import boto3
 import pytest
@@ -102,6 +102,39 @@ def _same_checkpoint(dst: str, src: str) -> None:
     assert read_committed_raw(open_storage(dst)).manifest_raw == read_committed_raw(open_storage(src)).manifest_raw
 
 
+def _lose_first(matches: Callable[[str, str], bool]) -> tuple[Callable[[str, str], str | None], list[str]]:
+    """A proxy rule that loses the answer to the first request ``matches`` accepts (it is
+    forwarded and takes effect), and the list of the paths it did that to."""
+    lost: list[str] = []
+
+    def rule(method: str, path: str) -> str | None:
+        if lost or not matches(method, path):
+            return None
+        lost.append(path)
+        return "lose"
+
+    return rule, lost
+
+
+def _holding(upstream: str, matches: Callable[[str, str], bool]) -> tuple[FaultProxy, threading.Event]:
+    """A started proxy to ``upstream`` that holds every request ``matches`` accepts until its
+    ``release`` is set, and the event set once it holds one."""
+    held, reached = FaultProxy(upstream), threading.Event()
+
+    def hold(method: str, path: str) -> str | None:
+        if not matches(method, path) or held.release.is_set():
+            return None
+        reached.set()
+        return "hold"
+
+    held.rule = hold
+    return held.start(), reached
+
+
+def _put_of(name: str) -> Callable[[str, str], bool]:
+    return lambda method, path: method == "PUT" and path.split("?")[0].endswith("/" + name)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_cp_to_s3_with_each_request_failing_for_good_or_losing_its_answer(kind, proxy, s3_url, tmp_path, monkeypatch):
     src = _save(str(tmp_path / "src"), 1.0)
@@ -124,15 +157,7 @@ def test_cp_to_s3_with_each_request_failing_for_good_or_losing_its_answer(kind, 
     # The first such request lands but its answer is lost: botocore's retry meets the copy's own
     # object (a conditional write answers 412 then), and the copy goes on as if it had been answered.
     proxy.injected.clear()
-    seen = []
-
-    def lose_first(method: str, path: str) -> str | None:
-        if _request_kind(method, path) != kind or seen:
-            return None
-        seen.append(path)
-        return "lose"
-
-    proxy.rule = lose_first
+    proxy.rule, _ = _lose_first(lambda method, path: _request_kind(method, path) == kind)
     lost = f"{s3_url}/lost/{step_dir(STEP)}"
     r = cli("cp", src, lost)
     assert [a for a, _, _ in proxy.injected] == ["lose"]
@@ -158,16 +183,7 @@ def test_two_cp_processes_into_one_step_one_held(same, held_at, atomic_s3_url, t
     a = _save(str(tmp_path / "a"), 1.0)
     b = a if same else _save(str(tmp_path / "b"), 2.0)
     upstream = os.environ["AWS_ENDPOINT_URL"]
-    held = FaultProxy(upstream).start()
-    reached = threading.Event()
-
-    def hold(method: str, path: str) -> str | None:
-        if _request_kind(method, path) == held_at and not held.release.is_set():
-            reached.set()
-            return "hold"
-        return None
-
-    held.rule = hold
+    held, reached = _holding(upstream, lambda method, path: _request_kind(method, path) == held_at)
     dst = f"{atomic_s3_url}/{step_dir(STEP)}"
     try:
         first = _cp_process(a, dst, held.url)
@@ -364,16 +380,7 @@ def test_the_pointer_never_moves_back_when_two_copies_write_it_at_once(s3_url, s
     old, new = deepspeed_tag(root, 10), deepspeed_tag(root, 20)
     for tag in (old, new):
         assert cli("seal", tag).exit_code == 0  # checked against the seal on the way: no test-load to wait for
-    held = FaultProxy(s3_server).start()
-    reached = threading.Event()
-
-    def hold_pointer(method: str, path: str) -> str | None:
-        if method == "PUT" and path.split("?")[0].endswith("/latest") and not held.release.is_set():
-            reached.set()
-            return "hold"
-        return None
-
-    held.rule = hold_pointer
+    held, reached = _holding(s3_server, _put_of("latest"))
     try:
         first = _cp_process(old, s3_url, held.url)
         assert reached.wait(240), first.communicate(timeout=60)  # a bound against hanging, not a timing assertion
@@ -396,15 +403,7 @@ def test_a_lost_answer_to_the_lock_s_own_create_is_not_another_holder(proxy, s3_
     pid, alive): sync exited 3 'held by pid N', naming itself, and left the lock behind."""
     local = str(tmp_path / "local")
     src = _save(local, 1.0)
-    seen = []
-
-    def lose_the_lock_answer(method: str, path: str) -> str | None:
-        if method == "PUT" and path.split("?")[0].endswith("/.ckptctl-lock") and not seen:
-            seen.append(path)
-            return "lose"
-        return None
-
-    proxy.rule = lose_the_lock_answer
+    proxy.rule, seen = _lose_first(_put_of(".ckptctl-lock"))
     r = cli("sync", local, s3_url)
     assert seen and r.exit_code == 0, r.stdout + r.stderr
     assert "stale lock" not in r.stdout + r.stderr
@@ -435,15 +434,7 @@ def test_repoint_whose_pointer_swap_lost_its_answer_says_it_moved_it(proxy, s3_u
         for name in files:
             path = os.path.join(top, name)
             raw.upload_file(path, bucket, f"{prefix}/{os.path.relpath(path, local)}")
-    seen = []
-
-    def lose_the_swap_answer(method: str, path: str) -> str | None:
-        if method == "PUT" and path.split("?")[0].endswith("/latest") and not seen:
-            seen.append(path)
-            return "lose"
-        return None
-
-    proxy.rule = lose_the_swap_answer
+    proxy.rule, seen = _lose_first(_put_of("latest"))
     r = cli("repoint", s3_url)
     assert seen, "repoint wrote no pointer"
     assert r.exit_code == 0 and "global_step30 -> global_step20" in r.stderr, r.stdout + r.stderr
@@ -466,15 +457,7 @@ def test_a_lost_answer_to_the_breakers_own_guard_is_not_another_breaker(proxy, s
     now = time.time()
     left = LockInfo(socket.gethostname(), gone.pid, None, now, now, "ckptctl sync (killed)", "killed0token")
     open_storage(s3_url).write_atomic(".ckptctl-lock", left.to_json())
-    seen = []
-
-    def lose_the_guard_answer(method: str, path: str) -> str | None:
-        if method == "PUT" and path.split("?")[0].endswith("/.ckptctl-lock.break") and not seen:
-            seen.append(path)
-            return "lose"
-        return None
-
-    proxy.rule = lose_the_guard_answer
+    proxy.rule, seen = _lose_first(_put_of(".ckptctl-lock.break"))
     r = cli("sync", local, s3_url)
     assert seen and r.exit_code == 0, r.stdout + r.stderr
     assert "broke a stale lock" in r.stdout + r.stderr
@@ -502,17 +485,8 @@ def test_two_resharding_restores_into_one_root_never_delete_the_committed_step(s
             ck.save(s, {"model": {f"w{i}": torch.full((1000,), float(s + i)) for i in range(4)}}).wait()
     prefix = s3_url[len("s3://"):].split("/", 1)[1]
     target = f"prefix={prefix}/dst/{step_dir(200)}/".replace("/", "%2F")
-    held = FaultProxy(s3_server).start()
-    reached = threading.Event()
-
-    def hold_the_targets_listing(method: str, path: str) -> str | None:
-        if (method == "GET" and "list-type=2" in path and target in path and "delimiter" not in path
-                and not held.release.is_set()):
-            reached.set()
-            return "hold"
-        return None
-
-    held.rule = hold_the_targets_listing
+    held, reached = _holding(s3_server, lambda method, path: method == "GET" and "list-type=2" in path
+                             and target in path and "delimiter" not in path)
     try:
         second = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src_root, dst_root, "--world-size", "2"],
                                   env={**os.environ, "AWS_ENDPOINT_URL": held.url}, stdout=subprocess.PIPE,
