@@ -502,3 +502,34 @@ def test_two_resharding_restores_into_one_root_never_delete_the_committed_step(s
     assert cli("verify", f"{dst_root}/{step_dir(200)}").exit_code == 0, "the step restore A reported was deleted"
     assert second.returncode == 0 and out.strip() == f"{dst_root}/{step_dir(200)}", f"restore B: {out} {err}"
     assert "already holds step 200" in err, err
+
+
+def test_a_resharding_restore_whose_staging_copy_another_removed_never_falls_back(s3_url, s3_server):
+    """Restore B is held at the marker of its staging copy (every file of it copied and
+    checked); restore A, meanwhile, finds those files holding its own bytes, commits the
+    staging copy, re-shards step 200 into the target and removes the staging copy. B's marker
+    then lands on a staging copy without files; re-sharding from it failed, that failure was
+    taken for the source failing verification, and B restored step 100 (exit 0). The source
+    was checked byte for byte as it was copied: a problem with the staging copy afterwards is
+    this root's, judged again (here: the step is there, re-sharded), never a reason to go back."""
+    src_root, dst_root = f"{s3_url}/src", f"{s3_url}/dst"
+    with Checkpointer(src_root) as ck:
+        for s in (100, 200):
+            ck.save(s, {"model": {f"w{i}": torch.full((1000,), float(s + i)) for i in range(4)}}).wait()
+    staging_marker = f"/dst/.restore-staging-{step_dir(200)}/{MARKER}"
+    held, reached = _holding(s3_server, lambda method, path: method == "PUT" and path.split("?")[0].endswith(staging_marker))
+    try:
+        second = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src_root, dst_root, "--world-size", "2"],
+                                  env={**os.environ, "AWS_ENDPOINT_URL": held.url}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert reached.wait(240), second.communicate(timeout=60)  # a bound against hanging, not a timing assertion
+        first = cli("restore", src_root, dst_root, "--world-size", "2")
+        assert first.exit_code == 0 and first.stdout.strip() == f"{dst_root}/{step_dir(200)}", first.stderr
+        held.release.set()
+        out, err = second.communicate(timeout=240)
+    finally:
+        held.release.set()
+        held.stop()
+    assert cli("verify", f"{dst_root}/{step_dir(200)}").exit_code == 0
+    assert open_storage(dst_root).sub(step_dir(100)).stat(MARKER) is None, f"restore B fell back to step 100: {err}"
+    assert second.returncode == 0 and out.strip() == f"{dst_root}/{step_dir(200)}", f"restore B: {out} {err}"
