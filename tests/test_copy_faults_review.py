@@ -15,8 +15,9 @@ And the bugs the review found, each test failing on the commit before its fix: a
 rewritten within the second vouched for by sync (the S3 stamp lacked the ETag); a failed lock
 release locking its own process out; sync --delete's storage error reported as exit 1; a
 stack's pointer moved back by two copies at once; and conditional writes whose answer was lost
-(the lock, its breaking guard, repoint's swap) taken for another writer's; and a re-sharding
-restore removing the step a concurrent one had just committed.
+(the lock, its breaking guard, repoint's swap) taken for another writer's; and two re-sharding
+restores of one step into one root, where one removed the step the other had just committed,
+or took the shared staging copy the other had removed for a corrupt source and went back a step.
 
 Everything runs through the real CLI (in-process ``cli``, or real processes) against moto's
 server over HTTP, with ``tests/s3_fault_proxy.py`` between them.
