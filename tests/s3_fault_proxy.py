@@ -8,8 +8,9 @@ mid-stream) and every layer of ours and botocore's runs unmodified.
 matched nothing before, from 1) and returns None to forward it, or an action:
 "503" (SlowDown), "drop" (close without answering), "cut" (forward, but close after half of
 the response body), "stall:<seconds>" (forward after that long: a slow link or a store that
-takes its time) or "hold" (forward once ``release`` is set: a request stuck until the test
-says so).
+takes its time), "hold" (forward once ``release`` is set: a request stuck until the test
+says so), "500" (InternalError) or "lose" (forward, then close without answering: the request
+took effect and its answer was lost, so the client's retry finds its own write there).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ Rule = Callable[[str, str], "str | None"]
 _SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message><RequestId>proxy</RequestId></Error>"
+)
+_INTERNAL_ERROR = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+    b"<Message>We encountered an internal error. Please try again.</Message><RequestId>proxy</RequestId></Error>"
 )
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "content-length"}
 
@@ -77,12 +82,14 @@ class FaultProxy:
             action = self.rule(h.command, h.path)
             if action:
                 self.injected.append((action, h.command, h.path))
-        if action == "503":
-            h.send_response(503, "Slow Down")
+        if action in ("503", "500"):
+            status, reason, answer = (503, "Slow Down", _SLOW_DOWN) if action == "503" else \
+                (500, "Internal Server Error", _INTERNAL_ERROR)
+            h.send_response(status, reason)
             h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(_SLOW_DOWN)))
+            h.send_header("Content-Length", str(len(answer)))
             h.end_headers()
-            h.wfile.write(_SLOW_DOWN)
+            h.wfile.write(answer)
             return
         if action == "drop":
             h.close_connection = True
@@ -100,6 +107,10 @@ class FaultProxy:
             payload = resp.read()
         finally:
             conn.close()
+        if action == "lose":
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
         h.send_response(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in _HOP_BY_HOP:

@@ -9,6 +9,8 @@ A lock is *stale*, and may be broken, when
 
 * its holder ran on this host and that process is gone (no such pid, or the pid now belongs to
   a process started at another time: pids are reused), or
+* its holder is this very process, which holds it no more (its release could not delete the
+  file: the store refused), or
 * it has not been refreshed for ``stale_after_s`` (default 6 h). A holder that works for long
   (verifying terabytes) calls :meth:`RootLock.refresh` as it goes, so only a hung or vanished
   holder ages out; this is the only rule that can apply to a holder on another host.
@@ -57,6 +59,11 @@ REFRESH_EVERY_S = 60.0
 # An empty lock file younger than this may be one whose creator has not reached flock() yet.
 EMPTY_LOCK_GRACE_S = 10.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# The tokens of the locks this process holds now. A lock file naming this very process with
+# a token not here was left by a release whose delete the store refused: nothing holds it,
+# and without this a long-lived process (the Checkpointer's retention) would wait out
+# ``stale_after_s`` behind itself.
+_HELD_HERE: set[str] = set()
 
 log = logging.getLogger("ckptctl")
 
@@ -125,6 +132,8 @@ class RootLock:
             if current is None:
                 raise self._held(None, None)
         holder, mtime = current
+        if holder is not None and holder.token == mine.token:  # see _holds_token
+            return self._took(mine)
         reason = self._stale(holder, mtime)
         if reason is None:
             raise self._held(holder, mtime)
@@ -132,6 +141,8 @@ class RootLock:
 
     def _stale(self, holder: LockInfo | None, mtime: float) -> str | None:
         now = self._clock()
+        if holder is not None and holder.token not in _HELD_HERE and self._this_process(holder):
+            return "this process left it when its release failed, and holds it no more"
         if holder is None:
             # Unreadable: left empty by a holder on a full disk (flock tells whether it lives),
             # or foreign or damaged (only its age can tell).
@@ -143,7 +154,7 @@ class RootLock:
 
     def _break(self, holder: LockInfo | None, mtime: float, reason: str, mine: LockInfo) -> "RootLock":
         guard = self._new_info()
-        if not self._create(GUARD_KEY, guard):
+        if not self._create(GUARD_KEY, guard) and not self._holds_token(GUARD_KEY, guard.token):
             seen = self._read(GUARD_KEY)
             if seen is None or self._clock() - seen[1] <= GUARD_STALE_AFTER_S:
                 raise self._held(holder, mtime, breaking=seen is not None)
@@ -173,7 +184,18 @@ class RootLock:
         finally:
             self._delete_if_ours(GUARD_KEY, guard.token)
 
+    def _holds_token(self, key: str, token: str) -> bool:
+        """Whether ``key`` holds ``token``: a create that "failed" because its own conditional
+        write had landed and only its answer was lost (botocore's retry met it: 412)."""
+        found = self._read(key)
+        return found is not None and found[0] is not None and found[0].token == token
+
+    def _this_process(self, holder: LockInfo) -> bool:
+        pid = os.getpid()
+        return holder.host == self.host and holder.pid == pid and holder.pid_start == _proc_start(pid)
+
     def _took(self, mine: LockInfo) -> "RootLock":
+        _HELD_HERE.add(mine.token)
         self._info = mine
         self._last_refresh = mine.refreshed
         return self
@@ -213,6 +235,7 @@ class RootLock:
             ours = token_ok
         if not ours:
             holder = current[0] if current else None
+            _HELD_HERE.discard(self._info.token)
             self._info = None
             raise LockHeld(
                 f"{self.root.url_of(LOCK_KEY)} was taken over"
@@ -229,6 +252,8 @@ class RootLock:
 
     def release(self) -> None:
         info, self._info = self._info, None
+        if info is not None:
+            _HELD_HERE.discard(info.token)  # held no more, even if the delete below fails
         try:
             if info is not None and not self._delete_if_ours(LOCK_KEY, info.token):
                 log.warning("%s was no longer ours when releasing it; left it alone", self.root.url_of(LOCK_KEY))

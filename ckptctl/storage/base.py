@@ -30,6 +30,9 @@ class ObjectInfo:
     size: int
     mtime: float  # seconds since the epoch
     kind: EntryKind = "file"
+    # The store's tag of the object's content where it keeps one (S3's ETag): it changes with
+    # the bytes, also within the one second that is all S3's LastModified tells apart.
+    etag: str | None = None
 
 
 class Reader(ABC):

@@ -196,7 +196,7 @@ class S3Storage(Storage):
                 contents, commons = page.get("Contents", []), page.get("CommonPrefixes", [])
                 for found in contents:
                     if found["Key"] == obj:
-                        return ObjectInfo(key, found["Size"], found["LastModified"].timestamp())
+                        return _object_info("", key, found)
                 if any(common["Prefix"] == below for common in commons):
                     return ObjectInfo(key, 0, 0.0, "dir")
                 # In key order: ``key`` itself comes first, and nothing after ``key/`` is either.
@@ -243,7 +243,9 @@ class S3Storage(Storage):
 
     def compare_and_swap(self, key: str, expected: bytes | None, data: bytes) -> bytes | None:
         """One conditional PUT: ``If-Match`` the ETag of the content just compared
-        (``If-None-Match: *`` when it was absent), so S3 refuses it once anything else wrote."""
+        (``If-None-Match: *`` when it was absent), so S3 refuses it once anything else wrote.
+        Refused, but the key holds exactly ``data``: the PUT had landed and a retry of it was
+        refused (or another writer made the very same change), so it is swapped."""
         key = check_key(key)
         shown, obj = self.url_of(key), self._obj_key(key)
         limit = len(expected or b"") + 4096
@@ -265,6 +267,8 @@ class S3Storage(Storage):
                     Bucket=self._bucket.name, Key=obj, Body=data, **condition, **self._bucket.checksum_args())):
                 return expected
             found = self._content(key, limit)
+            if found == data:  # ours landed, its answer lost: botocore's retry met it (412)
+                return expected
             if found != expected:
                 return found
         raise StorageError(f"{shown} keeps being rewritten with the same content; not replaced",
@@ -313,4 +317,4 @@ def _join(prefix: str, name: str) -> str:
 
 def _object_info(prefix: str, name: str, obj: dict[str, Any]) -> ObjectInfo:
     """An entry of a LIST answer's ``Contents``, keyed relative to the storage."""
-    return ObjectInfo(_join(prefix, name), obj["Size"], obj["LastModified"].timestamp())
+    return ObjectInfo(_join(prefix, name), obj["Size"], obj["LastModified"].timestamp(), etag=obj.get("ETag"))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from ckptctl.errors import (CheckpointError, CkptError, InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety,
-                            UsageError)
+                            StorageError, UsageError)
 from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import layout_named, newest_marked
@@ -211,9 +211,21 @@ def _reshard_restore(layout: Layout, src: Storage, dst_root: Storage, record: ob
     # Imported here: only a re-sharding restore needs the reshard machinery (and torch's).
     from ckptctl.ops.transform.reshard import reshard
 
-    # Leftovers of an interrupted restore (no marker) may be replaced; a committed dst was
-    # handled by _resharded_present and never reaches this point.
-    report = reshard(staging, dst, world_size, overwrite=dst.stat(MARKER) is None, progress=progress)
+    # Leftovers of an interrupted restore (no marker) are written beside; a dst committed since
+    # _resharded_present looked (a concurrent restore of the same step) is judged again, never
+    # removed: deciding "overwrite" from that earlier look removed another restore's result.
+    # The source was checked byte for byte into the staging copy: a problem found from here on
+    # is this root's (a concurrent restore of the step removed its shared staging copy), never
+    # the source's, so it is judged again and never makes restore skip to an older step.
+    try:
+        report = reshard(staging, dst, world_size, overwrite="uncommitted", progress=progress)
+    except (RefusedForSafety, InvalidCheckpoint, NotFound) as e:
+        if at_destination(dst, lambda: _resharded_present(dst, record, world_size)):
+            return CopyResult(src.url, dst.url, step, "already present", files=world_size)
+        if isinstance(e, RefusedForSafety):
+            raise
+        raise StorageError(f"{staging.url}: the staging copy of step {step}, checked as it was made, is no longer whole: {e}",
+                           hint="another restore into this root removed it? run the restore again") from None
     remove(staging)
     return CopyResult(copied.src, dst.url, copied.step, "copied", files=report.files,
                       bytes_copied=copied.bytes_copied, files_reused=copied.files_reused,

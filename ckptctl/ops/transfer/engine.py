@@ -295,23 +295,38 @@ def _check_after(layout: Layout, source: CopySource, ends: Ends, published: list
 
 
 def _write_pointer(layout: Layout, source: CopySource, dst_root: Storage, result: CopyResult) -> None:
-    """The stack's pointer at the destination root, last, never moved to an older step."""
+    """The stack's pointer at the destination root, last, never moved to an older step: written
+    only over the content it was judged by (``compare_and_swap``), so a pointer another copy
+    moved meanwhile (to a newer step) is judged again, never undone."""
     pointer = layout.pointer_after_copy(source)
     if pointer is None:
         return
     key, content = pointer
     info = dst_root.stat(key)
-    if info is not None:
-        current_step = layout.pointer_step(dst_root.read(key, max_size=4096)) if info.kind == "file" else None
-        if current_step is None:
-            result.note = f"{result.note}; {key} at the destination is unreadable, left as is"
+    if info is not None and info.kind != "file":
+        result.note = f"{result.note}; {key} at the destination is unreadable, left as is"
+        return
+    current = None if info is None else dst_root.read(key, max_size=4096)
+    for _attempt in range(_POINTER_TRIES):
+        if current is not None:
+            current_step = layout.pointer_step(current)
+            if current_step is None:
+                result.note = f"{result.note}; {key} at the destination is unreadable, left as is"
+                return
+            if current_step >= source.step:
+                if current_step > source.step:
+                    result.note = f"{result.note}; {key} at the destination names a newer step ({current_step}), left as is"
+                return
+        found = dst_root.compare_and_swap(key, current, content)
+        if found == current:
+            result.note = f"{result.note}; {key} written last"
             return
-        if current_step >= source.step:
-            if current_step > source.step:
-                result.note = f"{result.note}; {key} at the destination names a newer step ({current_step}), left as is"
-            return
-    dst_root.write_atomic(key, content)
-    result.note = f"{result.note}; {key} written last"
+        current = found  # moved by another writer since it was read
+    result.note = f"{result.note}; {key} at the destination kept changing while written, left as is"
+
+
+# Each retry means another writer moved the pointer in between; a few cover any real race.
+_POINTER_TRIES = 5
 
 
 def _finish(fn: Callable[[], T], dst: Storage, job: Job | None) -> T:

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, RefusedForSafety
+from ckptctl.errors import CheckpointError, CkptError, InvalidCheckpoint, NotFound, OperationalError, RefusedForSafety
 from ckptctl.layouts.base import Checkpoint, Layout
 from ckptctl.layouts.catalog import layout_named, list_checkpoints
 from ckptctl.layouts.checked import Checked
@@ -267,6 +267,8 @@ def _delete_extra(src: Storage, dst: Storage, sources: list[Checkpoint], cache: 
                     item.detail = f"{changed} changed since it was listed; it and the files after it are left in place"
                 else:
                     cache.forget(e.name)
+            except OperationalError:
+                raise  # the store failing (exit 3), as a copy's storage error is: never "failed" (exit 1)
             except CkptError as err:
                 item.action, item.bytes, item.detail = "failed", 0, f"could not delete: {err}"
         result.items.append(item)

@@ -43,7 +43,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -158,7 +158,7 @@ def plan_layout(manifest: Manifest, world_size: int, known: dict[tuple[str, tupl
     return ranks
 
 
-def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool = False,
+def reshard(src: Storage, dst: Storage, world_size: int, *, overwrite: bool | Literal["uncommitted"] = False,
             progress: Progress | None = None, split_bytes: int = SPLIT_BYTES) -> ReshardReport:
     """Rewrite the committed checkpoint ``src`` into ``dst`` for ``world_size`` ranks."""
     import torch.distributed as dist

@@ -18,6 +18,7 @@ May import what ``ops.transform`` may (``ops/transform/__init__.py``): here ``fo
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from ckptctl.errors import InvalidCheckpoint, RefusedForSafety, UsageError
 from ckptctl.format.checksum import file_checksum
@@ -30,12 +31,14 @@ from ckptctl.ops.verify.report import VerifyReport
 from ckptctl.storage.base import Storage
 
 
-def prepare_target(src: Storage, dst: Storage, *, overwrite: bool, step: int | None = None) -> None:
+def prepare_target(src: Storage, dst: Storage, *, overwrite: bool | Literal["uncommitted"], step: int | None = None) -> None:
     """Refuse to write onto the source, into the directory of another step than ``step`` or,
     without ``overwrite``, onto anything that exists. With ``overwrite`` a committed target is
     removed, marker first; an uncommitted one's files (an interrupted run's) are left alone:
     the new shards are published beside them without replacing any (their names taken, under
-    the attempt's own), and only the files the manifest names count."""
+    the attempt's own), and only the files the manifest names count. ``"uncommitted"``: the
+    same, but a committed target is refused, never removed (a restore that found the step
+    uncommitted, while another writer may commit it meanwhile)."""
     if same_place(src, dst):
         raise UsageError(f"{dst.url} is the source itself", hint="write the result to a new directory; the source is never modified")
     if step is not None:
@@ -47,6 +50,9 @@ def prepare_target(src: Storage, dst: Storage, *, overwrite: bool, step: int | N
         raise RefusedForSafety(f"{dst.url} already exists and holds {len(existing)} file(s)",
                                hint="choose a new directory, or pass --overwrite to replace it")
     if dst.stat(MARKER) is not None:
+        if overwrite == "uncommitted":
+            raise RefusedForSafety(f"{dst.url} was committed by another writer meanwhile; it was not replaced",
+                                   hint=f"check it with `ckptctl verify {dst.url}`")
         remove(dst)  # marker first: an interrupted overwrite must never leave a committed-looking target
 
 

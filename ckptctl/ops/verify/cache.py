@@ -4,9 +4,11 @@ Verifying at level ``load`` reads every byte; on terabytes that is the expensive
 After a checkpoint verifies, its *fingerprint* is recorded: its layout's ``identity`` (ckptctl's
 own: the manifest checksum its marker commits), and for every file in the checkpoint directory
 its key, size and modification time, plus, on POSIX, the nanosecond mtime, the ctime and the
-inode. A checkpoint whose layout names no identity is never recorded: each run checks it afresh
-(or by its seal), and its fingerprint still tells whether it changed while it was read. A later run trusts the recorded
-"ok" only when a fresh fingerprint is equal in every field. Changing a file's bytes through the
+inode, and on S3 the ETag (LastModified has whole seconds only: a same-size rewrite within the
+second would look unchanged without it). A checkpoint whose layout names no identity is never
+recorded: each run checks it afresh (or by its seal), and its fingerprint still tells whether it
+changed while it was read. A later run trusts the recorded "ok" only when a fresh fingerprint is
+equal in every field. Changing a file's bytes through the
 filesystem changes its ctime even when its size and mtime are put back (``os.utime`` cannot set
 ctime), so on POSIX such an edit is caught without ``--reverify``; what a fingerprint cannot see
 is corruption below the filesystem (bit rot, a bad disk or controller), which is why
@@ -43,8 +45,9 @@ _FORMAT = "ckptctl-verified"
 _VERSION = 1
 _MAX_BYTES = 64 << 20
 
-# key, size, mtime (s), mtime_ns, ctime_ns, inode; the last three are None on object stores.
-Stamp = tuple[str, int, float, int | None, int | None, int | None]
+# key, size, mtime (s), mtime_ns, ctime_ns, inode (None on object stores), etag (None on
+# filesystems). Recorded without the etag when it has none, as before it was stamped.
+Stamp = tuple[str, int, float, int | None, int | None, int | None, str | None]
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,8 @@ class Fingerprint:
     stamps: tuple[Stamp, ...]
 
     def to_doc(self) -> dict[str, Any]:
-        return {"manifest_checksum": self.manifest_checksum, "stamps": [list(s) for s in self.stamps]}
+        return {"manifest_checksum": self.manifest_checksum,
+                "stamps": [list(s) if s[6] is not None else list(s[:6]) for s in self.stamps]}
 
     @classmethod
     def from_doc(cls, doc: Any) -> "Fingerprint | None":
@@ -67,15 +71,15 @@ class Fingerprint:
 
 
 def _stamp(doc: Any) -> Stamp:
-    if not isinstance(doc, list) or len(doc) != 6:
-        raise parse.invalid(CACHE_KEY, "a stamp is not a list of 6 items")
-    key, size, mtime, mns, cns, ino = doc
+    if not isinstance(doc, list) or len(doc) not in (6, 7):
+        raise parse.invalid(CACHE_KEY, "a stamp is not a list of 6 or 7 items")
+    key, size, mtime, mns, cns, ino, etag = doc if len(doc) == 7 else [*doc, None]
     err = lambda why: parse.invalid(CACHE_KEY, f"a stamp value {why}")  # noqa: E731
-    if not isinstance(key, str):
+    if not isinstance(key, str) or not (etag is None or isinstance(etag, str) and len(etag) <= 128):
         raise err("is not a string")
     opt = [None if v is None else parse.as_int(v, lo=-parse.INT64_MAX, hi=parse.INT64_MAX, err=err) for v in (mns, cns, ino)]
     return (key, parse.as_int(size, lo=0, hi=parse.INT64_MAX, err=err),
-            parse.as_float(mtime, lo=-parse.MAX_TIME, hi=parse.MAX_TIME, err=err), opt[0], opt[1], opt[2])
+            parse.as_float(mtime, lo=-parse.MAX_TIME, hi=parse.MAX_TIME, err=err), opt[0], opt[1], opt[2], etag)
 
 
 def _entry(doc: Any) -> dict[str, Any] | None:
@@ -105,7 +109,7 @@ def fingerprint(ckpt: Storage, layout: Layout) -> Fingerprint:
                 mtime_ns, ctime_ns, inode = st.st_mtime_ns, st.st_ctime_ns, st.st_ino
             except FileNotFoundError:
                 pass  # deleted since listed: the stamp differs from any recorded one anyway
-        stamps.append((info.key, info.size, info.mtime, mtime_ns, ctime_ns, inode))
+        stamps.append((info.key, info.size, info.mtime, mtime_ns, ctime_ns, inode, info.etag))
     return Fingerprint(layout.identity(ckpt), tuple(sorted(stamps)))
 
 
