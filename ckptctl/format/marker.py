@@ -79,9 +79,13 @@ class Marker:
 
     def check(self, manifest_bytes: bytes, where: str) -> None:
         """Raise unless ``manifest_bytes`` is the manifest this marker committed."""
-        if len(manifest_bytes) != self.manifest_size or digest(manifest_bytes) != self.manifest_checksum:
-            raise InvalidCheckpoint(
-                f"{where}: manifest does not match its marker (size {len(manifest_bytes)}, "
-                f"marker expects {self.manifest_size})",
-                hint="the manifest was replaced or truncated after commit; do not resume from it",
-            )
+        if len(manifest_bytes) != self.manifest_size:
+            differs = f"size {len(manifest_bytes)}, marker expects {self.manifest_size}"
+        elif digest(manifest_bytes) != self.manifest_checksum:
+            differs = f"same size, {self.manifest_size} bytes, but another checksum"  # bytes changed in place
+        else:
+            return
+        raise InvalidCheckpoint(
+            f"{where}: manifest does not match its marker ({differs})",
+            hint="the manifest was replaced or truncated after commit; do not resume from it",
+        )
