@@ -132,6 +132,27 @@ def _holding(upstream: str, matches: Callable[[str, str], bool]) -> tuple[FaultP
     return held.start(), reached
 
 
+def _restore_overtaken(upstream: str, src_root: str, dst_root: str,
+                       holds: Callable[[str, str], bool]) -> tuple[subprocess.Popen, str, str]:
+    """Restore B (a process, ``--world-size 2``) held at the first request ``holds`` accepts;
+    meanwhile restore A (in-process) restores step 200 into the same root and must succeed;
+    then B goes on. Returns B's process (ended), stdout and stderr."""
+    held, reached = _holding(upstream, holds)
+    try:
+        second = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src_root, dst_root, "--world-size", "2"],
+                                  env={**os.environ, "AWS_ENDPOINT_URL": held.url}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert reached.wait(240), second.communicate(timeout=60)  # a bound against hanging, not a timing assertion
+        first = cli("restore", src_root, dst_root, "--world-size", "2")
+        assert first.exit_code == 0 and first.stdout.strip() == f"{dst_root}/{step_dir(200)}", first.stderr
+        held.release.set()
+        out, err = second.communicate(timeout=240)
+    finally:
+        held.release.set()
+        held.stop()
+    return second, out, err
+
+
 def _put_of(name: str) -> Callable[[str, str], bool]:
     return lambda method, path: method == "PUT" and path.split("?")[0].endswith("/" + name)
 
@@ -486,20 +507,8 @@ def test_two_resharding_restores_into_one_root_never_delete_the_committed_step(s
             ck.save(s, {"model": {f"w{i}": torch.full((1000,), float(s + i)) for i in range(4)}}).wait()
     prefix = s3_url[len("s3://"):].split("/", 1)[1]
     target = f"prefix={prefix}/dst/{step_dir(200)}/".replace("/", "%2F")
-    held, reached = _holding(s3_server, lambda method, path: method == "GET" and "list-type=2" in path
-                             and target in path and "delimiter" not in path)
-    try:
-        second = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src_root, dst_root, "--world-size", "2"],
-                                  env={**os.environ, "AWS_ENDPOINT_URL": held.url}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-        assert reached.wait(240), second.communicate(timeout=60)  # a bound against hanging, not a timing assertion
-        first = cli("restore", src_root, dst_root, "--world-size", "2")
-        assert first.exit_code == 0 and first.stdout.strip() == f"{dst_root}/{step_dir(200)}", first.stderr
-        held.release.set()
-        out, err = second.communicate(timeout=240)
-    finally:
-        held.release.set()
-        held.stop()
+    second, out, err = _restore_overtaken(s3_server, src_root, dst_root, lambda method, path: method == "GET"
+                                          and "list-type=2" in path and target in path and "delimiter" not in path)
     assert cli("verify", f"{dst_root}/{step_dir(200)}").exit_code == 0, "the step restore A reported was deleted"
     assert second.returncode == 0 and out.strip() == f"{dst_root}/{step_dir(200)}", f"restore B: {out} {err}"
     assert "already holds step 200" in err, err
@@ -518,19 +527,8 @@ def test_a_resharding_restore_whose_staging_copy_another_removed_never_falls_bac
         for s in (100, 200):
             ck.save(s, {"model": {f"w{i}": torch.full((1000,), float(s + i)) for i in range(4)}}).wait()
     staging_marker = f"/dst/.restore-staging-{step_dir(200)}/{MARKER}"
-    held, reached = _holding(s3_server, lambda method, path: method == "PUT" and path.split("?")[0].endswith(staging_marker))
-    try:
-        second = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src_root, dst_root, "--world-size", "2"],
-                                  env={**os.environ, "AWS_ENDPOINT_URL": held.url}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-        assert reached.wait(240), second.communicate(timeout=60)  # a bound against hanging, not a timing assertion
-        first = cli("restore", src_root, dst_root, "--world-size", "2")
-        assert first.exit_code == 0 and first.stdout.strip() == f"{dst_root}/{step_dir(200)}", first.stderr
-        held.release.set()
-        out, err = second.communicate(timeout=240)
-    finally:
-        held.release.set()
-        held.stop()
+    second, out, err = _restore_overtaken(s3_server, src_root, dst_root, lambda method, path: method == "PUT"
+                                          and path.split("?")[0].endswith(staging_marker))
     assert cli("verify", f"{dst_root}/{step_dir(200)}").exit_code == 0
     assert open_storage(dst_root).sub(step_dir(100)).stat(MARKER) is None, f"restore B fell back to step 100: {err}"
     assert second.returncode == 0 and out.strip() == f"{dst_root}/{step_dir(200)}", f"restore B: {out} {err}"
