@@ -8,6 +8,8 @@ from typing import Iterator
 
 import pytest
 
+from moto_disk import drop_bucket
+
 # --- c10d stores and this machine's resolver -------------------------------------------------
 #
 # c10d looks up the name of the peer of every new TCPStore connection (getnameinfo of
@@ -71,6 +73,7 @@ def s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     bucket = f"ckptctl-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
     yield f"s3://{bucket}/prefix"
+    drop_bucket(bucket)  # moto would hold its bytes on disk until the session ends
 
 
 @pytest.fixture
@@ -123,3 +126,4 @@ def atomic_s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
     finally:
         server.shutdown()
         thread.join(10)
+        drop_bucket(bucket)
