@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from typing import Callable
 
 import pytest
 import torch.distributed as dist
@@ -47,6 +48,16 @@ def _await(job: Job, name: str, what: str, timeout: float = HARNESS_S) -> dict[i
             job.kill()
             raise AssertionError(f"{what}: ranks {[r for r, v in found.items() if v.get('missing')]} did not "
                                  f"within {timeout:.0f} s\n{logs}")
+        time.sleep(0.2)
+
+
+def _until(done: Callable[[], bool], job: Job, what: str, timeout: float = HARNESS_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            logs = job.logs()
+            job.kill()
+            raise AssertionError(f"{what}: not within {timeout:.0f} s\n{logs}")
         time.sleep(0.2)
 
 
@@ -104,6 +115,11 @@ def test_close_returns_when_the_store_is_gone_for_good(tmp_path, s3_server: str,
     job = Job("save_then_close", [_args(tmp_path, s3_url, n, replicas) for n in (0, 1)], out, env=env)
     try:
         _await(job, "saved", "saving steps 20 and 21")
+        # A node's copy commits once its leader got rank 0's marker through the store, a moment
+        # after the save returned: the store dies only after that (what a close with the store
+        # gone does to a step, not how fast the message travels, is tested here).
+        _until(lambda: all(21 in _committed(str(tmp_path / f"node{n}")) for n in (0, 1)), job,
+               "both nodes committing step 21")
         store_host = job.procs[0]
         os.kill(store_host.pid, signal.SIGKILL)  # the agent only: its ranks live in sessions of their own
         store_host.wait()
