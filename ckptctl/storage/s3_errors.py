@@ -127,7 +127,8 @@ def _answered(err: ClientError, shown: str, bucket: str) -> CkptError:
         return StorageError(
             f"access denied: {shown}",
             hint="check the IAM policy (s3:ListBucket, GetObject, PutObject, DeleteObject, "
-            "AbortMultipartUpload, ListBucketMultipartUploads) for this bucket and prefix, and AWS_PROFILE",
+            "AbortMultipartUpload, ListBucketMultipartUploads; s3express:CreateSession for a directory bucket) "
+            "for this bucket and prefix, and AWS_PROFILE",
         )
     if code in _BAD_CREDENTIALS:
         return StorageError(
