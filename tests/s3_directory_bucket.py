@@ -38,12 +38,8 @@ _NS = "http://s3.amazonaws.com/doc/2006-03-01/"
 ET.register_namespace("", _NS)
 
 Answer = tuple[int, str, bytes]  # status, reason, XML body
-
-
-def _error(status: int, reason: str, code: str, message: str) -> Answer:
-    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<RequestId>directory-bucket-emulation</RequestId></Error>").encode()
-    return status, reason, body
+Refusal = tuple[int, str, str, str]  # status, reason, S3 error code, message
+_BAD, _NOT_IMPLEMENTED = (400, "Bad Request"), (501, "Not Implemented")
 
 
 _SESSION = (
@@ -71,9 +67,12 @@ class DirectoryBuckets:
             self.sessions += 1
             return 200, "OK", _SESSION
         refusal = self._refusal(method, key, query, headers, body)
-        if refusal is not None:
-            self.refused.append((refusal[2].split(b"<Code>")[1].split(b"<")[0].decode(), method, path))
-        return refusal
+        if refusal is None:
+            return None
+        status, reason, code, message = refusal
+        self.refused.append((code, method, path))
+        return status, reason, (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}'
+                                "</Message><RequestId>directory-bucket-emulation</RequestId></Error>").encode()
 
     def rewrite(self, method: str, path: str, payload: bytes, get: Callable[[str], bytes]) -> bytes:
         """moto's answer as a directory bucket gives it; ``get`` asks moto for another path."""
@@ -93,25 +92,24 @@ class DirectoryBuckets:
         return payload
 
     def _refusal(self, method: str, key: str, query: dict[str, list[str]], headers: Mapping[str, str],
-                 body: bytes) -> Answer | None:
+                 body: bytes) -> Refusal | None:
         if any(name.lower() == "content-md5" for name in headers):
-            return _error(400, "Bad Request", "InvalidRequest", "Content-MD5 is not supported by directory buckets.")
+            return *_BAD, "InvalidRequest", "Content-MD5 is not supported by directory buckets."
         if method == "GET" and not key and "session" not in query:
             if "versions" in query or ("list-type" not in query and "uploads" not in query):
-                return _error(501, "Not Implemented", "NotImplemented", "This bucket does not support this operation.")
+                return *_NOT_IMPLEMENTED, "NotImplemented", "This bucket does not support this operation."
             prefix, delimiter = query.get("prefix", [""])[0], query.get("delimiter", [None])[0]
             if prefix and not prefix.endswith("/"):
-                return _error(400, "Bad Request", "InvalidRequest",
-                              "This bucket does not support a prefix that does not end in a delimiter. "
-                              "Specify a prefix path ending with a delimiter and try again.")
+                return (*_BAD, "InvalidRequest", "This bucket does not support a prefix that does not end in a "
+                        "delimiter. Specify a prefix path ending with a delimiter and try again.")
             if delimiter is not None and delimiter != "/":
-                return _error(400, "Bad Request", "InvalidRequest", "This bucket supports only / as the delimiter.")
+                return *_BAD, "InvalidRequest", "This bucket supports only / as the delimiter."
             if "start-after" in query or "upload-id-marker" in query:
-                return _error(400, "Bad Request", "InvalidRequest", "This bucket does not support this parameter.")
+                return *_BAD, "InvalidRequest", "This bucket does not support this parameter."
         if method == "POST" and "uploadId" in query:
             numbers = [int(n.text or "0") for n in ET.fromstring(body).iter() if n.tag.endswith("PartNumber")]
             if numbers != list(range(1, len(numbers) + 1)):
-                return _error(400, "Bad Request", "InvalidPartOrder", "Part numbers must be 1, 2, ... in a row.")
+                return *_BAD, "InvalidPartOrder", "Part numbers must be 1, 2, ... in a row."
         return None
 
     def _add_upload_prefixes(self, root: ET.Element, bucket: str, query: dict[str, list[str]],

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import sys
 
+import boto3
 import pytest
 import torch
+from botocore.exceptions import ClientError
 
 from ckptctl import Checkpointer
 from ckptctl.format.layout import MARKER, step_dir
@@ -29,6 +31,28 @@ def _loads_back(url: str, step: int, state: dict) -> None:
     with Checkpointer(url) as ck:
         assert ck.load_latest(loaded) == step
     assert all(torch.equal(loaded["model"][k], state["model"][k]) for k in state["model"])
+
+
+def test_the_emulated_directory_bucket_refuses_and_shuffles_as_aws_documents(express_url, express_proxy, s3_server):
+    """The harness itself: what the tests below rely on it to refuse, it refuses, through a
+    plain boto3 client that takes the bucket for a directory bucket (a session first)."""
+    bucket, _, prefix = express_url[len("s3://"):].partition("/")
+    client = boto3.client("s3")  # AWS_ENDPOINT_URL: the proxy
+    for key in ("b", "a/1", "c", "a/2", "d"):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=b"x")
+    _open_upload(s3_server, express_url, "pending/x", part=False)
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/", Delimiter="/")
+    keys = [o["Key"] for o in listed["Contents"]]
+    assert sorted(keys) == [f"{prefix}/{k}" for k in "bcd"] and keys != sorted(keys)
+    assert sorted(p["Prefix"] for p in listed["CommonPrefixes"]) == [f"{prefix}/a/", f"{prefix}/pending/"]
+    for refused in ({"Prefix": f"{prefix}/a"}, {"Prefix": f"{prefix}/", "Delimiter": "-"},
+                    {"Prefix": f"{prefix}/", "StartAfter": f"{prefix}/b"}):
+        with pytest.raises(ClientError, match="InvalidRequest"):
+            client.list_objects_v2(Bucket=bucket, **refused)
+    with pytest.raises(ClientError, match="InvalidRequest"):
+        client.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/pending")
+    assert express_proxy.emulation.sessions >= 1 and len(express_proxy.emulation.refused) == 4
+    express_proxy.emulation.refused.clear()  # refused on purpose: the teardown looks for others
 
 
 def test_checkpointer_and_verbs_on_a_directory_bucket(express_url, s3_server, tmp_path):
