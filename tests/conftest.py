@@ -127,3 +127,43 @@ def atomic_s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
         server.shutdown()
         thread.join(10)
         drop_bucket(bucket)
+
+
+# --- S3 Express One Zone: a directory bucket, emulated in front of moto ----------------------
+
+
+@pytest.fixture
+def express_proxy(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator["FaultProxy"]:
+    """The proxy in front of moto that answers for directory buckets as S3 Express One Zone
+    does (``s3_directory_bucket``); ``AWS_ENDPOINT_URL`` points at it. Its ``rule`` injects
+    faults as any ``FaultProxy``'s. A test that passed while a request was refused (an error
+    swallowed on the way) fails at teardown."""
+    from s3_directory_bucket import DirectoryBuckets
+    from s3_fault_proxy import FaultProxy
+
+    rules = DirectoryBuckets()
+    proxy = FaultProxy(s3_server, emulation=rules).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+    assert not rules.refused, f"requests a directory bucket refuses: {rules.refused}"
+
+
+@pytest.fixture
+def express_url(s3_server: str, express_proxy: "FaultProxy") -> Iterator[str]:
+    """Like ``s3_url``, on a directory bucket (``...--usw2-az1--x-s3``) behind ``express_proxy``,
+    so a request AWS refuses there fails here too."""
+    import boto3
+    from botocore.config import Config
+
+    bucket = f"ckptctl-test-{uuid.uuid4().hex[:12]}--usw2-az1--x-s3"
+    # Created in moto directly: botocore would first ask the missing bucket for a session.
+    direct = boto3.client("s3", endpoint_url=s3_server, config=Config(s3={"disable_s3_express_session_auth": True}))
+    direct.create_bucket(Bucket=bucket)
+    try:
+        yield f"s3://{bucket}/prefix"
+    finally:
+        drop_bucket(bucket)
+    assert express_proxy.emulation.sessions, "botocore never asked for a session: not treated as a directory bucket"

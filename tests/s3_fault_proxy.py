@@ -11,6 +11,9 @@ the response body), "stall:<seconds>" (forward after that long: a slow link or a
 takes its time), "hold" (forward once ``release`` is set: a request stuck until the test
 says so), "500" (InternalError) or "lose" (forward, then close without answering: the request
 took effect and its answer was lost, so the client's retry finds its own write there).
+
+An ``emulation`` (``s3_directory_bucket.DirectoryBuckets``) makes moto answer as another kind of
+store would: it may answer a request itself (``answer``) or rewrite moto's answer (``rewrite``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Mapping, Protocol
 from urllib.parse import urlsplit
 
 Rule = Callable[[str, str], "str | None"]
@@ -33,12 +36,21 @@ _INTERNAL_ERROR = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
     b"<Message>We encountered an internal error. Please try again.</Message><RequestId>proxy</RequestId></Error>"
 )
+
+
+class Emulation(Protocol):
+    def answer(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> "tuple[int, str, bytes] | None": ...
+
+    def rewrite(self, method: str, path: str, payload: bytes, get: Callable[[str], bytes]) -> bytes: ...
+
+
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "content-length"}
 
 
 class FaultProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, emulation: Emulation | None = None) -> None:
         parts = urlsplit(upstream)
+        self.emulation = emulation
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rule: Rule = lambda method, path: None
         self.injected: list[tuple[str, str, str]] = []  # (action, method, path) of every fault
@@ -83,13 +95,11 @@ class FaultProxy:
             if action:
                 self.injected.append((action, h.command, h.path))
         if action in ("503", "500"):
-            status, reason, answer = (503, "Slow Down", _SLOW_DOWN) if action == "503" else \
-                (500, "Internal Server Error", _INTERNAL_ERROR)
-            h.send_response(status, reason)
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(answer)))
-            h.end_headers()
-            h.wfile.write(answer)
+            _send(h, *((503, "Slow Down", _SLOW_DOWN) if action == "503" else (500, "Internal Server Error", _INTERNAL_ERROR)))
+            return
+        mine = self.emulation.answer(h.command, h.path, h.headers, body) if self.emulation else None
+        if mine is not None:
+            _send(h, *mine)
             return
         if action == "drop":
             h.close_connection = True
@@ -107,6 +117,8 @@ class FaultProxy:
             payload = resp.read()
         finally:
             conn.close()
+        if self.emulation is not None and resp.status == 200:
+            payload = self.emulation.rewrite(h.command, h.path, payload, self._get)
         if action == "lose":
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
@@ -128,6 +140,23 @@ class FaultProxy:
             h.connection.shutdown(socket.SHUT_RDWR)
             return
         h.wfile.write(payload)
+
+    def _get(self, path: str) -> bytes:
+        """moto's answer to a GET of ``path`` (an emulation asking what a store would know)."""
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            conn.request("GET", path)
+            return conn.getresponse().read()
+        finally:
+            conn.close()
+
+
+def _send(h: BaseHTTPRequestHandler, status: int, reason: str, answer: bytes) -> None:
+    h.send_response(status, reason)
+    h.send_header("Content-Type", "application/xml")
+    h.send_header("Content-Length", str(len(answer)))
+    h.end_headers()
+    h.wfile.write(answer)
 
 
 def _read_body(h: BaseHTTPRequestHandler) -> bytes:

@@ -311,3 +311,13 @@ def test_a_bucket_name_s3_refuses_is_a_usage_error(s3_url, verb):
     r = cli(verb[0], "s3://no-such-bucket-here/x", *verb[1:])
     assert r.exit_code == 3, r.stderr
     assert "bucket no-such-bucket-here does not exist" in r.stderr
+
+
+def test_a_directory_bucket_name_without_its_zone_is_a_usage_error(s3_server, monkeypatch):
+    # botocore's endpoint rules refuse a name ending --x-s3 that lacks the zone (no request is
+    # sent): exit 3 "check the AWS configuration" before, though the URL is what is wrong.
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-west-2")
+    r = cli("ls", "s3://ckpts--x-s3/run7")
+    assert r.exit_code == 2, r.stderr
+    assert "Unrecognized S3Express bucket name format" in r.stderr and "ckpts--usw2-az1--x-s3" in r.stderr

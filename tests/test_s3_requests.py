@@ -170,3 +170,19 @@ def test_stat_is_one_request_for_a_file_a_directory_and_a_miss(s3_url):
         answers = [st.stat(key) for key in ("step/COMMITTED", "step", "step/manifest.json")]
     assert [a.kind if a else None for a in answers] == ["file", "dir", None]
     assert sum(counts.values()) == 3, counts  # on main: 5 (HEAD + LIST for each of the two not files)
+
+
+def test_stat_and_children_on_a_directory_bucket_ask_what_it_accepts(express_url):
+    # A directory bucket refuses the one-LIST stat (its prefix, the key itself, does not end in
+    # "/"): a HEAD answers for a file; a directory or a miss takes a LIST of one key more. A
+    # listing with directories asks once for the unfinished uploads below it (a directory only
+    # an upload holds is no directory); a listing of files alone asks nothing more.
+    st = open_storage(express_url)
+    st.write_atomic("step/COMMITTED", b"x")
+    with counting(st._client.s3) as counts:  # type: ignore[attr-defined]
+        answers = [st.stat(key) for key in ("step/COMMITTED", "step", "step/manifest.json")]
+    assert [a.kind if a else None for a in answers] == ["file", "dir", None]
+    assert counts == Counter({"HeadObject": 3, "ListObjectsV2": 2}), counts
+    with counting(st._client.s3) as counts:  # type: ignore[attr-defined]
+        assert [i.key for i in st.children()] == ["step"] and [i.key for i in st.children("step")] == ["step/COMMITTED"]
+    assert counts == Counter({"ListObjectsV2": 2, "ListMultipartUploads": 1}), counts

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import boto3
 import pytest
 import torch
+from botocore.config import Config
 
 from ckptctl import Checkpointer
 from ckptctl.format.layout import MARKER, step_dir
@@ -41,15 +42,20 @@ def _bucket_prefix(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+def _raw(s3_server: str):
+    """Straight to moto, behind the code's back; for a directory bucket too (test_s3_express),
+    without the session botocore would ask of it and moto has none to give."""
+    return boto3.client("s3", endpoint_url=s3_server, config=Config(s3={"disable_s3_express_session_auth": True}))
+
+
 def _uploads(s3_server: str, url: str) -> list[dict]:
     bucket, prefix = _bucket_prefix(url)
-    return boto3.client("s3", endpoint_url=s3_server).list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    return _raw(s3_server).list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
 
 
 def _parts(s3_server: str, url: str, upload: dict) -> list[dict]:
     bucket, _ = _bucket_prefix(url)
-    raw = boto3.client("s3", endpoint_url=s3_server)
-    return raw.list_parts(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]).get("Parts", [])
+    return _raw(s3_server).list_parts(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]).get("Parts", [])
 
 
 class HoldParts:
@@ -157,7 +163,7 @@ def _open_upload(s3_server: str, url: str, key: str, *, part: bool) -> str:
     """An upload left open at ``url/key``; with a part uploaded now (live), or none (on moto:
     idle since 2010)."""
     bucket, prefix = _bucket_prefix(url)
-    raw = boto3.client("s3", endpoint_url=s3_server)
+    raw = _raw(s3_server)
     full = f"{prefix}/{key}"
     upload_id = raw.create_multipart_upload(Bucket=bucket, Key=full)["UploadId"]
     if part:

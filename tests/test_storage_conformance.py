@@ -1,8 +1,9 @@
-"""The storage contract, run against both backends on real files and real HTTP (moto server).
+"""The storage contract, run against every backend on real files and real HTTP (moto server).
 
-The first part is one suite parametrised over ``local`` and ``s3``: whatever the layers above
-may rely on must hold for both. Then the behaviour only one backend has: links, full disks and
-permissions on POSIX; multipart uploads, stream drops and AWS errors on S3.
+The first part is one suite parametrised over ``local``, ``s3`` and ``express`` (an S3 Express
+One Zone directory bucket): whatever the layers above may rely on must hold for all three.
+Then the behaviour only one backend has: links, full disks and permissions on POSIX;
+multipart uploads, stream drops and AWS errors on S3 (the uploads' on both kinds of bucket).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def _assert_one_line_with_hint(err: BaseException) -> None:
     assert getattr(err, "hint", None)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "express"])
 def store(request: pytest.FixtureRequest, tmp_path) -> Storage:
+    """Each backend: a directory, a general-purpose bucket, and an S3 Express One Zone directory
+    bucket (emulated: refuses what AWS refuses there and lists in no order)."""
     if request.param == "local":
         return open_storage(str(tmp_path / "root"))
-    return open_storage(request.getfixturevalue("s3_url"))
+    return open_storage(request.getfixturevalue("s3_url" if request.param == "s3" else "express_url"))
 
 
 # --- conformance: both backends ------------------------------------------------------------
@@ -601,9 +604,19 @@ def _bucket_and_prefix(url: str) -> tuple[str, str]:
 
 
 def _raw_client(s3_server: str):
+    """A client straight to moto, to set up and look behind the code under test (on a directory
+    bucket too: no session asked of a store that has none)."""
     import boto3
+    from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=s3_server)
+    return boto3.client("s3", endpoint_url=s3_server, config=Config(s3={"disable_s3_express_session_auth": True}))
+
+
+@pytest.fixture(params=["s3", "express"])
+def bucket_url(request: pytest.FixtureRequest) -> str:
+    """A general-purpose bucket, and a directory bucket (emulated), for the uploads' tests: the
+    listings of unfinished uploads are what differ."""
+    return request.getfixturevalue("s3_url" if request.param == "s3" else "express_url")
 
 
 def test_part_size_grows_to_cover_s3_object_limit() -> None:
@@ -628,10 +641,10 @@ def _open_keys(raw, bucket: str) -> list[str]:
     return sorted(u["Key"] for u in raw.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
 
 
-def test_s3_abort_stale_uploads_idle_named_and_filtered(s3_url: str, s3_server: str) -> None:
-    store = open_storage(s3_url)
+def test_s3_abort_stale_uploads_idle_named_and_filtered(bucket_url: str, s3_server: str) -> None:
+    store = open_storage(bucket_url)
     raw = _raw_client(s3_server)
-    bucket, prefix = _bucket_and_prefix(s3_url)
+    bucket, prefix = _bucket_and_prefix(bucket_url)
     for key, part in [("a/dead", False), ("a/live", True), ("b/named", True), ("b/other", False), ("c/dead", False)]:
         _open_upload(raw, bucket, f"{prefix}/{key}", part=part)
     _open_upload(raw, bucket, "outside/dead", part=False)  # not below the storage: never seen
@@ -648,11 +661,11 @@ def test_s3_abort_stale_uploads_idle_named_and_filtered(s3_url: str, s3_server: 
     assert store.abort_stale_uploads(idle_for_s=3600) == []  # the live one stays
 
 
-def test_s3_writer_aborts_an_open_upload_of_its_key(s3_small_parts: S3Storage, s3_url: str, s3_server: str) -> None:
+def test_s3_writer_aborts_an_open_upload_of_its_key(s3_small_parts: S3Storage, bucket_url: str, s3_server: str) -> None:
     """A killed writer's upload of the same key, however fresh, is aborted by the next writer
     of the key; an upload of another key is not. The object records who wrote it."""
     raw = _raw_client(s3_server)
-    bucket, prefix = _bucket_and_prefix(s3_url)
+    bucket, prefix = _bucket_and_prefix(bucket_url)
     _open_upload(raw, bucket, f"{prefix}/step/shard", part=True)
     _open_upload(raw, bucket, f"{prefix}/step/shard2", part=True)  # a live writer of another key
     _open_upload(raw, bucket, f"{prefix}/step/shard.bak", part=True)  # same prefix, another key
@@ -665,10 +678,25 @@ def test_s3_writer_aborts_an_open_upload_of_its_key(s3_small_parts: S3Storage, s
     assert meta["ckptctl-pid"] == str(os.getpid()) and meta["ckptctl-host"] and meta["ckptctl-started"]
 
 
+def test_s3_a_directory_only_an_unfinished_upload_holds_is_not_listed(bucket_url: str, s3_server: str) -> None:
+    """A directory bucket lists the prefixes unfinished uploads hold; a save in progress (or a
+    killed one) must not look like a checkpoint directory there either."""
+    store = open_storage(bucket_url)
+    raw = _raw_client(s3_server)
+    bucket, prefix = _bucket_and_prefix(bucket_url)
+    store.write_atomic("kept/x", b"1")
+    store.write_atomic("both", b"2")  # a file, and a directory only an upload holds
+    for key in ("pending/x", "kept/y", "both/x", "deep/er/x"):
+        _open_upload(raw, bucket, f"{prefix}/{key}", part=True)
+    assert [(i.key, i.kind) for i in store.children()] == [("both", "file"), ("kept", "dir")]
+    assert store.children("deep") == [] and store.stat("pending") is None and store.stat("deep") is None
+    assert [i.key for i in store.list()] == ["both", "kept/x"]
+
+
 @pytest.fixture
-def s3_small_parts(s3_url: str) -> S3Storage:
+def s3_small_parts(bucket_url: str) -> S3Storage:
     return S3Storage(
-        s3_url,
+        bucket_url,
         multipart_threshold=5 * MiB,
         part_size=5 * MiB,
         read_chunk_size=1 * MiB,
@@ -687,10 +715,10 @@ def _uploads_once_created(raw, bucket: str) -> list[dict]:
     return []
 
 
-def test_s3_multipart_upload_commit(s3_small_parts: S3Storage, s3_url: str, s3_server: str) -> None:
+def test_s3_multipart_upload_commit(s3_small_parts: S3Storage, bucket_url: str, s3_server: str) -> None:
     store = s3_small_parts
     raw = _raw_client(s3_server)
-    bucket, prefix = _bucket_and_prefix(s3_url)
+    bucket, prefix = _bucket_and_prefix(bucket_url)
     data = _pattern(12 * MiB, seed=3)
     writer = store.open_writer("step/shard")
     for start in range(0, len(data), 1 * MiB):
@@ -710,9 +738,9 @@ def test_s3_multipart_upload_commit(s3_small_parts: S3Storage, s3_url: str, s3_s
         assert whole == data
 
 
-def test_s3_multipart_abort_leaves_no_parts(s3_small_parts: S3Storage, s3_url: str, s3_server: str) -> None:
+def test_s3_multipart_abort_leaves_no_parts(s3_small_parts: S3Storage, bucket_url: str, s3_server: str) -> None:
     raw = _raw_client(s3_server)
-    bucket, _ = _bucket_and_prefix(s3_url)
+    bucket, _ = _bucket_and_prefix(bucket_url)
     writer = s3_small_parts.open_writer("a")
     writer.write(bytes(12 * MiB))
     assert len(_uploads_once_created(raw, bucket)) == 1
@@ -729,13 +757,13 @@ def test_s3_multipart_abort_leaves_no_parts(s3_small_parts: S3Storage, s3_url: s
 
 
 def test_s3_failed_part_fails_the_writer(
-    s3_small_parts: S3Storage, s3_url: str, s3_server: str, monkeypatch: pytest.MonkeyPatch
+    s3_small_parts: S3Storage, bucket_url: str, s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # moto answers a part for an aborted upload with a 500 (AWS: 404 NoSuchUpload), which
     # botocore would retry with backoff; one attempt keeps the test fast.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     raw = _raw_client(s3_server)
-    bucket, _ = _bucket_and_prefix(s3_url)
+    bucket, _ = _bucket_and_prefix(bucket_url)
     writer = s3_small_parts.open_writer("a")
     writer.write(bytes(6 * MiB))  # past the threshold: the upload exists, part 1 is going up
     (upload,) = _uploads_once_created(raw, bucket)
@@ -752,9 +780,9 @@ def test_s3_failed_part_fails_the_writer(
     assert raw.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_s3_below_threshold_is_one_put(s3_small_parts: S3Storage, s3_url: str, s3_server: str) -> None:
+def test_s3_below_threshold_is_one_put(s3_small_parts: S3Storage, bucket_url: str, s3_server: str) -> None:
     raw = _raw_client(s3_server)
-    bucket, prefix = _bucket_and_prefix(s3_url)
+    bucket, prefix = _bucket_and_prefix(bucket_url)
     with s3_small_parts.open_writer("small") as writer:
         writer.write(bytes(5 * MiB))  # exactly the threshold
     head = raw.head_object(Bucket=bucket, Key=f"{prefix}/small")

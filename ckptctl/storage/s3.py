@@ -6,7 +6,8 @@ Around it, by concept:
 * ``s3_client``: building, caching and sharing botocore clients from boto3's own
   configuration (credential chain, ``AWS_PROFILE``, region, ``AWS_ENDPOINT_URL``, retries).
 * ``s3_bucket``: one bucket through one client: errors translated, request checksums,
-  conditional writes. The modules below take a ``Bucket``, never an ``S3Storage``.
+  conditional writes, and whether it is an S3 Express One Zone directory bucket (which takes
+  listings only below "/"-ended prefixes and answers them in no order). The modules below take a ``Bucket``, never an ``S3Storage``.
 * ``s3_errors``: classifying botocore's errors and translating them into ckptctl's tree.
 * ``s3_transfer``: the multipart ``S3Writer``. Writes are visible only when complete, as S3
   itself guarantees; a failed multipart upload is aborted so no orphaned parts are left to
@@ -26,7 +27,7 @@ from ckptctl.storage.base import ObjectInfo, Storage, check_key
 from ckptctl.storage.s3_bucket import Bucket
 from ckptctl.storage.s3_client import Client
 from ckptctl.storage.s3_errors import is_missing, s3_error
-from ckptctl.storage.s3_uploads import abort_idle
+from ckptctl.storage.s3_uploads import abort_idle, upload_keys
 from ckptctl.storage.s3_reader import S3Reader
 from ckptctl.storage.s3_transfer import (
     MAX_PART_SIZE,
@@ -160,11 +161,36 @@ class S3Storage(Storage):
                     name = obj["Key"][len(start) :]
                     if name:  # "" is a console-made "folder" marker for the prefix itself
                         found.append(_object_info(prefix, name, obj))
+        if self._bucket.directory and any(info.kind == "dir" for info in found):
+            hollow = self._held_by_uploads_only(prefix, start)
+            found = [info for info in found if info.kind != "dir" or info.key not in hollow]
         return sorted(found, key=lambda info: info.key)
 
+    def _held_by_uploads_only(self, prefix: str, start: str) -> set[str]:
+        """The children of ``prefix`` that hold no object, only unfinished multipart uploads.
+        A directory bucket lists them (an upload makes its directory), other buckets do not:
+        a save in progress there looked like a partial checkpoint from 1970, which no
+        listing of objects can tell apart. One ListMultipartUploads below ``prefix`` (none
+        open: done), and a LIST of one key for each child an upload is under."""
+        shown = self.url_of(prefix)
+        keys = upload_keys(self._bucket, start, shown)
+        busy = {key[len(start):].split("/", 1)[0] for key in keys or () if "/" in key[len(start):]}
+        hollow: set[str] = set()
+        with self._bucket.errors(shown):
+            for name in busy:
+                listed = self._client.s3.list_objects_v2(Bucket=self._bucket.name, Prefix=f"{start}{name}/", MaxKeys=1)
+                if not listed.get("Contents"):
+                    hollow.add(_join(prefix, name))
+        return hollow
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object below ``prefix``, in key order (S3's listing order)."""
+        """Every object below ``prefix``, in key order: S3's listing order, except on a
+        directory bucket, which lists in no order: there the whole listing is sorted first."""
         prefix = check_key(prefix, allow_empty=True)
+        found = self._list(prefix)
+        return iter(sorted(found, key=lambda info: info.key)) if self._bucket.directory else found
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         start = self._list_prefix(prefix)
         with self._bucket.errors(self.url_of(prefix)):
             pages = self._client.s3.get_paginator("list_objects_v2").paginate(
@@ -184,9 +210,15 @@ class S3Storage(Storage):
         listing's own key, the "directory" its common prefix ``key/``. A HEAD answers only
         the first, so every miss cost a second request, in series: on the path of every
         commit (is the marker there?) and every copy. An object named ``key`` wins over
-        keys below it, as a HEAD would find it."""
+        keys below it, as a HEAD would find it.
+
+        A directory bucket refuses that LIST (its prefix does not end in "/"): there a HEAD
+        answers for the object, and only on a miss a LIST of ``key/`` (one key, no delimiter:
+        a prefix that only unfinished uploads hold is no directory, as on other buckets)."""
         key = check_key(key)
         obj = self._obj_key(key)
+        if self._bucket.directory:
+            return self._stat_by_head(key, obj)
         below = obj + "/"
         with self._bucket.errors(self.url_of(key)):
             pages = self._client.s3.get_paginator("list_objects_v2").paginate(
@@ -204,6 +236,18 @@ class S3Storage(Storage):
                 if not seen or max(seen) > below:
                     break
         return None
+
+    def _stat_by_head(self, key: str, obj: str) -> ObjectInfo | None:
+        """``stat`` on a directory bucket: a HEAD, and on a miss a LIST of one key below it."""
+        with self._bucket.errors(self.url_of(key)):
+            try:
+                head = self._client.s3.head_object(Bucket=self._bucket.name, Key=obj)
+                return ObjectInfo(key, head["ContentLength"], head["LastModified"].timestamp(), etag=head.get("ETag"))
+            except ClientError as err:
+                if not is_missing(err):
+                    raise
+            below = self._client.s3.list_objects_v2(Bucket=self._bucket.name, Prefix=obj + "/", MaxKeys=1)
+        return ObjectInfo(key, 0, 0.0, "dir") if below.get("Contents") else None
 
     # --- reading and writing ---------------------------------------------------------------
 

@@ -6,6 +6,12 @@ with the shared client, errors translated into ckptctl's tree, the request check
 configuration asks for, and conditional writes that tell "created" from "already there". That
 is this module; each of the four imports it, and none of them imports another's storage
 class, so they form no cycle.
+
+It also knows which kind of bucket it is. An S3 Express One Zone *directory bucket* (its name
+ends in ``--x-s3``) takes only listings whose prefix ends in ``/`` (the only delimiter it
+accepts) and lists objects and uploads in no particular order; the modules that list ask
+``directory`` and send only what it accepts (docs/decisions.md, "S3 Express directory buckets").
+botocore itself signs for such a bucket with the session its CreateSession returns.
 """
 
 from __future__ import annotations
@@ -21,6 +27,13 @@ from ckptctl.storage.s3_client import Client, ClientHolder
 from ckptctl.storage.s3_errors import error_code, http_status, is_precondition_failed, s3_error
 
 _CONFLICT_RETRIES = 5  # S3 answers 409 while another conditional PUT to the key is in flight
+DIRECTORY_BUCKET_SUFFIX = "--x-s3"  # AWS's naming rule for directory buckets, and only theirs
+
+
+def listing_prefix(key: str) -> str:
+    """The longest ``/``-ended prefix of ``key`` ("" for a key without one): the narrowest
+    listing a directory bucket accepts that still holds ``key``."""
+    return key[: key.rfind("/") + 1]
 
 
 class Bucket:
@@ -29,6 +42,8 @@ class Bucket:
 
     def __init__(self, name: str, endpoint_url: str | None) -> None:
         self.name = name
+        # S3 Express One Zone: listings only below "/"-ended prefixes, in no order.
+        self.directory = name.endswith(DIRECTORY_BUCKET_SUFFIX)
         self._holder = ClientHolder(endpoint_url)
         # Full keys whose unfinished uploads this process has just aborted, for the writer about
         # to write each (``s3_uploads``): that writer need not list them again.

@@ -9,6 +9,7 @@ from botocore.exceptions import (
     ClientError,
     ConnectionError as BotoConnectionError,
     CredentialRetrievalError,
+    EndpointResolutionError,
     HTTPClientError,
     NoCredentialsError,
     PartialCredentialsError,
@@ -79,6 +80,14 @@ def _local(err: BotoCoreError, shown: str, endpoint: str) -> CkptError:
             f"{_one_line(err)} (needed for {shown})",
             hint="fix AWS_PROFILE or add the profile to ~/.aws/config",
         )
+    if isinstance(err, EndpointResolutionError):
+        # botocore's endpoint rules refused the URL or the settings before any request, e.g. a
+        # bucket named like a directory bucket (--x-s3) without its zone: the user's to fix.
+        return UsageError(
+            f"{shown}: {_one_line(err)}",
+            hint="fix the bucket name (a directory bucket is BASE--ZONE--x-s3, e.g. ckpts--usw2-az1--x-s3), "
+            "AWS_REGION or AWS_ENDPOINT_URL",
+        )
     if isinstance(err, (BotoConnectionError, HTTPClientError)):
         return StorageError(
             f"cannot reach {endpoint} for {shown}: {_one_line(err)}",
@@ -127,7 +136,8 @@ def _answered(err: ClientError, shown: str, bucket: str) -> CkptError:
         return StorageError(
             f"access denied: {shown}",
             hint="check the IAM policy (s3:ListBucket, GetObject, PutObject, DeleteObject, "
-            "AbortMultipartUpload, ListBucketMultipartUploads) for this bucket and prefix, and AWS_PROFILE",
+            "AbortMultipartUpload, ListBucketMultipartUploads; s3express:CreateSession for a directory bucket) "
+            "for this bucket and prefix, and AWS_PROFILE",
         )
     if code in _BAD_CREDENTIALS:
         return StorageError(

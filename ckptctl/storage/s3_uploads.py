@@ -44,7 +44,7 @@ from typing import Any, Callable, Collection
 
 from botocore.exceptions import ClientError
 
-from ckptctl.storage.s3_bucket import Bucket
+from ckptctl.storage.s3_bucket import Bucket, listing_prefix
 from ckptctl.storage.s3_errors import error_code, is_access_denied
 
 
@@ -73,7 +73,9 @@ def supersede(bucket: Bucket, obj_key: str, shown: str) -> int:
     lets only one of them publish)."""
     if bucket.take_cleared(obj_key):
         return 0
-    listed = _list(bucket, obj_key, shown, denied_ok=True)
+    # A directory bucket lists only below a "/"-ended prefix: the key's directory, then the
+    # key's own uploads are picked out here, as below any other prefix.
+    listed = _list(bucket, listing_prefix(obj_key) if bucket.directory else obj_key, shown, denied_ok=True)
     if listed is None:
         return 0
     return sum(_abort(bucket, u, shown) for u in listed[0] if u.key == obj_key)
@@ -90,10 +92,10 @@ def abort_idle(
     where: Callable[[str], bool] | None,
     dry_run: bool,
 ) -> list[str]:
-    """The uploads below ``list_prefix`` (a full key prefix) to abort, by their keys relative to
-    the storage whose own full key prefix is ``storage_prefix`` ("/"-terminated, or empty):
-    those of ``keys``, and those ``where`` accepts that were idle for ``idle_for_s``. Aborts
-    them unless ``dry_run``. Sorted."""
+    """The uploads below ``list_prefix`` (a full key prefix, "/"-terminated or empty, as a
+    directory bucket requires) to abort, by their keys relative to the storage whose own full
+    key prefix is ``storage_prefix`` ("/"-terminated, or empty): those of ``keys``, and those
+    ``where`` accepts that were idle for ``idle_for_s``. Aborts them unless ``dry_run``. Sorted."""
     listed = _list(bucket, list_prefix, shown)
     assert listed is not None  # without denied_ok, an access denied raises
     uploads, now = listed
@@ -112,6 +114,13 @@ def abort_idle(
         chosen = [(key, u) for key, u in chosen if _abort(bucket, u, shown)]
         bucket.mark_cleared([storage_prefix + key for key in keys])
     return sorted(key for key, _ in chosen)
+
+
+def upload_keys(bucket: Bucket, prefix: str, shown: str) -> list[str] | None:
+    """The keys of the unfinished uploads below ``prefix`` (a full key prefix), or None where
+    the policy may not list them."""
+    listed = _list(bucket, prefix, shown, denied_ok=True)
+    return None if listed is None else [u.key for u in listed[0]]
 
 
 def _list(bucket: Bucket, prefix: str, shown: str, *, denied_ok: bool = False) -> tuple[list[Upload], float] | None:
