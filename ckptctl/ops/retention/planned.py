@@ -19,12 +19,12 @@ from ckptctl.ops.verify.cache import Fingerprint, VerifyCache
 from ckptctl.storage.base import Storage
 
 Action = Literal["keep", "delete", "skip"]
-Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown"]
+Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown", "staging"]  # staging: ops.retention.scratch
 
 
 @dataclass
 class PlanItem:
-    """One step entry under the root and what the plan does with it."""
+    """One step entry under the root (or a restore's staging copy) and what the plan does with it."""
 
     step: int
     name: str
