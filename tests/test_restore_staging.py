@@ -199,3 +199,38 @@ def test_a_resharding_restore_that_fails_removes_its_staging_copy(s3_url, s3_ser
     assert proxy.injected, "the restore wrote no staging manifest"
     assert r.exit_code == 3, r.stdout + r.stderr
     assert _staged(dst) == []
+
+
+def test_an_interrupted_resharding_restore_removes_its_staging_copy(s3_url, s3_server, tmp_path):
+    """Ctrl-C while the staging copy is being written (its manifest's PUT held): the restore
+    says "interrupted" (exit 130) and takes its staging copy with it."""
+    src, dst = str(tmp_path / "src"), f"{s3_url}/dst"
+    _save(src, steps=(100,))
+    held, reached = _holding(s3_server, lambda method, path: method == "PUT" and f"/dst/{PREFIX}" in path
+                             and path.split("?")[0].endswith("/manifest.json"))
+    try:
+        restore = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src, dst, "--world-size", "2"],
+                                   env={**os.environ, "AWS_ENDPOINT_URL": held.url},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert reached.wait(240), restore.communicate(timeout=60)  # a bound against hanging, not a timing assertion
+        assert len(_staged(dst)) == 1  # its shard is in
+        restore.send_signal(signal.SIGINT)
+        held.release.set()
+        out, err = restore.communicate(timeout=240)
+    finally:
+        held.release.set()
+        held.stop()
+    assert restore.returncode == 130 and "interrupted" in err, out + err
+    assert _staged(dst) == []
+
+
+def test_prune_deletes_no_staging_copy_while_no_checkpoint_verifies(tmp_path):
+    """A restore into an empty root killed while copying: nothing there verifies, so prune
+    refuses (exit 1) and deletes nothing, the staging copy included."""
+    src, root = str(tmp_path / "src"), str(tmp_path / "root")
+    _save(src, steps=(200,))
+    copy_checkpoint(open_storage(src).sub(step_dir(200)), open_storage(root).sub(RUN_NAMED))
+    _age(os.path.join(root, RUN_NAMED), 2 * HOUR)
+    r = cli("prune", root, "--keep-last", "1", "--partial-after", "1h", "--yes")
+    assert r.exit_code == 1 and "no committed checkpoint" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert _staged(root) == [RUN_NAMED]
