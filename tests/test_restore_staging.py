@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from ckptctl import Checkpointer
@@ -99,7 +98,7 @@ def test_prune_dry_run_lists_staging_copies_and_deletes_nothing(tmp_path):
     assert items[RUN_NAMED]["status"] == "staging" and items[RUN_NAMED]["action"] == "delete"
     assert items[RUN_NAMED]["bytes"] > 0 and items[OLD_NAMED]["action"] == "delete"
     text = cli("prune", root, "--keep-last", "2", "--partial-after", "1h", "--dry-run")
-    assert RUN_NAMED in text.stdout and "killed restore's staging copy" in text.stdout, text.stdout
+    assert RUN_NAMED in text.stdout and "abandoned: a restore's staging copy" in text.stdout, text.stdout
     assert "2 to delete" in text.stdout, text.stdout
     assert _staged(root) == [OLD_NAMED, RUN_NAMED]  # a dry run deletes nothing
 

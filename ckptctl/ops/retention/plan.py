@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout, kind_of_checkpoint, numbered_by
@@ -27,7 +26,7 @@ from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, LAYOUTS, commit_time, 
 from ckptctl.layouts.checked import Level
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.removal import entry_snapshot
-from ckptctl.ops.retention.planned import PlanItem, PrunePlan
+from ckptctl.ops.retention.planned import PlanItem, PrunePlan, by_idle_time
 from ckptctl.ops.retention.policies import Candidate, KeepSteps, RetentionPolicy
 from ckptctl.ops.retention.scratch import staging_copies
 from ckptctl.ops.seal.sealing import write_seal
@@ -153,17 +152,8 @@ def survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float)
     # From the snapshot execute deletes by: a marker newer than the catalog's look is a commit.
     marker = layout.commit_marker
     if (marker is not None and not any(key == marker for key, *_ in snap)) or (marker is None and entry.status == "partial"):
-        own = root.stat(name)
-        item.modified = max([s[2] for s in snap] + [own.mtime if own else 0.0])
-        idle = now - item.modified
         why = "no marker" if marker is not None else f"incomplete {entry.layout} checkpoint ({entry.reason})"
-        if idle >= partial_after_s:
-            item.action = "delete"
-            item.reason = (f"abandoned: {why}, and nothing modified for {format_duration(idle)} "
-                           f"(--partial-after {format_duration(partial_after_s)})")
-        else:
-            item.reason = (f"{why}, modified {format_duration(max(0.0, idle))} ago: may still be "
-                           f"written; left alone until idle for {format_duration(partial_after_s)}")
+        by_idle_time(root, item, now, partial_after_s, why)
         return item
     if entry.status == "partial":
         # Committed between the catalog's look and the snapshot: judged on the next run.

@@ -16,10 +16,9 @@ alone, never followed.
 
 from __future__ import annotations
 
-from ckptctl.durations import format_duration
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.removal import entry_snapshot
-from ckptctl.ops.retention.planned import PlanItem
+from ckptctl.ops.retention.planned import PlanItem, by_idle_time
 from ckptctl.ops.transfer.staging import staging_step
 from ckptctl.storage.base import Storage
 
@@ -34,17 +33,8 @@ def staging_copies(root: Storage, owner: Layout, now: float, partial_after_s: fl
         if step is None or child.kind != "dir":
             continue
         snap = entry_snapshot(root, child.key)
-        own = root.stat(child.key)
-        modified = max([s[2] for s in snap] + [own.mtime if own else 0.0])
-        idle = now - modified
-        item = PlanItem(step, child.key, root.url_of(child.key), "staging", size=sum(s[1] for s in snap),
-                        modified=modified, snapshot=snap, layout=owner.name, owner=owner)
-        if idle >= partial_after_s:
-            item.action = "delete"
-            item.reason = (f"a killed restore's staging copy: nothing modified for {format_duration(idle)} "
-                           f"(--partial-after {format_duration(partial_after_s)})")
-        else:
-            item.reason = (f"a restore's staging copy, modified {format_duration(max(0.0, idle))} ago: the restore "
-                           f"may still run; left alone until idle for {format_duration(partial_after_s)}")
+        item = PlanItem(step, child.key, root.url_of(child.key), "staging", size=sum(s[1] for s in snap if s[3] == "file"),
+                        snapshot=snap, layout=owner.name, owner=owner)
+        by_idle_time(root, item, now, partial_after_s, "a restore's staging copy")
         found.append(item)
     return sorted(found, key=lambda i: (i.step, i.name))
