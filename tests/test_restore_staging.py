@@ -233,3 +233,34 @@ def test_prune_deletes_no_staging_copy_while_no_checkpoint_verifies(tmp_path):
     r = cli("prune", root, "--keep-last", "1", "--partial-after", "1h", "--yes")
     assert r.exit_code == 1 and "no committed checkpoint" in r.stdout + r.stderr, r.stdout + r.stderr
     assert _staged(root) == [RUN_NAMED]
+
+
+def test_a_staging_copy_pruned_under_a_live_restore_fails_it_and_commits_nothing(s3_url, s3_server, tmp_path):
+    """The price of the idle rule alone (docs/decisions.md): a prune whose --partial-after is
+    shorter than a restore's re-shard deletes the staging copy the restore reads from. The
+    restore then fails (exit 3, one line saying the copy is no longer whole), nothing of step
+    200 is committed, and the restore run again succeeds."""
+    src, dst = str(tmp_path / "src"), f"{s3_url}/dst"
+    _save(src)
+    assert cli("restore", src, dst, "--step", "100", "--world-size", "2").exit_code == 0  # prune's anchor
+    held, reached = _holding(s3_server, lambda method, path: method == "GET" and f"/dst/{PREFIX}" in path
+                             and path.split("?")[0].endswith(".safetensors"))
+    try:
+        restore = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src, dst, "--world-size", "2"],
+                                   env={**os.environ, "AWS_ENDPOINT_URL": held.url},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert reached.wait(240), restore.communicate(timeout=60)  # a bound against hanging, not a timing assertion
+        pruned = cli("prune", dst, "--keep-last", "1", "--partial-after", "0s", "--yes", "--json")
+        assert pruned.exit_code == 0, pruned.stdout + pruned.stderr
+        assert [n for n in pruned.json()["outcome"]["deleted"] if n.startswith(PREFIX)], pruned.stdout
+        held.release.set()
+        out, err = restore.communicate(timeout=240)
+    finally:
+        held.release.set()
+        held.stop()
+    assert restore.returncode == 3 and "no longer whole" in err, out + err
+    assert "Traceback" not in err and len([line for line in err.splitlines() if line.strip()]) == 1, err
+    assert open_storage(dst).sub(step_dir(200)).stat(MARKER) is None
+    again = cli("restore", src, dst, "--world-size", "2")
+    assert again.exit_code == 0 and again.stdout.strip() == f"{dst}/{step_dir(200)}", again.stderr
+    assert _staged(dst) == []
