@@ -23,7 +23,8 @@ def _root_of_every_status(root: str) -> None:
     os.symlink(ckpt_dir(root, 1), ckpt_dir(root, 4))
     os.makedirs(os.path.join(root, "notes"))
     open(os.path.join(root, "step-0000000006"), "w").close()  # a file, not a directory
-    os.makedirs(os.path.join(root, ".restore-staging-" + step_dir(7)))
+    os.makedirs(os.path.join(root, ".restore-staging-" + step_dir(7)))  # an older version's restore staging copy
+    os.makedirs(os.path.join(root, ".restore-staging-" + step_dir(8) + ".0123456789abcdef"))  # this version's: per run
 
 
 def test_list_checkpoints_gives_every_status_oldest_first(tmp_path):

@@ -512,6 +512,7 @@ def test_two_resharding_restores_into_one_root_never_delete_the_committed_step(s
     assert cli("verify", f"{dst_root}/{step_dir(200)}").exit_code == 0, "the step restore A reported was deleted"
     assert second.returncode == 0 and out.strip() == f"{dst_root}/{step_dir(200)}", f"restore B: {out} {err}"
     assert "already holds step 200" in err, err
+    assert _staging_left(dst_root) == []
 
 
 def test_a_resharding_restore_whose_staging_copy_another_removed_never_falls_back(s3_url, s3_server):
@@ -521,14 +522,25 @@ def test_a_resharding_restore_whose_staging_copy_another_removed_never_falls_bac
     then lands on a staging copy without files; re-sharding from it failed, that failure was
     taken for the source failing verification, and B restored step 100 (exit 0). The source
     was checked byte for byte as it was copied: a problem with the staging copy afterwards is
-    this root's, judged again (here: the step is there, re-sharded), never a reason to go back."""
+    this root's, judged again (here: the step is there, re-sharded), never a reason to go back.
+    With a staging copy per run, A never sees B's: B re-shards from its own, finds the step
+    committed, says so, and removes its copy; the root is left with none (with one shared
+    name, B's marker stayed behind in the emptied directory)."""
     src_root, dst_root = f"{s3_url}/src", f"{s3_url}/dst"
     with Checkpointer(src_root) as ck:
         for s in (100, 200):
             ck.save(s, {"model": {f"w{i}": torch.full((1000,), float(s + i)) for i in range(4)}}).wait()
-    staging_marker = f"/dst/.restore-staging-{step_dir(200)}/{MARKER}"
+    staging = f"/dst/.restore-staging-{step_dir(200)}"  # B's own (a run id follows), or the one shared by both
     second, out, err = _restore_overtaken(s3_server, src_root, dst_root, lambda method, path: method == "PUT"
-                                          and path.split("?")[0].endswith(staging_marker))
+                                          and staging in path and path.split("?")[0].endswith("/" + MARKER))
     assert cli("verify", f"{dst_root}/{step_dir(200)}").exit_code == 0
     assert open_storage(dst_root).sub(step_dir(100)).stat(MARKER) is None, f"restore B fell back to step 100: {err}"
     assert second.returncode == 0 and out.strip() == f"{dst_root}/{step_dir(200)}", f"restore B: {out} {err}"
+    assert _staging_left(dst_root) == [], "a staging copy outlived both restores"
+
+
+def _staging_left(root: str) -> list[str]:
+    """The hidden staging directories under ``root``: none once every restore into it ended.
+    When two restores of one step shared one (per-step) name, B's marker landed in the copy A
+    had removed and stayed there, hidden from every lister, for good."""
+    return [c.key for c in open_storage(root).children() if c.key.startswith(".restore-staging-")]

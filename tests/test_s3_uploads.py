@@ -27,7 +27,7 @@ from botocore.config import Config
 
 from ckptctl import Checkpointer
 from ckptctl.format.layout import MARKER, step_dir
-from ckptctl.ops.transfer.copy import STAGING_PREFIX
+from ckptctl.ops.transfer.staging import STAGING_PREFIX
 from ckptctl.storage import open_storage
 from ckptctl.storage.s3 import S3Storage
 from ckptctl.errors import RefusedForSafety

@@ -24,7 +24,7 @@ def interactive() -> bool:
 def prune(
     root: RootArg,
     retention: RetentionOptions,
-    partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker once nothing in them changed for DURATION; on S3, also abort unfinished uploads inside checkpoint directories idle that long.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
+    partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker, and the staging copies of killed re-sharding restores, once nothing in them changed for DURATION; on S3, also abort unfinished uploads inside checkpoint directories idle that long.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="Also delete committed checkpoints that fail verification.")] = False,
     seal: Annotated[bool, typer.Option("--seal", help="Seal other tools' anchors this run test-loaded (as `ckptctl seal` does), so later runs check their bytes instead of test-loading them.")] = False,
     reverify: Annotated[bool, typer.Option("--reverify", help="Re-read checkpoints even if a recorded verification says they are unchanged.")] = False,
@@ -54,7 +54,9 @@ def prune(
     full verification (every checksum, every tensor decoded) is always kept, and nothing is
     deleted if none does. Checkpoints newer than it that fail are reported, not deleted
     (unless --delete-broken). Directories without a marker are left alone until idle for
-    --partial-after. Symlinked step directories are removed (the link only; its target is
+    --partial-after. So is the hidden staging copy a re-sharding restore (restore --world-size)
+    makes and removes itself: one a killed restore left under ROOT (.restore-staging-*) is
+    listed in the plan and deleted once idle for --partial-after. Symlinked step directories are removed (the link only; its target is
     never followed or touched), except one another stack's pointer names (DeepSpeed's latest,
     Megatron's tracker, a best checkpoint): that is kept, as is every pointer target.
     Deleting removes the marker first.

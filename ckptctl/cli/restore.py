@@ -31,8 +31,10 @@ def restore(
     newest checkpoint is reported on stderr and the next newest is restored instead, unless
     --step pins one. Run again after an interruption: shards already in place that verify are
     kept, and a DST that already holds the same checkpoint is left as is. With --world-size
-    the copy is staged in a hidden directory under DST, re-sharded into the step directory and
-    verified there, then the staging copy is removed (DST needs room for both meanwhile).
+    the copy is staged in a hidden directory of the run's own under DST, re-sharded into the
+    step directory and verified there, then the staging copy is removed, also when the restore
+    fails (DST needs room for both meanwhile). A killed restore's staging copy is not reused
+    by the next run: `ckptctl prune DST` deletes it once idle for its --partial-after.
 
     The newest checkpoint of any layout is taken: another tool's is the newest complete by its
     stack's own rule, copied as `ckptctl cp` copies it: checked against its seal, or test-loaded

@@ -10,7 +10,8 @@ planned on their own: their own anchor (the newest resumable one that passes ful
 verification by that layout's rules: the one verify engine at ``ANCHOR_LEVEL``, so ``verify``
 at that level and ``prune`` never disagree about a checkpoint), the policies counted within the
 layout, what its pointers and best checkpoints name protected. Only a layout's *own* incomplete checkpoints are subject to
-``partial_after_s``; a directory no layout claims (``unknown``) is never deleted.
+``partial_after_s``, and the staging copies killed restores left (``ops.retention.scratch``); a
+directory no layout claims (``unknown``) is never deleted.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, UsageError
 from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout, kind_of_checkpoint, numbered_by
-from ckptctl.layouts.catalog import LAYOUTS, commit_time, list_checkpoints, recorded_metrics
+from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, LAYOUTS, commit_time, list_checkpoints, recorded_metrics
 from ckptctl.layouts.checked import Level
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.removal import entry_snapshot
-from ckptctl.ops.retention.planned import PlanItem, PrunePlan
+from ckptctl.ops.retention.planned import PlanItem, PrunePlan, by_idle_time
 from ckptctl.ops.retention.policies import Candidate, KeepSteps, RetentionPolicy
+from ckptctl.ops.retention.scratch import staging_copies
 from ckptctl.ops.seal.sealing import write_seal
 from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, fingerprint, verify_cached
 from ckptctl.ops.verify.report import VerifyReport
@@ -98,6 +99,9 @@ def plan(
         if item.kind != "link" and p.anchors.get(item.layout) is None:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no {item.layout} checkpoint verifies"
     _protect(p, root)
+    staged_in = CHECKPOINTER_LAYOUTS[0]  # the layout a re-sharding restore stages its copy in
+    if staged_in.name in p.managed:
+        p.items += staging_copies(root, p.managed[staged_in.name], p.now, partial_after_s)
     if p.refused is not None:
         for item in p.deletions:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no checkpoint verifies"
@@ -148,17 +152,8 @@ def survey(root: Storage, entry: Checkpoint, now: float, partial_after_s: float)
     # From the snapshot execute deletes by: a marker newer than the catalog's look is a commit.
     marker = layout.commit_marker
     if (marker is not None and not any(key == marker for key, *_ in snap)) or (marker is None and entry.status == "partial"):
-        own = root.stat(name)
-        item.modified = max([s[2] for s in snap] + [own.mtime if own else 0.0])
-        idle = now - item.modified
         why = "no marker" if marker is not None else f"incomplete {entry.layout} checkpoint ({entry.reason})"
-        if idle >= partial_after_s:
-            item.action = "delete"
-            item.reason = (f"abandoned: {why}, and nothing modified for {format_duration(idle)} "
-                           f"(--partial-after {format_duration(partial_after_s)})")
-        else:
-            item.reason = (f"{why}, modified {format_duration(max(0.0, idle))} ago: may still be "
-                           f"written; left alone until idle for {format_duration(partial_after_s)}")
+        by_idle_time(root, item, now, partial_after_s, why)
         return item
     if entry.status == "partial":
         # Committed between the catalog's look and the snapshot: judged on the next run.

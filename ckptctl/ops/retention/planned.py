@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ckptctl.durations import format_duration
 from ckptctl.errors import NoValidCheckpoint
 from ckptctl.layouts.base import UNKNOWN, Layout, numbered
 from ckptctl.layouts.removal import Snapshot
@@ -19,12 +20,12 @@ from ckptctl.ops.verify.cache import Fingerprint, VerifyCache
 from ckptctl.storage.base import Storage
 
 Action = Literal["keep", "delete", "skip"]
-Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown"]
+Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown", "staging"]  # staging: ops.retention.scratch
 
 
 @dataclass
 class PlanItem:
-    """One step entry under the root and what the plan does with it."""
+    """One step entry under the root (or a restore's staging copy) and what the plan does with it."""
 
     step: int
     name: str
@@ -106,6 +107,22 @@ class PrunePlan:
         }
 
 
+
+
+def by_idle_time(root: Storage, item: PlanItem, now: float, partial_after_s: float, what: str) -> None:
+    """Prune's rule for what may still be written (a partial checkpoint, a restore's staging
+    copy), ``what`` it is: ``item`` (its snapshot taken) is deleted when nothing in it, the
+    directory itself included, was modified for ``partial_after_s`` at ``now``; else left alone."""
+    own = root.stat(item.name)
+    item.modified = max([s[2] for s in item.snapshot] + [own.mtime if own else 0.0])
+    idle = now - item.modified
+    if idle >= partial_after_s:
+        item.action = "delete"
+        item.reason = (f"abandoned: {what}, and nothing modified for {format_duration(idle)} "
+                       f"(--partial-after {format_duration(partial_after_s)})")
+    else:
+        item.reason = (f"{what}, modified {format_duration(max(0.0, idle))} ago: may still be "
+                       f"written; left alone until idle for {format_duration(partial_after_s)}")
 
 
 def raise_if_refused(p: PrunePlan) -> None:

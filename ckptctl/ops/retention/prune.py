@@ -24,6 +24,10 @@ Safety, in this order (the user-facing statement is ``man/ckptctl-prune.1``):
    ones are not verified (that would read everything on every run); policies count them.
 6. **Unfinished S3 uploads** a killed writer left inside checkpoint entries are aborted once
    idle for ``partial_after_s``, like partial directories (``ops.transfer.uploads``); listed in the plan.
+7. **Staging copies** a killed re-sharding restore left (hidden ``.restore-staging-*``
+   directories, never a checkpoint anyone lists) are deleted by rule 3's idle time and with
+   its re-check, as ``staging`` items of the plan (``ops.retention.scratch``); a link or a file
+   under such a name is left alone. Like everything else, not while no checkpoint verifies.
 
 Deleting one checkpoint removes its marker first, then the manifest, then everything else, then
 the empty directory: a prune killed at any point leaves something that reads as partial, never

@@ -7,6 +7,7 @@ the way and the commit file written last.
 * ``copy``: ``cp`` and ``restore`` of one checkpoint of any layout;
 * ``sync``: a whole root mirrored, every layout's checkpoints;
 * ``uploads``: unfinished S3 multipart uploads a killed writer left, and aborting them;
+* ``staging``: the names of a re-sharding restore's staging copies, one per run;
 * ``node_restore`` and ``node_reshard``: ``restore`` under torchrun, each node getting only its
   ranks' shards (copied, or re-sharded straight from the source).
 

@@ -13,8 +13,9 @@ destination ever replaced, the commit record written last.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from ckptctl.errors import (CheckpointError, CkptError, InvalidCheckpoint, NoValidCheckpoint, NotFound, RefusedForSafety,
                             StorageError, UsageError)
@@ -26,10 +27,16 @@ from ckptctl.layouts.native_commit import remove, uncommit
 from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.ops.transfer.engine import CopyResult, copy_in_layout
 from ckptctl.ops.transfer.files import at_destination
+from ckptctl.ops.transfer.staging import new_staging_name
 from ckptctl.ops.verify.engine import verify_checkpoint
 from ckptctl.progress import Progress
 from ckptctl.settings import COPY_THREADS
 from ckptctl.storage.base import ObjectInfo, Storage
+
+if TYPE_CHECKING:
+    from ckptctl.ops.transform.reshard import ReshardReport
+
+log = logging.getLogger("ckptctl")
 
 __all__ = ["CopyResult", "RestoreResult", "Skipped", "copy_checkpoint", "copy_found", "restore_latest"]
 
@@ -103,8 +110,9 @@ def restore_latest(
     ``world_size`` its layout cannot re-shard to.
 
     ``world_size`` different from the saved one: the checkpoint is copied (and checked) into a
-    hidden staging directory under ``dst_root``, re-sharded from there into the step directory
-    by ``ops.transform.reshard`` (which verifies its result), and the staging copy is removed.
+    hidden staging directory of this run's own under ``dst_root`` (``ops.transfer.staging``),
+    re-sharded from there into the step directory by ``ops.transform.reshard`` (which verifies
+    its result), and the staging copy is removed, on success and on failure alike.
     So the source is read once, over the network, and the fallback past corruption works the same.
     """
     if world_size is not None:  # before a byte is copied: a bad one would fail only after the copy
@@ -188,48 +196,65 @@ def _nothing_restored(src_root: Storage, step: int | None, skipped: list[Skipped
 
 # --- a re-sharding restore ------------------------------------------------------------------
 
-# Staging copies for a re-sharding restore: hidden, and not a step directory, so nothing that
-# lists checkpoints (ls, latest, prune, load_latest) ever sees one.
-STAGING_PREFIX = ".restore-staging-"
-
 
 def _reshard_restore(layout: Layout, src: Storage, dst_root: Storage, record: object, world_size: int,
                      progress: Progress | None, threads: int) -> CopyResult:
     """A ckptctl checkpoint restored re-sharded for ``world_size`` ranks: copied (and checked)
-    into a staging directory, re-sharded from there into its step directory."""
+    into this run's own staging directory (``ops.transfer.staging``), re-sharded from there
+    into its step directory; the staging copy is removed however the run ends, short of a kill."""
     assert isinstance(record, Committed)
     step = record.manifest.step
     dst = dst_root.sub(step_dir(step))
     if at_destination(dst, lambda: _resharded_present(dst, record, world_size)):
         return CopyResult(src.url, dst.url, step, "already present", files=world_size)
-    staging = dst_root.sub(STAGING_PREFIX + step_dir(step))
+    staging = dst_root.sub(new_staging_name(step))
     try:
         copied = copy_in_layout(layout, src, staging, into_root=False, progress=progress, threads=threads)
-    except InvalidCheckpoint:
-        remove(staging)  # this restore's own scratch copy, never committed: nothing else reads it
-        raise
+        report = _reshard_staged(staging, dst, record, world_size, progress)
+    finally:
+        _remove_staging(staging)
+    if report is None:
+        return CopyResult(src.url, dst.url, step, "already present", files=world_size)
+    return CopyResult(copied.src, dst.url, copied.step, "copied", files=report.files,
+                      bytes_copied=copied.bytes_copied, files_reused=copied.files_reused,
+                      seconds=copied.seconds + report.seconds)
+
+
+def _reshard_staged(staging: Storage, dst: Storage, record: Committed, world_size: int,
+                    progress: Progress | None) -> ReshardReport | None:
+    """Re-shard the staging copy into ``dst``; None when ``dst`` turned out to hold this very
+    checkpoint re-sharded already (a concurrent restore of the same step committed it)."""
     # Imported here: only a re-sharding restore needs the reshard machinery (and torch's).
     from ckptctl.ops.transform.reshard import reshard
 
     # Leftovers of an interrupted restore (no marker) are written beside; a dst committed since
     # _resharded_present looked (a concurrent restore of the same step) is judged again, never
     # removed: deciding "overwrite" from that earlier look removed another restore's result.
-    # The source was checked byte for byte into the staging copy: a problem found from here on
-    # is this root's (a concurrent restore of the step removed its shared staging copy), never
-    # the source's, so it is judged again and never makes restore skip to an older step.
+    # The source was checked byte for byte into the staging copy, which no other run touches: a
+    # problem found from here on is this root's, never the source's, so it is judged again and
+    # never makes restore skip to an older step.
     try:
-        report = reshard(staging, dst, world_size, overwrite="uncommitted", progress=progress)
+        return reshard(staging, dst, world_size, overwrite="uncommitted", progress=progress)
     except (RefusedForSafety, InvalidCheckpoint, NotFound) as e:
         if at_destination(dst, lambda: _resharded_present(dst, record, world_size)):
-            return CopyResult(src.url, dst.url, step, "already present", files=world_size)
+            return None
         if isinstance(e, RefusedForSafety):
             raise
-        raise StorageError(f"{staging.url}: the staging copy of step {step}, checked as it was made, is no longer whole: {e}",
-                           hint="another restore into this root removed it? run the restore again") from None
-    remove(staging)
-    return CopyResult(copied.src, dst.url, copied.step, "copied", files=report.files,
-                      bytes_copied=copied.bytes_copied, files_reused=copied.files_reused,
-                      seconds=copied.seconds + report.seconds)
+        raise StorageError(f"{staging.url}: the staging copy of step {record.manifest.step}, checked as it was made, "
+                           f"is no longer whole: {e}",
+                           hint="did something delete it (a prune with a --partial-after shorter than the restore)? "
+                                "run the restore again") from None
+
+
+def _remove_staging(staging: Storage) -> None:
+    """This run's own staging copy, never read by anything else: removed (marker first) on
+    success and on every failure. A removal that fails itself (the outage that failed the
+    restore) leaves it to prune, which deletes it once idle for ``--partial-after``."""
+    try:
+        remove(staging)
+    except (StorageError, NotFound) as e:
+        log.warning("restore: the staging copy %s was not removed (%s); `ckptctl prune` deletes it once idle",
+                    staging.url, e)
 
 
 def _resharded_present(dst: Storage, source: Committed, world_size: int) -> bool:

@@ -25,15 +25,13 @@ from ckptctl.durations import format_duration
 from ckptctl.errors import StorageError
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import LAYOUTS
+from ckptctl.ops.transfer.staging import STAGING_PREFIX
 from ckptctl.storage.base import ObjectInfo, Storage
 
 # Idle this long, an upload is a dead writer's: a live one sends a part every few seconds.
 # The same bound as prune's --partial-after default for partial checkpoint directories.
 UPLOAD_IDLE_S = 6 * 3600.0
 
-# A re-sharding restore's hidden staging copy (``ops.transfer.copy.STAGING_PREFIX``; not imported,
-# transfer imports this module).
-_STAGING_PREFIX = ".restore-staging-"
 
 
 def before_copy(dst: Storage, names: Iterable[str]) -> list[str]:
@@ -77,7 +75,7 @@ def in_checkpoint_entry(root: Storage, layouts: Sequence[Layout] = LAYOUTS) -> C
 
     def accept(key: str) -> bool:
         first, sep, _ = key.partition("/")
-        if sep and first.startswith(_STAGING_PREFIX):
+        if sep and first.startswith(STAGING_PREFIX):
             return True
         child = ObjectInfo(first, 0, 0.0, "dir" if sep else "file")
         return any(layout.step_of(child) is not None for layout in bound)
