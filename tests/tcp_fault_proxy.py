@@ -6,7 +6,9 @@ The store and its clients are torch's own (``dist.TCPStore``); only the path bet
 through here, so a cut arrives as a reset socket in the middle of whatever request the client
 had in flight (a ``wait`` for rank 0's next message, a reply) and torch raises what it raises
 in production (``DistNetworkError``). ``cut()`` resets every open connection; ``refuse`` makes
-new ones fail too, for an outage that lasts.
+new ones fail too, for an outage that lasts. ``hold(pattern)`` delays the first request that
+names a key (its bytes contain ``pattern``) until released: a client slowed between two of its
+requests, at a chosen one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class TcpFaultProxy:
         self.cuts = 0
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
+        self._held: tuple[bytes, threading.Event] | None = None
         self._server = socket.create_server((host, 0))
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True, name="tcp-fault-proxy").start()
@@ -43,12 +46,23 @@ class TcpFaultProxy:
                 continue
             with self._lock:
                 self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, outgoing in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, outgoing), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def hold(self, pattern: bytes) -> threading.Event:
+        """Hold the first client request whose bytes contain ``pattern`` until the returned
+        event is set."""
+        release = threading.Event()
+        self._held = (pattern, release)
+        return release
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, outgoing: bool) -> None:
         try:
             while data := src.recv(65536):
+                held = self._held
+                if outgoing and held is not None and held[0] in data:
+                    self._held = None
+                    held[1].wait()
                 dst.sendall(data)
         except OSError:
             pass

@@ -40,6 +40,8 @@ from ckptctl.tiers.node_retention import PrunePlan
 from ckptctl.tiers.promotion_round import RoundLeader, RoundWorker
 from ckptctl.tiers.replica import ReplicaWorker, announce
 from ckptctl.tiers.replica_link import Ring
+from ckptctl.tiers.link import Link
+from ckptctl.tiers.stream import Outbox, StreamWorker
 from helpers import tmpfs
 from tcp_fault_proxy import TcpFaultProxy
 from test_tiers import _until, records  # noqa: F401  (a fixture)
@@ -146,6 +148,41 @@ def test_a_replica_round_stays_for_a_rank_that_reads_it_late(tmp_path, store, re
     out.finish(out.stop(), 10)
     assert w1.join(10) and w2.join(10)
     assert store.num_keys() == 0
+
+
+class _Echo(StreamWorker):
+    ops = frozenset({"go"})
+
+    def handle(self, n: int, msg: dict) -> str:
+        return f"ok:{msg['i']}"
+
+
+def test_a_receiver_about_to_wait_for_a_message_rank_0_gave_up_takes_the_next(store) -> None:
+    """A receiver reads the floor, then waits for its next message; rank 0 may give that message
+    up in between (a newer one of a latest-only stream, as every promotion round after one a
+    rank missed). The receiver's wait, held here between its two requests, reaches the store
+    only after the message was deleted: it waited an hour (``WAIT_S``) for a message that would
+    never come, and every round meanwhile waited out its deadline for its reply."""
+    proxy = TcpFaultProxy(store.port)
+    via_proxy = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, wait_for_workers=False)
+    sender = Link(store, "race/", "sender", "", None)
+    out = Outbox(sender, "s", {1}, keep=4, collected=True, latest_only=True)
+    release = proxy.hold(b"s/1")  # the receiver's wait for message 1
+    receiver = _Echo(Link(via_proxy, "race/", "receiver", "", None), "s", 1, None)
+    receiver.start()
+    try:
+        _until(lambda: proxy._held is None, "the receiver waiting for message 1", 30)
+        out.send({"op": "go", "i": 1})
+        n = out.send({"op": "go", "i": 2})  # gives up message 1: the receiver never took it
+        release.set()
+        assert out.replies(sender, n, 30) == {1: "ok:2"}
+    finally:
+        release.set()
+        out.finish(out.stop(), 10)
+        receiver.join(10)
+        proxy.close()
+    assert not receiver.alive
+    assert store.num_keys() <= 3  # the stream's own and the store's; nothing of the messages
 
 
 def test_store_keys_threads_and_files_stay_bounded_through_200_failed_rounds(tmp_path, store, monkeypatch) -> None:

@@ -11,6 +11,11 @@ keys, under the channel's prefix:
 * ``s/<n>/r<k>``: receiver k's reply (text). Deleted by rank 0 as soon as it read it.
 * ``s/floor``: the lowest message number rank 0 still keeps. A receiver reads it before each
   message and skips what is below it.
+* A message given up before every receiver took it is not deleted at once but replaced by a
+  tombstone (``GIVEN_UP``), deleted with the late replies: a receiver that read the floor just
+  before rank 0 raised it and then waits for that message wakes on the tombstone and reads the
+  floor again. Deleted at once, the message left such a receiver waiting ``WAIT_S`` for
+  something that never came, and every round meanwhile waited out its deadline for its reply.
 
 So the store holds, per stream, the messages some receiver has not finished, and no reply
 for long. What bounds them when a receiver never finishes (its process died, its thread is
@@ -58,7 +63,8 @@ log = logging.getLogger("ckptctl")
 # (two lines), and a connection that a middlebox dropped silently is noticed only when a wait
 # ends.
 WAIT_S = 3600.0
-LATE_SENDS = 4  # replies of a given-up message are deleted at this many later sends
+LATE_SENDS = 4  # replies (and tombstone) of a given-up message are deleted at this many later sends
+GIVEN_UP = b'{"op": "given-up"}'  # what a given-up message's key holds until then
 
 
 def _floor_of(st: "dist.Store", stream: str) -> int:
@@ -154,7 +160,7 @@ class Outbox:
                 self._delete(m, self._open[m])
             self._open.clear()
             for m, (late, _) in list(self._late.items()):
-                self._delete_replies(m, late)
+                self._delete(m, late)
             self._late.clear()
             if left:
                 log.info("tiers: rank%s %s did not take the %s stream's stop within %.0f s",
@@ -189,8 +195,9 @@ class Outbox:
                 for k in sorted(left):
                     if st.delete_key(f"{self.stream}/{n}/r{k}"):
                         left.discard(k)
-                if not left or sends <= 1:
+                if not left or sends <= 1:  # every receiver it was left for replied, or gave up on it
                     del self._late[n]
+                    st.delete_key(f"{self.stream}/{n}")
                 else:
                     self._late[n] = (left, sends - 1)
 
@@ -208,7 +215,11 @@ class Outbox:
                         "they" if len(left) > 1 else "it", "" if len(left) > 1 else "s")
         self._floor = n + 1
         self.link.call(lambda st: st.set(f"{self.stream}/floor", str(self._floor)))
-        self._delete(n, left)
+        if left:  # one of them may be about to wait for it, having read the floor before we raised it
+            self.link.call(lambda st: st.set(f"{self.stream}/{n}", GIVEN_UP))
+            self._delete_replies(n, left)
+        else:
+            self._delete(n, left)
         self._late[n] = (set(left), LATE_SENDS)
 
     def _delete(self, n: int, left: Collection[int]) -> None:
@@ -288,13 +299,13 @@ class StreamWorker:
 
             def get(st: "dist.Store") -> bytes | None:
                 st.wait([key], timedelta(seconds=WAIT_S))
-                return peek(st, key)  # None: given up by rank 0 since the wait ended
+                return peek(st, key)  # None or GIVEN_UP: given up by rank 0, look at the floor again
 
             try:
                 raw = self.link.call(get)
             except dist.DistStoreError:
                 continue  # no message for WAIT_S: look at the floor again, and wait on
-            if raw is not None:
+            if raw is not None and raw != GIVEN_UP:
                 return self._next, json.loads(raw)
 
     def _reply(self, n: int, text: str) -> None:
