@@ -61,6 +61,10 @@ class FaultProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as botocore expects
+            # The status line and headers, then the body, go out in two writes: with Nagle's
+            # algorithm the second waited for the client's delayed ACK of the first (40 ms on
+            # Linux), every request through the proxy.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: object) -> None:  # quiet
                 pass
