@@ -210,10 +210,10 @@ def test_a_save_without_competition_keeps_the_canonical_names(tmp_path):
     assert "name" not in json.loads(committed.marker_raw)["manifest"]  # a marker as before
 
 
-@pytest.mark.parametrize("when", ["publish", "look"])
+@pytest.mark.parametrize("when", ["publish", "commit"])
 def test_a_writer_that_finds_the_step_committed_loses_cleanly(tmp_path, when):
     """The other writer's marker lands just before this one publishes its shard ("publish"),
-    or between commit's look for a marker and its writes ("look"): this save fails with
+    or just before its commit writes the manifest ("commit"): this save fails with
     RefusedForSafety naming the step, the winner's checkpoint is intact, and exactly this
     save's files are gone."""
     root = str(tmp_path)
@@ -230,7 +230,7 @@ def test_a_loser_leaves_a_dead_attempts_files_alone(tmp_path):
     root = str(tmp_path)
     path = os.path.join(root, step_dir(7))
     planted = _plant_leftovers(path)
-    result = race_at(root, "look")
+    result = race_at(root, "commit")
     assert result["outcome"] == "RefusedForSafety", result
     assert _unchanged(path, planted)
     _loads_as(root, 7, "winner", 2.0)
@@ -245,7 +245,7 @@ def test_on_the_multi_rank_path_every_rank_is_refused_and_the_files_discarded(tm
     path = os.path.join(root, step_dir(7))
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    p = ctx.Process(target=race_at_on_gloo, args=(root, "look", free_port(), there), daemon=True)
+    p = ctx.Process(target=race_at_on_gloo, args=(root, "commit", free_port(), there), daemon=True)
     p.start()
     try:
         assert here.poll(180), "the gloo worker did not answer"
@@ -254,7 +254,7 @@ def test_on_the_multi_rank_path_every_rank_is_refused_and_the_files_discarded(tm
         p.join(30)
         if p.is_alive():
             p.kill()
-    assert result["fired"] == ["look"] and result["outcome"] == "RefusedForSafety", result
+    assert result["fired"] == ["commit"] and result["outcome"] == "RefusedForSafety", result
     assert "another writer committed step 7" in result["message"]
     _loads_as(root, 7, "winner", 2.0)
     assert set(os.listdir(path)) == _committed_files(path)

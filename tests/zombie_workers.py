@@ -67,13 +67,13 @@ def race_at(root: str, when: str, step: int = 7) -> dict[str, Any]:
     moment, ``when``:
 
     - "publish": just before this writer publishes its shard;
-    - "look": just after this writer's commit looked for the marker (and found none, as the
-      answer it gets says: the other one's marker lands between that look and its writes).
+    - "commit": just before this writer's commit writes its manifest (its shard is published,
+      and its marker would come next).
 
     Returns {"outcome": "ok" or the name of the error, "message", "fired"}."""
     from ckptctl import Checkpointer
     from ckptctl.errors import CkptError, SaveFailed
-    from ckptctl.format.layout import MARKER, SHARD_SUFFIX
+    from ckptctl.format.layout import SHARD_SUFFIX, is_manifest_name
     from ckptctl.storage.local import LocalStorage, LocalWriter
 
     fired: list[str] = []
@@ -100,15 +100,11 @@ def race_at(root: str, when: str, step: int = 7) -> dict[str, Any]:
                     setattr(writer, method, hooked)
             return writer
 
-        def stat(self, key: str):  # type: ignore[no-untyped-def]
-            seen = super().stat(key)
-            if when == "look" and key == MARKER:
-                looks.append(key)
-                if len(looks) == 2:  # the first look is save()'s own, before any write; then commit's
-                    winner_commits()
-            return seen
+        def write_if_absent(self, key: str, data: bytes) -> bool:
+            if when == "commit" and is_manifest_name(key):
+                winner_commits()
+            return super().write_if_absent(key, data)
 
-    looks: list[str] = []
     ckpt = Checkpointer(root, storage=Disk(root))
     outcome, message = "ok", ""
     try:

@@ -50,16 +50,15 @@ def commit(ckpt: Storage, manifest: Manifest, *, published: Sequence[str] = ()) 
     found one of them holding its own bytes and used it (``ops.transfer.engine``)."""
     step = manifest.step
     check_target_name(ckpt, step)
-    # Looked at first so that a writer far behind (a zombie) writes no manifest into a
-    # committed step; write_if_absent on the marker settles any race after this look.
-    if ckpt.stat(MARKER) is not None:
-        _discard(ckpt, published)
-        raise _other_writer(ckpt, step)
+    # No look at the marker first: on object storage it was a round trip after the last
+    # shard on every save. The conditional writes decide the step; a writer that lost it (a
+    # zombie) learns so at its marker and deletes the manifest it wrote, as below.
     raw = manifest.to_json()
     name = MANIFEST
     if not ckpt.write_if_absent(name, raw):  # another attempt's: never replaced, never deleted
         name = attempt_name(MANIFEST, manifest.save_id or new_save_id())
         if not ckpt.write_if_absent(name, raw):
+            _refuse_if_committed(ckpt, step, published)
             # No marker decided the step yet, so nothing of this save is deleted: another
             # writer may be using a shard it published (see ``_discard``).
             raise RefusedForSafety(
@@ -89,12 +88,9 @@ def commit_copy(ckpt: Storage, source: Committed, published: Sequence[str] = ())
     step = source.manifest.step
     check_target_name(ckpt, step)
     name = source.marker.manifest_name
-    if ckpt.stat(MARKER) is not None:
-        if _holds(ckpt, MARKER, source.marker_raw) and _holds(ckpt, name, source.manifest_raw):
-            return  # this very checkpoint, committed by another copy of it (or an earlier run)
-        _discard(ckpt, published)
-        raise _other_writer(ckpt, step)
+    # As in ``commit``, the conditional writes decide, with no look at the marker first.
     if not ckpt.write_if_absent(name, source.manifest_raw) and not _holds(ckpt, name, source.manifest_raw):
+        _refuse_if_committed(ckpt, step, published)
         raise RefusedForSafety(
             f"{ckpt.url_of(name)} already exists and is another checkpoint's manifest: another writer is "
             f"writing step {step} here (or a killed one left it); nothing was replaced and this copy was not committed",
@@ -102,9 +98,17 @@ def commit_copy(ckpt: Storage, source: Committed, published: Sequence[str] = ())
             f"(`ckptctl rm {ckpt.url} --force`) and copy again",
         )
     if not ckpt.write_if_absent(MARKER, source.marker_raw):
-        if _holds(ckpt, MARKER, source.marker_raw):
-            return  # ours after all, or a twin copy's: the same checkpoint either way
+        if _holds(ckpt, MARKER, source.marker_raw) and _holds(ckpt, name, source.manifest_raw):
+            return  # this very checkpoint, committed by another copy of it (or an earlier run)
         _discard(ckpt, [*published, name])
+        raise _other_writer(ckpt, step)
+
+
+def _refuse_if_committed(ckpt: Storage, step: int, published: Sequence[str]) -> None:
+    """A manifest name taken: when a marker already decided the step for another writer,
+    this writer lost it, so its own files go (``_discard``) and the refusal says who won."""
+    if ckpt.stat(MARKER) is not None:
+        _discard(ckpt, published)
         raise _other_writer(ckpt, step)
 
 
