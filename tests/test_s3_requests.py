@@ -186,3 +186,166 @@ def test_stat_and_children_on_a_directory_bucket_ask_what_it_accepts(express_url
     with counting(st._client.s3) as counts:  # type: ignore[attr-defined]
         assert [i.key for i in st.children()] == ["step"] and [i.key for i in st.children("step")] == ["step/COMMITTED"]
     assert counts == Counter({"ListObjectsV2": 2, "ListMultipartUploads": 1}), counts
+
+
+def _one_step(root: str, step: int = 1, elements: int = 1 << 20) -> str:
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import step_dir
+
+    with Checkpointer(root) as ck:
+        ck.save(step, {"w": torch.arange(elements, dtype=torch.float32)}).wait()
+    return os.path.join(root, step_dir(step))
+
+
+def test_cp_to_s3_asks_for_the_verdict_beside_the_uploads_and_the_listing(tmp_path, s3_url):
+    # Before its first part a copy asks whether a checkpoint is committed at the destination
+    # (the marker), aborts the open uploads of its keys and lists the names taken: on main the
+    # marker's answer came first and the other two waited for it. Here the marker's look waits
+    # until the uploads' listing was sent, which only a copy asking them at once gets past.
+    from ckptctl.format.layout import step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    src = _one_step(str(tmp_path / "src"))
+    dst = open_storage(s3_url)
+    uploads = threading.Event()
+    client = dst._client.s3  # type: ignore[attr-defined]
+
+    def sent(**_kw: object) -> None:
+        uploads.set()
+
+    def marker(params: dict, **_kw: object) -> None:
+        if params.get("Prefix", "").endswith("/COMMITTED") and not uploads.wait(10):
+            raise AssertionError("the marker's look went out alone: the uploads' listing waited for its answer")
+
+    client.meta.events.register("before-call.s3.ListMultipartUploads", sent)
+    client.meta.events.register("provide-client-params.s3.ListObjectsV2", marker)
+    try:
+        copy_checkpoint(open_storage(src), dst.sub(step_dir(1)))
+    finally:
+        client.meta.events.unregister("before-call.s3.ListMultipartUploads", sent)
+        client.meta.events.unregister("provide-client-params.s3.ListObjectsV2", marker)
+    assert cli("verify", dst.url_of(step_dir(1))).exit_code == 0
+
+
+def test_a_save_to_s3_looks_for_the_marker_once(tmp_path, s3_url):
+    # save() looks for the step's marker beside the snapshot; the commit decides by its
+    # conditional writes. On main the commit looked again after the last shard: a round trip
+    # on every save to object storage, between the data and the marker.
+    import torch
+
+    from ckptctl import Checkpointer
+
+    with Checkpointer(s3_url) as ck:
+        ck.save(1, {"w": torch.zeros(4)}).wait()  # the root's first save: whatever it sets up
+        client = ck.root._client.s3  # type: ignore[attr-defined]
+        with counting(client) as counts:
+            ck.save(2, {"w": torch.ones(4)}).wait()
+    assert counts["ListObjectsV2"] + counts["HeadObject"] == 1, counts  # on main: 2
+    assert counts["PutObject"] == 3, counts  # the shard, the manifest, the marker
+
+
+def test_a_copy_that_loses_the_step_at_its_commit_leaves_the_winner_whole(tmp_path, s3_url):
+    # With no look before the manifest, a copy whose step another checkpoint committed after
+    # the copy's first look writes its manifest, fails at the marker, and deletes exactly what
+    # it wrote; the winner reads as before.
+    from ckptctl.errors import RefusedForSafety
+    from ckptctl.format.layout import MARKER, step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    ours = _one_step(str(tmp_path / "ours"), elements=1 << 10)
+    theirs = _one_step(str(tmp_path / "theirs"), elements=1 << 11)
+    dst = open_storage(s3_url).sub(step_dir(1))
+    client = dst._client.s3  # type: ignore[attr-defined]
+    fired: list[str] = []
+
+    def winner(params: dict, **_kw: object) -> None:  # just before our manifest goes out
+        if params.get("Key", "").endswith("/manifest.json") and not fired:
+            fired.append(params["Key"])
+            for name in sorted(os.listdir(theirs), key=lambda n: n == MARKER):  # the marker last
+                with open(os.path.join(theirs, name), "rb") as f:
+                    boto3.client("s3").put_object(Bucket=params["Bucket"], Key=params["Key"].rsplit("/", 1)[0] + "/" + name,
+                                                  Body=f.read())
+
+    client.meta.events.register("provide-client-params.s3.PutObject", winner)
+    try:
+        try:
+            copy_checkpoint(open_storage(ours), dst)
+            raise AssertionError("the copy committed over another checkpoint")
+        except RefusedForSafety as e:
+            assert "another writer committed step 1" in str(e), e
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.PutObject", winner)
+    assert fired
+    assert sorted(i.key for i in dst.list()) == sorted(os.listdir(theirs))
+    assert cli("verify", dst.url).exit_code == 0
+
+
+def test_a_sync_over_a_mirror_asks_nothing_ahead_for_checkpoints_already_there(tmp_path, s3_url):
+    # A copy into a destination expected empty asks its first questions beside the verdict; a
+    # sync expects most checkpoints there already and asks for the verdict alone, so a sync
+    # with nothing to do sends no uploads' listing per checkpoint (one for the root's
+    # idle uploads, under its lock).
+    root = str(tmp_path / "root")
+    for step in (1, 2, 3):
+        _one_step(root, step, elements=1 << 10)
+    assert cli("sync", root, s3_url).exit_code == 0
+    client = open_storage(s3_url)._client.s3  # type: ignore[attr-defined]
+    with counting(client) as counts:
+        r = cli("sync", root, s3_url)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert counts["ListMultipartUploads"] <= 1, counts  # a first look ahead per checkpoint: 4
+
+
+def test_a_save_to_s3_creates_its_upload_beside_the_snapshot(tmp_path, s3_url):
+    # save() waits for its marker look before it returns. The multipart upload of the shard is
+    # now created beside the snapshot too: here the look waits until CreateMultipartUpload was
+    # sent, which a save creating it only after save() returned (on main) never gets past.
+    import torch
+
+    from ckptctl import Checkpointer
+
+    st = open_storage(s3_url, multipart_threshold=5 << 20, part_size=5 << 20)
+    client = st._client.s3  # type: ignore[attr-defined]
+    created = threading.Event()
+
+    def create(**_kw: object) -> None:
+        created.set()
+
+    def marker(params: dict, **_kw: object) -> None:
+        if params.get("Prefix", "").endswith("/COMMITTED") and not created.wait(10):
+            raise AssertionError("the upload was created only after the marker's answer")
+
+    client.meta.events.register("before-call.s3.CreateMultipartUpload", create)
+    client.meta.events.register("provide-client-params.s3.ListObjectsV2", marker)
+    try:
+        with Checkpointer(s3_url, storage=st) as ck:
+            ck.save(1, {"w": torch.arange(3 << 20, dtype=torch.float32)}).wait()  # 12 MiB: 3 parts
+    finally:
+        client.meta.events.unregister("before-call.s3.CreateMultipartUpload", create)
+        client.meta.events.unregister("provide-client-params.s3.ListObjectsV2", marker)
+    r = cli("verify", f"{s3_url}/step-0000000001")
+    assert r.exit_code == 0, r.stdout + r.stderr
+
+
+def test_a_refused_save_to_s3_leaves_no_upload_open(tmp_path, s3_url):
+    # The early upload of a save that is then refused (its step is committed) is aborted.
+    import pytest
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.errors import RefusedForSafety
+
+    st = open_storage(s3_url, multipart_threshold=5 << 20, part_size=5 << 20)
+    client = st._client.s3  # type: ignore[attr-defined]
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    with Checkpointer(s3_url, storage=st) as ck:
+        ck.save(1, {"w": torch.zeros(3 << 20)}).wait()
+        with counting(client) as counts:
+            with pytest.raises(RefusedForSafety, match="already committed"):
+                ck.save(1, {"w": torch.ones(3 << 20)})
+    assert counts["CreateMultipartUpload"] == 1 and counts["AbortMultipartUpload"] == 1, counts
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
+    r = cli("verify", f"{s3_url}/step-0000000001")
+    assert r.exit_code == 0, r.stdout + r.stderr

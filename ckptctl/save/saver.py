@@ -39,7 +39,7 @@ from ckptctl.save.staging import StagingBuffer
 from ckptctl.state.capture import Captured, capture
 from ckptctl.state.pinned import HostRegion
 from ckptctl.state.roles import role_of
-from ckptctl.storage.base import Storage
+from ckptctl.storage.base import Storage, Writer
 
 log = logging.getLogger("ckptctl")
 
@@ -187,10 +187,12 @@ class Saver:
             # returns: on object storage the look is a round trip (retried by botocore when the
             # store stumbles), which the training thread used to wait for before copying.
             looked = self._looks.submit(ckpt.stat, MARKER)
+            early: Writer | None = None
             try:
                 t1 = time.perf_counter()
                 captured = capture(state, per_rank=self.world_size > 1)
                 layout = self._layout_for(captured)
+                early = self._open_early(ckpt, layout)
                 # Replicas are hashed before save returns: training may change them after.
                 replicas = replica_digests(layout, captured.tensors, self.check_replicas, captured.buffers) if self.coordinator is not None else None
                 t2 = time.perf_counter()
@@ -209,6 +211,7 @@ class Saver:
                 self._hold_steps(optimizers, fence)
             except BaseException as e:
                 wait([looked])  # a failed snapshot leaves no look running against a closing storage
+                _abort_quietly(early)
                 self._report_lost_save(step, ckpt, e)
                 raise
             # The stall, and its two parts: finding the tensors (and planning, when the state's
@@ -219,14 +222,18 @@ class Saver:
 
             def job() -> str:
                 if fence is not None:  # copies left in flight land before anything is hashed
-                    fence.synchronize()
+                    try:
+                        fence.synchronize()
+                    except BaseException:
+                        _abort_quietly(early)
+                        raise
                 if self.coordinator is not None:
                     return self._write_and_coordinate(step, ckpt, layout, buf, captured, stats, replicas, written, save_id,
-                                                      recorded)
+                                                      recorded, early)
                 t = time.perf_counter()
                 name = shard_name(self.rank, self.world_size)
                 report = write_shard(ckpt, name, layout, buf, rank=self.rank, rank_state=captured.rank_state,
-                                     fallback=attempt_name(name, save_id))
+                                     fallback=attempt_name(name, save_id), writer=early)
                 written.append(report.file)
                 stats["write_s"] = time.perf_counter() - t
                 manifest = manifest_from_reports(step, self.world_size, [report], captured.tree, stats, save_id, recorded)
@@ -243,6 +250,22 @@ class Saver:
         if not self.async_save:
             handle.wait()
         return handle
+
+    def _open_early(self, ckpt: Storage, layout: ShardLayout) -> Writer | None:
+        """On object storage, this rank's shard writer, opened and told its size now: its
+        multipart upload (and the look for a killed writer's upload of the key before it) is
+        created beside the snapshot, instead of two round trips after it, before the first part
+        of every save. A save that then fails or is refused aborts it. Not on a local disk,
+        where opening makes a file on the training thread and gains nothing."""
+        if ckpt.local_path() is not None or not layout.nbytes:
+            return None
+        writer = ckpt.open_writer(shard_name(self.rank, self.world_size))
+        try:
+            writer.expect(layout.nbytes)
+        except BaseException:
+            _abort_quietly(writer)
+            raise
+        return writer
 
     def _hold_steps(self, optimizers: list[Any], fence: Any) -> None:
         for handle in self._step_holds:  # the previous save's copies are done: stop waiting on them
@@ -264,7 +287,7 @@ class Saver:
 
     def _write_and_coordinate(self, step: int, ckpt: Storage, layout: ShardLayout, buf, captured: Captured, stats: dict[str, float],
                               replicas: list[int] | None, written: list[FileEntry] | None, save_id: str,
-                              metrics: dict[str, float] | None = None) -> str:
+                              metrics: dict[str, float] | None = None, early: Writer | None = None) -> str:
         """Multi-rank: write this rank's shard, then let the coordinator decide (writer thread).
 
         A failed write is reported to rank 0 rather than raised here, so the other ranks learn
@@ -275,7 +298,7 @@ class Saver:
         entry, error, failure = None, None, None
         try:
             entry = write_shard(ckpt, name, layout, buf, rank=self.rank, rank_state=captured.rank_state,
-                                fallback=attempt_name(name, save_id)).file
+                                fallback=attempt_name(name, save_id), writer=early).file
             if written is not None:
                 written.append(entry)
         except Exception as e:  # any failure is reported to every rank, then raised below
@@ -378,3 +401,14 @@ def _as_save_failure(step: int, url: str, job: Callable[[], str]) -> Callable[[]
             raise SaveFailed(f"save of step {step} to {url} failed: {e}", hint=getattr(e, "hint", None)) from e
 
     return run
+
+
+def _abort_quietly(writer: Writer | None) -> None:
+    """Drop a writer the save opened early; the error that ended the save is the one to report
+    (an upload left open is aborted by the next writer of its key, or by prune)."""
+    if writer is None:
+        return
+    try:
+        writer.abort()
+    except CkptError as e:
+        log.warning("could not abort the unfinished upload of a failed save: %s", e)

@@ -46,11 +46,12 @@ class ShardReport:
 
 
 def write_shard(ckpt: Storage, name: str, layout: ShardLayout, buf: torch.Tensor, *, rank: int, rank_state: dict,
-                fallback: str | None = None) -> ShardReport:
+                fallback: str | None = None, writer: Writer | None = None) -> ShardReport:
     """Write ``layout``'s bytes from ``buf`` and publish them durably as shard ``name``, or as
     ``fallback`` when ``name`` is taken, never replacing a file; the report carries the name
     used, the size, checksum and chunk count for the manifest. Raises RefusedForSafety when
-    every name is taken."""
+    every name is taken. ``writer``: one ``ckpt`` opened for ``name`` already (the save opens
+    it beside its snapshot on object storage); it is this function's from then on."""
     # The staging buffer may hold accelerator tensors at aligned offsets (``Slot.host``): the
     # file's bytes are gathered from it in file order (``file_pieces``).
     data = memoryview(buf.numpy()).cast("B")[: layout.buffer_nbytes] if layout.nbytes else memoryview(b"")
@@ -58,7 +59,7 @@ def write_shard(ckpt: Storage, name: str, layout: ShardLayout, buf: torch.Tensor
     for first in range(len(names)):
         # Nearly always one pass; a second only where the backend must choose the key before
         # writing (an S3 multipart upload) and the canonical name was taken meanwhile.
-        w = ckpt.open_writer(names[first])
+        w = writer if first == 0 and writer is not None else ckpt.open_writer(names[first])
         try:
             header, chunks = _write_all(w, layout, data, rank, rank_state)
             taken = w.publish(names[first + 1 :])

@@ -4,6 +4,7 @@ the way and the commit file written last.
 * ``engine``: the one copy engine every copy goes through (cp, restore, sync, tier promotion),
   driven by each checkpoint's layout (``layouts.base``, its copying section); ``files``: its
   file copier (each file streamed, checked, published without replacing anything);
+  ``first_look``: its verdict on the destination, asked beside the copy's first questions;
 * ``copy``: ``cp`` and ``restore`` of one checkpoint of any layout;
 * ``sync``: a whole root mirrored, every layout's checkpoints;
 * ``uploads``: unfinished S3 multipart uploads a killed writer left, and aborting them;

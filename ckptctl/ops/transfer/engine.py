@@ -9,7 +9,10 @@ One copy (``copy_in_layout``), in order:
    layout that asks for it has its source checked at ``check_before`` before a byte is copied;
 2. the destination is judged by the layout (``copy_committed``): this very checkpoint committed
    there is proven file by file ("already present"; a damaged file of it is replaced once its
-   commit record is gone); another checkpoint is refused, never replaced;
+   commit record is gone); another checkpoint is refused, never replaced. Beside that verdict
+   the copy asks its own first questions (``first_look``: the open uploads of its keys aborted,
+   the names taken listed), unless the caller expects the checkpoint there (a ``sync``
+   over a mirror that lists it);
 3. every data file is streamed from the source, checked against its proof on the way
    (``copy_files``), and published only where nothing has its name (``Writer.publish``: a link
    locally, ``If-None-Match: *`` on S3); a name already taken is used as it is when it holds
@@ -47,6 +50,7 @@ from ckptctl.layouts.copying import CopySource, ToCopy
 from ckptctl.ops.distributed import Job, agree, attempt, current, everyone, gathered, mine, on_root
 from ckptctl.ops.seal.leftovers import remove_temporaries
 from ckptctl.ops.transfer.files import Copied, Ends, at_destination, copy_files, describe_problems, proven_at
+from ckptctl.ops.transfer.first_look import first_look
 from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.ops.verify.engine import verify
 from ckptctl.progress import Progress
@@ -85,12 +89,13 @@ class CopyResult:
 
 def copy_in_layout(layout: Layout, src: Storage, into: Storage, *, into_root: bool = True,
                    progress: Progress | None = None, threads: int = COPY_THREADS,
-                   vouched: Callable[[Storage], bool] | None = None) -> CopyResult:
+                   vouched: Callable[[Storage], bool] | None = None, expect_present: bool = False) -> CopyResult:
     """Copy the committed checkpoint ``src`` of ``layout`` into ``into``: a root, where the copy
     takes the checkpoint's name (``into_root``), or the copy's own path (its parent is then the
     root, where a pointer goes), in the order of this module's docstring. ``vouched``: a
     cheaper proof that a committed copy of this very checkpoint is whole (``sync``: the
-    verification record).
+    verification record). ``expect_present``: the caller saw it at the destination, so the
+    copy asks for the layout's verdict alone before its own first questions (``first_look``).
 
     Raises NotFound (src not committed), InvalidCheckpoint (src corrupt, or the copy does not
     check out: nothing is committed at the destination), RefusedForSafety (it holds another
@@ -115,7 +120,7 @@ def copy_in_layout(layout: Layout, src: Storage, into: Storage, *, into_root: bo
         problems = verify(src, layout, source.check_before).problems
         if problems:
             raise InvalidCheckpoint(describe_problems(problems, src.url), hint=problems[0].hint or "copy an older checkpoint")
-    todo, result.note = _at_hand(layout, source, ends, job, vouched, result.note)
+    todo, result.note, taken = _at_hand(layout, source, ends, job, vouched, result.note, ahead=not expect_present)
     if todo is not None and not todo:
         result.status = "already present"
         _finish(lambda: layout.commit_copy(source, dst), dst, job)  # a record part a killed copy never wrote (a seal)
@@ -123,7 +128,7 @@ def copy_in_layout(layout: Layout, src: Storage, into: Storage, *, into_root: bo
             _check_after(layout, source, ends, None, job)
     else:
         files = [f for f in source.files if todo is None or f.name in todo]
-        copied = _copy_all(layout, source, ends, files, progress, threads, job)
+        copied = _copy_all(layout, source, ends, files, progress, threads, job, taken)
         result.bytes_copied = sum(c.bytes_copied for c in copied if c is not None)
         result.files_reused = sum(c.reused for c in copied if c is not None) + len(source.files) - len(files)
         if job is not None:
@@ -150,30 +155,33 @@ def _whole(source: CopySource) -> bool:
 
 
 def _at_hand(layout: Layout, source: CopySource, ends: Ends, job: Job | None,
-             vouched: Callable[[Storage], bool] | None, note: str | None) -> tuple[set[str] | None, str | None]:
+             vouched: Callable[[Storage], bool] | None,
+             note: str | None, *, ahead: bool) -> tuple[set[str] | None, str | None, frozenset[str] | None]:
     """What the destination already holds: None when it commits nothing (every file is to be
     copied; those already in place and proven are kept as they go), else the names of the files
-    still to copy (none when this checkpoint is there whole: "already present"); and the note
-    of the copy, saying so when a copy there was damaged. A damaged copy of this very
-    checkpoint loses its record, then its damaged files, before they are copied again;
-    anything else committed there is refused."""
+    still to copy (none when this checkpoint is there whole: "already present"); the note of
+    the copy, saying so when a copy there was damaged; and the keys taken there when the first
+    look listed them (``first_look``: the open uploads of those keys are aborted then too). A
+    damaged copy of this very checkpoint loses its record, then its damaged files, before they
+    are copied again; anything else committed there is refused."""
     dst = ends.dst
     if dst.local_path() is not None and not _whole(source):
         # A copy killed mid-file left temporaries: removed before anything is decided, so a
         # rerun neither counts them as files of the copy nor leaves them for verify to trip on.
         on_root(job, lambda: at_destination(dst, lambda: remove_temporaries(dst)))
-    there = on_root(job, lambda: at_destination(dst, lambda: layout.copy_committed(source, dst)))
+    look = on_root(job, lambda: at_destination(dst, lambda: first_look(layout, source, ends, ahead=ahead)))
+    there = look.there
     if there == "nothing":
-        return None, note
+        return None, note, look.names
     if vouched is not None and on_root(job, lambda: vouched(dst)):
-        return set(), note
+        return set(), note, None
     # Every byte, not just sizes and headers: a flipped byte in a copy trusted as "already
     # there" would be handed to training. The files are split over the ranks by bytes.
     share = [source.files[i] for i in mine(job, [f.size for f in source.files])]
     bad, failure = attempt(lambda: at_destination(dst, lambda: [f.name for f in share if not proven_at(ends, f)]))
     damaged = {name for names in gathered(job, bad, failure) for name in (names or [])}
     if not damaged:
-        return set(), note
+        return set(), note, None
     if there != "this":
         what = "another file under this checkpoint's name" if _whole(source) else \
             f"a {layout.name} checkpoint ({sorted(damaged)[0]} differs from the source)"
@@ -191,25 +199,26 @@ def _at_hand(layout: Layout, source: CopySource, ends: Ends, job: Job | None,
     first = sorted(damaged)[0]
     said = f"the copy at {dst.url} failed verification ({first or ends.name} does not hold its bytes); copied again"
     # Uncommitting may have removed the commit files too (another tool's): they are copied again.
-    return damaged | {f.name for f in source.files if f.commit}, f"{note}; {said}" if note else said
+    return damaged | {f.name for f in source.files if f.commit}, f"{note}; {said}" if note else said, None
 
 
 def _copy_all(layout: Layout, source: CopySource, ends: Ends, files: list[ToCopy], progress: Progress | None,
-              threads: int, job: Job | None) -> list[Copied | None]:
+              threads: int, job: Job | None, taken: frozenset[str] | None) -> list[Copied | None]:
     """Copy ``files`` (the data files split over the ranks, then the commit files on rank 0),
-    commit, and check the copy when the layout asks; returns what each rank copied."""
+    commit, and check the copy when the layout asks; returns what each rank copied. ``taken``:
+    the keys the first look found at the destination (its uploads of them aborted already)."""
     dst = ends.dst
     place = ends.at(source.files[0])[0] if source.files else dst
 
     def clear() -> None:  # a killed earlier run's uploads
         at_destination(dst, lambda: before_copy(place, [ends.at(f)[1] for f in files]))
 
-    if job is not None:  # once, on rank 0, before any rank writes
+    if job is not None and taken is None:  # once, on rank 0, before any rank writes
         _finish(clear, dst, job)
     data = [f for f in files if not f.commit]
     share = [data[i] for i in mine(job, [f.size for f in data])]
-    done, failure = attempt(lambda: copy_files(ends, share, progress, threads=threads,
-                                               before_writing=clear if job is None else None))
+    done, failure = attempt(lambda: copy_files(ends, share, progress, threads=threads, taken=taken,
+                                               before_writing=clear if job is None and taken is None else None))
     copied = gathered(job, done, failure)
     if any(c is not None and c.problems for c in copied):
         assert done is not None
@@ -218,7 +227,7 @@ def _copy_all(layout: Layout, source: CopySource, ends: Ends, files: list[ToCopy
     published = [name for c in copied if c is not None for name in c.published]
     last: Copied | None = Copied()
     if job is None or job.rank == 0:
-        last, failure = attempt(lambda: copy_files(ends, [f for f in files if f.commit], progress, threads=1))
+        last, failure = attempt(lambda: copy_files(ends, [f for f in files if f.commit], progress, threads=1, taken=taken))
     agree(job, failure)
     last = everyone(job, last)[0] if job is not None else last  # rank 0's, on every rank
     assert last is not None

@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Collection, Iterator, Sequence, TypeVar
 
 from ckptctl.errors import CheckpointError, RefusedForSafety, StorageError
 from ckptctl.format.shard import ShardHeader
@@ -75,21 +75,23 @@ class Copied:
 
 
 def copy_files(ends: Ends, files: Sequence[ToCopy], progress: Progress | None = None, *,
-               threads: int = COPY_THREADS, before_writing: Callable[[], object] | None = None) -> Copied:
+               threads: int = COPY_THREADS, before_writing: Callable[[], object] | None = None,
+               taken: Collection[str] | None = None) -> Copied:
     """Copy ``files`` from ``ends.src`` to ``ends.dst``, each checked against its proof as it
     streams and published only where nothing has its name; a file already there holding
     exactly its proven bytes is kept. Headers are checked first, all of them (in parallel: on
     S3 each costs a HEAD and a ranged GET), so a bad one stops the copy before a byte is copied.
     ``before_writing`` (``ops.transfer.uploads.before_copy``) runs beside those checks and the
     listing of the destination, and is over before any file's writer opens: on S3 each is a
-    request the first part would otherwise wait for, one after the other.
+    request the first part would otherwise wait for, one after the other. ``taken``: the keys
+    the destination held when the copy began (``first_look``), instead of that listing.
     Writes no commit record. Raises RefusedForSafety (a name holds other bytes: never
     replaced) and StorageError."""
     out = Copied(files=len(files))
     headers: dict[str, ShardHeader] = {}
     with ThreadPoolExecutor(max(1, threads) + 2, thread_name_prefix="ckptctl-check") as pool:
         cleared = pool.submit(before_writing) if before_writing is not None else None
-        listed = pool.submit(_names_there, ends, files)
+        listed = pool.submit(names_there, ends, files) if taken is None else None
         for item, (h, found) in zip(files, pool.map(lambda item: _header(ends.src, item), files)):
             if found:
                 out.problems[item.name] = found
@@ -100,7 +102,7 @@ def copy_files(ends: Ends, files: Sequence[ToCopy], progress: Progress | None = 
     if out.problems:
         out.before_copy = True
         return out
-    there = listed.result()  # after the verdict on the headers, as when it was asked after them
+    there = set(taken) if listed is None else listed.result()  # after the verdict on the headers
     expect_bytes(progress, sum(f.size for f in files))  # a bar's total, %, ETA
     stop = threading.Event()  # one corrupt or failed file ends the others early
 
@@ -140,7 +142,7 @@ def _header(src: Storage, item: ToCopy) -> tuple[ShardHeader | None, list[Proble
     return check_file(src, item.proof.entry, item.proof.manifest, found), found
 
 
-def _names_there(ends: Ends, files: Sequence[ToCopy]) -> set[str]:
+def names_there(ends: Ends, files: Sequence[ToCopy]) -> set[str]:
     """The keys the destination already has among those ``files`` are written to: one listing
     of the copy's directory (a stat for a one-file checkpoint), not a request per file."""
     if not files:

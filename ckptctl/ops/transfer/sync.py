@@ -148,7 +148,8 @@ def sync(
         for entry in sources:
             if lock is not None:
                 lock.refresh()
-            result.items.append(_one(entry, layout_named(entry.layout, src), dst, cache, dry_run, progress))
+            result.items.append(_one(entry, layout_named(entry.layout, src), dst, cache, dry_run, progress,
+                                     there=entry.name in have))
         if delete:
             _delete_extra(src, dst, sources, cache, result, lock)
         # Uploads a killed sync (or save) left open in DST's checkpoints (ops.transfer.uploads).
@@ -197,7 +198,8 @@ def _bytes_to_read(src: Storage, sources: list[Checkpoint], dst: Storage, have: 
 
 
 def _one(entry: Checkpoint, layout: Layout, dst_root: Storage, cache: VerifyCache, dry_run: bool,
-         bar: Progress | None) -> SyncItem:
+         bar: Progress | None, *, there: bool) -> SyncItem:
+    """Mirror one checkpoint; ``there``: DST's listing showed an entry of its name."""
     assert entry.storage is not None
     dst = dst_root.sub(entry.name)
     progress = counting_only(bar)  # the bytes were announced up front (_bytes_to_read)
@@ -217,7 +219,8 @@ def _one(entry: Checkpoint, layout: Layout, dst_root: Storage, cache: VerifyCach
             else:
                 item.action, item.detail = "present", "committed there; its bytes are checked by a real run"
             return item
-        copied = copy_in_layout(layout, entry.storage, dst_root, progress=progress, vouched=recorded)
+        copied = copy_in_layout(layout, entry.storage, dst_root, progress=progress, vouched=recorded,
+                                expect_present=there)
         if copied.status == "already present":
             item.action = "present"
             item.detail = "unchanged since verified" if vouched else (copied.note or "verified in place")
