@@ -167,10 +167,13 @@ class RoundLeader:
         except CkptError:
             self._done.pop(name, None)
             raise
-        for f in files:  # each rank's ok is its own writer's commit; a size check costs a HEAD
-            info = dst.stat(f.name)
-            if info is None or info.size != f.size:
-                raise StorageError(f"{dst.url_of(f.name)}: {'missing' if info is None else f'{info.size} bytes'} "
+        # Each rank's ok is its own writer's commit; the sizes are checked from one listing (a
+        # stat per file was a round trip each, in series, between the data and the marker).
+        there = {info.key: info.size for info in dst.list() if info.kind == "file"}
+        for f in files:
+            size = there.get(f.name)
+            if size != f.size:
+                raise StorageError(f"{dst.url_of(f.name)}: {'missing' if size is None else f'{size} bytes'} "
                                    f"after rank {f.rank} reported it uploaded ({f.size} bytes)",
                                    hint="the next tier lost a write; the promotion is retried")
         commit_copy(dst, source)  # the marker last
