@@ -41,7 +41,7 @@ from ckptctl.tiers.promotion_round import RoundLeader, RoundWorker
 from ckptctl.tiers.replica import ReplicaWorker, announce
 from ckptctl.tiers.replica_link import Ring
 from ckptctl.tiers.link import Link
-from ckptctl.tiers.stream import Outbox, StreamWorker
+from ckptctl.tiers.stream import GIVEN_UP, Outbox, StreamWorker
 from helpers import tmpfs
 from tcp_fault_proxy import TcpFaultProxy
 from test_tiers import _until, records  # noqa: F401  (a fixture)
@@ -183,6 +183,38 @@ def test_a_receiver_about_to_wait_for_a_message_rank_0_gave_up_takes_the_next(st
         proxy.close()
     assert not receiver.alive
     assert store.num_keys() <= 3  # the stream's own and the store's; nothing of the messages
+
+
+def test_a_receiver_waiting_for_a_message_closed_unfinished_takes_stop(store) -> None:
+    """Rank 0 closes the stream while a receiver has not finished message 1: its wait for it,
+    held here between its two requests, reaches the store after ``finish`` (its wait for the
+    ``stop`` reply over) dealt with message 1. Deleted, the message left the receiver's thread
+    waiting an hour (``WAIT_S``); a tombstone wakes it to read the floor, take ``stop`` and end.
+    What stays: the floor, ``stop``, its reply and the tombstone, nothing more."""
+    proxy = TcpFaultProxy(store.port)
+    via_proxy = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, wait_for_workers=False)
+    sender = Link(store, "closing/", "sender", "", None)
+    out = Outbox(sender, "s", {1}, keep=4, collected=True)
+    release = proxy.hold(b"s/1")  # the receiver's wait for message 1
+    receiver = _Echo(Link(via_proxy, "closing/", "receiver", "", None), "s", 1, None)
+    receiver.start()
+    try:
+        _until(lambda: proxy._held is None, "the receiver waiting for message 1", 30)
+        before = store.num_keys()
+        out.send({"op": "go", "i": 1})
+        out.finish(out.stop(), 0.5)  # the receiver did not take stop in time
+        release.set()
+        assert receiver.join(30), "the receiver still waits for message 1"
+        assert receiver.rounds == 0  # message 1 was given up, not handled
+        keys = dist.PrefixStore("closing/", store)
+        # A set is not answered: the reply may still be on its way through the proxy's thread.
+        _until(lambda: keys.check(["s/2/r1"]), "the receiver's reply to stop reaching the store", 30)
+        assert keys.get("s/2/r1") == b"stopped"
+        assert keys.get("s/1") == GIVEN_UP and keys.get("s/floor") == b"2" and keys.check(["s/2"])
+        assert store.num_keys() - before == 3  # stop, its reply, the tombstone (the floor was there)
+    finally:
+        release.set()
+        proxy.close()
 
 
 def test_store_keys_threads_and_files_stay_bounded_through_200_failed_rounds(tmp_path, store, monkeypatch) -> None:

@@ -65,18 +65,24 @@ def save(rank: int, a: dict) -> dict:
             **_close_report(ck)}
 
 
-def load(rank: int, a: dict) -> dict:
-    """``load_latest`` into a zeroed state; compare bitwise with what that step saved; then
-    save ``then_save`` steps, if any, and close."""
+def _loaded(ck: Any, rank: int) -> dict:
+    """``load_latest`` into a zeroed state; its step, and whether the state is bitwise what
+    that step saved."""
     import torch
 
     state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
-    ck = _checkpointer(a)
     step = ck.load_latest(state, prepare=False)
     want = state_for(step, rank) if step is not None else None
     equal = want is not None and all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b")) \
         and state["extra"] == want["extra"]
-    loaded = {"step": step, "bitwise_equal": equal}
+    return {"step": step, "bitwise_equal": equal}
+
+
+def load(rank: int, a: dict) -> dict:
+    """``load_latest`` into a zeroed state; compare bitwise with what that step saved; then
+    save ``then_save`` steps, if any, and close."""
+    ck = _checkpointer(a)
+    loaded = _loaded(ck, rank)
     _write(a["out"], f"loaded{rank}.json", loaded)  # read by a test that kills this job before it ends
     for s in a.get("then_save", []):
         ck.save(s, state_for(s, rank)).wait()
@@ -96,11 +102,14 @@ def _write(out: str, name: str, doc: dict) -> None:
 
 def _replica_tiers(a: dict) -> list:
     """Node-local first tier with ``replicas`` (default 1), keeping ``keep_local`` (default 2);
-    S3 keeping 2, receiving the first checkpoint and then every ``every`` steps (default 1000)."""
+    S3 keeping 2, receiving the first checkpoint and then every ``every`` steps (default 1000),
+    unless ``remote`` is None."""
     from ckptctl import KeepLast, Steps, Tier
 
-    return [Tier(a["local"], retention=KeepLast(a.get("keep_local", 2)), node_local=True, replicas=a.get("replicas", 1)),
-            Tier(a["remote"], retention=KeepLast(2), every=Steps(a.get("every", 1000)), retry_max_s=1.0)]
+    local = Tier(a["local"], retention=KeepLast(a.get("keep_local", 2)), node_local=True, replicas=a.get("replicas", 1))
+    if a["remote"] is None:
+        return [local]
+    return [local, Tier(a["remote"], retention=KeepLast(2), every=Steps(a.get("every", 1000)), retry_max_s=1.0)]
 
 
 def _replica_state(step: int, rank: int, a: dict) -> dict:
@@ -159,15 +168,8 @@ def replica_save(rank: int, a: dict) -> dict:
 
 def replica_load(rank: int, a: dict) -> dict:
     """``load_latest`` into a zeroed state, compared bitwise with what that step saved; close."""
-    import torch
-
-    state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
     ck = _replica_checkpointer(a)
-    step = ck.load_latest(state, prepare=False)
-    want = state_for(step, rank) if step is not None else None
-    equal = want is not None and all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b")) \
-        and state["extra"] == want["extra"]
-    return {"step": step, "bitwise_equal": equal, **_close_report(ck)}
+    return {**_loaded(ck, rank), **_close_report(ck)}
 
 
 # --- close at the end of a job (tests/test_tiers_close.py) --------------------------------------
@@ -301,17 +303,20 @@ def free_port() -> int:
 
 
 class Job:
-    """Two torchrun launches, one per node, each in a process group of its own."""
+    """Two torchrun launches, one per node, each in a process group of its own. ``port``: where
+    node 0's agent hosts the c10d store (default: a free port); ``via``: the port another node
+    reaches it through instead (a ``tcp_fault_proxy`` in front of it), by node."""
 
-    def __init__(self, scenario: str, node_args: list[dict], out: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, scenario: str, node_args: list[dict], out: str, env: dict[str, str] | None = None,
+                 port: int | None = None, via: dict[int, int] | None = None) -> None:
         os.makedirs(out, exist_ok=True)
-        self.out, port = out, free_port()
+        self.out, port = out, port or free_port()
         self.port = port  # node 0's agent hosts the job's c10d store here
         self.procs = []
         for node, args in enumerate(node_args):
             cmd = [sys.executable, "-c", _AGENT, os.path.join(out, f"agent{node}-stacks.txt"),
-                   "--nnodes", "2", "--node-rank", str(node),
-                   "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                   "--master-port", str((via or {}).get(node, port)),
                    "--max-restarts", "0", "--monitor-interval", "0.2", __file__, scenario, json.dumps(args), out]
             log = open(os.path.join(out, f"node{node}.log"), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

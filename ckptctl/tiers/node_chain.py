@@ -272,7 +272,9 @@ class NodeTiers(Tiers):
         deadline = time.monotonic() + timeout_s
         for t in self._workers():
             if not t.join(max(0.0, deadline - time.monotonic())):
-                log.warning("tiers: rank %d stopped waiting for rank 0's last promotion after %.0f s", self.rank, timeout_s)
+                # The keeper too: its node's copy of the newest step may then be uncommitted.
+                log.warning("tiers: rank %d stopped waiting for its %s to take rank 0's stop after %.0f s",
+                            self.rank, t.link.worker, timeout_s)
         gone = self._store_gone()
         if gone is not None and self.rank != 0:
             log.warning("close: rank %d: %s; rank 0's last promotion and replica rounds may not have finished; its "

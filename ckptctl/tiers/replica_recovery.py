@@ -18,7 +18,9 @@ checksum, the file checksum) before it is kept; one that does not check out is d
 the load reads it from the next tier (``tiers.layered``). Once every rank is done (a barrier),
 each node's leader commits its node's copy by the node-local rule (``node_commit.commit_here``:
 manifest, marker last) when its marker is absent and its ranks' files are all there; a second
-barrier keeps every rank from reading the step before its node's marker is written.
+barrier keeps every rank from reading the step before its node's marker is written. A node
+that lacks nothing but its marker (the job died before rank 0's ``commit`` message reached its
+leader) is committed the same way.
 
 All of it is collective and bounded: every rank takes part whether it needs anything or not;
 a holder without a complete replica announces the file as absent; a dead peer fails the
@@ -85,24 +87,27 @@ class Recovery:
         try:
             need_own = any(_absent(ckpt, f) for f in mine)
             need_rep = bool(theirs) and not complete(rep, src, source.manifest_raw, theirs)
+            # A node whose files are all there may still lack its marker: the job died before
+            # rank 0's commit message reached its leader. It is committed below all the same.
+            need_marker = self.rank == min(self.node_ranks) and ckpt.stat(MARKER) is None
         except CkptError as e:  # this disk cannot be read: it asks for nothing, the next tier serves it
             log.warning("peer replica: rank %d cannot tell what its node lacks of %s: %s", self.rank, name, e)
-            need_own = need_rep = False
+            need_own = need_rep = need_marker = False
         try:
-            needs = self._all_gather([int(need_own), int(need_rep)])
+            needs = self._all_gather([int(need_own), int(need_rep), int(need_marker)])
         except CkptError as e:
             log.warning("peer replica: checkpoint %s not restored from replicas: %s", name, e)
             return
         if not any(any(n) for n in needs):
             return
-        try:
+        try:  # nothing to send or receive when a marker alone is missing
             self._exchange(name, source, needs, need_own, need_rep)
         except (CkptError, OSError) as e:  # this disk: what is missing is read from the next tier
             log.warning("peer replica: rank %d could not restore %s: %s", self.rank, name, e)
         self._commit_node(ckpt, name, source)
 
     def _exchange(self, name: str, source: Committed, needs: list[list[int]], need_own: bool, need_rep: bool) -> None:
-        """This rank's sends and receives for ``needs`` (every rank's ``[own, replica]``)."""
+        """This rank's sends and receives for ``needs`` (every rank's ``[own, replica, marker]``)."""
         ckpt, rep, manifest = self.root.sub(name), replica_dir(self.root, name), source.manifest
         src, tag = self.ring.source(self.rank), TAG_BASE + 2 * self._calls
         mine, theirs = _files(manifest, self.rank), _files(manifest, src)

@@ -28,7 +28,8 @@ busy with an older one skips to it. A reply rank 0's watch wrote for a dead rank
 Replies that land after their message was given up are deleted at the next sends (a
 receiver also replies only at or above the floor). At ``close``, rank 0 sends ``stop``, waits
 a bounded time for every receiver to take it, and deletes the rest (a receiver that has not
-taken it is left ``stop``, a floor pointing at it, and its reply if it ever comes). A
+taken it is left ``stop``, a floor pointing at it, a tombstone for each message it had not
+finished, so that a wait for one of them ends at once, and its reply if it ever comes). A
 stream's keys are thus bounded by ``keep`` messages and their replies, whatever happens, for
 as long as the job runs.
 
@@ -150,23 +151,30 @@ class Outbox:
     def finish(self, n: int, timeout_s: float) -> None:
         """After ``stop`` (message ``n``): wait up to ``timeout_s`` for every receiver to take it,
         then delete every other key of the stream. A receiver that had not taken ``stop`` by
-        then (dead, or still busy) is left the ``stop`` message and a floor that skips to it,
-        and replies to it if it ever gets there: the only keys a closed stream may leave, two
-        plus one per such receiver."""
+        then (dead, or still busy) is left the ``stop`` message, a floor that skips to it, a
+        tombstone for each message it had not finished (at most ``keep``), and replies to
+        ``stop`` if it ever gets there: the only keys a closed stream may leave."""
         self.replies(self.link, n, timeout_s)
         with self._lock:
             left = self._open.pop(n, set())
-            for m in sorted(self._open):
-                self._delete(m, self._open[m])
-            self._open.clear()
-            for m, (late, _) in list(self._late.items()):
-                self._delete(m, late)
-            self._late.clear()
             if left:
                 log.info("tiers: rank%s %s did not take the %s stream's stop within %.0f s",
                          "s" if len(left) > 1 else "", ", ".join(map(str, sorted(left))), self.stream, timeout_s)
                 self.link.call(lambda st: st.set(f"{self.stream}/floor", str(n)))
-            else:
+            # A message one of them has not finished may be what it waits for now, the floor read
+            # before it was raised: a tombstone wakes it to read the floor again and take stop.
+            # Deleted, it left that receiver waiting WAIT_S on a daemon thread.
+            pending = {m: set(k) for m, k in self._open.items()}
+            pending.update({m: set(late) for m, (late, _) in self._late.items()})
+            for m, ranks in sorted(pending.items()):
+                if ranks & left:
+                    self.link.call(lambda st, m=m: st.set(f"{self.stream}/{m}", GIVEN_UP))
+                    self._delete_replies(m, ranks)
+                else:
+                    self._delete(m, ranks)
+            self._open.clear()
+            self._late.clear()
+            if not left:
                 self.link.call(lambda st: st.delete_key(f"{self.stream}/floor"))
         self.link.give_back()
 
