@@ -8,6 +8,7 @@ its scenario returns as JSON to ``OUT/rankR.json``. The S3 endpoint comes from t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -81,7 +82,18 @@ def node_saves(rank: int, world: int, a: dict) -> dict:
     os.environ["GROUP_RANK"] = str(rank)
     from ckptctl import Checkpointer, Tier
 
-    ck = Checkpointer(tiers=[Tier(a["roots"][rank], node_local=True)], timeout_s=a.get("timeout_s", 900.0))
+    warned: list[str] = []
+
+    class Warnings(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warned.append(record.getMessage())
+
+    logging.getLogger("ckptctl").addHandler(Warnings())
+    tiers = [Tier(a["roots"][rank], node_local=True, replicas=a.get("replicas", 0))]
+    if "next" in a:
+        tiers.append(Tier(a["next"]))
+    ck = Checkpointer(tiers=tiers, timeout_s=a.get("timeout_s", 900.0))
     outcomes = []
     for step in a["steps"]:
         try:
@@ -90,7 +102,7 @@ def node_saves(rank: int, world: int, a: dict) -> dict:
         except Exception as e:  # the test reads which saves failed, and how
             outcomes.append(f"{type(e).__name__}: {e}")
     ck.close()
-    return {"outcomes": outcomes}
+    return {"outcomes": outcomes, "warnings": warned}
 
 
 SCENARIOS = {"save_tiers": save_tiers, "load_tiers": load_tiers, "build_fails": build_fails, "node_saves": node_saves}
