@@ -228,7 +228,7 @@ def test_du_counts_what_killed_runs_left_apart_from_the_checkpoints(tmp_path):
     assert before["scratch_bytes"] == left and before["scratch_bytes_freed"] is None
     assert before["bytes"] == sum(c["bytes"] for c in before["checkpoints"])  # the checkpoints' own, as before
     text = cli("du", root)
-    assert "left by killed runs (1 staging copy, 1 temporary" in text.stdout, text.stdout
+    assert "of scratch (1 staging copy, 1 temporary" in text.stdout, text.stdout
 
     young = cli("du", root, "--keep-last", "2", "--json").json()
     assert young["scratch_bytes_freed"] == 0 and young["bytes_freed"] == 0, young

@@ -17,7 +17,7 @@ from ckptctl.ops.retention.plan import DEFAULT_PARTIAL_AFTER_S
 def du(
     root: RootArg,
     retention: RetentionOptions,
-    partial_after: Annotated[str, typer.Option("--partial-after", help="As prune: directories without a marker, and what killed runs left, count as abandoned once idle for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
+    partial_after: Annotated[str, typer.Option("--partial-after", help="As prune: directories without a marker, and scratch (staging copies, temporaries), count as abandoned once idle for DURATION.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="As prune: count committed checkpoints that fail verification as freed.")] = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -30,12 +30,12 @@ def du(
     verification record shows it unchanged), so "will free" is what prune with the same options
     deletes. Writes nothing.
 
-    What killed runs left under ROOT, which no checkpoint's size counts, is listed after the
-    checkpoints and totalled apart: the hidden staging copies of re-sharding restores
-    (.restore-staging-*, STATUS staging) and the temporary files of ckptctl's writes at ROOT
-    (.NAME.tmp-PID-HEX, STATUS temporary, STEP "-"). Prune deletes them once idle for
-    --partial-after; with a policy, "will free" includes them, and the temporaries inside the
-    checkpoints it keeps (counted in those checkpoints' sizes).
+    Scratch under ROOT, which no checkpoint's size counts, is listed after the checkpoints and
+    totalled apart: the hidden staging copies of re-sharding restores (.restore-staging-*,
+    STATUS staging) and the temporary files of ckptctl's writes at ROOT (.NAME.tmp-PID-HEX,
+    STATUS temporary, STEP "-"), a killed run's or a live one's. Prune deletes each once idle
+    for --partial-after; with a policy, "will free" includes them, and the temporaries inside
+    the checkpoints it keeps (counted in those checkpoints' sizes).
 
     Exit status: 0 done; 1 with a policy, no checkpoint verifies (prune would delete nothing);
     2 usage error; 3 storage error.
@@ -57,7 +57,7 @@ def du(
         if report.scratch:
             staged = sum(e.status == "staging" for e in report.scratch)
             temps = len(report.scratch) - staged
-            say(f"plus {human_bytes(report.scratch_bytes)} left by killed runs ({staged} staging "
+            say(f"plus {human_bytes(report.scratch_bytes)} of scratch ({staged} staging "
                 f"cop{'y' if staged == 1 else 'ies'}, {temps} temporar{'y' if temps == 1 else 'ies'}; "
                 "prune deletes each once idle for --partial-after)")
         if with_plan:
@@ -65,7 +65,7 @@ def du(
                 say(f"prune would free nothing: {report.refused}")
             else:
                 n = len(report.freed)
-                scratch = (f", and {human_bytes(report.scratch_bytes_freed)} killed runs left"
+                scratch = (f", and {human_bytes(report.scratch_bytes_freed)} of scratch"
                            if report.scratch_bytes_freed else "")
                 say(f"prune ({report.policy}) will free {human_bytes(report.bytes_freed)} "
                     f"({n} checkpoint{'' if n == 1 else 's'}){scratch}")
