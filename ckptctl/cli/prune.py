@@ -56,13 +56,15 @@ def prune(
     (unless --delete-broken). Directories without a marker are left alone until idle for
     --partial-after. So is the hidden staging copy a re-sharding restore (restore --world-size)
     makes and removes itself: one a killed restore left under ROOT (.restore-staging-*) is
-    listed in the plan and deleted once idle for --partial-after, and so is each hidden
-    temporary file a killed ckptctl write left (.NAME.tmp-PID-HEX: at ROOT, or inside a
-    committed checkpoint it keeps; on a filesystem, where nothing else makes such names; STEP
-    "-" when at ROOT). Symlinked step directories are removed (the link only; its target is
+    listed in the plan and deleted once idle for --partial-after. Symlinked step directories are removed (the link only; its target is
     never followed or touched), except one another stack's pointer names (DeepSpeed's latest,
     Megatron's tracker, a best checkpoint): that is kept, as is every pointer target.
     Deleting removes the marker first.
+
+    The hidden temporary file a killed ckptctl write left on a filesystem (.NAME.tmp-PID-HEX,
+    a name nothing else makes; at ROOT, STEP -, or inside a committed checkpoint it keeps) is
+    listed as temporary and deleted once idle for --partial-after too; a file of any other
+    name, and a directory or link under such a name, is left alone.
 
     A lock under ROOT stops
     two prunes from running at once (--dry-run takes none); it is taken without needing a free
