@@ -40,7 +40,8 @@ def test_every_verb_is_documented() -> None:
 # (anywhere in it: top level, or in the per-checkpoint objects).
 FIELDS = {
     "ls": ["url", "checkpoints", "counts", "bytes", "step", "name", "status", "created", "age_s", "reason", "layout"],
-    "du": ["url", "bytes", "policy", "refused", "bytes_freed", "checkpoints_freed", "notes", "checkpoints", "prune"],
+    "du": ["url", "bytes", "policy", "refused", "bytes_freed", "checkpoints_freed", "notes", "checkpoints", "prune",
+           "scratch", "scratch_bytes", "scratch_bytes_freed"],
     "rm": ["dry_run", "confirmed", "bytes", "notes", "checkpoints", "url", "status", "result", "detail", "anchor"],
     "sync": ["src", "dst", "dry_run", "bytes", "seconds", "notes", "counts", "checkpoints", "url", "action", "detail"],
     "prune": ["dry_run", "plan", "root", "policy", "anchor", "refused", "items", "status", "action", "reason", "bytes", "outcome"],

@@ -259,6 +259,11 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, right:
     stream.flush()
 
 
+def step_shown(step: int) -> str:
+    """A STEP column's cell: "-" for what is no checkpoint's (a temporary at the root, step -1)."""
+    return str(step) if step >= 0 else "-"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.common import JsonOpt, QuietOpt, RootArg, command, emit_json, err, human_bytes, out, print_table
+from ckptctl.cli.common import JsonOpt, QuietOpt, RootArg, command, emit_json, err, human_bytes, out, print_table, step_shown
 from ckptctl.cli.policy import RetentionOptions, retention_options
 from ckptctl.cli.progress import byte_progress
 from ckptctl.durations import format_duration, parse_duration
@@ -24,7 +24,7 @@ def interactive() -> bool:
 def prune(
     root: RootArg,
     retention: RetentionOptions,
-    partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker, and the staging copies of killed re-sharding restores, once nothing in them changed for DURATION; on S3, also abort unfinished uploads inside checkpoint directories idle that long.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
+    partial_after: Annotated[str, typer.Option("--partial-after", help="Delete directories without a marker, the staging copies of killed re-sharding restores and the temporary files of killed ckptctl writes, once nothing in them changed for DURATION; on S3, also abort unfinished uploads inside checkpoint directories idle that long.", metavar="DURATION")] = format_duration(DEFAULT_PARTIAL_AFTER_S),
     delete_broken: Annotated[bool, typer.Option("--delete-broken", help="Also delete committed checkpoints that fail verification.")] = False,
     seal: Annotated[bool, typer.Option("--seal", help="Seal other tools' anchors this run test-loaded (as `ckptctl seal` does), so later runs check their bytes instead of test-loading them.")] = False,
     reverify: Annotated[bool, typer.Option("--reverify", help="Re-read checkpoints even if a recorded verification says they are unchanged.")] = False,
@@ -60,6 +60,11 @@ def prune(
     never followed or touched), except one another stack's pointer names (DeepSpeed's latest,
     Megatron's tracker, a best checkpoint): that is kept, as is every pointer target.
     Deleting removes the marker first.
+
+    The hidden temporary file a killed ckptctl write left on a filesystem (.NAME.tmp-PID-HEX,
+    a name nothing else makes; at ROOT, STEP -, or inside a committed checkpoint it keeps) is
+    listed as temporary and deleted once idle for --partial-after too; a file of any other
+    name, and a directory or link under such a name, is left alone.
 
     A lock under ROOT stops
     two prunes from running at once (--dry-run takes none); it is taken without needing a free
@@ -158,7 +163,7 @@ def _print_plan(plan: PrunePlan, *, to_stderr: bool = False) -> None:
             err.print(f"  hint: its format records no checksums: {v['seal_hint']}; or pass --seal",
                       markup=False, highlight=False)
     print_table(("STEP", "ACTION", "SIZE", "NAME", "REASON"),
-                [(str(i.step), i.action, human_bytes(i.size), i.name, i.reason) for i in plan.items],
+                [(step_shown(i.step), i.action, human_bytes(i.size), i.name, i.reason) for i in plan.items],
                 right=("STEP", "SIZE"), console=console)
     if plan.refused:
         console.print(plan.refused, markup=False, highlight=False)

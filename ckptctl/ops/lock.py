@@ -49,6 +49,7 @@ from ckptctl.durations import format_duration
 from ckptctl.errors import InvalidCheckpoint, LockHeld, NotFound, StorageError
 from ckptctl.ops.lock_info import LOCK_KEY, MAX_LOCK_BYTES, LockInfo, _proc_start, stale_reason  # noqa: F401 (_proc_start: tests)
 from ckptctl.storage.base import Storage
+from ckptctl.storage.local_io import temporary_name
 
 GUARD_KEY = ".ckptctl-lock.break"
 DEFAULT_STALE_AFTER_S = 6 * 3600.0
@@ -329,7 +330,8 @@ class RootLock:
     def _link_written(self, path: str, data: bytes) -> int | None:
         """``data`` in a temporary file hard-linked to ``path`` (FileExistsError if taken): its
         descriptor, or None when no block is free."""
-        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        # Named as every temporary ckptctl writes, so that prune reclaims one a SIGKILL left.
+        tmp = os.path.join(os.path.dirname(path), temporary_name(os.path.basename(path)))
         fd = self._open_new(tmp)
         try:
             try:

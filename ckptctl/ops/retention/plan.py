@@ -10,8 +10,8 @@ planned on their own: their own anchor (the newest resumable one that passes ful
 verification by that layout's rules: the one verify engine at ``ANCHOR_LEVEL``, so ``verify``
 at that level and ``prune`` never disagree about a checkpoint), the policies counted within the
 layout, what its pointers and best checkpoints name protected. Only a layout's *own* incomplete checkpoints are subject to
-``partial_after_s``, and the staging copies killed restores left (``ops.retention.scratch``); a
-directory no layout claims (``unknown``) is never deleted.
+``partial_after_s``, and so are the staging copies and temporaries killed runs left
+(``ops.retention.scratch``); a directory no layout claims (``unknown``) is never deleted.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ckptctl.layouts.protection import protected
 from ckptctl.layouts.removal import entry_snapshot
 from ckptctl.ops.retention.planned import PlanItem, PrunePlan, by_idle_time
 from ckptctl.ops.retention.policies import Candidate, KeepSteps, RetentionPolicy
-from ckptctl.ops.retention.scratch import staging_copies
+from ckptctl.ops.retention.scratch import staging_copies, temporaries
 from ckptctl.ops.seal.sealing import write_seal
 from ckptctl.ops.verify.cache import Fingerprint, VerifyCache, fingerprint, verify_cached
 from ckptctl.ops.verify.report import VerifyReport
@@ -99,9 +99,9 @@ def plan(
         if item.kind != "link" and p.anchors.get(item.layout) is None:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no {item.layout} checkpoint verifies"
     _protect(p, root)
-    staged_in = CHECKPOINTER_LAYOUTS[0]  # the layout a re-sharding restore stages its copy in
-    if staged_in.name in p.managed:
-        p.items += staging_copies(root, p.managed[staged_in.name], p.now, partial_after_s)
+    own = p.managed.get(CHECKPOINTER_LAYOUTS[0].name)  # what a restore stages in, ckptctl's temporaries listed under
+    if own is not None:
+        p.items += staging_copies(root, own, p.now, partial_after_s) + temporaries(root, own, p.now, partial_after_s, p.items)
     if p.refused is not None:
         for item in p.deletions:
             item.action, item.reason = "skip", f"{item.reason}; not deleted: no checkpoint verifies"

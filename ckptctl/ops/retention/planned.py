@@ -20,12 +20,14 @@ from ckptctl.ops.verify.cache import Fingerprint, VerifyCache
 from ckptctl.storage.base import Storage
 
 Action = Literal["keep", "delete", "skip"]
-Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown", "staging"]  # staging: ops.retention.scratch
+# staging (a killed restore's copy), temporary (a killed ckptctl write's file): ops.retention.scratch
+Kind = Literal["committed", "broken", "partial", "link", "duplicate", "unknown", "staging", "temporary"]
 
 
 @dataclass
 class PlanItem:
-    """One step entry under the root (or a restore's staging copy) and what the plan does with it."""
+    """One step entry under the root (or what a killed run left: a restore's staging copy, a
+    write's temporary) and what the plan does with it."""
 
     step: int
     name: str
@@ -111,7 +113,7 @@ class PrunePlan:
 
 def by_idle_time(root: Storage, item: PlanItem, now: float, partial_after_s: float, what: str) -> None:
     """Prune's rule for what may still be written (a partial checkpoint, a restore's staging
-    copy), ``what`` it is: ``item`` (its snapshot taken) is deleted when nothing in it, the
+    copy, a write's temporary), ``what`` it is: ``item`` (its snapshot taken) is deleted when nothing in it, the
     directory itself included, was modified for ``partial_after_s`` at ``now``; else left alone."""
     own = root.stat(item.name)
     item.modified = max([s[2] for s in item.snapshot] + [own.mtime if own else 0.0])

@@ -28,6 +28,11 @@ Safety, in this order (the user-facing statement is ``man/ckptctl-prune.1``):
    directories, never a checkpoint anyone lists) are deleted by rule 3's idle time and with
    its re-check, as ``staging`` items of the plan (``ops.retention.scratch``); a link or a file
    under such a name is left alone. Like everything else, not while no checkpoint verifies.
+8. **Temporaries** a killed ckptctl write left (``.NAME.tmp-PID-HEX``, the one name its atomic
+   writes give: at the root, or inside a committed checkpoint the plan keeps) are deleted the
+   same way, one file each, as ``temporary`` items (``ops.retention.scratch``); a file of any
+   other name, a directory or a link under such a name is left alone. Filesystem roots only:
+   the S3 backend never makes a temporary name.
 
 Deleting one checkpoint removes its marker first, then the manifest, then everything else, then
 the empty directory: a prune killed at any point leaves something that reads as partial, never
