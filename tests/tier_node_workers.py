@@ -303,7 +303,7 @@ def free_port() -> int:
 
 
 class Job:
-    """Two torchrun launches, one per node, each in a process group of its own. ``port``: where
+    """One torchrun launch per node (two in most tests), each in a process group of its own. ``port``: where
     node 0's agent hosts the c10d store (default: a free port); ``via``: the port another node
     reaches it through instead (a ``tcp_fault_proxy`` in front of it), by node."""
 
@@ -311,11 +311,12 @@ class Job:
                  port: int | None = None, via: dict[int, int] | None = None) -> None:
         os.makedirs(out, exist_ok=True)
         self.out, port = out, port or free_port()
+        self.world = 2 * len(node_args)
         self.port = port  # node 0's agent hosts the job's c10d store here
         self.procs = []
         for node, args in enumerate(node_args):
             cmd = [sys.executable, "-c", _AGENT, os.path.join(out, f"agent{node}-stacks.txt"),
-                   "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                   "--nnodes", str(len(node_args)), "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                    "--master-port", str((via or {}).get(node, port)),
                    "--max-restarts", "0", "--monitor-interval", "0.2", __file__, scenario, json.dumps(args), out]
             log = open(os.path.join(out, f"node{node}.log"), "w")
@@ -351,7 +352,7 @@ class Job:
 
     def results(self, name: str = "rank") -> dict[int, dict]:
         found = {}
-        for r in range(4):
+        for r in range(self.world):
             path = os.path.join(self.out, f"{name}{r}.json")
             found[r] = json.load(open(path)) if os.path.exists(path) else {"missing": True}
         return found
@@ -368,7 +369,7 @@ class Job:
 
     def _signal_ranks(self, sig: int) -> None:
         """Send ``sig`` to every rank that wrote its pid file and is still there."""
-        for r in range(4):
+        for r in range(self.world):
             path = os.path.join(self.out, f"pid{r}")
             if os.path.exists(path):
                 try:
@@ -386,9 +387,9 @@ class Job:
 
     def logs(self) -> str:
         parts = [open(os.path.join(self.out, f"node{n}.log")).read()[-3000:] for n in range(len(self.procs))]
-        started = [r for r in range(4) if os.path.exists(os.path.join(self.out, f"pid{r}"))]
+        started = [r for r in range(self.world) if os.path.exists(os.path.join(self.out, f"pid{r}"))]
         parts.append(f"--- ranks started (their pid file written): {started}")
-        stacks = [(f"rank {r}", f"stacks{r}.txt") for r in range(4)]
+        stacks = [(f"rank {r}", f"stacks{r}.txt") for r in range(self.world)]
         stacks += [(f"node {n}'s agent", f"agent{n}-stacks.txt") for n in range(len(self.procs))]
         for who, name in stacks:
             path = os.path.join(self.out, name)

@@ -119,13 +119,16 @@ class NodeTiers(Tiers):
         channel = self.channel = Channel(group_name, rank, world_size, self.health)
         nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
         self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
-        if rank == 0 and len(set(nodes)) > 1 and not replicas and len(self.specs) == 1:
-            # Saves work, and verify, ls and prune of each node's root; only a resume cannot, so
-            # without this a relaunched job would find no checkpoint it can load and start over.
-            log.warning("tiers: %s is node-local, with no peer replicas and no later tier, on a job of %d nodes: "
-                        "each node's disk holds only its own ranks' shards, and every rank reads rank 0's shard to "
-                        "resume, so load_latest cannot resume this job from it; add a later tier "
-                        "(Tier('s3://bucket/prefix')) or set replicas=1", self.roots[0].url, len(set(nodes)))
+        if rank == 0 and len(self.specs) == 1 and len(set(nodes)) > (2 if replicas else 1):
+            # Every rank reads rank 0's shard to resume (its header at least), which only rank 0's
+            # node and, with replicas, the one node keeping its replica hold. Saves work, and so
+            # do verify, ls and prune of each node's root; only a resume cannot, and a relaunched
+            # job would find no checkpoint it can load and start over.
+            log.warning("tiers: %s is node-local with %s and no later tier, on a job of %d nodes: each node's "
+                        "disk holds only its own ranks' shards%s, and every rank reads rank 0's shard to resume, so "
+                        "load_latest cannot resume this job from it; add a later tier (Tier('s3://bucket/prefix'))",
+                        self.roots[0].url, "peer replicas" if replicas else "no peer replicas", len(set(nodes)),
+                        " and one other node's" if replicas else "")
         leaders = {min(k for k, m in enumerate(nodes) if m == n) for n in set(nodes)}
         # Rank 0's after-commit thread: its node and replica messages and node-list reads share one connection.
         after = channel.link("after-commit thread (rank 0)", "") if rank == 0 else None
