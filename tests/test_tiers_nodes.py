@@ -225,3 +225,20 @@ def test_a_round_waits_for_a_slow_rank_and_not_for_a_dead_one(tmp_path, s3_serve
     finally:
         proxy.release.set()
         proxy.stop()
+
+
+def test_a_shard_the_next_tier_lost_before_the_marker_is_caught_and_promoted_again(tmp_path, s3_url: str) -> None:
+    """Rank 0 checks every rank's file at the next tier (there, at its size) before it writes
+    the step's marker there, from one listing of the step. Here one shard is deleted at S3 just
+    before that listing, after its rank reported it uploaded: the marker is not written over
+    the hole; the round is retried and the step reaches S3 whole, marker once."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    out = str(tmp_path / "run")
+    job = Job("save", [{"local": r, "remote": s3_url, "steps": [20], "lose_once": 20} for r in roots], out)
+    results = job.wait()
+    for r in range(4):
+        assert "error" not in results[r] and not results[r].get("missing"), (r, results[r], job.logs())
+    assert os.path.exists(os.path.join(out, "lost")), job.logs()
+    assert open(os.path.join(out, "markers")).read().split() == ["True"], job.logs()  # once, after the loss
+    r = cli("verify", f"{s3_url}/{step_dir(20)}")
+    assert r.exit_code == 0, r.stdout + r.stderr

@@ -54,6 +54,8 @@ def save(rank: int, a: dict) -> dict:
     """Save ``steps`` (before each step in ``gates``, wait for the file ``OUT/goSTEP``), timing
     each save; close (rank 0 waits for the last one to reach S3)."""
     ck = _checkpointer(a)
+    if rank == 0 and "lose_once" in a:
+        _lose_a_shard_once(a["remote"], a["lose_once"], a["out"])
     seconds = []
     for step in a["steps"]:
         while step in a.get("gates", []) and not os.path.exists(os.path.join(a["out"], f"go{step}")):
@@ -63,6 +65,39 @@ def save(rank: int, a: dict) -> dict:
         seconds.append(time.monotonic() - t0)
     return {"node": os.environ["GROUP_RANK"], "local_rank": os.environ["LOCAL_RANK"], "save_s": seconds,
             **_close_report(ck)}
+
+
+def _lose_a_shard_once(remote: str, step: int, out: str) -> None:
+    """In rank 0's process (the promotion's leader): the first time a listing of ``step``'s
+    directory at ``remote`` finds shards there, delete one of them just before that listing
+    goes out (a write the next tier lost after its rank reported it), and record it in
+    ``OUT/lost``; record every marker write of the step in ``OUT/markers``."""
+    import boto3
+
+    from ckptctl.format.layout import MARKER, step_dir
+    from ckptctl.storage import open_storage
+
+    client = open_storage(remote)._client.s3  # the process's shared client: the leader's too
+    bucket = remote[len("s3://"):].split("/", 1)[0]
+    where = step_dir(step) + "/"
+
+    def listing(params: dict, **_kw: object) -> None:
+        if not params.get("Prefix", "").endswith(where) or "Delimiter" in params or os.path.exists(os.path.join(out, "lost")):
+            return
+        raw = boto3.client("s3")
+        shards = [o["Key"] for o in raw.list_objects_v2(Bucket=bucket, Prefix=params["Prefix"]).get("Contents", [])
+                  if o["Key"].endswith(".safetensors")]
+        if shards:
+            raw.delete_object(Bucket=bucket, Key=shards[-1])
+            _write(out, "lost", {"key": shards[-1]})
+
+    def marker(params: dict, **_kw: object) -> None:
+        if params.get("Key", "").endswith(where + MARKER):
+            with open(os.path.join(out, "markers"), "a") as f:
+                f.write(f"{os.path.exists(os.path.join(out, 'lost'))}\n")
+
+    client.meta.events.register("provide-client-params.s3.ListObjectsV2", listing)
+    client.meta.events.register("provide-client-params.s3.PutObject", marker)
 
 
 def _loaded(ck: Any, rank: int) -> dict:
