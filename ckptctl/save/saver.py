@@ -33,7 +33,7 @@ from ckptctl.save.coordination import DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Coo
 from ckptctl.save.replicas import replica_digests
 from ckptctl.save.save_id import SaveIds
 from ckptctl.save.shard_layout import ShardLayout, make_layout, signature_of
-from ckptctl.save.shard_writer import ShardReport, write_shard
+from ckptctl.save.shard_writer import ShardReport, abort_quietly, open_early, write_shard
 from ckptctl.save.overlap import hold_steps, overlap_plan
 from ckptctl.save.staging import StagingBuffer
 from ckptctl.state.capture import Captured, capture
@@ -192,7 +192,7 @@ class Saver:
                 t1 = time.perf_counter()
                 captured = capture(state, per_rank=self.world_size > 1)
                 layout = self._layout_for(captured)
-                early = self._open_early(ckpt, layout)
+                early = open_early(ckpt, shard_name(self.rank, self.world_size), layout)
                 # Replicas are hashed before save returns: training may change them after.
                 replicas = replica_digests(layout, captured.tensors, self.check_replicas, captured.buffers) if self.coordinator is not None else None
                 t2 = time.perf_counter()
@@ -211,7 +211,7 @@ class Saver:
                 self._hold_steps(optimizers, fence)
             except BaseException as e:
                 wait([looked])  # a failed snapshot leaves no look running against a closing storage
-                _abort_quietly(early)
+                abort_quietly(early)
                 self._report_lost_save(step, ckpt, e)
                 raise
             # The stall, and its two parts: finding the tensors (and planning, when the state's
@@ -225,7 +225,7 @@ class Saver:
                     try:
                         fence.synchronize()
                     except BaseException:
-                        _abort_quietly(early)
+                        abort_quietly(early)
                         raise
                 if self.coordinator is not None:
                     return self._write_and_coordinate(step, ckpt, layout, buf, captured, stats, replicas, written, save_id,
@@ -250,22 +250,6 @@ class Saver:
         if not self.async_save:
             handle.wait()
         return handle
-
-    def _open_early(self, ckpt: Storage, layout: ShardLayout) -> Writer | None:
-        """On object storage, this rank's shard writer, opened and told its size now: its
-        multipart upload (and the look for a killed writer's upload of the key before it) is
-        created beside the snapshot, instead of two round trips after it, before the first part
-        of every save. A save that then fails or is refused aborts it. Not on a local disk,
-        where opening makes a file on the training thread and gains nothing."""
-        if ckpt.local_path() is not None or not layout.nbytes:
-            return None
-        writer = ckpt.open_writer(shard_name(self.rank, self.world_size))
-        try:
-            writer.expect(layout.nbytes)
-        except BaseException:
-            _abort_quietly(writer)
-            raise
-        return writer
 
     def _hold_steps(self, optimizers: list[Any], fence: Any) -> None:
         for handle in self._step_holds:  # the previous save's copies are done: stop waiting on them
@@ -401,14 +385,3 @@ def _as_save_failure(step: int, url: str, job: Callable[[], str]) -> Callable[[]
             raise SaveFailed(f"save of step {step} to {url} failed: {e}", hint=getattr(e, "hint", None)) from e
 
     return run
-
-
-def _abort_quietly(writer: Writer | None) -> None:
-    """Drop a writer the save opened early; the error that ended the save is the one to report
-    (an upload left open is aborted by the next writer of its key, or by prune)."""
-    if writer is None:
-        return
-    try:
-        writer.abort()
-    except CkptError as e:
-        log.warning("could not abort the unfinished upload of a failed save: %s", e)

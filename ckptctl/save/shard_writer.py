@@ -21,17 +21,20 @@ its file is left alone, whoever it belongs to, and the manifest records the name
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 
-from ckptctl.errors import RefusedForSafety
+from ckptctl.errors import CkptError, RefusedForSafety
 from ckptctl.format.checksum import Hasher, digest, file_checksum
 from ckptctl.format.manifest import FileEntry
 from ckptctl.format.shard import Chunk, build_header
 from ckptctl.save.shard_layout import ShardLayout, Slot, file_pieces
 from ckptctl.settings import STREAM_PIECE, WRITE_PIECE
 from ckptctl.storage.base import Storage, Writer
+
+log = logging.getLogger("ckptctl")
 
 # Any 16 hex digits: every XXH3-64 checksum is written with exactly this many.
 _PLACEHOLDER = "0" * 16
@@ -74,6 +77,35 @@ def write_shard(ckpt: Storage, name: str, layout: ShardLayout, buf: torch.Tensor
         f"{ckpt.url}: {' and '.join(names)} already exist; rank {rank}'s shard of this save was not published",
         hint="another writer is saving this step under the same save id; stop the other job",
     )
+
+
+def open_early(ckpt: Storage, name: str, layout: ShardLayout) -> Writer | None:
+    """On object storage, the writer of shard ``name``, opened and told its size as soon as the
+    save knows its layout (before the snapshot): its multipart upload, and the look for a killed
+    writer's upload of the key before it, are created beside the snapshot instead of two round
+    trips after it, before the first part of every save. ``write_shard`` takes it; a save that
+    fails or is refused first drops it (``abort_quietly``). None on a local disk, where opening
+    makes a file on the training thread and gains nothing."""
+    if ckpt.local_path() is not None or not layout.nbytes:
+        return None
+    writer = ckpt.open_writer(name)
+    try:
+        writer.expect(layout.nbytes)
+    except BaseException:
+        abort_quietly(writer)
+        raise
+    return writer
+
+
+def abort_quietly(writer: Writer | None) -> None:
+    """Drop a writer a failed save opened early; the error that ended the save is the one to
+    report (an upload left open is aborted by the next writer of its key, or by prune)."""
+    if writer is None:
+        return
+    try:
+        writer.abort()
+    except CkptError as e:
+        log.warning("could not abort the unfinished upload of a failed save: %s", e)
 
 
 def _write_all(w: Writer, layout: ShardLayout, data: memoryview, rank: int, rank_state: dict) -> tuple[bytes, list[Chunk]]:
