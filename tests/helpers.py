@@ -52,6 +52,15 @@ def cli_subprocess(*args: str, env: dict | None = None, timeout: float = 120) ->
     return Result(p.returncode, p.stdout, p.stderr)
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited, as a SIGKILLed writer's temporaries and locks
+    carry. Never a made-up number: any fixed pid may be alive on the machine running the tests
+    (CI's was), and a live writer's temporary is rightly left alone."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def ckpt_dir(root: str, step: int) -> str:
     return os.path.join(root, step_dir(step))
 

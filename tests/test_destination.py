@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from ckptctl.format.layout import MARKER, step_dir
-from helpers import ckpt_dir, cli, make_checkpoints
+from helpers import ckpt_dir, cli, dead_pid, make_checkpoints
 
 
 def _flip_a_data_byte(ckpt: str) -> None:
@@ -63,7 +63,8 @@ def test_a_killed_runs_temporaries_are_removed_by_the_next_run(tmp_path):
     target = ckpt_dir(dst, 7)
     os.makedirs(target)
     shard = next(n for n in os.listdir(ckpt_dir(src, 7)) if n.endswith(".safetensors"))
-    left = [f".{shard}.tmp-4242-0a1b2c3d", ".manifest.json.tmp-4242-deadbeef"]
+    pid = dead_pid()
+    left = [f".{shard}.tmp-{pid}-0a1b2c3d", f".manifest.json.tmp-{pid}-deadbeef"]
     for name in left + [".keep-me"]:
         with open(os.path.join(target, name), "wb") as f:
             f.write(b"x" * 100)

@@ -19,17 +19,10 @@ from typing import Any
 import pytest
 
 from ckptctl.format.seal import SEAL
-from helpers import cli
+from helpers import cli, dead_pid
 from test_layouts import deepspeed_tag, hf_checkpoint
 
 HF_COMMIT = "trainer_state.json"
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited (what a SIGKILLed writer's temporaries carry)."""
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
 
 
 def temporary(directory: str, name: str) -> str:

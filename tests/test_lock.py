@@ -15,6 +15,7 @@ import pytest
 from ckptctl.errors import EXIT_OPERATIONAL, LockHeld
 from ckptctl.ops.lock import GUARD_KEY, LOCK_KEY, LockInfo, RootLock, _proc_start
 from ckptctl.storage import open_storage
+from helpers import dead_pid
 
 HOST = socket.gethostname()
 
@@ -25,12 +26,6 @@ def write_lock(root, **fields) -> None:
            "started": now, "refreshed": now, "command": "other prune", "token": "t0ken"}
     doc.update(fields)
     (root / LOCK_KEY).write_text(json.dumps(doc))
-
-
-def dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
 
 
 def test_acquire_records_holder_and_release_removes_it(tmp_path):

@@ -16,7 +16,7 @@ from ckptctl.layouts.classify import checkpoint_below
 from ckptctl.ops.verify.engine import verify as verify_stack
 from ckptctl.ops.seal.sealing import seal_checkpoint
 from ckptctl.storage import open_storage
-from helpers import cli, make_checkpoints
+from helpers import cli, dead_pid, make_checkpoints
 from test_layouts import HOURS, _age, dcp_step, deepspeed_tag, flip, hf_checkpoint
 
 
@@ -225,7 +225,7 @@ def test_what_a_killed_seal_leaves_never_fails_an_intact_checkpoint(tmp_path, se
     ckpt = hf_checkpoint(root, 4)
     if sealed:
         assert cli("seal", ckpt).exit_code == 0
-    with open(os.path.join(ckpt, f".{SEAL}.tmp-4242-0a1b2c3d"), "wb") as f:
+    with open(os.path.join(ckpt, f".{SEAL}.tmp-{dead_pid()}-0a1b2c3d"), "wb") as f:
         f.write(b'{"half": ')
     r = cli("verify", ckpt)
     assert r.exit_code == 0, r.stdout + r.stderr
