@@ -242,3 +242,48 @@ def test_a_shard_the_next_tier_lost_before_the_marker_is_caught_and_promoted_aga
     assert open(os.path.join(out, "markers")).read().split() == ["True"], job.logs()  # once, after the loss
     r = cli("verify", f"{s3_url}/{step_dir(20)}")
     assert r.exit_code == 0, r.stdout + r.stderr
+
+
+def test_a_promotion_round_writes_the_manifest_beside_the_uploads_and_only_the_marker_after(tmp_path, s3_url: str) -> None:
+    """Rank 0 writes the next tier's manifest while the ranks upload their shards (it commits
+    nothing without the marker): after the last shard is in, the round's check of the sizes
+    (one listing) and the marker are all it sends. Here the shard's upload waits until the
+    manifest's PUT was sent, which a round writing it after the data (main) never gets past."""
+    import threading
+
+    from ckptctl.format.layout import MARKER
+
+    client = open_storage(s3_url)._client.s3  # type: ignore[attr-defined]
+    manifest_sent = threading.Event()
+    log: list[tuple[str, str, str]] = []
+    lock = threading.Lock()
+
+    def sent(event_name: str, params: dict, context: dict, **_kw: object) -> None:
+        key = context["key"] = params.get("Key", "")
+        if key.endswith(".safetensors") and "/tier1/" in "/" + key and not manifest_sent.wait(30):
+            raise AssertionError("the shard's upload went out before the manifest's PUT")
+        if key.endswith("/manifest.json"):
+            manifest_sent.set()
+        with lock:
+            log.append(("sent", event_name.rsplit(".", 1)[-1], key))
+
+    def answered(event_name: str, context: dict, **_kw: object) -> None:
+        with lock:
+            log.append(("answered", event_name.rsplit(".", 1)[-1], context.get("key", "")))
+
+    remote = f"{s3_url}/tier1"
+    client.meta.events.register("provide-client-params.s3", sent)
+    client.meta.events.register("after-call.s3", answered)
+    try:
+        ck = Checkpointer(tiers=[Tier(str(tmp_path / "nvme"), node_local=True), Tier(remote)])
+        ck.save(1, state_for(1, 0)).wait()
+        assert ck.close(promote_timeout_s=60)
+    finally:
+        client.meta.events.unregister("provide-client-params.s3", sent)
+        client.meta.events.unregister("after-call.s3", answered)
+    data = max(i for i, e in enumerate(log) if e[0] == "answered" and e[2].endswith(".safetensors"))
+    marker = next(i for i, e in enumerate(log) if e[0] == "sent" and e[2].endswith("/" + MARKER))
+    between = [(op, key.rsplit("/", 1)[-1]) for kind, op, key in log[data:marker + 1] if kind == "sent"]
+    writes = [key for op, key in between if op not in ("ListObjectsV2", "HeadObject", "GetObject")]
+    assert writes == [MARKER], between  # on main: the manifest, then the marker
+    assert cli("verify", f"{remote}/{step_dir(1)}").exit_code == 0
