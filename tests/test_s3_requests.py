@@ -35,6 +35,31 @@ def counting(client: Any) -> Iterator[Counter[str]]:
         client.meta.events.unregister("before-call.s3", count)
 
 
+@contextmanager
+def request_log(client: Any) -> Iterator[list[tuple[str, str, str]]]:
+    """Each request ``client`` makes inside the block, in order, when it is sent and when it is
+    answered: ``("sent" | "answered", operation, key)``."""
+    log: list[tuple[str, str, str]] = []
+    lock = threading.Lock()
+
+    def sent(event_name: str, params: dict, context: dict, **_kw: object) -> None:
+        context["ckptctl-test-key"] = params.get("Key", "")
+        with lock:
+            log.append(("sent", event_name.rsplit(".", 1)[-1], params.get("Key", "")))
+
+    def answered(event_name: str, context: dict, **_kw: object) -> None:
+        with lock:
+            log.append(("answered", event_name.rsplit(".", 1)[-1], context.get("ckptctl-test-key", "")))
+
+    client.meta.events.register("provide-client-params.s3", sent)
+    client.meta.events.register("after-call.s3", answered)
+    try:
+        yield log
+    finally:
+        client.meta.events.unregister("provide-client-params.s3", sent)
+        client.meta.events.unregister("after-call.s3", answered)
+
+
 def test_verify_of_a_trainer_checkpoint_on_s3_opens_each_file_once(tmp_path, s3_url):
     ckpt = hf_checkpoint(str(tmp_path), 5)
     bucket, prefix = s3_url[len("s3://"):].split("/", 1)
@@ -339,25 +364,8 @@ def test_a_copy_writes_its_manifest_before_the_data_and_only_the_marker_after(tm
 
     src = _one_step(str(tmp_path / "src"), elements=3 << 20)  # 12 MiB: a multipart upload
     dst = open_storage(s3_url, multipart_threshold=5 << 20, part_size=5 << 20)
-    client = dst._client.s3  # type: ignore[attr-defined]
-    log: list[tuple[str, str, str]] = []
-    lock = threading.Lock()
-
-    def sent(event_name: str, params: dict, **_kw: object) -> None:
-        with lock:
-            log.append(("sent", event_name.rsplit(".", 1)[-1], params.get("Key", "")))
-
-    def answered(event_name: str, **_kw: object) -> None:
-        with lock:
-            log.append(("answered", event_name.rsplit(".", 1)[-1], ""))
-
-    client.meta.events.register("provide-client-params.s3", sent)
-    client.meta.events.register("after-call.s3", answered)
-    try:
+    with request_log(dst._client.s3) as log:  # type: ignore[attr-defined]
         copy_checkpoint(open_storage(src), dst.sub(step_dir(1)))
-    finally:
-        client.meta.events.unregister("provide-client-params.s3", sent)
-        client.meta.events.unregister("after-call.s3", answered)
     manifest = [i for i, e in enumerate(log) if e[0] == "sent" and e[2].endswith("/manifest.json")]
     parts = [i for i, e in enumerate(log) if e[0] == "sent" and e[1] == "UploadPart"]
     complete = max(i for i, e in enumerate(log) if e[0] == "answered" and e[1] == "CompleteMultipartUpload")

@@ -27,6 +27,7 @@ from ckptctl.layouts.native_read import read_committed
 from ckptctl.storage import open_storage
 from helpers import cli
 from s3_fault_proxy import FaultProxy
+from test_s3_requests import request_log
 from tier_node_workers import Job
 from tier_workers import state_for
 
@@ -255,32 +256,25 @@ def test_a_promotion_round_writes_the_manifest_beside_the_uploads_and_only_the_m
 
     client = open_storage(s3_url)._client.s3  # type: ignore[attr-defined]
     manifest_sent = threading.Event()
-    log: list[tuple[str, str, str]] = []
-    lock = threading.Lock()
 
-    def sent(event_name: str, params: dict, context: dict, **_kw: object) -> None:
-        key = context["key"] = params.get("Key", "")
-        if key.endswith(".safetensors") and "/tier1/" in "/" + key and not manifest_sent.wait(30):
+    def hold(params: dict, **_kw: object) -> None:
+        key = params.get("Key", "")
+        if key.endswith(".safetensors") and not manifest_sent.wait(30):
             raise AssertionError("the shard's upload went out before the manifest's PUT")
         if key.endswith("/manifest.json"):
             manifest_sent.set()
-        with lock:
-            log.append(("sent", event_name.rsplit(".", 1)[-1], key))
-
-    def answered(event_name: str, context: dict, **_kw: object) -> None:
-        with lock:
-            log.append(("answered", event_name.rsplit(".", 1)[-1], context.get("key", "")))
 
     remote = f"{s3_url}/tier1"
-    client.meta.events.register("provide-client-params.s3", sent)
-    client.meta.events.register("after-call.s3", answered)
+    client.meta.events.register("provide-client-params.s3.PutObject", hold)
+    client.meta.events.register("provide-client-params.s3.CreateMultipartUpload", hold)
     try:
-        ck = Checkpointer(tiers=[Tier(str(tmp_path / "nvme"), node_local=True), Tier(remote)])
-        ck.save(1, state_for(1, 0)).wait()
-        assert ck.close(promote_timeout_s=60)
+        with request_log(client) as log:
+            ck = Checkpointer(tiers=[Tier(str(tmp_path / "nvme"), node_local=True), Tier(remote)])
+            ck.save(1, state_for(1, 0)).wait()
+            assert ck.close(promote_timeout_s=60)
     finally:
-        client.meta.events.unregister("provide-client-params.s3", sent)
-        client.meta.events.unregister("after-call.s3", answered)
+        client.meta.events.unregister("provide-client-params.s3.PutObject", hold)
+        client.meta.events.unregister("provide-client-params.s3.CreateMultipartUpload", hold)
     data = max(i for i, e in enumerate(log) if e[0] == "answered" and e[2].endswith(".safetensors"))
     marker = next(i for i, e in enumerate(log) if e[0] == "sent" and e[2].endswith("/" + MARKER))
     between = [(op, key.rsplit("/", 1)[-1]) for kind, op, key in log[data:marker + 1] if kind == "sent"]
