@@ -159,19 +159,24 @@ def test_cp_of_a_source_with_a_flipped_byte_leaves_no_manifest(where, s3_url, tm
     assert cli("verify", dst).exit_code != 0
 
 
-def test_cp_whose_data_request_fails_for_good_deletes_its_early_manifest(s3_server, s3_url, tmp_path, monkeypatch):
-    # A part failing past botocore's retries: exit 3, the manifest written ahead deleted, the
-    # parts published so far left for the rerun, which completes.
+def _names_listing(method: str, path: str) -> bool:  # the first look's listing of the step, not the marker's look
+    return method == "GET" and "list-type=2" in path and step_dir(1) in path and "delimiter" not in path
+
+
+@pytest.mark.parametrize("failing", [_data_put, _names_listing], ids=["data", "listing"])
+def test_cp_whose_request_fails_for_good_after_its_manifest_deletes_it(failing, s3_server, s3_url, tmp_path, monkeypatch):
+    # A part (or the first look's listing, answered after the manifest's write) failing past
+    # botocore's retries: exit 3, the manifest written ahead deleted, what was published left
+    # for the rerun, which completes.
     src = _save(str(tmp_path / "src"), 1, 1.0)
     dst = f"{s3_url}/{step_dir(1)}"
     proxy = FaultProxy(s3_server)
     seen: list[str] = []
 
     def rule(method: str, path: str) -> str | None:
-        where = path.split("?")[0]
-        if method == "PUT" and where.endswith("/" + MANIFEST):
+        if method == "PUT" and path.split("?")[0].endswith("/" + MANIFEST):
             seen.append(MANIFEST)
-        return "500" if _data_put(method, path) else None
+        return "500" if failing(method, path) else None
 
     proxy.rule = rule
     proxy.start()
@@ -183,6 +188,7 @@ def test_cp_whose_data_request_fails_for_good_deletes_its_early_manifest(s3_serv
         proxy.stop()
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
     assert r.exit_code == 3, r.stdout + r.stderr
+    assert proxy.injected
     assert seen == [MANIFEST]  # on main: never sent, the copy failed before its commit
     assert open_storage(dst).stat(MANIFEST) is None
     again = cli("cp", src, dst)

@@ -166,7 +166,7 @@ def _at_hand(layout: Layout, source: CopySource, ends: Ends, job: Job | None,
     still to copy (none when this checkpoint is there whole: "already present"); the note of
     the copy, saying so when a copy there was damaged; the keys taken there when the first
     look listed them (``first_look``: the open uploads of those keys are aborted then too); and
-    the keys of the commit record the first look wrote ahead of the data (``Layout.copy_ahead``). A
+    the record's keys it wrote ahead of the data (``Layout.copy_ahead``). A
     damaged copy of this very checkpoint loses its record, then its damaged files, before they
     are copied again; anything else committed there is refused."""
     dst = ends.dst
@@ -210,18 +210,15 @@ def _at_hand(layout: Layout, source: CopySource, ends: Ends, job: Job | None,
 def _copy_all(layout: Layout, source: CopySource, ends: Ends, files: list[ToCopy], progress: Progress | None,
               threads: int, job: Job | None, taken: frozenset[str] | None,
               ahead: tuple[str, ...]) -> list[Copied | None]:
-    """Copy ``files`` (the data files split over the ranks, then the commit files on rank 0),
-    commit, and check the copy when the layout asks; returns what each rank copied. ``taken``:
-    the keys the first look found at the destination (its uploads of them aborted already);
-    ``ahead``: the keys of the record it wrote (rank 0's look), taken back when the copy fails
-    before its commit, and only the rest of the record is written after the data."""
+    """Copy ``files`` (``_copy_data``), commit, and check the copy when the layout asks;
+    returns what each rank copied. ``taken``: the keys the first look found at the destination
+    (its uploads of them aborted already); ``ahead``: the record's keys it wrote (rank 0's)."""
     mine_ahead = list(ahead) if job is None or job.rank == 0 else []
     try:
         copied, published = _copy_data(source, ends, files, progress, threads, job, taken, mine_ahead)
     except BaseException:
-        # Before the commit nothing of this copy is used by a committed step: what it wrote
-        # ahead goes (a corrupt source's take-back deleted it already; a delete is idempotent).
-        # Not after the commit began: its marker may have landed.
+        # Before its commit a copy's record commits nothing: what it wrote ahead goes (a
+        # corrupt source's take-back did it already). Not once the marker may have landed.
         withdraw(ends.dst, mine_ahead)
         raise
     dst = ends.dst
@@ -235,8 +232,7 @@ def _copy_data(source: CopySource, ends: Ends, files: list[ToCopy], progress: Pr
                job: Job | None, taken: frozenset[str] | None,
                ahead: list[str]) -> tuple[list[Copied | None], list[str]]:
     """The data files split over the ranks, then the commit files on rank 0: what each rank
-    copied, and every key this copy published (``ahead`` first: the record's keys this rank
-    wrote before the data). A corrupt source is taken back, ``ahead`` with it."""
+    copied, and every key this copy published, ``ahead`` first. A corrupt source is taken back."""
     dst = ends.dst
     place = ends.at(source.files[0])[0] if source.files else dst
 

@@ -80,9 +80,13 @@ def first_look(layout: Layout, source: CopySource, ends: Ends, *, ahead: bool) -
         _take_back(ends.dst, wrote)
         return FirstLook(there)
     written = wrote.result()
-    if pending.result():  # a killed or racing writer's uploads of this copy's keys: aborted now
-        before_copy(place, keys)
-    return FirstLook(there, frozenset(listed.result()), written)
+    try:
+        if pending.result():  # a killed or racing writer's uploads of this copy's keys: aborted now
+            before_copy(place, keys)
+        return FirstLook(there, frozenset(listed.result()), written)
+    except BaseException:
+        withdraw(ends.dst, written)
+        raise
 
 
 def _take_back(dst: Storage, wrote: Future[tuple[str, ...]]) -> None:
