@@ -194,3 +194,32 @@ def test_cp_whose_request_fails_for_good_after_its_manifest_deletes_it(failing, 
     again = cli("cp", src, dst)
     assert again.exit_code == 0, again.stdout + again.stderr
     assert cli("verify", dst).exit_code == 0
+
+
+def test_a_copy_that_found_the_manifest_writes_it_again_when_its_writer_took_it_back(s3_url, tmp_path):
+    # Two copies of one checkpoint: the other wrote the manifest ahead, this one found it
+    # holding its bytes (not its own to delete), then the other took it back mid-copy (its
+    # source failed its checksums). This copy's commit writes it again before the marker, so
+    # the marker never lands over a missing manifest.
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    src = _save(str(tmp_path / "src"), 1, 1.0)
+    dst = open_storage(s3_url).sub(step_dir(1))
+    with open(os.path.join(src, MANIFEST), "rb") as f:
+        assert dst.write_if_absent(MANIFEST, f.read())  # the other copy's, written ahead
+    client = dst._client.s3  # type: ignore[attr-defined]
+    taken_back: list[str] = []
+
+    def other_takes_it_back(params: dict, **_kw: object) -> None:
+        if params.get("Key", "").endswith(".safetensors") and not taken_back:
+            taken_back.append(params["Key"])
+            dst.delete(MANIFEST)
+
+    client.meta.events.register("provide-client-params.s3.CreateMultipartUpload", other_takes_it_back)
+    try:
+        copy_checkpoint(open_storage(src), dst)
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.CreateMultipartUpload", other_takes_it_back)
+    assert taken_back
+    v = cli("verify", dst.url)
+    assert v.exit_code == 0, v.stdout + v.stderr
