@@ -199,9 +199,11 @@ def _cp_process(src: str, dst: str, endpoint: str) -> subprocess.Popen:
                                           (False, "UploadPart")])
 def test_two_cp_processes_into_one_step_one_held(same, held_at, atomic_s3_url, tmp_path):
     """Copy A is held at its first ``held_at`` request (its own proxy) while copy B runs to the
-    end; then A goes on. B's writer of the shard aborts A's open upload (one writer per object),
-    so a held part or completion meets NoSuchUpload. Of one checkpoint, both succeed with one
-    set of files; of two, B commits and A is refused for safety (exit 1), deleting nothing."""
+    end; then A goes on. Of one checkpoint, B's writer of the shard aborts A's open upload (one
+    writer per object), so a held part or completion meets NoSuchUpload, and both succeed with
+    one set of files. Of two, A wrote its manifest before its data: B finds that name holding
+    other bytes and is refused for safety (exit 1) before it sends data or aborts A's upload,
+    and A commits (on main B committed and A was refused)."""
     a = _save(str(tmp_path / "a"), 1.0)
     b = a if same else _save(str(tmp_path / "b"), 2.0)
     upstream = os.environ["AWS_ENDPOINT_URL"]
@@ -217,14 +219,16 @@ def test_two_cp_processes_into_one_step_one_held(same, held_at, atomic_s3_url, t
     finally:
         held.release.set()
         held.stop()
-    assert second.returncode == 0, err_b
-    _same_checkpoint(dst, b)
     if same:
+        assert second.returncode == 0, err_b
         assert first.returncode == 0, err_a
+        _same_checkpoint(dst, b)
         return
-    assert first.returncode == 1, err_a
-    _one_line_error(err_a)
-    assert "does not hold this checkpoint's bytes" in err_a and "nothing was replaced" in err_a, err_a
+    assert second.returncode == 1, err_b
+    _one_line_error(err_b)
+    assert "another checkpoint's manifest" in err_b and "nothing was replaced" in err_b, err_b
+    assert first.returncode == 0, err_a
+    _same_checkpoint(dst, a)
 
 
 # --- sync killed mid-upload, run again, then prune ---------------------------------------------

@@ -201,12 +201,12 @@ def test_a_resharding_restore_that_fails_removes_its_staging_copy(s3_url, s3_ser
 
 
 def test_an_interrupted_resharding_restore_removes_its_staging_copy(s3_url, s3_server, tmp_path):
-    """Ctrl-C while the staging copy is being written (its manifest's PUT held): the restore
-    says "interrupted" (exit 130) and takes its staging copy with it."""
+    """Ctrl-C while the staging copy is being written (its marker's PUT held: the manifest went
+    before its data): the restore says "interrupted" (exit 130) and takes its staging copy with it."""
     src, dst = str(tmp_path / "src"), f"{s3_url}/dst"
     _save(src, steps=(100,))
     held, reached = _holding(s3_server, lambda method, path: method == "PUT" and f"/dst/{PREFIX}" in path
-                             and path.split("?")[0].endswith("/manifest.json"))
+                             and path.split("?")[0].endswith("/" + MARKER))
     try:
         restore = subprocess.Popen([sys.executable, "-m", "ckptctl.cli", "restore", src, dst, "--world-size", "2"],
                                    env={**os.environ, "AWS_ENDPOINT_URL": held.url},

@@ -35,6 +35,31 @@ def counting(client: Any) -> Iterator[Counter[str]]:
         client.meta.events.unregister("before-call.s3", count)
 
 
+@contextmanager
+def request_log(client: Any) -> Iterator[list[tuple[str, str, str]]]:
+    """Each request ``client`` makes inside the block, in order, when it is sent and when it is
+    answered: ``("sent" | "answered", operation, key)``."""
+    log: list[tuple[str, str, str]] = []
+    lock = threading.Lock()
+
+    def sent(event_name: str, params: dict, context: dict, **_kw: object) -> None:
+        context["ckptctl-test-key"] = params.get("Key", "")
+        with lock:
+            log.append(("sent", event_name.rsplit(".", 1)[-1], params.get("Key", "")))
+
+    def answered(event_name: str, context: dict, **_kw: object) -> None:
+        with lock:
+            log.append(("answered", event_name.rsplit(".", 1)[-1], context.get("ckptctl-test-key", "")))
+
+    client.meta.events.register("provide-client-params.s3", sent)
+    client.meta.events.register("after-call.s3", answered)
+    try:
+        yield log
+    finally:
+        client.meta.events.unregister("provide-client-params.s3", sent)
+        client.meta.events.unregister("after-call.s3", answered)
+
+
 def test_verify_of_a_trainer_checkpoint_on_s3_opens_each_file_once(tmp_path, s3_url):
     ckpt = hf_checkpoint(str(tmp_path), 5)
     bucket, prefix = s3_url[len("s3://"):].split("/", 1)
@@ -246,10 +271,11 @@ def test_a_save_to_s3_looks_for_the_marker_once(tmp_path, s3_url):
     assert counts["PutObject"] == 3, counts  # the shard, the manifest, the marker
 
 
-def test_a_copy_that_loses_the_step_at_its_commit_leaves_the_winner_whole(tmp_path, s3_url):
-    # With no look before the manifest, a copy whose step another checkpoint committed after
-    # the copy's first look writes its manifest, fails at the marker, and deletes exactly what
-    # it wrote; the winner reads as before.
+def test_a_copy_finding_another_manifest_there_is_refused_before_sending_data(tmp_path, s3_url):
+    # A copy writes its manifest before its data. Another checkpoint committed at the step just
+    # before that write (after the copy's look at the marker): the copy is refused then,
+    # having sent no byte of its shard (on main it uploaded the shard, then lost at its commit),
+    # and the winner reads as before.
     from ckptctl.errors import RefusedForSafety
     from ckptctl.format.layout import MARKER, step_dir
     from ckptctl.ops.transfer.copy import copy_checkpoint
@@ -259,14 +285,58 @@ def test_a_copy_that_loses_the_step_at_its_commit_leaves_the_winner_whole(tmp_pa
     dst = open_storage(s3_url).sub(step_dir(1))
     client = dst._client.s3  # type: ignore[attr-defined]
     fired: list[str] = []
+    shard: list[str] = []
 
     def winner(params: dict, **_kw: object) -> None:  # just before our manifest goes out
+        if params.get("Key", "").endswith(".safetensors"):
+            shard.append(params["Key"])
         if params.get("Key", "").endswith("/manifest.json") and not fired:
             fired.append(params["Key"])
             for name in sorted(os.listdir(theirs), key=lambda n: n == MARKER):  # the marker last
                 with open(os.path.join(theirs, name), "rb") as f:
                     boto3.client("s3").put_object(Bucket=params["Bucket"], Key=params["Key"].rsplit("/", 1)[0] + "/" + name,
                                                   Body=f.read())
+
+    for op in ("PutObject", "CreateMultipartUpload"):
+        client.meta.events.register(f"provide-client-params.s3.{op}", winner)
+    try:
+        try:
+            copy_checkpoint(open_storage(ours), dst)
+            raise AssertionError("the copy committed over another checkpoint")
+        except RefusedForSafety as e:  # whichever answer came first: the marker's look or the manifest's write
+            assert "another checkpoint's manifest" in str(e) or "different committed checkpoint" in str(e), e
+    finally:
+        for op in ("PutObject", "CreateMultipartUpload"):
+            client.meta.events.unregister(f"provide-client-params.s3.{op}", winner)
+    assert fired
+    assert shard == [], shard  # on main: the shard was uploaded first
+    assert sorted(i.key for i in dst.list()) == sorted(os.listdir(theirs))
+    assert cli("verify", dst.url).exit_code == 0
+
+
+def test_a_copy_that_loses_the_step_at_its_marker_deletes_what_it_wrote(tmp_path, s3_url):
+    # A save of the step commits just before the copy's marker: the copy's manifest (written
+    # before its data) and shard took the plain names, so the save published under its attempt
+    # names and won with its marker. The copy deletes exactly what it wrote, its early manifest
+    # too, and the winner verifies.
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.errors import RefusedForSafety
+    from ckptctl.format.layout import MANIFEST, MARKER, step_dir
+    from ckptctl.layouts.native_read import read_committed_raw
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    ours = _one_step(str(tmp_path / "ours"), elements=1 << 10)
+    dst = open_storage(s3_url).sub(step_dir(1))
+    client = dst._client.s3  # type: ignore[attr-defined]
+    fired: list[str] = []
+
+    def winner(params: dict, **_kw: object) -> None:  # just before our marker goes out
+        if params.get("Key", "").endswith("/" + MARKER) and not fired:
+            fired.append(params["Key"])
+            with Checkpointer(s3_url) as ck:
+                ck.save(1, {"w": torch.full((1 << 11,), 2.0)}).wait()
 
     client.meta.events.register("provide-client-params.s3.PutObject", winner)
     try:
@@ -278,8 +348,31 @@ def test_a_copy_that_loses_the_step_at_its_commit_leaves_the_winner_whole(tmp_pa
     finally:
         client.meta.events.unregister("provide-client-params.s3.PutObject", winner)
     assert fired
-    assert sorted(i.key for i in dst.list()) == sorted(os.listdir(theirs))
+    won = read_committed_raw(dst)
+    assert won.marker.manifest_name != MANIFEST  # the copy's manifest held the plain name
+    named = {MARKER, won.marker.manifest_name, *(f.name for f in won.manifest.files)}
+    assert {i.key for i in dst.list()} == named
     assert cli("verify", dst.url).exit_code == 0
+
+
+def test_a_copy_writes_its_manifest_before_the_data_and_only_the_marker_after(tmp_path, s3_url):
+    # The manifest is the source's bytes and commits nothing without the marker, so a copy
+    # writes it beside its first look; after the data's last Complete only the marker is sent.
+    # On main the manifest's PUT followed the Complete: two requests after the data.
+    from ckptctl.format.layout import MARKER, step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    src = _one_step(str(tmp_path / "src"), elements=3 << 20)  # 12 MiB: a multipart upload
+    dst = open_storage(s3_url, multipart_threshold=5 << 20, part_size=5 << 20)
+    with request_log(dst._client.s3) as log:  # type: ignore[attr-defined]
+        copy_checkpoint(open_storage(src), dst.sub(step_dir(1)))
+    manifest = [i for i, e in enumerate(log) if e[0] == "sent" and e[2].endswith("/manifest.json")]
+    parts = [i for i, e in enumerate(log) if e[0] == "sent" and e[1] == "UploadPart"]
+    complete = max(i for i, e in enumerate(log) if e[0] == "answered" and e[1] == "CompleteMultipartUpload")
+    assert len(manifest) == 1 and parts and manifest[0] < parts[0], log
+    after = [(op, key.rsplit("/", 1)[-1]) for kind, op, key in log[complete:] if kind == "sent"]
+    assert after == [("PutObject", MARKER)], after  # on main: the manifest, then the marker
+    assert cli("verify", dst.url_of(step_dir(1))).exit_code == 0
 
 
 def test_a_sync_over_a_mirror_asks_nothing_ahead_for_checkpoints_already_there(tmp_path, s3_url):

@@ -27,6 +27,7 @@ from ckptctl.layouts.native_read import read_committed
 from ckptctl.storage import open_storage
 from helpers import cli
 from s3_fault_proxy import FaultProxy
+from test_s3_requests import request_log
 from tier_node_workers import Job
 from tier_workers import state_for
 
@@ -242,3 +243,41 @@ def test_a_shard_the_next_tier_lost_before_the_marker_is_caught_and_promoted_aga
     assert open(os.path.join(out, "markers")).read().split() == ["True"], job.logs()  # once, after the loss
     r = cli("verify", f"{s3_url}/{step_dir(20)}")
     assert r.exit_code == 0, r.stdout + r.stderr
+
+
+def test_a_promotion_round_writes_the_manifest_beside_the_uploads_and_only_the_marker_after(tmp_path, s3_url: str) -> None:
+    """Rank 0 writes the next tier's manifest while the ranks upload their shards (it commits
+    nothing without the marker): after the last shard is in, the round's check of the sizes
+    (one listing) and the marker are all it sends. Here the shard's upload waits until the
+    manifest's PUT was sent, which a round writing it after the data (main) never gets past."""
+    import threading
+
+    from ckptctl.format.layout import MARKER
+
+    client = open_storage(s3_url)._client.s3  # type: ignore[attr-defined]
+    manifest_sent = threading.Event()
+
+    def hold(params: dict, **_kw: object) -> None:
+        key = params.get("Key", "")
+        if key.endswith(".safetensors") and not manifest_sent.wait(30):
+            raise AssertionError("the shard's upload went out before the manifest's PUT")
+        if key.endswith("/manifest.json"):
+            manifest_sent.set()
+
+    remote = f"{s3_url}/tier1"
+    client.meta.events.register("provide-client-params.s3.PutObject", hold)
+    client.meta.events.register("provide-client-params.s3.CreateMultipartUpload", hold)
+    try:
+        with request_log(client) as log:
+            ck = Checkpointer(tiers=[Tier(str(tmp_path / "nvme"), node_local=True), Tier(remote)])
+            ck.save(1, state_for(1, 0)).wait()
+            assert ck.close(promote_timeout_s=60)
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.PutObject", hold)
+        client.meta.events.unregister("provide-client-params.s3.CreateMultipartUpload", hold)
+    data = max(i for i, e in enumerate(log) if e[0] == "answered" and e[2].endswith(".safetensors"))
+    marker = next(i for i, e in enumerate(log) if e[0] == "sent" and e[2].endswith("/" + MARKER))
+    between = [(op, key.rsplit("/", 1)[-1]) for kind, op, key in log[data:marker + 1] if kind == "sent"]
+    writes = [key for op, key in between if op not in ("ListObjectsV2", "HeadObject", "GetObject")]
+    assert writes == [MARKER], between  # on main: the manifest, then the marker
+    assert cli("verify", f"{remote}/{step_dir(1)}").exit_code == 0

@@ -40,9 +40,9 @@ def cp(
     *.ckpt) is copied whole into DST, then its zip records' CRC-32s are checked there.
 
     Under torchrun (DST shared by the ranks: object storage or a shared filesystem) each rank
-    copies and checks its share of the files, balanced by bytes; rank 0 writes the commit
-    files, manifest and marker once every rank's files are durable and checked, and prints the
-    result. Every rank exits with the same status; a failing rank fails the job and commits
+    copies and checks its share of the files, balanced by bytes; rank 0 writes the manifest
+    before them (it commits nothing alone), the commit files and marker once every rank's
+    files are durable and checked, and prints the result. Every rank exits with the same status; a failing rank fails the job and commits
     nothing. Every rank must be given the same command line: ranks that differ (another DST,
     another SRC) all stop with exit 2 before anything is written.
     """

@@ -306,6 +306,16 @@ class Layout(Protocol):
         source's bytes). Raises RefusedForSafety when it commits something else: that is never
         replaced."""
 
+    def copy_ahead(self, source: CopySource, dst: Storage) -> tuple[str, ...]:
+        """Optional: before the data, write the part of the commit record that commits nothing
+        without the rest (ckptctl's manifest: its marker commits), each file only where nothing
+        has its name, so that less is left to follow the last data file. Returns the keys this
+        call wrote (the copy's own, to take back should it fail before it commits; given to
+        ``commit_copy`` in ``published``); a key found holding exactly these bytes is not
+        returned. Raises RefusedForSafety when one holds other bytes. Asked only when
+        ``copy_committed`` found nothing there (or beside that question: what it wrote is taken
+        back when the answer is another). A layout without it writes its whole record last."""
+
     def uncommit_copy(self, source: CopySource, dst: Storage) -> None:
         """Make a damaged copy of ``source`` at ``dst`` read as partial again, its commit
         record first, so that it can be completed; only ever called when ``source.identity``
@@ -314,7 +324,8 @@ class Layout(Protocol):
     def commit_copy(self, source: CopySource, dst: Storage, published: Sequence[str] = ()) -> None:
         """Commit the copy at ``dst`` once every file of ``source`` is there and proven: the
         commit record, written last and only where nothing has its name (a no-op when ``dst``
-        commits this very checkpoint already). Raises RefusedForSafety when another writer
+        commits this very checkpoint already; what ``copy_ahead`` wrote is in ``published``
+        and not written again). Raises RefusedForSafety when another writer
         committed the step first, having deleted the files this copy ``published`` that the
         winner does not name; nothing a commit names is ever replaced or deleted."""
 
@@ -326,10 +337,17 @@ class Layout(Protocol):
 
 # Members a plugin written before they existed may lack: each is asked through a function that
 # answers for a layout without it (``numbered_by`` and ``model_weights`` below, ``aliases.aliases``).
-OPTIONAL: frozenset[str] = frozenset({"numbered_by", "model_weights", "aliases"})
+OPTIONAL: frozenset[str] = frozenset({"numbered_by", "model_weights", "aliases", "copy_ahead"})
 # Every member a layout must have: what the registry asks of a plugin's object, by name.
 MEMBERS: tuple[str, ...] = tuple(sorted((set(Layout.__annotations__) | {
     name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")}) - OPTIONAL))
+
+
+def copy_ahead(layout: Layout, source: CopySource, dst: Storage) -> tuple[str, ...]:
+    """``layout.copy_ahead(source, dst)``: the keys of the commit record written before the
+    data; none for a layout without the member (its record is written whole, last)."""
+    ahead = getattr(layout, "copy_ahead", None)
+    return () if ahead is None else tuple(ahead(source, dst))
 
 
 def numbered_by(layout: Layout, name: str) -> Numbering:

@@ -28,7 +28,7 @@ from ckptctl.layouts.copying import AtDestination, ByManifest, CopySource, ToCop
 from ckptctl.layouts.checked import ALONE, Checked, Level, Problem, Split
 from ckptctl.layouts.inspected import Inspected, inspect_manifest
 from ckptctl.layouts.native_check import check_manifest
-from ckptctl.layouts.native_commit import check_target_name, commit_copy, removal_order, uncommit
+from ckptctl.layouts.native_commit import check_target_name, commit_copy, manifest_ahead, removal_order, uncommit
 from ckptctl.layouts.native_read import Committed, dir_step, read_bounded, read_committed, read_committed_raw, read_state
 from ckptctl.layouts.node_part import node_part, node_record
 from ckptctl.progress import Progress
@@ -177,6 +177,12 @@ class NativeLayout:
                 hint="choose another destination, or delete that checkpoint first",
             )
         return "this"
+
+    def copy_ahead(self, source: CopySource, dst: Storage) -> tuple[str, ...]:
+        """The manifest, before the data: without the marker it commits nothing."""
+        committed = source.record
+        assert isinstance(committed, Committed)
+        return (committed.marker.manifest_name,) if manifest_ahead(dst, committed) else ()
 
     def uncommit_copy(self, source: CopySource, dst: Storage) -> None:
         uncommit(dst)

@@ -79,7 +79,9 @@ def commit_copy(ckpt: Storage, source: Committed, published: Sequence[str] = ())
     marker gives) and marker, once every file it names is in place and proven: the manifest,
     then the marker, each written only where nothing has its name. A name that already holds
     exactly these bytes is this checkpoint's (a copy of it run again, or two at once), so a
-    copy of the same checkpoint that finds it committed succeeds too.
+    copy of the same checkpoint that finds it committed succeeds too. A manifest this copy
+    wrote before its data (``manifest_ahead``: its name is in ``published``) is not written
+    again: only the marker follows the data.
 
     Raises RefusedForSafety when another writer took the step: its marker is there or lands
     first (then the files this copy ``published`` that the winner's manifest does not name are
@@ -88,20 +90,53 @@ def commit_copy(ckpt: Storage, source: Committed, published: Sequence[str] = ())
     step = source.manifest.step
     check_target_name(ckpt, step)
     name = source.marker.manifest_name
-    # As in ``commit``, the conditional writes decide, with no look at the marker first.
-    if not ckpt.write_if_absent(name, source.manifest_raw) and not _holds(ckpt, name, source.manifest_raw):
-        _refuse_if_committed(ckpt, step, published)
-        raise RefusedForSafety(
-            f"{ckpt.url_of(name)} already exists and is another checkpoint's manifest: another writer is "
-            f"writing step {step} here (or a killed one left it); nothing was replaced and this copy was not committed",
-            hint="let the other writer finish; if none is running, remove the partial step "
-            f"(`ckptctl rm {ckpt.url} --force`) and copy again",
-        )
+    # A manifest found in place (not ``published``) is written again if absent: the copy that
+    # wrote it may have taken it back since (its source failed its checksums).
+    wrote_now = name not in published and _place_manifest(ckpt, source, published)
     if not ckpt.write_if_absent(MARKER, source.marker_raw):
         if _holds(ckpt, MARKER, source.marker_raw) and _holds(ckpt, name, source.manifest_raw):
             return  # this very checkpoint, committed by another copy of it (or an earlier run)
-        _discard(ckpt, [*published, name])
+        _discard(ckpt, [*published, name] if wrote_now else published)  # a manifest found in place is not ours
         raise _other_writer(ckpt, step)
+
+
+def manifest_ahead(ckpt: Storage, source: Committed) -> bool:
+    """A copy's manifest, written before its data: without a marker it commits nothing (every
+    reader takes the step as partial), so only the marker is left to follow the data
+    (``commit_copy``). Written only where nothing has its name; True when this call wrote it,
+    False when the name already holds exactly these bytes (an interrupted copy of this
+    checkpoint, or another running: never this copy's to delete). Raises RefusedForSafety when
+    it holds other bytes, before a byte of data is sent."""
+    check_target_name(ckpt, source.manifest.step)
+    if ckpt.write_if_absent(source.marker.manifest_name, source.manifest_raw):
+        return True
+    if _holds(ckpt, source.marker.manifest_name, source.manifest_raw):
+        return False
+    raise _manifest_taken(ckpt, source)
+
+
+def _place_manifest(ckpt: Storage, source: Committed, published: Sequence[str]) -> bool:
+    """The manifest at commit, only if absent: True when this call wrote it, False when it held
+    these bytes already; a name holding other bytes refuses (see ``commit_copy``)."""
+    name = source.marker.manifest_name
+    # As in ``commit``, the conditional writes decide, with no look at the marker first.
+    if ckpt.write_if_absent(name, source.manifest_raw):
+        return True
+    if _holds(ckpt, name, source.manifest_raw):
+        return False
+    _refuse_if_committed(ckpt, source.manifest.step, published)
+    raise _manifest_taken(ckpt, source)
+
+
+def _manifest_taken(ckpt: Storage, source: Committed) -> RefusedForSafety:
+    name = source.marker.manifest_name
+    return RefusedForSafety(
+        f"{ckpt.url_of(name)} already exists and is another checkpoint's manifest: another writer is "
+        f"writing step {source.manifest.step} here (or a killed one left it); nothing was replaced and this copy "
+        "was not committed",
+        hint="let the other writer finish; if none is running, remove the partial step "
+        f"(`ckptctl rm {ckpt.url} --force`) and copy again",
+    )
 
 
 def _refuse_if_committed(ckpt: Storage, step: int, published: Sequence[str]) -> None:

@@ -219,7 +219,8 @@ class Storage(ABC):
         accepts (all, for None) that nothing touched for ``idle_for_s`` seconds on the store's
         clock, so a live writer's upload of another key is never aborted. Keys are relative
         to this storage. Returns the keys aborted, sorted (``dry_run``: those it would abort,
-        aborting none). A backend without such uploads returns [] and removes nothing: local
+        aborting none; a key of ``keys`` with no upload needs no look by its writer either
+        way). A backend without such uploads returns [] and removes nothing: local
         temporaries are cleaned by the layers that write them. Rules: ``storage/s3_uploads``."""
         check_key(prefix, allow_empty=True)
         return []

@@ -70,7 +70,7 @@ def supersede(bucket: Bucket, obj_key: str, shown: str) -> int:
     key whose uploads ``abort_idle`` aborted for this writer a moment ago (a copy names the keys
     it is about to write): listing them again cost every copied file a request before its
     first part (an upload started since is a racing writer's; the conditional complete still
-    lets only one of them publish)."""
+    lets only one of them publish), or found none of in a dry run (``first_look``)."""
     if bucket.take_cleared(obj_key):
         return 0
     # A directory bucket lists only below a "/"-ended prefix: the key's directory, then the
@@ -95,7 +95,9 @@ def abort_idle(
     """The uploads below ``list_prefix`` (a full key prefix, "/"-terminated or empty, as a
     directory bucket requires) to abort, by their keys relative to the storage whose own full
     key prefix is ``storage_prefix`` ("/"-terminated, or empty): those of ``keys``, and those
-    ``where`` accepts that were idle for ``idle_for_s``. Aborts them unless ``dry_run``. Sorted."""
+    ``where`` accepts that were idle for ``idle_for_s``. Aborts them unless ``dry_run``. Sorted.
+    Each of ``keys`` (a writer is about to write them) left with no upload is marked cleared,
+    so that its writer does not list its uploads again (``supersede``), dry run or not."""
     listed = _list(bucket, list_prefix, shown)
     assert listed is not None  # without denied_ok, an access denied raises
     uploads, now = listed
@@ -110,7 +112,9 @@ def abort_idle(
             # Only an upload started before the bound can be idle that long: the parts are
             # asked for (a request per 1,000) only then.
             chosen.append((key, upload))
-    if not dry_run:
+    if dry_run:  # the keys with no upload need no second listing by their writers either
+        bucket.mark_cleared([storage_prefix + key for key in set(keys) - {key for key, _ in chosen}])
+    else:
         chosen = [(key, u) for key, u in chosen if _abort(bucket, u, shown)]
         bucket.mark_cleared([storage_prefix + key for key in keys])
     return sorted(key for key, _ in chosen)

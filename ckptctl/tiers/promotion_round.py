@@ -22,8 +22,11 @@ and when, and runs one round per attempt through ``RoundLeader.copy`` (its copy 
    than the minimum rate) or a dead rank is an operational error, so the promoter backs off
    and retries: the same step when this round got more of it to the next tier than before
    (what is there is not uploaded again), else the newest chosen step;
-5. only when every rank replied ``ok``: rank 0 checks every listed file is at the next tier
-   at its size, then writes the manifest and the marker last (``layouts.native_commit.commit_copy``);
+5. meanwhile rank 0 writes the manifest at the next tier (``layouts.native_commit.manifest_ahead``:
+   without the marker it commits nothing; another checkpoint's manifest there refuses the round
+   once it concluded), and takes it back when the round fails; only when every rank replied
+   ``ok``: rank 0 checks every listed file is at the next tier at its size, then writes the
+   marker last (``layouts.native_commit.commit_copy``), the one request after the data;
 6. then it sweeps: the older steps its rounds left without a marker (a rank failed or was
    killed, the step was given up or skipped for a newer one) are removed from the next tier
    by ``ckptctl prune``'s partial rules (``tiers.leftovers``), their open multipart uploads
@@ -36,14 +39,15 @@ checkpoint is still the one before, and a later round of the same step (this run
 next run's) resumes it: each rank's writer first aborts the open uploads of its keys
 (``ops.transfer.uploads.before_copy``), keeps a file already there holding exactly its bytes
 (proven by reading it back) and publishes the others only where nothing has their name; the
-manifest and the marker are written only if absent (``layouts.native_commit.commit_copy``). A name
+manifest and the marker are written only if absent (``manifest_ahead``, ``commit_copy``). A name
 holding other bytes (another job promoting the same step) is never replaced: that round is
 refused for safety, and the step given up. The workers are threads of their own on every rank: training and the saver's writer never wait
 for a round.
 
 May import: ``tiers.channel``, ``tiers.stream``, ``tiers.liveness``, ``tiers.promoter``,
 ``tiers.upload``, ``tiers.leftovers``, ``ops.transfer.copy`` (its
-result type), ``ops.transfer.uploads``, ``layouts.native``, ``format``, ``storage``, leaves.
+result type), ``ops.transfer.uploads``, ``ops.transfer.first_look`` (``withdraw``), ``layouts.native``,
+``format``, ``storage``, leaves.
 """
 
 from __future__ import annotations
@@ -65,9 +69,10 @@ from ckptctl.errors import (
 )
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import Manifest
-from ckptctl.layouts.native_commit import check_target_name, commit_copy, uncommit
+from ckptctl.layouts.native_commit import check_target_name, commit_copy, manifest_ahead, uncommit
 from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.ops.transfer.copy import CopyResult
+from ckptctl.ops.transfer.first_look import withdraw
 from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.ops.transfer.uploads import in_root as uploads_in_root
 from ckptctl.storage.base import Storage
@@ -147,9 +152,37 @@ class RoundLeader:
         deadline = round_deadline(max(per_rank.values(), default=0))
         n = self.outbox.send({"op": "promote", "name": name,
                               "manifest": base64.b64encode(source.manifest_raw).decode()})
+        # The manifest goes while the ranks upload (without the marker it commits nothing), so
+        # only the marker follows their data; its failure is raised once the round concluded.
+        refused: CkptError | None = None
+        try:
+            wrote = (source.marker.manifest_name,) if manifest_ahead(dst, source) else ()
+        except CkptError as e:  # raised once the round concluded: the ranks are uploading now
+            wrote, refused = (), e
         keys = {k: f"{STREAM}/{n}/r{k}" for k in range(self.channel.world_size)}
-        with self._watch.during(keys):
-            replies = self.outbox.replies(self._link, n, deadline)
+        try:
+            with self._watch.during(keys):
+                replies = self.outbox.replies(self._link, n, deadline)
+            self._conclude(name, step, dst, source, replies, deadline, refused)
+        except BaseException:
+            withdraw(dst, wrote)  # a round that does not commit takes back the manifest it wrote
+            raise
+        commit_copy(dst, source, wrote)  # the marker last
+        self._attempted.pop(name, None)
+        self._done.pop(name, None)
+        try:
+            self._sweep(name, step)
+        except CkptError as e:  # the step is promoted; the leftovers wait for the next sweep
+            log.info("promotion to %s: leftovers of older rounds not swept this time: %s", self.remote.url, e)
+        copied = sum(int(v.split(":", 1)[1] or 0) for v in replies.values())
+        return CopyResult(src.url, dst.url, step, "copied", files=len(files), bytes_copied=copied,
+                          seconds=time.perf_counter() - t0)
+
+    def _conclude(self, name: str, step: int, dst: Storage, source: Committed, replies: dict[int, str],
+                  deadline: float, refused: CkptError | None) -> None:
+        """Raise unless the round got every listed file to the next tier (and its manifest was
+        written ahead, or found there holding its bytes): what the marker may then commit."""
+        files = source.manifest.files
         # Until its marker is written, this step's objects at ``dst`` are a leftover to sweep
         # once a newer step is committed there; quiet when no rank of this round still writes.
         answered = [k for k, v in replies.items() if not v.startswith("dead:")]
@@ -159,6 +192,8 @@ class RoundLeader:
         done |= gained
         try:
             _judge(step, dst, replies, self.channel.world_size, deadline)
+            if refused is not None:  # the manifest could not be written ahead
+                raise refused
         except OperationalError as e:
             if gained:  # more of it is at the next tier than before: retrying it costs only the rest
                 raise Progressed(f"{e} ({len(done)} of {self.channel.world_size} ranks' files are there)",
@@ -176,16 +211,6 @@ class RoundLeader:
                 raise StorageError(f"{dst.url_of(f.name)}: {'missing' if size is None else f'{size} bytes'} "
                                    f"after rank {f.rank} reported it uploaded ({f.size} bytes)",
                                    hint="the next tier lost a write; the promotion is retried")
-        commit_copy(dst, source)  # the marker last
-        self._attempted.pop(name, None)
-        self._done.pop(name, None)
-        try:
-            self._sweep(name, step)
-        except CkptError as e:  # the step is promoted; the leftovers wait for the next sweep
-            log.info("promotion to %s: leftovers of older rounds not swept this time: %s", self.remote.url, e)
-        copied = sum(int(v.split(":", 1)[1] or 0) for v in replies.values())
-        return CopyResult(src.url, dst.url, step, "copied", files=len(files), bytes_copied=copied,
-                          seconds=time.perf_counter() - t0)
 
     def _sweep(self, anchor: str, step: int) -> None:
         """After ``anchor`` (step) was committed on the next tier: remove the objects of the older

@@ -12,14 +12,15 @@ One copy (``copy_in_layout``), in order:
    commit record is gone); another checkpoint is refused, never replaced. Beside that verdict
    the copy asks its own first questions (``first_look``: the open uploads of its keys aborted,
    the names taken listed), unless the caller expects the checkpoint there (a ``sync``
-   over a mirror that lists it);
+   over a mirror that lists it), and writes the part of its record that commits nothing alone
+   (``Layout.copy_ahead``: ckptctl's manifest), so that only the rest follows the data;
 3. every data file is streamed from the source, checked against its proof on the way
    (``copy_files``), and published only where nothing has its name (``Writer.publish``: a link
    locally, ``If-None-Match: *`` on S3); a name already taken is used as it is when it holds
    exactly this file's bytes, proven the same way (an interrupted copy run again, a retried
    promotion round: they resume), and is otherwise refused for safety, never replaced;
 4. the commit files the same way, once every data file of every rank is in;
-5. the layout commits (``commit_copy``: its record last, only where nothing has its name); a
+5. the layout commits (``commit_copy``: the rest of its record last, only where nothing has its name); a
    copy that lost the step to another writer's commit deletes what it published that the
    winner does not name, and is refused for safety; a layout that asks for it has its copy
    checked at ``check_after`` (an unsealed checkpoint of another tool is test-loaded), and a
@@ -28,7 +29,9 @@ One copy (``copy_in_layout``), in order:
 
 What a copy deletes: only files it published itself, by their exact names. A copy refused for
 safety before any commit decided the step deletes nothing (another writer may have found a file
-of it holding exactly its own bytes and used it); one that lost to another writer's commit
+of it holding exactly its own bytes and used it) but what it wrote ahead of the data, as does a
+copy failing for any reason before its commit (a copy of the same checkpoint that used it
+writes it again at its commit); one that lost to another writer's commit
 deletes what the winner does not name; one whose source turns out corrupt takes back what it
 published (``docs/protocol.md``, "Every writer of a step"). What an interrupted copy leaves is
 partial (no commit record) and reused by the next copy of the same checkpoint, or removed with
@@ -50,7 +53,7 @@ from ckptctl.layouts.copying import CopySource, ToCopy
 from ckptctl.ops.distributed import Job, agree, attempt, current, everyone, gathered, mine, on_root
 from ckptctl.ops.seal.leftovers import remove_temporaries
 from ckptctl.ops.transfer.files import Copied, Ends, at_destination, copy_files, describe_problems, proven_at
-from ckptctl.ops.transfer.first_look import first_look
+from ckptctl.ops.transfer.first_look import first_look, withdraw
 from ckptctl.ops.transfer.uploads import before_copy
 from ckptctl.ops.verify.engine import verify
 from ckptctl.progress import Progress
@@ -120,7 +123,7 @@ def copy_in_layout(layout: Layout, src: Storage, into: Storage, *, into_root: bo
         problems = verify(src, layout, source.check_before).problems
         if problems:
             raise InvalidCheckpoint(describe_problems(problems, src.url), hint=problems[0].hint or "copy an older checkpoint")
-    todo, result.note, taken = _at_hand(layout, source, ends, job, vouched, result.note, ahead=not expect_present)
+    todo, result.note, taken, ahead = _at_hand(layout, source, ends, job, vouched, result.note, ahead=not expect_present)
     if todo is not None and not todo:
         result.status = "already present"
         _finish(lambda: layout.commit_copy(source, dst), dst, job)  # a record part a killed copy never wrote (a seal)
@@ -128,7 +131,7 @@ def copy_in_layout(layout: Layout, src: Storage, into: Storage, *, into_root: bo
             _check_after(layout, source, ends, None, job)
     else:
         files = [f for f in source.files if todo is None or f.name in todo]
-        copied = _copy_all(layout, source, ends, files, progress, threads, job, taken)
+        copied = _copy_all(layout, source, ends, files, progress, threads, job, taken, ahead)
         result.bytes_copied = sum(c.bytes_copied for c in copied if c is not None)
         result.files_reused = sum(c.reused for c in copied if c is not None) + len(source.files) - len(files)
         if job is not None:
@@ -156,12 +159,14 @@ def _whole(source: CopySource) -> bool:
 
 def _at_hand(layout: Layout, source: CopySource, ends: Ends, job: Job | None,
              vouched: Callable[[Storage], bool] | None,
-             note: str | None, *, ahead: bool) -> tuple[set[str] | None, str | None, frozenset[str] | None]:
+             note: str | None, *,
+             ahead: bool) -> tuple[set[str] | None, str | None, frozenset[str] | None, tuple[str, ...]]:
     """What the destination already holds: None when it commits nothing (every file is to be
     copied; those already in place and proven are kept as they go), else the names of the files
     still to copy (none when this checkpoint is there whole: "already present"); the note of
-    the copy, saying so when a copy there was damaged; and the keys taken there when the first
-    look listed them (``first_look``: the open uploads of those keys are aborted then too). A
+    the copy, saying so when a copy there was damaged; the keys taken there when the first
+    look listed them (``first_look``: the open uploads of those keys are aborted then too); and
+    the record's keys it wrote ahead of the data (``Layout.copy_ahead``). A
     damaged copy of this very checkpoint loses its record, then its damaged files, before they
     are copied again; anything else committed there is refused."""
     dst = ends.dst
@@ -172,16 +177,16 @@ def _at_hand(layout: Layout, source: CopySource, ends: Ends, job: Job | None,
     look = on_root(job, lambda: at_destination(dst, lambda: first_look(layout, source, ends, ahead=ahead)))
     there = look.there
     if there == "nothing":
-        return None, note, look.names
+        return None, note, look.names, look.ahead
     if vouched is not None and on_root(job, lambda: vouched(dst)):
-        return set(), note, None
+        return set(), note, None, ()
     # Every byte, not just sizes and headers: a flipped byte in a copy trusted as "already
     # there" would be handed to training. The files are split over the ranks by bytes.
     share = [source.files[i] for i in mine(job, [f.size for f in source.files])]
     bad, failure = attempt(lambda: at_destination(dst, lambda: [f.name for f in share if not proven_at(ends, f)]))
     damaged = {name for names in gathered(job, bad, failure) for name in (names or [])}
     if not damaged:
-        return set(), note, None
+        return set(), note, None, ()
     if there != "this":
         what = "another file under this checkpoint's name" if _whole(source) else \
             f"a {layout.name} checkpoint ({sorted(damaged)[0]} differs from the source)"
@@ -199,14 +204,35 @@ def _at_hand(layout: Layout, source: CopySource, ends: Ends, job: Job | None,
     first = sorted(damaged)[0]
     said = f"the copy at {dst.url} failed verification ({first or ends.name} does not hold its bytes); copied again"
     # Uncommitting may have removed the commit files too (another tool's): they are copied again.
-    return damaged | {f.name for f in source.files if f.commit}, f"{note}; {said}" if note else said, None
+    return damaged | {f.name for f in source.files if f.commit}, f"{note}; {said}" if note else said, None, ()
 
 
 def _copy_all(layout: Layout, source: CopySource, ends: Ends, files: list[ToCopy], progress: Progress | None,
-              threads: int, job: Job | None, taken: frozenset[str] | None) -> list[Copied | None]:
-    """Copy ``files`` (the data files split over the ranks, then the commit files on rank 0),
-    commit, and check the copy when the layout asks; returns what each rank copied. ``taken``:
-    the keys the first look found at the destination (its uploads of them aborted already)."""
+              threads: int, job: Job | None, taken: frozenset[str] | None,
+              ahead: tuple[str, ...]) -> list[Copied | None]:
+    """Copy ``files`` (``_copy_data``), commit, and check the copy when the layout asks;
+    returns what each rank copied. ``taken``: the keys the first look found at the destination
+    (its uploads of them aborted already); ``ahead``: the record's keys it wrote (rank 0's)."""
+    mine_ahead = list(ahead) if job is None or job.rank == 0 else []
+    try:
+        copied, published = _copy_data(source, ends, files, progress, threads, job, taken, mine_ahead)
+    except BaseException:
+        # Before its commit a copy's record commits nothing: what it wrote ahead goes (a
+        # corrupt source's take-back did it already). Not once the marker may have landed.
+        withdraw(ends.dst, mine_ahead)
+        raise
+    dst = ends.dst
+    _finish(lambda: layout.commit_copy(source, dst, published), dst, job)  # the rest of the record, only if absent
+    if source.check_after is not None:
+        _check_after(layout, source, ends, published, job)
+    return copied
+
+
+def _copy_data(source: CopySource, ends: Ends, files: list[ToCopy], progress: Progress | None, threads: int,
+               job: Job | None, taken: frozenset[str] | None,
+               ahead: list[str]) -> tuple[list[Copied | None], list[str]]:
+    """The data files split over the ranks, then the commit files on rank 0: what each rank
+    copied, and every key this copy published, ``ahead`` first. A corrupt source is taken back."""
     dst = ends.dst
     place = ends.at(source.files[0])[0] if source.files else dst
 
@@ -222,9 +248,9 @@ def _copy_all(layout: Layout, source: CopySource, ends: Ends, files: list[ToCopy
     copied = gathered(job, done, failure)
     if any(c is not None and c.problems for c in copied):
         assert done is not None
-        _take_back(ends, done.published, job, not _whole(source))  # each rank its own files
+        _take_back(ends, [*ahead, *done.published], job, not _whole(source))  # each rank its own files
         _raise_problems([c for c in copied if c is not None], ends.src)
-    published = [name for c in copied if c is not None for name in c.published]
+    published = [*ahead, *(name for c in copied if c is not None for name in c.published)]
     last: Copied | None = Copied()
     if job is None or job.rank == 0:
         last, failure = attempt(lambda: copy_files(ends, [f for f in files if f.commit], progress, threads=1, taken=taken))
@@ -234,12 +260,8 @@ def _copy_all(layout: Layout, source: CopySource, ends: Ends, files: list[ToCopy
     if last.problems:
         _take_back(ends, [*published, *last.published] if job is None or job.rank == 0 else [], job, not _whole(source))
         _raise_problems([last], ends.src)
-    published += last.published
-    _finish(lambda: layout.commit_copy(source, dst, published), dst, job)  # the record last, only if absent
-    if source.check_after is not None:
-        _check_after(layout, source, ends, published, job)
     copied[0] = _merged(copied[0], last)
-    return copied
+    return copied, [*published, *last.published]
 
 
 def _take_back(ends: Ends, published: list[str], job: Job | None, directory: bool) -> None:
@@ -292,6 +314,8 @@ def _check_after(layout: Layout, source: CopySource, ends: Ends, published: list
     def take_back() -> None:
         if not _whole(source):
             layout.uncommit_copy(source, ends.dst)
+        files = {ends.at(item)[1] for item in source.files}
+        withdraw(ends.dst, [key for key in published if key not in files])  # the record's keys written ahead
         for item in source.files:
             where, key = ends.at(item)
             if key in published:

@@ -34,15 +34,16 @@ UPLOAD_IDLE_S = 6 * 3600.0
 
 
 
-def before_copy(dst: Storage, names: Iterable[str]) -> list[str]:
+def before_copy(dst: Storage, names: Iterable[str], *, dry_run: bool = False) -> list[str]:
     """Before a copy writes ``names`` into the checkpoint directory ``dst``: abort the open
-    uploads of those keys, and any other there idle for ``UPLOAD_IDLE_S``. Returns their keys.
+    uploads of those keys, and any other there idle for ``UPLOAD_IDLE_S``. Returns their keys
+    (``dry_run``: those it would abort, aborting none).
 
     Best effort: a storage error here is left for the copy's own requests to report (each
     writer of a key also aborts that key's uploads as it starts), so a store that refuses
     to list uploads (IAM without ``s3:ListBucketMultipartUploads``) still gets its copy."""
     try:
-        return dst.abort_stale_uploads(idle_for_s=UPLOAD_IDLE_S, keys=list(names))
+        return dst.abort_stale_uploads(idle_for_s=UPLOAD_IDLE_S, keys=list(names), dry_run=dry_run)
     except StorageError:
         return []
 
