@@ -10,6 +10,7 @@ is two ``settings.VERIFY_PIECE`` pieces per read in flight, never a whole file.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -159,57 +160,65 @@ def _scan(
     header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
     size = min(VERIFY_PIECE, max(end - start, 1))
-    # The scan's own two buffers, taken in turn; with ``spare``, made only for a piece the sink
-    # lends no memory for (the short last one), and only as large as it.
-    bufs = [bytearray(size if spare is None else 0) for _ in range(2)]
     starts = range(start, end, VERIFY_PIECE)
     ci = 0
-    # While one piece is hashed (and copied by ``sink``), the next is already being read: on
-    # S3 that keeps a GET in flight all the time instead of alternating network and CPU.
-    # The pool is left (waiting for any read still in flight) before the reader is closed.
-    with ckpt.open_reader(f.name) as r, ThreadPoolExecutor(1, thread_name_prefix="ckptctl-prefetch") as ahead:
+    # While one piece is hashed (and copied by ``sink``), the next ``depth`` are being read:
+    # locally one (the kernel reads ahead of it); on S3 several GETs, since one connection
+    # moves 50-100 MB/s and a store's throughput comes from many (``Reader.reads_in_flight``).
+    # Reads may finish in any order; pieces are consumed in order. The pool is left (reads not
+    # yet started cancelled, those in flight waited for) before the reader is closed.
+    with ckpt.open_reader(f.name) as r:
+        depth = max(1, min(r.reads_in_flight, len(starts)))
+        # The scan's own buffers, one per piece in flight plus the one being consumed, taken in
+        # turn; with ``spare``, made only for a piece the sink lends no memory for (the short
+        # last one), and only as large as it.
+        bufs = [bytearray(size if spare is None else 0) for _ in range(depth + 1)]
 
         def fetch(k: int) -> memoryview:
             pos = starts[k]
             n = min(VERIFY_PIECE, end - pos)
             view = spare(n) if spare is not None else None
             if view is None:
-                if len(bufs[k % 2]) < n:
-                    bufs[k % 2] = bytearray(n)
-                view = memoryview(bufs[k % 2])[:n]
+                if len(bufs[k % len(bufs)]) < n:
+                    bufs[k % len(bufs)] = bytearray(n)
+                view = memoryview(bufs[k % len(bufs)])[:n]
             r.read_into(pos, view)
             return view
 
-        pending = ahead.submit(fetch, 0) if starts else None
-        for k, pos in enumerate(starts):
-            assert pending is not None
-            view = pending.result()
-            if stop is not None and stop.is_set():
-                return None
-            # The other buffer is free again: the piece before this one is fully consumed.
-            pending = ahead.submit(fetch, k + 1) if k + 1 < len(starts) else None
-            n = len(view)
-            if pos < h.data_start:
-                header.update(view[: h.data_start - pos])
-            # Hand each part of the piece to the chunk it belongs to (the header is no chunk's).
-            lo, hi = pos, pos + n
-            while ci < len(chunks):
-                c = chunks[ci]
-                cb, ce = h.data_start + c.begin, h.data_start + c.end
-                a, b = max(lo, cb), min(hi, ce)
-                if a < b:
-                    part = view[a - pos : b - pos]
-                    hashers[ci].update(part)
-                    if decode is not None:
-                        bad = decode(part, c.dtype, a - cb)
-                        if bad is not None:
-                            problems.append(Problem(bad, file=f.name, tensor=c.name))
-                if ce <= hi:
-                    ci += 1
-                else:
-                    break
-            if sink is not None:
-                sink(view)
-            if progress:
-                progress(n)
+        ahead = ThreadPoolExecutor(depth, thread_name_prefix="ckptctl-prefetch")
+        try:
+            pending = deque(ahead.submit(fetch, k) for k in range(depth if starts else 0))
+            for k, pos in enumerate(starts):
+                view = pending.popleft().result()
+                if stop is not None and stop.is_set():
+                    return None
+                # Piece k's buffer is not among those read into next: k + 1 .. k + depth.
+                if k + depth < len(starts):
+                    pending.append(ahead.submit(fetch, k + depth))
+                n = len(view)
+                if pos < h.data_start:
+                    header.update(view[: h.data_start - pos])
+                # Hand each part of the piece to the chunk it belongs to (the header is no chunk's).
+                lo, hi = pos, pos + n
+                while ci < len(chunks):
+                    c = chunks[ci]
+                    cb, ce = h.data_start + c.begin, h.data_start + c.end
+                    a, b = max(lo, cb), min(hi, ce)
+                    if a < b:
+                        part = view[a - pos : b - pos]
+                        hashers[ci].update(part)
+                        if decode is not None:
+                            bad = decode(part, c.dtype, a - cb)
+                            if bad is not None:
+                                problems.append(Problem(bad, file=f.name, tensor=c.name))
+                    if ce <= hi:
+                        ci += 1
+                    else:
+                        break
+                if sink is not None:
+                    sink(view)
+                if progress:
+                    progress(n)
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
     return header.hexdigest(), [hh.hexdigest() for hh in hashers]

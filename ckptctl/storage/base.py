@@ -39,6 +39,10 @@ class Reader(ABC):
     """Random-access reads of one object, kept open for many ranged reads."""
 
     size: int
+    # Ranged reads a caller streaming the object front to back keeps in flight at once to reach
+    # the store's speed: one for a local file (the kernel reads ahead of it); more on object
+    # storage, where one connection moves 50-100 MB/s and throughput comes from several.
+    reads_in_flight: int = 1
 
     @abstractmethod
     def read_into(self, offset: int, out: memoryview) -> None:

@@ -79,7 +79,9 @@ class S3Storage(Storage):
     uploaded at once per writer, which also bounds a writer's memory to about
     ``(max_inflight_parts + 1) * part_size`` once past the threshold.
     ``read_chunk_size`` / ``read_concurrency``: a read larger than one chunk is split into
-    ranged GETs run in parallel, each filling its own slice of the caller's buffer.
+    ranged GETs run in parallel, each filling its own slice of the caller's buffer; a caller
+    streaming an object piece by piece (a copy, a verify) keeps ``read_concurrency`` pieces in
+    flight (``Reader.reads_in_flight``).
     """
 
     def __init__(

@@ -39,6 +39,7 @@ class S3Reader(Reader):
         self._shown = shown
         self._etag = etag
         self.size = size
+        self.reads_in_flight = opts.read_concurrency  # a streaming caller's GETs at once, as a large read's
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
