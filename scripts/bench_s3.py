@@ -20,6 +20,15 @@ median of the per-round ratios (the best of each side is printed beside it). Aga
 both sides share one Python server, so the ratios say more than the absolute numbers.
 
     .venv/bin/python scripts/bench_s3.py --size-mib 256 --files 2
+
+moto on loopback answers a request in about 3 ms; a real store's round trip is 10-30 ms, and
+what a tool spends in requests in series shows only then. ``--rtt-ms N`` holds every request
+of both tools (they share botocore's sending path) for N ms before it is sent, a round trip's
+latency without a bandwidth limit, so the ratios also say how the two tools' request patterns
+fare against a distant store. ``--conn-mibps N`` also paces every connection's transfer to N
+MiB/s each way (a real store serves one connection at 50-100 MB/s and scales by connections,
+where moto on loopback serves one as fast as the CPU allows), so a tool that keeps fewer
+requests in flight shows it.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from typing import Callable
 
 import torch
@@ -120,6 +130,64 @@ def cpu_of(label: str) -> float:
     return min(CPU[label])
 
 
+def emulate_round_trip(rtt_s: float) -> None:
+    """Every request botocore sends in this process, whichever tool made it, waits ``rtt_s``
+    first: a benchmark-only hook on its sending path (``Endpoint._send``)."""
+    import botocore.endpoint
+
+    send = botocore.endpoint.Endpoint._send
+
+    def delayed(self, request):  # type: ignore[no-untyped-def]
+        time.sleep(rtt_s)
+        return send(self, request)
+
+    botocore.endpoint.Endpoint._send = delayed
+
+
+def pace_connections(mib_s: float) -> None:
+    """Every response body read and every request body sent in this process, whichever tool,
+    goes no faster than ``mib_s`` per connection: a benchmark-only pacing of urllib3's reads
+    and http.client's sends (both tools' bytes pass through them)."""
+    import http.client
+
+    import urllib3.response
+
+    rate = mib_s * MiB
+    # When each connection (or response) may move its next byte: no credit builds up while idle.
+    free_at: "weakref.WeakKeyDictionary[object, float]" = weakref.WeakKeyDictionary()
+
+    def pace(owner: object, n: int) -> None:
+        now = time.perf_counter()
+        free_at[owner] = max(now, free_at.get(owner, now)) + n / rate
+        if free_at[owner] > now:
+            time.sleep(free_at[owner] - now)
+
+    read = urllib3.response.HTTPResponse.read
+
+    def paced_read(self, amt=None, *args, **kwargs):  # type: ignore[no-untyped-def]
+        data = read(self, amt, *args, **kwargs)
+        pace(self, len(data))
+        return data
+
+    send = http.client.HTTPConnection.send
+
+    def paced_send(self, data):  # type: ignore[no-untyped-def]
+        if hasattr(data, "read"):  # a file-like body (botocore's checksum-trailer wrapper): in blocks
+            while block := data.read(1 << 20):
+                paced_send(self, block)
+            return
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data).cast("B")
+            for at in range(0, len(view), 1 << 20):
+                send(self, view[at : at + (1 << 20)])
+                pace(self, len(view[at : at + (1 << 20)]))
+            return
+        send(self, data)
+
+    urllib3.response.HTTPResponse.read = paced_read
+    http.client.HTTPConnection.send = paced_send
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=256, help="checkpoint size (default 256)")
@@ -129,7 +197,13 @@ def main() -> None:
     ap.add_argument("--bucket", default=None, help="existing bucket (default: a new one)")
     ap.add_argument("--part-mib", type=int, default=None, help="ckptctl's multipart threshold and part size (default: S3Storage's)")
     ap.add_argument("--inflight", type=int, default=None, help="ckptctl's parts in flight per file (default: S3Storage's)")
+    ap.add_argument("--rtt-ms", type=float, default=0.0, help="hold every request of both tools this long (default 0)")
+    ap.add_argument("--conn-mibps", type=float, default=0.0, help="pace each connection of both tools to this rate (default: none)")
     args = ap.parse_args()
+    if args.rtt_ms:
+        emulate_round_trip(args.rtt_ms / 1000)
+    if args.conn_mibps:
+        pace_connections(args.conn_mibps)
 
     server = None
     endpoint = args.endpoint_url
@@ -164,7 +238,9 @@ def main() -> None:
         manifest, _ = read_committed(open_storage(src))
         total = manifest.total_bytes
         names = [f.name for f in manifest.files]
-        print(f"endpoint {endpoint}; checkpoint {total / MiB:.0f} MiB in {len(names)} file(s); {args.repeat} alternating rounds")
+        print(f"endpoint {endpoint}; checkpoint {total / MiB:.0f} MiB in {len(names)} file(s); {args.repeat} alternating rounds"
+              + (f"; every request held {args.rtt_ms:g} ms (--rtt-ms)" if args.rtt_ms else "")
+              + (f"; each connection paced to {args.conn_mibps:g} MiB/s (--conn-mibps)" if args.conn_mibps else ""))
 
         cfg = TransferConfig()  # boto3's defaults: 8 MiB threshold and chunks, 10 threads
         tuning: dict[str, int] = {}
