@@ -75,11 +75,11 @@ def test_three_nodes_with_replicas_and_no_later_tier_resume_the_newest_step(tmp_
     survived (its replicas), and the nodes together hold every file."""
     roots = [str(tmp_path / f"node{k}") for k in range(3)]
     _run(tmp_path, "run1", "replica_save", roots, steps=[10, 20])
-    said = open(os.path.join(tmp_path, "run1", "node0.log")).read()
-    assert "load_latest cannot resume" not in said and "no later tier" not in said, said[-3000:]
     results = _run(tmp_path, "run2", "replica_load", roots)
     for k in range(6):
         assert (results[k]["step"], results[k]["bitwise_equal"]) == (20, True), (k, results[k])
+    said = open(os.path.join(tmp_path, "run1", "node0.log")).read()
+    assert "load_latest cannot resume" not in said and "no later tier" not in said, said[-3000:]
     # Node 2 fetched ranks 0 to 3's shards but 2 and 3's, its replica of node 1; node 1 holds
     # node 0's as its replica.
     assert _files(os.path.join(roots[2], COPIES, step_dir(20))) == sorted(
