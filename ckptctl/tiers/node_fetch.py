@@ -21,12 +21,13 @@ For a candidate (after ``tiers.replica_recovery`` when there are replicas), one 
 each node's leader says which of the step's files its ranks read and it lacks, which it holds
 (in its step directory or its copies, at their size), and whether its node committed the
 step. Then, the same plan on every rank: each missing file from one holder (spread over the
-holders), leader to leader, over the replicas' gloo group in bounded chunks
-(``tiers.replica_link``: memory is a chunk or two, never a shard). Nothing is sent when the
+holders), leader to leader, over a gloo group of every rank (the replicas', or one of its own
+without replicas) in bounded chunks (``tiers.replica_link``: memory is a chunk or two, never a
+shard). Nothing is sent when the
 step cannot be read anyway: a node that does not hold it committed, or a file no node holds;
 every rank then fails its load and moves on together, as before. Each file received is checked
 against the manifest (its header bound to it, each chunk, the file checksum) before it is
-kept (``replica_recovery.check_against``); one that does not check out is deleted, and the load
+kept (``replica_recovery.receive_checked``); one that does not check out is deleted, and the load
 of that step fails on its node's ranks, never reading it.
 
 Where: in the node's copies of other nodes' files (``<root>/.ckptctl-replicas/<step>/``, the
@@ -39,7 +40,7 @@ Bounded and collective: every rank takes part; a peer that dies fails its transf
 timeout, and a barrier keeps every rank of a node from reading the step before its leader is
 done receiving.
 
-May import: ``tiers.replica_link``, ``tiers.replica_recovery``, ``tiers.replica_store``,
+May import: ``tiers.layered``, ``tiers.replica_link``, ``tiers.replica_recovery``, ``tiers.replica_store``,
 ``layouts``, ``format``, ``storage``, leaves (and torch.distributed).
 """
 
@@ -58,8 +59,8 @@ from ckptctl.format.manifest import FileEntry, Manifest
 from ckptctl.layouts.native_read import Committed
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.layered import Layered
-from ckptctl.tiers.replica_link import recv_files, send_files
-from ckptctl.tiers.replica_recovery import TAG_BASE, absent, all_gather_ints, broadcast_commit, check_against
+from ckptctl.tiers.replica_link import send_files
+from ckptctl.tiers.replica_recovery import TAG_BASE, absent, all_gather_ints, broadcast_commit, receive_checked
 from ckptctl.tiers.replica_store import replica_dir
 
 log = logging.getLogger("ckptctl")
@@ -200,19 +201,12 @@ class Fetch:
     def _receive(self, src: int, tag: int, into: Storage, files: list[FileEntry], manifest: Manifest) -> None:
         """Receive ``files`` from ``src``; keep each only when it checks out against the manifest."""
         try:
-            got = recv_files(self.group, src, tag, into, files, self.timeout_s, keep=lambda f: absent(into, f))
+            kept = receive_checked(self.group, src, tag, into, files, manifest, self.timeout_s)
         except (CkptError, OSError) as e:
             log.warning("tiers: rank %d could not fetch %s from rank %d: %s", self.rank,
                         ", ".join(f.name for f in files), src, e)
             return
-        for f in got:
-            why = check_against(into, f, manifest)
-            if why is None:
-                self.fetched.append(into.url_of(f.name))
-            else:
-                log.error("tiers: %s fetched from rank %d does not check out (%s); deleted, an older step is read",
-                          into.url_of(f.name), src, why)
-                into.delete(f.name)
-        if got:
+        self.fetched += [into.url_of(f.name) for f in kept]
+        if kept:
             log.info("tiers: rank %d fetched %s from rank %d into %s", self.rank,
-                     ", ".join(f.name for f in got), src, into.url)
+                     ", ".join(f.name for f in kept), src, into.url)

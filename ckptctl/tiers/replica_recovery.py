@@ -138,20 +138,11 @@ class Recovery:
                  what: str) -> list[FileEntry]:
         """Receive ``files`` from ``peer``; keep each only when it checks out against the manifest."""
         try:
-            got = recv_files(self.group, peer, tag, into, files, self.timeout_s, keep=lambda f: absent(into, f))
+            kept = receive_checked(self.group, peer, tag, into, files, manifest, self.timeout_s)
         except CkptError as e:
             log.warning("peer replica: rank %d could not receive %s from rank %d: %s", self.rank, what, peer, e)
             return []
-        kept = []
-        for f in got:
-            why = check_against(into, f, manifest)
-            if why is None:
-                kept.append(f)
-                self.restored.append(into.url_of(f.name))
-            else:
-                log.error("peer replica: %s from rank %d does not check out (%s); deleted, the next tier is read instead",
-                          into.url_of(f.name), peer, why)
-                into.delete(f.name)
+        self.restored += [into.url_of(f.name) for f in kept]
         if kept:
             log.info("peer replica: rank %d restored %s from rank %d: %s", self.rank, what, peer,
                      ", ".join(f.name for f in kept))
@@ -220,6 +211,25 @@ def all_gather_ints(group: "dist.ProcessGroup", world_size: int, mine: list[int]
     except RuntimeError as e:
         raise CoordinationError(f"tiers: the ranks could not say what their nodes lack: {e}") from None
     return [[int(v) for v in t] for t in out]
+
+
+def receive_checked(group: "dist.ProcessGroup", peer: int, tag: int, into: Storage, files: list[FileEntry],
+                    manifest: Manifest, timeout_s: float) -> list[FileEntry]:
+    """Receive ``files`` from rank ``peer`` into ``into`` (one there at its size is received
+    and dropped: ``replica_link.recv_files``); keep each only when it checks out against
+    ``manifest``: one that does not is deleted, with an error naming it, and is never read.
+    Returns the files kept. Raises CkptError (the peer, this disk)."""
+    got = recv_files(group, peer, tag, into, files, timeout_s, keep=lambda f: absent(into, f))
+    kept = []
+    for f in got:
+        why = check_against(into, f, manifest)
+        if why is None:
+            kept.append(f)
+        else:
+            log.error("tiers: %s from rank %d does not check out (%s); deleted, another copy is read or the step "
+                      "skipped", into.url_of(f.name), peer, why)
+            into.delete(f.name)
+    return kept
 
 
 def _files(manifest: Manifest, rank: int) -> list[FileEntry]:
