@@ -109,3 +109,19 @@ def test_a_bad_copy_on_the_holding_node_is_never_loaded_and_every_rank_falls_bac
     assert _shard(0, 4) not in _files(os.path.join(roots[1], COPIES, step_dir(20)))
     log1 = open(os.path.join(tmp_path, "run2", "node1.log")).read()
     assert "does not check out" in log1, log1[-3000:]
+
+
+def test_what_a_rank_reads_comes_from_the_placement_hints() -> None:
+    """Its own file and rank 0's, each whole tensor's owner's, its own block of a split one;
+    every file once a tensor has no hint (any file may hold part of it)."""
+    from ckptctl.format.manifest import FileEntry, Manifest, TensorEntry
+    from ckptctl.tiers.node_fetch import files_read
+
+    files = [FileEntry(_shard(k, 4), 1, "", k, 1) for k in range(4)]
+    tensors = {"fsdp": TensorEntry("float32", (8, 2), "model", 4, split=(0, 2)),
+               "ddp": TensorEntry("float32", (4,), "model", 1, owner=2)}
+    m = Manifest(step=1, created=0.0, world_size=4, files=files, tensors=tensors)
+    assert files_read(m, 3) == {_shard(3, 4), _shard(0, 4), _shard(2, 4)}
+    assert files_read(m, 1) == {_shard(1, 4), _shard(0, 4), _shard(2, 4)}
+    m.tensors["odd"] = TensorEntry("float32", (3,), "model", 2)
+    assert files_read(m, 1) == {f.name for f in files}

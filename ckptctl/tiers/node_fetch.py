@@ -98,7 +98,6 @@ class Fetch:
         self.group, self.root, self.rank, self.world_size = group, root, rank, world_size
         self.node_ranks = frozenset(node_ranks)
         self.timeout_s = timeout_s
-        self.fetched: list[str] = []  # files this rank received and kept, for the caller's log
         self._calls = 0
 
     def commit(self, name: str) -> Committed | None:
@@ -123,7 +122,7 @@ class Fetch:
         plan = self._plan(name, files, rows)
         if not plan:
             return
-        self._transfer(name, source.manifest, files, plan)
+        self._transfer(name, source.manifest, plan)
         try:  # no rank reads the step before its node's leader is done receiving
             dist.barrier(group=self.group)
         except RuntimeError as e:
@@ -170,8 +169,7 @@ class Fetch:
             return {}
         return plan
 
-    def _transfer(self, name: str, manifest: Manifest, files: list[FileEntry],
-                  plan: dict[tuple[int, int], list[FileEntry]]) -> None:
+    def _transfer(self, name: str, manifest: Manifest, plan: dict[tuple[int, int], list[FileEntry]]) -> None:
         """This rank's sends (on a thread) and receives. Each sender serves its receivers in
         rank order and each receiver takes its senders in rank order: the smallest pending
         (sender, receiver) pair is then always ready on both sides, so the pairs cannot wait on
@@ -206,7 +204,6 @@ class Fetch:
             log.warning("tiers: rank %d could not fetch %s from rank %d: %s", self.rank,
                         ", ".join(f.name for f in files), src, e)
             return
-        self.fetched += [into.url_of(f.name) for f in kept]
         if kept:
             log.info("tiers: rank %d fetched %s from rank %d into %s", self.rank,
                      ", ".join(f.name for f in kept), src, into.url)
