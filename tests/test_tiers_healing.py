@@ -8,6 +8,8 @@
   thread running, and the next ``Checkpointer`` works.
 * A step committed on one node's disk only (its other part lost) is refused on every rank at
   once, and the job's next save commits.
+* A node-local tier alone on several nodes, with no replicas, warns that a lost node loses
+  every step.
 """
 
 from __future__ import annotations
@@ -107,18 +109,18 @@ def test_a_step_committed_on_one_node_only_is_refused_on_every_rank(tmp_path) ->
         assert "already committed" in refused, (r, res)
 
 
-def test_a_node_local_tier_alone_on_several_nodes_is_said_to_be_unresumable(tmp_path) -> None:
-    """Each node's disk holds only its ranks' shards and every rank reads rank 0's shard to
-    resume, so a node-local tier with no replicas and no later tier saves, but load_latest can
-    never resume the job from it: a relaunch would start over. Rank 0 says so once, when the
-    Checkpointer is made; not when a later tier holds every shard."""
+def test_a_node_local_tier_alone_on_several_nodes_warns_that_a_lost_node_loses_every_step(tmp_path) -> None:
+    """With no replicas and no later tier each file of a step is on one node's disk only: a
+    relaunch resumes (each node fetches what its ranks read from the others:
+    ``test_tiers_fetch.py``), but a node that loses its disk takes every step with it. Rank 0
+    says so once, when the Checkpointer is made; not when a later tier holds every shard."""
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     alone = launch("node_saves", 2, {"roots": roots, "steps": [1]}, str(tmp_path / "a"))
     assert all(r.get("outcomes") == ["ok"] for r in alone.values()), alone
-    said = [w for w in alone[0]["warnings"] if "load_latest cannot resume" in w]
-    assert len(said) == 1 and "add a later tier" in said[0], alone[0]["warnings"]
-    assert not [w for w in alone[1]["warnings"] if "load_latest cannot resume" in w]  # rank 0 alone says it
+    said = [w for w in alone[0]["warnings"] if "loses every step" in w]
+    assert len(said) == 1 and "add replicas=1" in said[0] and "cannot resume" not in said[0], alone[0]["warnings"]
+    assert not [w for w in alone[1]["warnings"] if "loses every step" in w]  # rank 0 alone says it
     roots = [str(tmp_path / "node0b"), str(tmp_path / "node1b")]
     later = launch("node_saves", 2, {"roots": roots, "steps": [1], "next": str(tmp_path / "shared")}, str(tmp_path / "b"))
     assert all(r.get("outcomes") == ["ok"] for r in later.values()), later
-    assert not [w for r in later.values() for w in r["warnings"] if "load_latest cannot resume" in w]
+    assert not [w for r in later.values() for w in r["warnings"] if "no later tier" in w]

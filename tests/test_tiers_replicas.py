@@ -343,21 +343,3 @@ def test_each_node_root_verifies_and_names_the_step_load_latest_resumes(tmp_path
     assert "step 10 is, the newest that is" in r.stderr, r.stderr
     r = cli("verify", roots[0], "--latest", "--tier", roots[1], "--tier", s3_url, "--json")
     assert r.exit_code == 0 and r.json()["steps"][0]["held"][_shard(3)] == [f"{s3_url}/{step_dir(20)}"], r.stdout
-
-
-def test_replicas_on_three_nodes_without_a_later_tier_are_said_to_be_unresumable(tmp_path) -> None:
-    # Measured: 3 nodes x 2 ranks, replicas=1, no later tier, steps 10 and 20 saved and closed
-    # cleanly; a relaunch's load_latest returned None on every rank (node 2 holds neither rank
-    # 0's shard nor its replica). Two nodes resume (each holds the other's shards). Rank 0 says
-    # so when the Checkpointer is made, on three nodes and not on two.
-    three = [str(tmp_path / f"n{k}") for k in range(3)]
-    job = Job("replica_save", [{"local": r, "remote": None, "steps": [10], "promote_timeout_s": 3} for r in three],
-              str(tmp_path / "three"))
-    _ok(job.wait(), job, ranks=range(6))
-    said = open(os.path.join(tmp_path / "three", "node0.log")).read()
-    assert said.count("load_latest cannot resume") == 1 and "and one other node's" in said, job.logs()
-    two = [str(tmp_path / f"m{k}") for k in range(2)]
-    job = Job("replica_save", [{"local": r, "remote": None, "steps": [10], "promote_timeout_s": 3} for r in two],
-              str(tmp_path / "two"))
-    _ok(job.wait(), job)
-    assert not any("load_latest cannot resume" in open(os.path.join(tmp_path / "two", f"node{n}.log")).read() for n in (0, 1))

@@ -100,15 +100,18 @@ def _lose_a_shard_once(remote: str, step: int, out: str) -> None:
     client.meta.events.register("provide-client-params.s3.PutObject", marker)
 
 
-def _loaded(ck: Any, rank: int) -> dict:
-    """``load_latest`` into a zeroed state; its step, and whether the state is bitwise what
-    that step saved."""
+def _loaded(ck: Any, rank: int, a: dict | None = None) -> dict:
+    """``load_latest`` into a zeroed state (``_replica_state``'s with ``a``); its step, and
+    whether the state is bitwise what that step saved."""
     import torch
 
-    state = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "extra": {}}
+    state = _replica_state(0, rank, a or {})
+    for t in _tensors(state):
+        t.data.zero_()
+    state["extra"] = {}
     step = ck.load_latest(state, prepare=False)
-    want = state_for(step, rank) if step is not None else None
-    equal = want is not None and all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b")) \
+    want = _replica_state(step, rank, a or {}) if step is not None else None
+    equal = want is not None and all(torch.equal(x, y) for x, y in zip(_tensors(state), _tensors(want))) \
         and state["extra"] == want["extra"]
     return {"step": step, "bitwise_equal": equal}
 
@@ -202,9 +205,13 @@ def replica_save(rank: int, a: dict) -> dict:
 
 
 def replica_load(rank: int, a: dict) -> dict:
-    """``load_latest`` into a zeroed state, compared bitwise with what that step saved; close."""
+    """``load_latest`` into a zeroed state, compared bitwise with what that step saved; then
+    save ``then_save`` steps, if any; close."""
     ck = _replica_checkpointer(a)
-    return {**_loaded(ck, rank), **_close_report(ck)}
+    loaded = _loaded(ck, rank, a)
+    for s in a.get("then_save", []):
+        ck.save(s, _replica_state(s, rank, a)).wait()
+    return {**loaded, **_close_report(ck)}
 
 
 # --- close at the end of a job (tests/test_tiers_close.py) --------------------------------------

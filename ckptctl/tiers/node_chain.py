@@ -19,7 +19,9 @@ What differs from ``tiers.chain`` (a first tier every rank shares):
 * **Recovery** (``tiers.node_resume``). Candidates: rank 0's node's steps (with replicas, every
   node's: ``tiers.node_candidates``) and the later tiers', newest first, each read through
   ``tiers.layered`` (own disk, then each later tier), checksummed by the loader; every rank
-  moves on together when one lacks a file (docs/protocol.md, "The recovery choice").
+  moves on together when one lacks a file (docs/protocol.md, "The recovery choice"). With no
+  later tier, each node first fetches what its ranks read from the other nodes
+  (``tiers.node_fetch``), over the replicas' gloo group, or one of its own without replicas.
 
 * **Peer replicas** (``replicas=1``): after each commit rank 0 also announces a round of
   ``tiers.replica``; recovery reads each file from the node's step, its replicas
@@ -54,6 +56,7 @@ from ckptctl.tiers.channel import Channel
 from ckptctl.tiers.durability import Flushed
 from ckptctl.tiers.link import StoreGone
 from ckptctl.tiers.node_candidates import NodeSteps
+from ckptctl.tiers.node_fetch import Fetch, whole_job
 from ckptctl.tiers.node_keeper import NodeKeeper, NodeMessages
 from ckptctl.tiers.node_resume import NodeResume, name_of
 from ckptctl.tiers.node_retention import NodePruner, plan
@@ -119,23 +122,22 @@ class NodeTiers(Tiers):
         channel = self.channel = Channel(group_name, rank, world_size, self.health)
         nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
         self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
-        if rank == 0 and len(self.specs) == 1 and len(set(nodes)) > (2 if replicas else 1):
-            # Every rank reads rank 0's shard to resume (its header at least), which only rank 0's
-            # node and, with replicas, the one node keeping its replica hold. Saves work, and so
-            # do verify, ls and prune of each node's root; only a resume cannot, and a relaunched
-            # job would find no checkpoint it can load and start over.
-            log.warning("tiers: %s is node-local with %s and no later tier, on a job of %d nodes: each node's "
-                        "disk holds only its own ranks' shards%s, and every rank reads rank 0's shard to resume, so "
-                        "load_latest cannot resume this job from it; add a later tier (Tier('s3://bucket/prefix'))",
-                        self.roots[0].url, "peer replicas" if replicas else "no peer replicas", len(set(nodes)),
-                        " and one other node's" if replicas else "")
+        # With no later tier, a resume fetches what each node's ranks read from the other nodes
+        # (tiers.node_fetch), over a gloo group made over every rank: the replicas' when there are.
+        fetch = len(self.specs) == 1 and len(set(nodes)) > 1 and whole_job(world_size)
+        if rank == 0 and len(self.specs) == 1 and len(set(nodes)) > 1 and not replicas:
+            self._warn_alone(len(set(nodes)), fetch)
         leaders = {min(k for k, m in enumerate(nodes) if m == n) for n in set(nodes)}
         # Rank 0's after-commit thread: its node and replica messages and node-list reads share one connection.
         after = channel.link("after-commit thread (rank 0)", "") if rank == 0 else None
-        if replicas:  # every rank sees the same nodes: a bad topology raises on every rank alike
-            ring = ring_of(nodes)
-            self._replica_timeout_s = min(timeout_s, REPLICA_TIMEOUT_S)
-            group = open_group(world_size, self._replica_timeout_s)
+        ring = ring_of(nodes) if replicas else None  # the same nodes on every rank: a bad topology raises on all
+        self._replica_timeout_s = min(timeout_s, REPLICA_TIMEOUT_S)
+        group = open_group(world_size, self._replica_timeout_s) if replicas or fetch else None
+        fetcher = Fetch(group, self.roots[0], rank, world_size, self.node_ranks, self._replica_timeout_s) \
+            if fetch and group is not None else None
+        if fetcher is not None and ring is None:
+            self._resume = NodeResume(self.roots, rank, fetch=fetcher)
+        if ring is not None and group is not None:
             if after is not None:
                 self._announce = replica_outbox(channel, after.share())
             self._replicas = ReplicaWorker(channel, group, ring, self.roots[0], self._replica_timeout_s,
@@ -143,7 +145,8 @@ class NodeTiers(Tiers):
             self._resume = NodeResume(self.roots, rank,
                                       Recovery(group, ring, self.roots[0], rank, world_size, self.node_ranks,
                                                self._replica_timeout_s),
-                                      NodeSteps(channel, self.roots[0], rank, {ranks[0] for ranks in ring.nodes}, timeout_s))
+                                      NodeSteps(channel, self.roots[0], rank, {ranks[0] for ranks in ring.nodes}, timeout_s),
+                                      fetcher)
         if rank == min(self.node_ranks):
             # The root says it is this node's part (format.node_record): verify, latest, prune
             # and du of it then judge the files of these ranks and name the others' as elsewhere.
@@ -161,6 +164,21 @@ class NodeTiers(Tiers):
                 self.start(first_copy=self._round.copy)
             else:
                 self.start()
+
+    def _warn_alone(self, nodes: int, fetch: bool) -> None:
+        """Rank 0, a node-local tier alone on ``nodes`` nodes with no replicas: what a resume
+        cannot survive. Each file of a step is on one node only; and without a group over every
+        rank (``tiers.node_fetch``), no node but rank 0's can read rank 0's shard."""
+        if fetch:
+            log.warning("tiers: %s is node-local with no peer replicas and no later tier, on a job of %d nodes: each "
+                        "node's disk alone holds its ranks' shards, so a node that loses its disk loses every step "
+                        "for the job (load_latest then starts over); add replicas=1 (one lost node survives) or a "
+                        "later tier (Tier('s3://bucket/prefix'))", self.roots[0].url, nodes)
+        else:
+            log.warning("tiers: %s is node-local with no later tier, on a job of %d nodes, and the Checkpointer's "
+                        "process group is not the whole job: every rank reads rank 0's shard to resume, which only "
+                        "rank 0's node holds, so load_latest cannot resume this job from it; add a later tier "
+                        "(Tier('s3://bucket/prefix')) or pass no process_group", self.roots[0].url, nodes)
 
     def _workers(self) -> list[StreamWorker]:
         return [w for w in (self._keeper, self._worker, self._replicas) if w is not None]

@@ -4,9 +4,11 @@ through ``tiers.node_chain.NodeTiers``; the choice itself is ``resume``'s).
 * **Candidates**: rank 0's node's steps and the later tiers', newest first; with peer replicas,
   every node's steps too (``tiers.node_candidates``), each named once.
 * **The view of a candidate** (``tiers.layered``): each file from this node's step directory,
-  then (with replicas) the partner's replica this node holds, once ``tiers.replica_recovery``
-  restored what the node lost, then each later tier. Nothing is trusted for having come from
-  nearby: the loader checks every chunk against the manifest it read.
+  then the copies of other nodes' files this node holds (the partner's replica, files fetched
+  for a resume: ``tiers.replica_store``'s subtree), once ``tiers.replica_recovery`` restored
+  what the node lost (with replicas) and ``tiers.node_fetch`` brought what its ranks read from
+  the other nodes (with no later tier), then each later tier. Nothing is trusted for having
+  come from nearby: the loader checks every chunk against the manifest it read.
 * **Damaged copies**: a shard file the load found damaged is set aside, so that the next
   attempt at the same step reads it from the next copy; every copy of a step is tried before
   an older step is (``docs/protocol.md``, "The recovery choice").
@@ -25,6 +27,7 @@ from ckptctl.format.layout import is_own_shard_name
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.layered import Layered
 from ckptctl.tiers.node_candidates import NodeSteps
+from ckptctl.tiers.node_fetch import Fetch
 from ckptctl.tiers.replica_recovery import Recovery
 from ckptctl.tiers.replica_store import replica_dir
 
@@ -38,14 +41,15 @@ def name_of(url: str) -> str:
 
 class NodeResume:
     """This rank's reads of the candidates across ``roots`` (the node-local tier first);
-    ``recovery`` and ``steps`` only with peer replicas."""
+    ``recovery`` and ``steps`` only with peer replicas, ``fetch`` only with no later tier."""
 
     def __init__(self, roots: list[Storage], rank: int = 0, recovery: Recovery | None = None,
-                 steps: NodeSteps | None = None) -> None:
+                 steps: NodeSteps | None = None, fetch: Fetch | None = None) -> None:
         self.roots = roots
         self.rank = rank
         self._recovery = recovery
         self._steps = steps
+        self._fetch = fetch
         self._skips: dict[str, dict[str, set[int]]] = {}  # step -> file -> layers whose copy was damaged
 
     def gather(self) -> None:
@@ -62,10 +66,12 @@ class NodeResume:
                 yield tier, name
 
     def checkpoint(self, tier: int, name: str) -> Storage:
-        if self._recovery is None:
+        if self._recovery is None and self._fetch is None:
             return Layered([root.sub(name) for root in self.roots], self._skips.get(name))
         if tier == 0:  # collective: every rank takes the same candidates in the same order
-            self._recovery.restore(name)
+            source = self._recovery.restore(name) if self._recovery is not None else None
+            if self._fetch is not None:
+                self._fetch.fetch(name, source if self._recovery is not None else self._fetch.commit(name))
         layers = [self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])]
         return Layered(layers, self._skips.get(name))
 
@@ -114,6 +120,6 @@ class NodeResume:
     def _source(self, view: Layered, layer: int) -> str:
         if layer == 0:
             return f"this node's disk ({view.layers[0].url})"
-        if self._recovery is not None and layer == 1:
-            return f"the partner's replica on this node ({view.layers[1].url})"
+        if (self._recovery is not None or self._fetch is not None) and layer == 1:
+            return f"the copies of other nodes' files on this node ({view.layers[1].url})"
         return view.layers[layer].url

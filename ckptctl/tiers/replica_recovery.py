@@ -69,23 +69,20 @@ class Recovery:
         self.sent_bytes = 0
         self._calls = 0
 
-    def restore(self, name: str) -> None:
+    def restore(self, name: str) -> Committed | None:
         """Collective over every rank: bring back what this node lacks of checkpoint ``name``
         (committed on some node). Never raises for a peer or a file: what cannot be restored
-        is left to the next tier."""
+        is left to the next tier. Returns the commit every rank took (``tiers.node_fetch``
+        then works from it), or None when there was none to take (the same on every rank)."""
         self._calls += 1  # each candidate's transfers under tags of their own
-        try:
-            source = self._broadcast_commit(name)
-        except (CkptError, RuntimeError) as e:
-            log.warning("peer replica: checkpoint %s not restored from replicas: %s", name, e)
-            return
+        source = broadcast_commit(self.group, self.root, self.rank, self.world_size, self.node_ranks, name)
         if source is None or source.manifest.world_size != self.world_size:
-            return  # no node holds it, or another world size: every rank skips alike
+            return None  # no node holds it, or another world size: every rank skips alike
         ckpt, rep = self.root.sub(name), replica_dir(self.root, name)
         src = self.ring.source(self.rank)
         mine, theirs = _files(source.manifest, self.rank), _files(source.manifest, src)
         try:
-            need_own = any(_absent(ckpt, f) for f in mine)
+            need_own = any(absent(ckpt, f) for f in mine)
             need_rep = bool(theirs) and not complete(rep, src, source.manifest_raw, theirs)
             # A node whose files are all there may still lack its marker: the job died before
             # rank 0's commit message reached its leader. It is committed below all the same.
@@ -94,17 +91,18 @@ class Recovery:
             log.warning("peer replica: rank %d cannot tell what its node lacks of %s: %s", self.rank, name, e)
             need_own = need_rep = need_marker = False
         try:
-            needs = self._all_gather([int(need_own), int(need_rep), int(need_marker)])
+            needs = all_gather_ints(self.group, self.world_size, [int(need_own), int(need_rep), int(need_marker)])
         except CkptError as e:
             log.warning("peer replica: checkpoint %s not restored from replicas: %s", name, e)
-            return
+            return source
         if not any(any(n) for n in needs):
-            return
+            return source
         try:  # nothing to send or receive when a marker alone is missing
             self._exchange(name, source, needs, need_own, need_rep)
         except (CkptError, OSError) as e:  # this disk: what is missing is read from the next tier
             log.warning("peer replica: rank %d could not restore %s: %s", self.rank, name, e)
         self._commit_node(ckpt, name, source)
+        return source
 
     def _exchange(self, name: str, source: Committed, needs: list[list[int]], need_own: bool, need_rep: bool) -> None:
         """This rank's sends and receives for ``needs`` (every rank's ``[own, replica, marker]``)."""
@@ -140,20 +138,11 @@ class Recovery:
                  what: str) -> list[FileEntry]:
         """Receive ``files`` from ``peer``; keep each only when it checks out against the manifest."""
         try:
-            got = recv_files(self.group, peer, tag, into, files, self.timeout_s, keep=lambda f: _absent(into, f))
+            kept = receive_checked(self.group, peer, tag, into, files, manifest, self.timeout_s)
         except CkptError as e:
             log.warning("peer replica: rank %d could not receive %s from rank %d: %s", self.rank, what, peer, e)
             return []
-        kept = []
-        for f in got:
-            why = _check(into, f, manifest)
-            if why is None:
-                kept.append(f)
-                self.restored.append(into.url_of(f.name))
-            else:
-                log.error("peer replica: %s from rank %d does not check out (%s); deleted, the next tier is read instead",
-                          into.url_of(f.name), peer, why)
-                into.delete(f.name)
+        self.restored += [into.url_of(f.name) for f in kept]
         if kept:
             log.info("peer replica: rank %d restored %s from rank %d: %s", self.rank, what, peer,
                      ", ".join(f.name for f in kept))
@@ -178,55 +167,89 @@ class Recovery:
         except RuntimeError as e:
             log.warning("peer replica: the nodes did not all commit %s again: %s", name, e)
 
-    def _broadcast_commit(self, name: str) -> Committed | None:
-        """The commit of ``name`` (manifest and marker bytes), on every rank, from the lowest
-        rank whose node holds it committed (a node's leader is its lowest rank: only leaders
-        read). None when no node does. The loader and ``_check`` judge the bytes, not this."""
-        raw = b""
-        if self.rank == min(self.node_ranks):
-            ckpt = self.root.sub(name)
-            try:
-                if ckpt.stat(MARKER) is not None:  # a node without the step has nothing to say
-                    c = read_committed_raw(ckpt)
-                    raw = len(c.manifest_raw).to_bytes(8, "big") + c.manifest_raw + c.marker_raw
-            except CkptError as e:  # still takes part below: the others must not wait for it
-                log.warning("peer replica: %s unreadable on rank %d's node: %s", name, self.rank, e)
-        sizes = [n for (n,) in self._all_gather([len(raw)])]
+
+def broadcast_commit(group: "dist.ProcessGroup", root: Storage, rank: int, world_size: int,
+                     node_ranks: Collection[int], name: str) -> Committed | None:
+    """Collective over every rank of ``group`` (the whole job: its ranks are global): the
+    commit of ``name`` (manifest and marker bytes), on every rank, from the lowest rank whose
+    node holds it committed (a node's leader is its lowest rank: only leaders read). None when
+    no node does, or when the ranks could not exchange it (logged). The loader and
+    ``check_against`` judge the bytes, not this."""
+    raw = b""
+    if rank == min(node_ranks):
+        ckpt = root.sub(name)
+        try:
+            if ckpt.stat(MARKER) is not None:  # a node without the step has nothing to say
+                c = read_committed_raw(ckpt)
+                raw = len(c.manifest_raw).to_bytes(8, "big") + c.manifest_raw + c.marker_raw
+        except CkptError as e:  # still takes part below: the others must not wait for it
+            log.warning("tiers: %s unreadable on rank %d's node: %s", name, rank, e)
+    try:
+        sizes = [n for (n,) in all_gather_ints(group, world_size, [len(raw)])]
         src = next((k for k, n in enumerate(sizes) if n > 0), None)
         if src is None:
-            if self.rank == 0:
-                log.warning("peer replica: no node holds %s committed; it is read from the next tier", name)
+            if rank == 0:
+                log.warning("tiers: no node holds %s committed; it is read from the next tier", name)
             return None
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == src \
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if rank == src \
             else torch.empty(sizes[src], dtype=torch.uint8)
-        dist.broadcast(data, src=src, group=self.group)  # the group is the whole job: its ranks are global
+        dist.broadcast(data, src=src, group=group)
         got = bytes(data.numpy().tobytes())
         cut = 8 + int.from_bytes(got[:8], "big")
-        return parse_committed(self.root.sub(name), got[8:cut], got[cut:])
+        return parse_committed(root.sub(name), got[8:cut], got[cut:])
+    except (CkptError, RuntimeError) as e:
+        log.warning("tiers: the nodes' copies of %s not completed from each other: %s", name, e)
+        return None
 
-    def _all_gather(self, mine: list[int]) -> list[list[int]]:
-        out = [torch.zeros(len(mine), dtype=torch.int64) for _ in range(self.world_size)]
-        try:
-            dist.all_gather(out, torch.tensor(mine, dtype=torch.int64), group=self.group)
-        except RuntimeError as e:
-            raise CoordinationError(f"peer replica: the ranks could not say what they lack: {e}") from None
-        return [[int(v) for v in t] for t in out]
+
+def all_gather_ints(group: "dist.ProcessGroup", world_size: int, mine: list[int],
+                    dtype: torch.dtype = torch.int64) -> list[list[int]]:
+    """Every rank's ``mine`` (the same length on every rank), in rank order."""
+    out = [torch.zeros(len(mine), dtype=dtype) for _ in range(world_size)]
+    try:
+        dist.all_gather(out, torch.tensor(mine, dtype=dtype), group=group)
+    except RuntimeError as e:
+        raise CoordinationError(f"tiers: the ranks could not say what their nodes lack: {e}") from None
+    return [[int(v) for v in t] for t in out]
+
+
+def receive_checked(group: "dist.ProcessGroup", peer: int, tag: int, into: Storage, files: list[FileEntry],
+                    manifest: Manifest, timeout_s: float) -> list[FileEntry]:
+    """Receive ``files`` from rank ``peer`` into ``into`` (one there at its size is received
+    and dropped: ``replica_link.recv_files``); keep each only when it checks out against
+    ``manifest``: one that does not is deleted, with an error naming it, and is never read.
+    Returns the files kept. Raises CkptError (the peer, this disk)."""
+    got = recv_files(group, peer, tag, into, files, timeout_s, keep=lambda f: absent(into, f))
+    kept = []
+    for f in got:
+        why = check_against(into, f, manifest)
+        if why is None:
+            kept.append(f)
+        else:
+            log.error("tiers: %s from rank %d does not check out (%s); deleted, another copy is read or the step "
+                      "skipped", into.url_of(f.name), peer, why)
+            into.delete(f.name)
+    return kept
 
 
 def _files(manifest: Manifest, rank: int) -> list[FileEntry]:
     return sorted((f for f in manifest.files if f.rank == rank), key=lambda f: f.name)
 
 
-def _absent(d: Storage, f: FileEntry) -> bool:
+def absent(d: Storage, f: FileEntry) -> bool:
+    """Whether ``d`` lacks ``f`` at its size (a file there at its size is taken as a copy; the
+    loader, or ``check_against``, judges its bytes)."""
     info = d.stat(f.name)
     return info is None or info.kind != "file" or info.size != f.size
 
 
 def complete_now(rep: Storage, files: list[FileEntry]) -> bool:
-    return bool(files) and not any(_absent(rep, f) for f in files)
+    return bool(files) and not any(absent(rep, f) for f in files)
 
 
-def _check(d: Storage, f: FileEntry, manifest: Manifest) -> str | None:
+def check_against(d: Storage, f: FileEntry, manifest: Manifest) -> str | None:
+    """Why ``d``'s copy of ``f`` does not check out against ``manifest`` (its header bound to
+    it, each chunk's checksum, the file checksum), or None when it does."""
     problems: list[Problem] = []
     header = check_file(d, f, manifest, problems)
     if header is not None:

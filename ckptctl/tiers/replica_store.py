@@ -7,6 +7,9 @@ A node's first tier holds, beside its own step directories, the shards of its so
     <root>/.ckptctl-replicas/step-0000000040/rank-00000-of-00004.safetensors
     <root>/.ckptctl-replicas/step-0000000040/rank-00000.replica      <- marker, written last
 
+The same subtree keeps the files a resume fetched from other nodes (``tiers.node_fetch``, with
+or without replicas; no marker: each was checked against the manifest when received).
+
 Why a separate subtree and not the step directory itself: a step directory's files are what
 its node's ranks wrote, and the node-local commit rule, ``ckptctl verify`` of a node root and
 prune's partial rule all reason about exactly those; a replica written beside them would make
