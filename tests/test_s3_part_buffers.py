@@ -112,3 +112,26 @@ def test_lent_buffers_out_of_step_with_the_parts_are_copied_bitwise(s3_url):
             room[:] = data[pos : pos + PART]
             w.hand_over(room)
     assert store.read("shifted") == data
+
+
+@pytest.mark.parametrize("publish", [False, True])
+def test_an_object_below_the_threshold_is_only_the_bytes_written_when_a_part_buffer_was_pooled(s3_url, publish):
+    """With a threshold above the part size, an object between the two is one PUT of its
+    sealed parts and the start of the next; that next part's buffer may come from the pool at
+    full size (an earlier upload's), and only what was written of it is the object's. Before,
+    the PUT sent the whole pooled buffer: an object longer than what was written."""
+    store = open_storage(s3_url, part_size=PART, multipart_threshold=4 * PART, max_inflight_parts=2)
+    with store.open_writer("earlier") as w:  # a multipart upload: its part buffers go to the pool
+        w.write(os.urandom(6 * PART))
+    data = os.urandom(PART + 123_457)  # one whole part and a short one, below the threshold
+    w = store.open_writer("obj")
+    w.write(data)
+    if publish:
+        w.publish()
+    else:
+        w.commit()
+    with store.open_reader("obj") as r:
+        assert r.size == len(data)
+        out = bytearray(len(data))
+        r.read_into(0, memoryview(out))
+    assert bytes(out) == data

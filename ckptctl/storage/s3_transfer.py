@@ -185,8 +185,7 @@ class S3Writer(Writer):
         s3 = self._bucket.client.s3
         with self._aborting_on_failure():
             if self._created is None:
-                parts = [buf for _, buf in self._ready] + [self._cur]
-                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                body = self._small_body()
                 with self._bucket.errors(self._shown):
                     s3.put_object(
                         Bucket=self._bucket.name,
@@ -222,8 +221,7 @@ class S3Writer(Writer):
         taken: int | None = None
         with self._aborting_on_failure():
             if self._created is None:
-                parts = [buf for _, buf in self._ready] + [self._cur]
-                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                body = self._small_body()
                 head, _, own = self._obj.rpartition("/")
                 for i, name in enumerate((own, *fallbacks)):
                     obj, shown = f"{head}/{name}" if head else name, self._shown.rpartition("/")[0] + "/" + name
@@ -284,6 +282,15 @@ class S3Writer(Writer):
             self.abort()
         except CkptError:
             pass
+
+    def _small_body(self) -> bytes | bytearray:
+        """The whole object, below the threshold: its sealed parts, then what was written of
+        the current one. A part after the first may be a pooled full-size buffer (``take``):
+        only its first ``_fill`` bytes are the object's."""
+        if self._fill < len(self._cur):
+            del self._cur[self._fill :]
+        parts = [buf for _, buf in self._ready] + [self._cur]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _seal_part(self) -> None:
         """Queue the current buffer as the next part for upload. The next part's buffer is
