@@ -71,7 +71,8 @@ STREAM_THREADS = env_int("CKPTCTL_STREAM_THREADS", 4)
 # --- piece sizes (not user settings: they trade memory against call overhead) ----------------
 
 # One verify read: large enough that per-call overhead (an S3 request, a syscall) is noise,
-# small enough that VERIFY_THREADS double-buffered pieces stay well under 1 GiB of memory.
+# small enough that VERIFY_THREADS readers, each holding its reads in flight plus one (2
+# locally, 9 from S3 by default), stay under 1 GiB of memory (576 MiB from S3).
 VERIFY_PIECE = 16 << 20
 
 # One reshard/convert buffer: pieces this small stay in the CPU cache between copying and

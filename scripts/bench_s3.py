@@ -197,6 +197,7 @@ def main() -> None:
     ap.add_argument("--bucket", default=None, help="existing bucket (default: a new one)")
     ap.add_argument("--part-mib", type=int, default=None, help="ckptctl's multipart threshold and part size (default: S3Storage's)")
     ap.add_argument("--inflight", type=int, default=None, help="ckptctl's parts in flight per file (default: S3Storage's)")
+    ap.add_argument("--read-concurrency", type=int, default=None, help="ckptctl's GETs in flight per file read (default: S3Storage's)")
     ap.add_argument("--rtt-ms", type=float, default=0.0, help="hold every request of both tools this long (default 0)")
     ap.add_argument("--conn-mibps", type=float, default=0.0, help="pace each connection of both tools to this rate (default: none)")
     args = ap.parse_args()
@@ -248,6 +249,8 @@ def main() -> None:
             tuning.update(multipart_threshold=args.part_mib * MiB, part_size=args.part_mib * MiB)
         if args.inflight:
             tuning.update(max_inflight_parts=args.inflight)
+        if args.read_concurrency:
+            tuning.update(read_concurrency=args.read_concurrency)
         store = open_storage(url, **tuning)
 
         def clearer(where: str) -> Callable[[], None]:

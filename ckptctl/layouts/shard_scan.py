@@ -4,7 +4,8 @@ rebuilds the file checksum (``stream_file``).
 
 ``native_check`` runs these for every file of a checkpoint at its levels; a copy streams
 through ``stream_file``'s ``sink``, so copying and checking read the source once. Memory
-is two ``settings.VERIFY_PIECE`` pieces per read in flight, never a whole file.
+is the reader's ``reads_in_flight`` pieces plus one per read (``settings.VERIFY_PIECE``, or a
+writer's part size when it lends its buffers), never a whole file.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def stream_file(
     stop: threading.Event | None = None,
     parts: int = 1,
     spare: Callable[[int], memoryview | None] | None = None,
+    piece: int | None = None,
 ) -> tuple[list[Problem], int]:
     """Read the file once, in pieces, hashing each chunk; the file checksum is built from the
     header bytes and the chunk digests (``format.checksum.file_checksum``).
@@ -91,7 +93,8 @@ def stream_file(
     copying and checking read the source once. With ``spare``, each piece is read into the
     memory ``spare(n)`` returns, when it returns any (a writer's own part buffers:
     ``S3Writer.spare``), and ``sink`` keeps it, so the piece is not copied again on its way
-    out. ``stop``, once set, ends the read early with no verdict (another file of the same
+    out; ``piece``, the bytes read at a time, is then the size the writer lends (its part
+    size). ``stop``, once set, ends the read early with no verdict (another file of the same
     copy already failed). Without a sink the file may be
     split into ``parts`` byte ranges on chunk boundaries, read and hashed in parallel (chunk
     digests are independent): one large shard is then not limited to one thread's read and
@@ -101,7 +104,7 @@ def stream_file(
     ranges = [(0, f.size, chunks)] if sink is not None or parts <= 1 else _split(f, h, chunks, parts)
     problems: list[Problem] = []
     if len(ranges) == 1:
-        scans = [_scan(ckpt, f, h, *ranges[0], decode, progress, problems, sink, stop, spare)]
+        scans = [_scan(ckpt, f, h, *ranges[0], decode, progress, problems, sink, stop, spare, piece)]
     else:
         with ThreadPoolExecutor(len(ranges), thread_name_prefix="ckptctl-verify") as pool:
             scans = list(pool.map(lambda r: _scan(ckpt, f, h, *r, decode, progress, problems, None, stop), ranges))
@@ -149,6 +152,7 @@ def _scan(
     sink: Callable[[memoryview], None] | None,
     stop: threading.Event | None,
     spare: Callable[[int], memoryview | None] | None = None,
+    piece: int | None = None,
 ) -> tuple[str, list[str]] | None:
     """Hash bytes ``[start, end)``: the header part (if the range has one) and each of
     ``chunks``. Returns (header digest, chunk digests), or None when ``stop`` was set."""
@@ -159,8 +163,9 @@ def _scan(
         from ckptctl.layouts.decode import decode_problem as decode
     header = Hasher()  # the bytes before the data section, as streamed
     hashers = [Hasher() for _ in chunks]
-    size = min(VERIFY_PIECE, max(end - start, 1))
-    starts = range(start, end, VERIFY_PIECE)
+    piece = piece or VERIFY_PIECE
+    size = min(piece, max(end - start, 1))
+    starts = range(start, end, piece)
     ci = 0
     # While one piece is hashed (and copied by ``sink``), the next ``depth`` are being read:
     # locally one (the kernel reads ahead of it); on S3 several GETs, since one connection
@@ -176,7 +181,7 @@ def _scan(
 
         def fetch(k: int) -> memoryview:
             pos = starts[k]
-            n = min(VERIFY_PIECE, end - pos)
+            n = min(piece, end - pos)
             view = spare(n) if spare is not None else None
             if view is None:
                 if len(bufs[k % len(bufs)]) < n:

@@ -89,14 +89,16 @@ class S3Storage(Storage):
         url: str,
         *,
         endpoint_url: str | None = None,
-        # 16 MiB parts, 8 in flight: more parts in parallel sooner, so a single large shard
-        # uploads faster than with fewer, larger parts, and a writer holds at most ~144 MiB
-        # (docs/decisions.md, "S3 part size").
+        # 8 MiB parts, 16 in flight: a store serves each connection at 50-100 MB/s, so one
+        # large shard's upload scales with its parts in flight; a writer holds at most ~136 MiB
+        # (docs/decisions.md, "S3: 8 MiB parts, 16 in flight").
         multipart_threshold: int = 16 << 20,
-        part_size: int = 16 << 20,
-        max_inflight_parts: int = 8,
+        part_size: int = 8 << 20,
+        max_inflight_parts: int = 16,
         read_chunk_size: int = 32 << 20,
-        read_concurrency: int = 4,
+        # 8 GETs in flight per object streamed (a copy, a verify range): 8 connections' worth,
+        # holding 9 pieces of 16 MiB; a large read splits into 32 MiB GETs, 8 at a time.
+        read_concurrency: int = 8,
     ) -> None:
         if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
             raise UsageError(

@@ -81,9 +81,9 @@ def _build(endpoint_url: str | None) -> Client:
         retries=retries,  # type: ignore[arg-type]
         connect_timeout=10,
         read_timeout=60,
-        # An S3-to-S3 copy of COPY_THREADS (4) files keeps up to 8 parts and 4 GETs in flight
-        # per file: 48 connections. Beyond the pool, urllib3 opens extra ones and warns on stderr.
-        max_pool_connections=64,
+        # An S3-to-S3 copy of COPY_THREADS (4) files keeps up to 16 parts and 8 GETs in flight
+        # per file: 96 connections. Beyond the pool, urllib3 opens extra ones and warns on stderr.
+        max_pool_connections=128,
     )
     s3 = boto3.session.Session(botocore_session=core).client(
         "s3", endpoint_url=endpoint_url, config=config

@@ -72,7 +72,7 @@ class _PartBuffers:
                 self._free.append(buf)
 
 
-_PART_BUFFERS = _PartBuffers(keep=8)
+_PART_BUFFERS = _PartBuffers(keep=16)
 
 
 class S3Writer(Writer):
@@ -93,6 +93,7 @@ class S3Writer(Writer):
         self._shown = shown
         self._threshold = opts.multipart_threshold
         self._base_part = opts.part_size
+        self.spare_size = opts.part_size  # what ``spare`` lends: a copy reads pieces of this size
         self._inflight = opts.max_inflight_parts
         self._cur = bytearray()  # destined to be part number self._next_part
         self._fill = 0  # bytes of it written; the first part grows, later ones are full-size buffers

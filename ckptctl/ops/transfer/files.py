@@ -9,8 +9,9 @@ by reading it back (an interrupted copy run again, a retried promotion round: th
 instead of uploading again); otherwise the copy is refused for safety, and nothing is
 replaced (``docs/protocol.md``, "Every writer of a step").
 
-Memory: ``threads`` files at once, each holding one read piece (16 MiB) plus what its writer
-buffers (on S3, up to ``max_inflight_parts + 1`` parts: 144 MiB by default); never a whole file.
+Memory: ``threads`` files at once, each holding its reader's pieces in flight (locally two of
+16 MiB; from S3 ``read_concurrency + 1``: 144 MiB by default) plus what its writer buffers (on
+S3, up to ``max_inflight_parts + 1`` parts of 8 MiB: 136 MiB by default); never a whole file.
 """
 
 from __future__ import annotations
@@ -207,12 +208,13 @@ def _stream(src: Storage, item: ToCopy, header: ShardHeader | None, progress: Pr
     sink = writer.write
     if isinstance(proof, ByManifest):
         assert header is not None
-        # An S3 writer lends its part buffers: each piece is read into one, checked there and
-        # becomes a part as it is, instead of being copied into one.
+        # An S3 writer lends its part buffers: each piece, of the part size, is read into one,
+        # checked there and becomes a part as it is, instead of being copied into one.
         hand_over, spare = getattr(writer, "hand_over", None), getattr(writer, "spare", None)
         lends = callable(hand_over) and callable(spare)
         found, _ = stream_file(src, proof.entry, header, progress, sink=hand_over if lends else sink, stop=stop,
-                               spare=spare if lends else None)
+                               spare=spare if lends else None,
+                               piece=getattr(writer, "spare_size", None) if lends else None)
         return None if stop.is_set() else found
     if isinstance(proof, BySeal):
         got = hash_object(src, item.name, proof.chunk_size, progress=progress, sink=sink, stop=stop)
