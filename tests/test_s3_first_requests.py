@@ -111,7 +111,7 @@ def test_latest_and_verify_latest_send_at_most_6_requests_before_their_first_dat
     _read_once_each(asked, saved)
 
 
-def test_read_if_small_is_one_get_and_refuses_a_larger_object_unread(s3_url):
+def test_read_if_small_is_one_get_and_gives_only_the_size_of_a_larger_object(s3_url):
     st = open_storage(s3_url)
     st.write_atomic("small", b"x" * 100)
     st.write_atomic("empty", b"")
