@@ -33,6 +33,10 @@ from ckptctl.format import dtypes, parse
 from ckptctl.format.checksum import DIGEST_CHARS, is_digest
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger claim is an attack or garbage
+# The first read of a header. ckptctl's own hold each rank's RNG states (about 20 KiB) and a
+# line per chunk (a shard of a few hundred tensors: under 100 KiB). On object storage a GET of
+# 256 KiB costs about the round trip a GET of 8 bytes costs (a few ms more at 100 MB/s).
+HEADER_GUESS = 256 << 10
 METADATA_KEY = "ckptctl"
 SHARD_VERSION = 1  # the chunk index's format version; a higher one is refused
 _ALIGN = 8
@@ -144,10 +148,13 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
 
 def read_header_with(read: Callable[[int, int], bytes], file_size: int, where: str) -> ShardHeader:
     """Parse a shard's header through ``read(offset, length)``, a ranged read of the file the
-    caller has open (this module does no I/O of its own): at most two small reads, since one
-    usually gets the header whole and headers are small next to the data."""
-    n = header_length(read(0, min(8, file_size)), file_size, where)
-    return parse_header(read(0, 8 + min(n, MAX_HEADER_BYTES)), file_size, where)
+    caller has open (this module does no I/O of its own). The first read takes up to
+    ``HEADER_GUESS`` bytes, which hold most headers whole (their length, then the header); a
+    longer header takes a second read. On object storage each read is a request in series."""
+    first = read(0, min(HEADER_GUESS, file_size))
+    n = header_length(first[:8], file_size, where)
+    whole = 8 + min(n, MAX_HEADER_BYTES)
+    return parse_header(first[:whole] if whole <= len(first) else read(0, whole), file_size, where)
 
 
 def header_length(first8: bytes, file_size: int, where: str) -> int:

@@ -29,7 +29,8 @@ from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout
 from ckptctl.layouts.classify import Named, marked, named_children, owner, rival
 from ckptctl.layouts.registry import (  # noqa: F401 (BUILTIN, FORMATS, layouts_named, layout_named: the catalog's vocabulary)
     BUILTIN, CHECKPOINTER_LAYOUTS, FORMATS, LAYOUTS, layout_called, layout_named, layouts_named)
-from ckptctl.storage.base import Storage
+from ckptctl.storage.base import ObjectInfo, Storage
+from ckptctl.storage.known import Remembered
 
 
 def count_named(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> int:
@@ -46,13 +47,13 @@ def _unknown(found: Named, ckpt: Storage) -> Checkpoint:
                       "never deleted", ckpt)
 
 
-def _entry(root: Storage, found: Named, own: Layout | None = None) -> Checkpoint:
+def _entry(root: Storage, found: Named, own: Layout | None = None, ckpt: Storage | None = None) -> Checkpoint:
     known, child, step = found
     name = child.key
     if child.kind == "link":
         return Checkpoint(step, name, root.url_of(name), known[0].name, "link", "symlink, not followed",
                           owner=known[0])
-    ckpt = root.sub(name)
+    ckpt = root.sub(name) if ckpt is None else ckpt
     if own is None:
         own, _ = owner(ckpt, known, child.kind)
         if own is None:
@@ -81,19 +82,25 @@ def other_tools_committed(root: Storage) -> list[Checkpoint]:
             and e.status == "committed" and e.storage is not None]
 
 
-def newest_marked(root: Storage, *, step: int | None = None, layouts: Sequence[Layout] = LAYOUTS) -> Iterator[Checkpoint]:
+def newest_marked(root: Storage, *, step: int | None = None, layouts: Sequence[Layout] = LAYOUTS,
+                  children: Sequence[ObjectInfo] | None = None) -> Iterator[Checkpoint]:
     """Directories that claim to be committed, newest first, lazily: committed, or corrupt
     (claiming to be committed). With ``step``, only directories of that step. Symlinks are
-    never followed; directories no layout claims are never taken."""
-    for found in reversed(named_children(root, layouts)):
+    never followed; directories no layout claims are never taken. ``children``: the root's
+    listing the verb just made (``classify``'s ``Found.children``), not made again."""
+    for found in reversed(named_children(root, layouts, children)):
         known, child, found_step = found
         if child.kind == "link" or (step is not None and found_step != step):
             continue
         ckpt = root.sub(child.key)
+        if ckpt.local_path() is None:
+            # The verb reads the record the commit rule read next (a verify, a copy): on object
+            # storage it gets the same bytes without asking again (``storage.known``).
+            ckpt = Remembered(ckpt)
         own, by_marker = owner(ckpt, known, child.kind)
         if own is None or not (by_marker or marked(own, ckpt)):
             continue
-        entry = _entry(root, found, own)
+        entry = _entry(root, found, own, ckpt)
         if entry.status in ("committed", "corrupt"):  # not "partial": the marker went meanwhile
             yield entry
 

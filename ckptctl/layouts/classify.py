@@ -39,9 +39,10 @@ since under a root the catalog never follows one either. Nothing below the path 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from ckptctl.errors import InvalidCheckpoint, StorageError
 from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, check_seal_size, parse_seal
@@ -52,6 +53,7 @@ from ckptctl.layouts.files import NO_FORMAT_DIR, FileFormat, Unfinished, format_
 from ckptctl.layouts.inspected import Inspected
 from ckptctl.layouts.native import NativeLayout
 from ckptctl.layouts.registry import LAYOUTS, layouts_named
+from ckptctl.layouts.stack import StackLayout
 from ckptctl.progress import Progress
 from ckptctl.storage import Storage, open_storage
 from ckptctl.storage.base import ObjectInfo, is_key
@@ -68,12 +70,15 @@ Named = tuple[tuple[Layout, ...], ObjectInfo, int]  # (layouts that know the nam
 # --- a root's children -------------------------------------------------------------------------
 
 
-def named_children(root: Storage, layouts: Sequence[Layout]) -> list[Named]:
-    """One listing of ``root``: the children some layout of ``layouts`` names as a checkpoint
-    of some step, oldest first (steps as integers; one step's entries in their names' order)."""
-    bound = [layout.for_root(root) for layout in layouts]
+def named_children(root: Storage, layouts: Sequence[Layout],
+                   children: Sequence[ObjectInfo] | None = None) -> list[Named]:
+    """One listing of ``root`` (``children``: the one the caller just made): the children some
+    layout of ``layouts`` names as a checkpoint of some step, oldest first (steps as integers;
+    one step's entries in their names' order)."""
+    listed = root.children() if children is None else children
+    bound = [_bind(layout, root, listed) for layout in layouts]
     found: list[Named] = []
-    for child in root.children():
+    for child in listed:
         if not is_key(child.key):
             continue  # a local name no key may hold (a backslash): never read, listed or deleted
         steps = [(layout, layout.step_of(child)) for layout in bound]
@@ -84,8 +89,20 @@ def named_children(root: Storage, layouts: Sequence[Layout]) -> list[Named]:
     return found
 
 
+def _bind(layout: Layout, root: Storage, children: Sequence[ObjectInfo]) -> Layout:
+    """``layout.for_root(root)``; on object storage a built-in stack's pointer that ``children``
+    (the root's listing) lacks costs no request (``StackLayout.for_listed_root``)."""
+    if isinstance(layout, StackLayout) and root.local_path() is None:
+        return layout.for_listed_root(root, children)
+    return layout.for_root(root)
+
+
 def _names(ckpt: Storage) -> frozenset[str]:
-    return frozenset(info.key.rsplit("/", 1)[-1] for info in ckpt.children())
+    return _names_in(ckpt.children())
+
+
+def _names_in(children: Sequence[ObjectInfo]) -> frozenset[str]:
+    return frozenset(info.key.rsplit("/", 1)[-1] for info in children)
 
 
 def marked(layout: Layout, ckpt: Storage) -> bool:
@@ -149,6 +166,8 @@ class Found:
     is_dir: bool = False
     name: str = ""  # its name under its parent ("" for a filesystem's / or a bucket)
     names: frozenset[str] = frozenset()  # a directory's immediate children
+    # root: its listing, for the verb's catalog of it (``named_children``): not listed again
+    children: tuple[ObjectInfo, ...] | None = field(default=None, repr=False)
     _file_format: str | None = field(default=None, repr=False)
 
     @property
@@ -247,16 +266,21 @@ def _parent(path: str, st: Storage) -> tuple[Storage, str] | None:
     return open_storage(head), name
 
 
-def _by_name(path: str, root: Storage, name: str, info: ObjectInfo | None, st: Storage) -> Found | None:
+def _by_name(path: str, root: Storage, name: str, info: ObjectInfo | None, st: Storage,
+             listing: Callable[[], list[ObjectInfo]]) -> Found | None:
     """One checkpoint of a layout by its name under ``root`` and its files, as the catalog
-    decides a root's child (``owner``); None when no layout claims it."""
+    decides a root's child (``owner``); None when no layout claims it. ``listing``: the
+    children of ``st`` (listed once per ``classify``), asked only when a layout knows the name."""
     kind = "file" if info is not None and info.kind == "file" else "dir"
-    names = _names(root.sub(name)) if kind == "dir" else frozenset()
+    child = ObjectInfo(name, 0, 0.0, kind)
+    naming = [layout for layout in LAYOUTS if layout.step_of(child) is not None]
+    if not naming:
+        return None
+    names = _names_in(listing()) if kind == "dir" else frozenset()
     if info is None and not names:
         return None
-    child = ObjectInfo(name, 0, 0.0, kind)
-    known = [layout.for_root(root) for layout in LAYOUTS if layout.step_of(child) is not None]
-    found, _ = owner(root.sub(name), known, kind) if known else (None, False)
+    known = [layout.for_root(root) for layout in naming]
+    found, _ = owner(root.sub(name), known, kind)
     if found is None:
         return None
     # Read as the user named it (its URL as given); never through a link (checked above).
@@ -307,20 +331,22 @@ def classify(path: str) -> Found:
         return Found(path, "nothing", st, missing=True, reason=MISSING)
     above = _parent(path, st)
     info = above[0].stat(above[1]) if above is not None else None
+    # The directory at the path, listed once: asked by its name's layouts, then for itself.
+    listing = functools.cache(st.children)
     if above is not None and (info is None or info.kind != "link"):
-        found = _by_name(path, above[0], above[1], info, st)
+        found = _by_name(path, above[0], above[1], info, st, listing)
         if found is not None:
             return found
     # The path itself, a link named by the user followed (its files are listed without following).
     is_dir = os.path.isdir(local) if local is not None else (info is None or info.kind == "dir")
-    names = _names(st) if is_dir else frozenset()
+    names = _names_in(listing()) if is_dir else frozenset()
     name = above[1] if above is not None else ""
     if names:
         bound_to = above[0] if above is not None else st
         for layout in LAYOUTS:
             if layout.claims_alone(st, names):
                 return Found(path, "checkpoint", st, layout.for_root(bound_to), is_dir=True, name=name, names=names)
-        if local is None:
+        if local is None and SEAL in names:  # the listing says whether a seal is there
             found = _by_seal(path, st, name)
             if found is not None:
                 return found
@@ -328,9 +354,10 @@ def classify(path: str) -> Found:
     if fmt is not None:
         return Found(path, "file", st, format=fmt, is_dir=is_dir, name=name, names=names)
     if is_dir:
-        n = len(named_children(st, LAYOUTS))
+        children = listing()
+        n = len(named_children(st, LAYOUTS, children))
         if n:
-            return Found(path, "root", st, entries=n, is_dir=True, name=name, names=names)
+            return Found(path, "root", st, entries=n, is_dir=True, name=name, names=names, children=tuple(children))
         unlinked = info is None or info.kind != "link"
         named = _BY_NAME.step_of(ObjectInfo(name, 0, 0.0, "dir")) is not None
         if named and unlinked and (names or local is not None):

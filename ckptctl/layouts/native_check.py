@@ -32,7 +32,7 @@ from ckptctl.layouts.node_part import NodePart
 from ckptctl.layouts.shard_scan import check_file, stream_file
 from ckptctl.progress import Progress, expect_bytes
 from ckptctl.settings import VERIFY_THREADS
-from ckptctl.storage.base import Storage
+from ckptctl.storage.base import Reader, Storage
 
 
 @dataclass
@@ -100,25 +100,39 @@ def _check_part(ckpt: Storage, manifest: Manifest, files: list[FileEntry], level
                 progress: Progress | None) -> _Part:
     """The checks of ``files`` (all of them, or one rank's share) at ``level``."""
     part = _Part(files=len(files))
-    for f in files:
-        found: list[Problem] = []
-        h = check_file(ckpt, f, manifest, found)
-        part.quick[f.name] = found
-        if h is not None:
-            part.headers[f.name] = h
-    if level != "quick":
-        good = [f for f in files if f.name in part.headers]
-        expect_bytes(progress, sum(f.size for f in good))  # a bar's total, %, ETA
-        # VERIFY_THREADS readers in all: over files when there are many, within files when few.
-        parts = max(1, VERIFY_THREADS // max(len(good), 1))
-        with ThreadPoolExecutor(min(VERIFY_THREADS, max(len(good), 1))) as pool:
-            results = pool.map(lambda f: stream_file(ckpt, f, part.headers[f.name], progress, decode=level == "load", parts=parts), good)
-            for f, (problems, nbytes) in zip(good, results):
-                part.data[f.name] = problems
-                part.bytes_read += nbytes
+    # On object storage each file's reader stays open from its header's check to its stream:
+    # one HEAD per file, not one per range read (locally a descriptor per file would be held).
+    kept: dict[str, Reader] | None = {} if level != "quick" and ckpt.local_path() is None else None
+    try:
+        for f in files:
+            found: list[Problem] = []
+            h = check_file(ckpt, f, manifest, found, keep=kept)
+            part.quick[f.name] = found
+            if h is not None:
+                part.headers[f.name] = h
+        if level != "quick":
+            _stream_part(ckpt, part, files, level, progress, kept or {})
+    finally:
+        for reader in (kept or {}).values():
+            reader.close()
     if level == "load":
         part.loaded = safetensors_accepts(ckpt, part.headers)
     return part
+
+
+def _stream_part(ckpt: Storage, part: _Part, files: list[FileEntry], level: Level, progress: Progress | None,
+                 kept: dict[str, Reader]) -> None:
+    """Every byte of the files of ``part`` whose headers passed, hashed (``stream_file``)."""
+    good = [f for f in files if f.name in part.headers]
+    expect_bytes(progress, sum(f.size for f in good))  # a bar's total, %, ETA
+    # VERIFY_THREADS readers in all: over files when there are many, within files when few.
+    parts = max(1, VERIFY_THREADS // max(len(good), 1))
+    with ThreadPoolExecutor(min(VERIFY_THREADS, max(len(good), 1))) as pool:
+        results = pool.map(lambda f: stream_file(ckpt, f, part.headers[f.name], progress, decode=level == "load",
+                                                 parts=parts, reader=kept.get(f.name)), good)
+        for f, (problems, nbytes) in zip(good, results):
+            part.data[f.name] = problems
+            part.bytes_read += nbytes
 
 
 def coverage(manifest: Manifest, headers: dict[str, ShardHeader]) -> list[Problem]:

@@ -108,13 +108,14 @@ def dir_step(ckpt: Storage) -> int | None:
 def read_bounded(ckpt: Storage, key: str, limit: int, limit_is: str) -> bytes:
     # Not Storage.read: its size guard is an operational error (exit 3), and an oversized
     # marker or manifest is a property of this checkpoint, to be skipped like any corruption.
-    with ckpt.open_reader(key) as r:
-        if r.size > limit:
-            raise InvalidCheckpoint(
-                f"{ckpt.url_of(key)}: {r.size} bytes, more than the {limit} {limit_is}",
-                hint="it was changed or replaced after commit; do not resume from this checkpoint",
-            )
-        return r.read(0, r.size)
+    # One request on object storage, an over-long file refused unread (``read_if_small``).
+    data, size = ckpt.read_if_small(key, limit)
+    if data is None:
+        raise InvalidCheckpoint(
+            f"{ckpt.url_of(key)}: {size} bytes, more than the {limit} {limit_is}",
+            hint="it was changed or replaced after commit; do not resume from this checkpoint",
+        )
+    return data
 
 
 def _committed(ckpt: Storage, marker_raw: bytes) -> Committed:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from ckptctl.errors import CheckpointError
+from ckptctl.errors import CheckpointError, NotFound
 from ckptctl.format.checksum import Hasher, digest, file_checksum
 from ckptctl.format.geometry import box, fits
 from ckptctl.format.manifest import FileEntry, Manifest
@@ -24,27 +25,40 @@ from ckptctl.format.shard_identity import header_mismatch
 from ckptctl.layouts.checked import Problem
 from ckptctl.progress import Progress
 from ckptctl.settings import VERIFY_PIECE
-from ckptctl.storage.base import Storage
+from ckptctl.storage.base import Reader, Storage
 
 
-def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[Problem]) -> ShardHeader | None:
+def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[Problem], *,
+               keep: dict[str, Reader] | None = None) -> ShardHeader | None:
     """The quick checks of one listed file: present, a regular file of the right size, a header
     that parses, whose chunks fit the manifest's tensors, and that is the header the manifest
     committed (``format.shard_identity``), checked first. Appends what is wrong to ``problems`` and returns
-    the header when all is well. Reads the header only."""
-    info = ckpt.stat(f.name)
-    if info is None:
-        problems.append(Problem("missing", file=f.name, hint="a shard was deleted or never written; resume from an older checkpoint"))
-        return None
-    if info.kind == "link":
-        problems.append(Problem("is a symlink; ckptctl never follows links inside a checkpoint", file=f.name))
-        return None
-    if info.size != f.size:
-        problems.append(Problem(f"has {info.size} bytes, manifest says {f.size}", file=f.name, hint="the shard is truncated or was replaced"))
-        return None
+    the header when all is well. Reads the header only. ``keep``: where the reader of a file
+    that passes is left open, under its name, for ``stream_file`` (the caller closes it): on
+    object storage the stream then sends no HEAD of its own, and reads the very version whose
+    header was checked."""
     try:
-        with ckpt.open_reader(f.name) as r:  # at most two small ranged reads
-            h = read_header_with(r.read, r.size, ckpt.url_of(f.name))
+        r = _opened(ckpt, f, problems)
+    except CheckpointError as e:  # refused (a link) or gone meanwhile; storage trouble (exit 3) raises
+        problems.append(Problem(str(e), file=f.name, hint=e.hint))
+        return None
+    if r is None:
+        return None
+    h = None
+    try:
+        h = _header_checked(ckpt, f, manifest, problems, r)
+    finally:
+        if h is not None and keep is not None:
+            keep[f.name] = r
+        else:
+            r.close()
+    return h
+
+
+def _header_checked(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[Problem],
+                    r: Reader) -> ShardHeader | None:
+    try:  # one small ranged read; a second for a header past ``HEADER_GUESS``
+        h = read_header_with(r.read, r.size, ckpt.url_of(f.name))
     except CheckpointError as e:  # a bad header; storage trouble (exit 3) is not the checkpoint's fault
         problems.append(Problem(str(e), file=f.name, hint=e.hint))
         return None
@@ -72,6 +86,40 @@ def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[P
     return h if ok else None
 
 
+def _opened(ckpt: Storage, f: FileEntry, problems: list[Problem]) -> Reader | None:
+    """``f``'s file opened, when it is a regular file of the size the manifest says; else None,
+    with what is wrong appended to ``problems``. On object storage the open's own HEAD says
+    present and its size (a stat first was one more request in series, before every copy and
+    verify of a file); only when it finds nothing does a stat say what is there instead (nothing,
+    or keys below the name). Locally a stat first, so that a link is refused, never opened."""
+    if ckpt.local_path() is None:
+        try:
+            r = ckpt.open_reader(f.name)
+        except NotFound:
+            r = None
+        if r is not None and r.size == f.size:
+            return r
+        if r is not None:
+            r.close()
+            problems.append(_size_problem(f, r.size))
+            return None
+    info = ckpt.stat(f.name)
+    if info is None:
+        problems.append(Problem("missing", file=f.name, hint="a shard was deleted or never written; resume from an older checkpoint"))
+        return None
+    if info.kind == "link":
+        problems.append(Problem("is a symlink; ckptctl never follows links inside a checkpoint", file=f.name))
+        return None
+    if info.size != f.size:
+        problems.append(_size_problem(f, info.size))
+        return None
+    return ckpt.open_reader(f.name)
+
+
+def _size_problem(f: FileEntry, size: int) -> Problem:
+    return Problem(f"has {size} bytes, manifest says {f.size}", file=f.name, hint="the shard is truncated or was replaced")
+
+
 def stream_file(
     ckpt: Storage,
     f: FileEntry,
@@ -84,6 +132,7 @@ def stream_file(
     parts: int = 1,
     spare: Callable[[int], memoryview | None] | None = None,
     piece: int | None = None,
+    reader: Reader | None = None,
 ) -> tuple[list[Problem], int]:
     """Read the file once, in pieces, hashing each chunk; the file checksum is built from the
     header bytes and the chunk digests (``format.checksum.file_checksum``).
@@ -99,15 +148,17 @@ def stream_file(
     split into ``parts`` byte ranges on chunk boundaries, read and hashed in parallel (chunk
     digests are independent): one large shard is then not limited to one thread's read and
     hash rate. ``decode`` also checks that every chunk decodes as its dtype (verify's
-    ``load`` level)."""
+    ``load`` level). ``reader``: the file already open (``check_file``'s ``keep``), read through
+    and left open; else each range opens its own."""
     chunks = sorted(h.chunks, key=lambda c: c.begin)
     ranges = [(0, f.size, chunks)] if sink is not None or parts <= 1 else _split(f, h, chunks, parts)
     problems: list[Problem] = []
     if len(ranges) == 1:
-        scans = [_scan(ckpt, f, h, *ranges[0], decode, progress, problems, sink, stop, spare, piece)]
+        scans = [_scan(ckpt, f, h, *ranges[0], decode, progress, problems, sink, stop, spare, piece, reader)]
     else:
         with ThreadPoolExecutor(len(ranges), thread_name_prefix="ckptctl-verify") as pool:
-            scans = list(pool.map(lambda r: _scan(ckpt, f, h, *r, decode, progress, problems, None, stop), ranges))
+            scans = list(pool.map(lambda r: _scan(ckpt, f, h, *r, decode, progress, problems, None, stop, None, None, reader),
+                                  ranges))
     if any(s is None for s in scans):  # stopped early: no verdict
         return problems, 0
     header = scans[0][0]
@@ -153,6 +204,7 @@ def _scan(
     stop: threading.Event | None,
     spare: Callable[[int], memoryview | None] | None = None,
     piece: int | None = None,
+    reader: Reader | None = None,
 ) -> tuple[str, list[str]] | None:
     """Hash bytes ``[start, end)``: the header part (if the range has one) and each of
     ``chunks``. Returns (header digest, chunk digests), or None when ``stop`` was set."""
@@ -172,7 +224,7 @@ def _scan(
     # moves 50-100 MB/s and a store's throughput comes from many (``Reader.reads_in_flight``).
     # Reads may finish in any order; pieces are consumed in order. The pool is left (reads not
     # yet started cancelled, those in flight waited for) before the reader is closed.
-    with ckpt.open_reader(f.name) as r:
+    with nullcontext(reader) if reader is not None else ckpt.open_reader(f.name) as r:
         depth = max(1, min(r.reads_in_flight, len(starts)))
         # The scan's own buffers, one per piece in flight plus the one being consumed, taken in
         # turn; with ``spare``, made only for a piece the sink lends no memory for (the short

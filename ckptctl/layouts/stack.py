@@ -37,6 +37,7 @@ from ckptctl.layouts.stack_copying import StackCopying
 from ckptctl.format.seal import Seal
 from ckptctl.progress import Progress
 from ckptctl.storage.base import ObjectInfo, Storage
+from ckptctl.storage.known import Listed
 from ckptctl.storage.stored_file import local_copy, open_file
 
 
@@ -72,6 +73,14 @@ class StackLayout(StackCopying):
         bound = copy.copy(self)
         bound.root = root
         bound.read_root(root)
+        return bound
+
+    def for_listed_root(self, root: Storage, children: Sequence[ObjectInfo]) -> "StackLayout":
+        """``for_root``, with ``children`` the listing of ``root`` just made: a pointer file the
+        listing does not hold is read as missing without a request (``storage.known``); the
+        layout is bound to ``root`` itself, so nothing it reads later is answered from it."""
+        bound = self.for_root(Listed(root, children))
+        bound.root = root
         return bound
 
     def read_root(self, root: Storage) -> None:

@@ -191,7 +191,7 @@ def _restore_into(src_root: str, dst_root: str, step: int | None, progress: Prog
         return restore_to_nodes(src, open_storage(dst_root), job, step, progress, world_size=world_size,
                                 on_skip=on_skip if job.rank == 0 else None)
     return restore_latest(src, open_storage(dst_root), step, progress,
-                          world_size=world_size, on_skip=on_skip)
+                          world_size=world_size, on_skip=on_skip, found=found)
 
 
 # --- reshard, convert (torch) ---------------------------------------------------------------

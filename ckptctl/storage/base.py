@@ -156,13 +156,23 @@ class Storage(ABC):
 
     def read(self, key: str, *, max_size: int = 64 << 20) -> bytes:
         """The whole (small) object. ``max_size`` guards against a hostile huge file."""
+        data, size = self.read_if_small(key, max_size)
+        if data is None:
+            raise StorageError(
+                f"{self.url_of(key)}: {size} bytes is larger than the {max_size} allowed",
+                hint="this file is not what ckptctl expects here",
+            )
+        return data
+
+    def read_if_small(self, key: str, limit: int) -> tuple[bytes | None, int]:
+        """The whole object ``key`` and its size when it holds at most ``limit`` bytes, else
+        ``(None, size)`` with none of it read: one consistent version either way. Raises
+        NotFound or refuses as ``open_reader``. ``S3Storage``: one GET instead of a HEAD and
+        then a GET, two round trips in series for every small file read."""
         with self.open_reader(key) as r:
-            if r.size > max_size:
-                raise StorageError(
-                    f"{self.url_of(key)}: {r.size} bytes is larger than the {max_size} allowed",
-                    hint="this file is not what ckptctl expects here",
-                )
-            return r.read(0, r.size)
+            if r.size > limit:
+                return None, r.size
+            return r.read(0, r.size), r.size
 
     @abstractmethod
     def open_writer(self, key: str) -> Writer:

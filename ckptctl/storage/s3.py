@@ -28,7 +28,7 @@ from ckptctl.storage.s3_bucket import Bucket
 from ckptctl.storage.s3_client import Client
 from ckptctl.storage.s3_errors import is_missing, s3_error
 from ckptctl.storage.s3_uploads import abort_idle, upload_keys
-from ckptctl.storage.s3_reader import S3Reader
+from ckptctl.storage.s3_reader import S3Reader, get_small
 from ckptctl.storage.s3_transfer import (
     MAX_PART_SIZE,
     MAX_PARTS,
@@ -262,6 +262,11 @@ class S3Storage(Storage):
         with self._bucket.errors(shown):
             head = self._client.s3.head_object(Bucket=self._bucket.name, Key=obj)
         return S3Reader(self._bucket, self._opts, obj, shown, head["ContentLength"], head.get("ETag"))
+
+    def read_if_small(self, key: str, limit: int) -> tuple[bytes | None, int]:
+        key = check_key(key)
+        got = get_small(self._bucket, self._obj_key(key), self.url_of(key), limit)
+        return got if got is not None else super().read_if_small(key, limit)
 
     def open_root_reader(self) -> S3Reader:
         if not self._prefix:

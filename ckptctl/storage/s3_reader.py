@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import ClientError, FlexibleChecksumError, HTTPClientError, IncompleteReadError
 
 from ckptctl.errors import InvalidCheckpoint, StorageError
 from ckptctl.storage.base import Reader, byte_view
@@ -135,3 +135,24 @@ class S3Reader(Reader):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def get_small(bucket: Bucket, obj_key: str, shown: str, limit: int) -> tuple[bytes | None, int] | None:
+    """``Storage.read_if_small`` in one GET: the answer gives the size, and the body is read
+    only when it is at most ``limit`` bytes (else the connection is closed unread: a hostile
+    huge object costs nothing but that). None when the body stream broke: the caller reads
+    again through an ``S3Reader``, which resumes a broken range."""
+    with bucket.errors(shown):
+        got = bucket.client.s3.get_object(Bucket=bucket.name, Key=obj_key)
+    body, size = got["Body"], got["ContentLength"]
+    try:
+        if size > limit:
+            return None, size
+        # botocore checks that ContentLength bytes came, and the object's checksum where the
+        # store sent one: a mismatch is bytes damaged on the way, read again as a broken stream.
+        data = body.read()
+    except (*_STREAM_DROPS, FlexibleChecksumError):
+        return None
+    finally:
+        body.close()
+    return data, size

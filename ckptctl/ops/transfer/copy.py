@@ -22,7 +22,7 @@ from ckptctl.errors import (CheckpointError, CkptError, InvalidCheckpoint, NoVal
 from ckptctl.format.layout import MARKER, step_dir
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.catalog import layout_named, newest_marked
-from ckptctl.layouts.classify import classify
+from ckptctl.layouts.classify import Found, classify
 from ckptctl.layouts.native_commit import remove, uncommit
 from ckptctl.layouts.native_read import Committed, read_committed_raw
 from ckptctl.ops.transfer.engine import CopyResult, copy_in_layout
@@ -99,6 +99,7 @@ def restore_latest(
     world_size: int | None = None,
     on_skip: Callable[[Skipped], None] | None = None,
     threads: int = COPY_THREADS,
+    found: Found | None = None,
 ) -> RestoreResult:
     """Copy the newest committed checkpoint of ``src_root`` that checks out (or ``step``) into
     ``dst_root`` under its own name, checked on the fly; returns where it landed and what its
@@ -114,6 +115,9 @@ def restore_latest(
     re-sharded from there into the step directory by ``ops.transform.reshard`` (which verifies
     its result), and the staging copy is removed, on success and on failure alike.
     So the source is read once, over the network, and the fallback past corruption works the same.
+
+    ``found``: what ``layouts.classify`` found at ``src_root``, when the caller asked it already
+    (it is not asked again: on object storage its listing is the catalog's too).
     """
     if world_size is not None:  # before a byte is copied: a bad one would fail only after the copy
         from ckptctl.ops.transform.reshard import check_world_size
@@ -126,7 +130,7 @@ def restore_latest(
             return _reshard_restore(layout, src, dst_root, source.record, world_size, progress, threads)  # type: ignore[arg-type]
         return copy_in_layout(layout, src, dst_root, progress=progress, threads=threads)
 
-    return restore_first(candidates(src_root, step), restore_one, src_root, dst_root, step, on_skip)
+    return restore_first(candidates(src_root, step, found), restore_one, src_root, dst_root, step, on_skip)
 
 
 def restore_first(tries: Iterable[tuple[Layout, Storage, int]], restore_one: Callable[[Layout, Storage], CopyResult],
@@ -159,13 +163,15 @@ def _saved_ranks(layout: Layout, saved: int | None, src: Storage) -> int:
     return saved
 
 
-def candidates(src_root: Storage, step: int | None) -> Iterator[tuple[Layout, Storage, int]]:
+def candidates(src_root: Storage, step: int | None, found: Found | None = None) -> Iterator[tuple[Layout, Storage, int]]:
     """The checkpoints ``restore`` tries, newest first, with their steps: ``src_root`` itself
     when it is one checkpoint (``layouts.classify``), else the committed (or corrupt-looking)
     checkpoint directories under it of every layout, lazily (a bucket of thousands of
     checkpoints costs one listing and a look per candidate tried). One-file checkpoints are
-    ``cp``'s, not restore's; a symlinked step directory is never followed."""
-    found = classify(src_root.local_path() or src_root.url)
+    ``cp``'s, not restore's; a symlinked step directory is never followed. ``found``: what
+    ``layouts.classify`` found at ``src_root``, when the caller asked it already."""
+    if found is None:
+        found = classify(src_root.local_path() or src_root.url)
     if found.what == "checkpoint" and not found.in_layout.files_are_checkpoints:
         layout = found.in_layout
         own = layout.copy_source(src_root).step
@@ -174,8 +180,8 @@ def candidates(src_root: Storage, step: int | None) -> Iterator[tuple[Layout, St
                                     hint="give the checkpoint root as SRC to choose a step")
         yield layout, src_root, own
         return
-    for entry in newest_marked(src_root, step=step):
-        layout = layout_named(entry.layout, src_root)
+    for entry in newest_marked(src_root, step=step, children=found.children):
+        layout = entry.owner or layout_named(entry.layout, src_root)  # bound to the root by the catalog
         if entry.storage is not None and not layout.files_are_checkpoints:
             yield layout, entry.storage, entry.step
 

@@ -88,12 +88,26 @@ def copy_files(ends: Ends, files: Sequence[ToCopy], progress: Progress | None = 
     the destination held when the copy began (``first_look``), instead of that listing.
     Writes no commit record. Raises RefusedForSafety (a name holds other bytes: never
     replaced) and StorageError."""
+    # On object storage each file's reader stays open from its header's check to its stream:
+    # one HEAD per file, not two (locally a descriptor per file would be held meanwhile).
+    kept: dict[str, Reader] | None = {} if ends.src.local_path() is None else None
+    try:
+        return _checked_then_copied(ends, files, progress, threads, taken, before_writing, kept)
+    finally:
+        for reader in (kept or {}).values():
+            reader.close()
+
+
+def _checked_then_copied(ends: Ends, files: Sequence[ToCopy], progress: Progress | None, threads: int,
+                         taken: Collection[str] | None, before_writing: Callable[[], object] | None,
+                         kept: dict[str, Reader] | None) -> Copied:
+    """``copy_files``, its readers kept open in ``kept`` (when given) and closed by the caller."""
     out = Copied(files=len(files))
     headers: dict[str, ShardHeader] = {}
     with ThreadPoolExecutor(max(1, threads) + 2, thread_name_prefix="ckptctl-check") as pool:
         cleared = pool.submit(before_writing) if before_writing is not None else None
         listed = pool.submit(names_there, ends, files) if taken is None else None
-        for item, (h, found) in zip(files, pool.map(lambda item: _header(ends.src, item), files)):
+        for item, (h, found) in zip(files, pool.map(lambda item: _header(ends.src, item, kept), files)):
             if found:
                 out.problems[item.name] = found
             if h is not None:
@@ -109,7 +123,7 @@ def copy_files(ends: Ends, files: Sequence[ToCopy], progress: Progress | None = 
 
     def one(item: ToCopy) -> tuple[list[Problem], str]:
         try:
-            return _copy_one(ends, item, ends.at(item)[1] in there, headers.get(item.name), progress, stop)
+            return _copy_one(ends, item, ends.at(item)[1] in there, headers.get(item.name), progress, stop, kept)
         except BaseException:
             stop.set()
             raise
@@ -135,12 +149,13 @@ def copy_files(ends: Ends, files: Sequence[ToCopy], progress: Progress | None = 
     return out
 
 
-def _header(src: Storage, item: ToCopy) -> tuple[ShardHeader | None, list[Problem]]:
-    """The header a file proven by a manifest must have, checked against it before copying."""
+def _header(src: Storage, item: ToCopy, kept: dict[str, Reader] | None) -> tuple[ShardHeader | None, list[Problem]]:
+    """The header a file proven by a manifest must have, checked against it before copying
+    (its reader left in ``kept``, when given, for the stream)."""
     if not isinstance(item.proof, ByManifest):
         return None, []
     found: list[Problem] = []
-    return check_file(src, item.proof.entry, item.proof.manifest, found), found
+    return check_file(src, item.proof.entry, item.proof.manifest, found, keep=kept), found
 
 
 def names_there(ends: Ends, files: Sequence[ToCopy]) -> set[str]:
@@ -156,7 +171,7 @@ def names_there(ends: Ends, files: Sequence[ToCopy]) -> set[str]:
 
 
 def _copy_one(ends: Ends, item: ToCopy, taken: bool, header: ShardHeader | None, progress: Progress | None,
-              stop: threading.Event) -> tuple[list[Problem], str]:
+              stop: threading.Event, kept: dict[str, Reader] | None = None) -> tuple[list[Problem], str]:
     """One file: ([], "published"), ([], "reused"), (problems, "") or ([], "") when stopped.
     ``taken``: the destination listed its name already."""
     where, key = ends.at(item)
@@ -166,7 +181,7 @@ def _copy_one(ends: Ends, item: ToCopy, taken: bool, header: ShardHeader | None,
         writer = where.open_writer(key)
     try:
         writer.expect(item.size)
-        found = _stream(ends.src, item, header, progress, writer, stop)
+        found = _stream(ends.src, item, header, progress, writer, stop, kept)
     except BaseException:
         writer.abort()
         raise
@@ -201,7 +216,7 @@ def _reuse(ends: Ends, item: ToCopy, progress: Progress | None) -> tuple[list[Pr
 
 
 def _stream(src: Storage, item: ToCopy, header: ShardHeader | None, progress: Progress | None,
-            writer: Writer, stop: threading.Event) -> list[Problem] | None:
+            writer: Writer, stop: threading.Event, kept: dict[str, Reader] | None = None) -> list[Problem] | None:
     """Read ``item`` once from ``src`` into ``writer``, checking it against its proof; the
     problems found, or None when ``stop`` was set meanwhile (no verdict)."""
     proof = item.proof
@@ -214,7 +229,8 @@ def _stream(src: Storage, item: ToCopy, header: ShardHeader | None, progress: Pr
         lends = callable(hand_over) and callable(spare)
         found, _ = stream_file(src, proof.entry, header, progress, sink=hand_over if lends else sink, stop=stop,
                                spare=spare if lends else None,
-                               piece=getattr(writer, "spare_size", None) if lends else None)
+                               piece=getattr(writer, "spare_size", None) if lends else None,
+                               reader=(kept or {}).get(proof.entry.name))
         return None if stop.is_set() else found
     if isinstance(proof, BySeal):
         got = hash_object(src, item.name, proof.chunk_size, progress=progress, sink=sink, stop=stop)
