@@ -16,10 +16,9 @@ import traceback
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bitflip_lib import apply_flip, flips, job_state, judge, save_two_steps, scramble, tally
-from dist_workers import free_port
+from dist_workers import free_port, rank_context, use_env
 
 WORLD = 2
 
@@ -27,8 +26,9 @@ WORLD = 2
 def run(args: dict[str, Any], out: str, *, timeout: float) -> dict[int, Any]:
     """Start the ranks, wait for them; returns {rank: result}."""
     port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_main, args=(r, port, args, out)) for r in range(WORLD)]
+    ctx = rank_context()
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_main, args=(r, port, args, out, env)) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -44,7 +44,8 @@ def run(args: dict[str, Any], out: str, *, timeout: float) -> dict[int, Any]:
     return results
 
 
-def _main(rank: int, port: int, args: dict, out: str) -> None:
+def _main(rank: int, port: int, args: dict, out: str, env: dict[str, str]) -> None:
+    use_env(env)
     import warnings
 
     warnings.filterwarnings("ignore")

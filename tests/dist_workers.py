@@ -39,8 +39,9 @@ def launch(scenario: str, world_size: int, args: dict[str, Any], out: str, *, ti
     store = None
     if args.get("store") == "launcher":
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_main, args=(scenario, r, world_size, port, args, out)) for r in range(world_size)]
+    ctx = rank_context()
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_main, args=(scenario, r, world_size, port, args, out, env)) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -63,7 +64,26 @@ def launch(scenario: str, world_size: int, args: dict[str, Any], out: str, *, ti
     return results
 
 
-def _main(scenario: str, rank: int, world_size: int, port: int, args: dict, out: str) -> None:
+def rank_context() -> Any:
+    """Where ranks come from: forked from a server process that imported torch once (a fresh
+    interpreter per rank, as ``spawn`` gave, paid a torch import of ~1.6 s of CPU per rank and
+    launch, seconds of every multi-process test on 2 cores). The server imports nothing else
+    and starts no thread, so each rank still begins with no process group, no state of the test
+    process and no threads; ``use_env`` gives it the launching process's environment as it is
+    at launch (a forked server keeps its own from when it started)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def use_env(env: dict[str, str]) -> None:
+    """Make this rank's environment the launching process's at launch, as a spawned rank's was."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _main(scenario: str, rank: int, world_size: int, port: int, args: dict, out: str, env: dict[str, str]) -> None:
+    use_env(env)
     import warnings
 
     warnings.filterwarnings("ignore")

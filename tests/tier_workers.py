@@ -1,7 +1,7 @@
 """Worker processes for tests/test_tiers.py: real ranks on gloo (CPU) saving to tiers.
 
-Run as ``python tier_workers.py SCENARIO RANK WORLD PORT ARGS_JSON OUT``; each rank writes what
-its scenario returns as JSON to ``OUT/rankR.json``. The S3 endpoint comes from the environment
+``launch`` runs a scenario on real processes; each rank writes what its scenario returns as JSON
+to ``OUT/rankR.json``. The S3 endpoint comes from the environment
 (``AWS_ENDPOINT_URL``), as a user's job gets it.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -109,30 +108,32 @@ SCENARIOS = {"save_tiers": save_tiers, "load_tiers": load_tiers, "build_fails": 
 
 
 def launch(scenario: str, world: int, args: dict, out: str, timeout: float = 120) -> dict[int, dict]:
-    """Run ``scenario`` on ``world`` real processes (env:// rendezvous on a free port)."""
-    import socket
+    """Run ``scenario`` on ``world`` real processes (tcp:// rendezvous on a free port), forked
+    from the server that imported torch once (``dist_workers.rank_context``)."""
+    from dist_workers import free_port, rank_context
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.makedirs(out, exist_ok=True)
-    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world), str(port), json.dumps(args), out])
-             for r in range(world)]
+    ctx, env = rank_context(), dict(os.environ)
+    procs = [ctx.Process(target=_main, args=(scenario, r, world, port, json.dumps(args), out, env)) for r in range(world)]
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + timeout
     results: dict[int, dict] = {}
     for r, p in enumerate(procs):
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
             p.kill()
-            p.wait()
+            p.join()
         path = os.path.join(out, f"rank{r}.json")
-        results[r] = json.load(open(path)) if os.path.exists(path) else {"exit": p.returncode}
+        results[r] = json.load(open(path)) if os.path.exists(path) else {"exit": p.exitcode}
     return results
 
 
-def _main() -> None:
-    scenario, rank, world, port, args, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+def _main(scenario: str, rank: int, world: int, port: int, args: str, out: str, env: dict[str, str]) -> None:
+    from dist_workers import use_env
+
+    use_env(env)  # the S3 endpoint among it
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -150,6 +151,3 @@ def _main() -> None:
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown
 
-
-if __name__ == "__main__":
-    _main()
