@@ -146,12 +146,16 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> ShardHeader:
     )
 
 
-def read_header_with(read: Callable[[int, int], bytes], file_size: int, where: str) -> ShardHeader:
+def read_header_with(read: Callable[[int, int], bytes], file_size: int, where: str, *,
+                     guess: bool = False) -> ShardHeader:
     """Parse a shard's header through ``read(offset, length)``, a ranged read of the file the
-    caller has open (this module does no I/O of its own). The first read takes up to
-    ``HEADER_GUESS`` bytes, which hold most headers whole (their length, then the header); a
-    longer header takes a second read. On object storage each read is a request in series."""
-    first = read(0, min(HEADER_GUESS, file_size))
+    caller has open (this module does no I/O of its own): its length, then the header. With
+    ``guess`` (object storage, where each read is a request in series:
+    ``Reader.reads_are_requests``) the first read takes up
+    to ``HEADER_GUESS`` bytes, which hold most headers whole, so one request usually does;
+    without it (a local file) nothing past the header is read, so a check of a checkpoint's
+    headers reads only headers (tests/test_sim_scale.py and the node restores count it)."""
+    first = read(0, min(HEADER_GUESS if guess else 8, file_size))
     n = header_length(first[:8], file_size, where)
     whole = 8 + min(n, MAX_HEADER_BYTES)
     return parse_header(first[:whole] if whole <= len(first) else read(0, whole), file_size, where)

@@ -57,8 +57,12 @@ def check_file(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[P
 
 def _header_checked(ckpt: Storage, f: FileEntry, manifest: Manifest, problems: list[Problem],
                     r: Reader) -> ShardHeader | None:
-    try:  # one small ranged read; a second for a header past ``HEADER_GUESS``
-        h = read_header_with(r.read, r.size, ckpt.url_of(f.name))
+    # On object storage one GET of up to HEADER_GUESS bytes, a second only for a longer header:
+    # the file is streamed whole next (a copy, a verify), so the bytes past the header cost
+    # less than a round trip. Loads and re-sharding read headers without it (``read_header``):
+    # they read only the regions they need, and a guess per header would read more than those.
+    try:
+        h = read_header_with(r.read, r.size, ckpt.url_of(f.name), guess=r.reads_are_requests)
     except CheckpointError as e:  # a bad header; storage trouble (exit 3) is not the checkpoint's fault
         problems.append(Problem(str(e), file=f.name, hint=e.hint))
         return None

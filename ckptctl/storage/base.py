@@ -43,6 +43,10 @@ class Reader(ABC):
     # the store's speed: one for a local file (the kernel reads ahead of it); more on object
     # storage, where one connection moves 50-100 MB/s and throughput comes from several.
     reads_in_flight: int = 1
+    # Whether each read is a request with a round trip (object storage): a caller that will
+    # likely need more than its first small read (a shard's header) asks for more at once.
+    # Locally a read is a syscall, and reading past what is needed only costs bytes.
+    reads_are_requests: bool = False
 
     @abstractmethod
     def read_into(self, offset: int, out: memoryview) -> None:

@@ -40,6 +40,7 @@ class S3Reader(Reader):
         self._etag = etag
         self.size = size
         self.reads_in_flight = opts.read_concurrency  # a streaming caller's GETs at once, as a large read's
+        self.reads_are_requests = True
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
