@@ -104,11 +104,18 @@ def timed(fn: Callable[[], object], before: Callable[[], None] | None = None, *,
 
 def pairs(repeat: int, a: Callable[[], float], b: Callable[[], float]) -> tuple[list[float], list[float]]:
     """``repeat`` timings of each, alternating a and b so that drift in the server (moto keeps
-    every object in memory) and in the machine's load weighs on both alike."""
+    every object in memory) and in the machine's load weighs on both alike. Which goes first
+    alternates too (a b, b a, a b, ...): the first transfer after moto starts, or after the
+    other tool's, pays for what the server left behind (its first requests, freeing the last
+    round's objects), and that should not always be the same tool's."""
     ta, tb = [], []
-    for _ in range(repeat):
-        ta.append(a())
-        tb.append(b())
+    for r in range(repeat):
+        if r % 2:
+            tb.append(b())
+            ta.append(a())
+        else:
+            ta.append(a())
+            tb.append(b())
     return ta, tb
 
 
