@@ -12,8 +12,10 @@ deletions. A bucket that does not exist is left out: it is an operational error 
 (exit 3, tests/test_storage_conformance.py::test_s3_missing_bucket), like an unreachable store.
 Each run is on a thread that must finish within ``HANG_S``; a run that does not is
 a hang. The bound is generous: a drawn ``--world-size 1000`` reshard or restore writes a
-thousand shards, which took over 10 s on a loaded 2-core machine, and a run abandoned as hung
-went on in the background and closed the next test's captured stdout when it finished.
+thousand shards, which took over 10 s on a loaded 2-core machine (about 1 s on a quiet one).
+A run past the bound is still waited for (up to five times the bound more) before the next
+example: one left going in the background closed the next test's captured stdout when it
+finished, a second failure that hid the first.
 
 The default run is small (``EXAMPLES`` per verb, derandomized so that CI sees the same
 examples); the ``slow`` one draws many more at random. ``CKPTCTL_FUZZ_EXAMPLES`` and
@@ -268,7 +270,8 @@ class Outcome:
 
 def run_guarded(argv: list[str], cwd: str) -> Outcome:
     """The CLI on ``argv`` in-process, on a thread given ``HANG_S`` seconds; ``cwd`` is the
-    current directory meanwhile, so relative paths land in the example's scratch directory."""
+    current directory meanwhile, so relative paths land in the example's scratch directory.
+    The outcome of a run past ``HANG_S`` has no exit code (a hang), whenever it ends."""
     outcome = Outcome(None)
 
     def target() -> None:
@@ -284,6 +287,12 @@ def run_guarded(argv: list[str], cwd: str) -> Outcome:
         thread = threading.Thread(target=target, name="ckptctl-fuzz", daemon=True)
         thread.start()
         thread.join(HANG_S)
+        if thread.is_alive():
+            # A hang is reported as such, but its run must not outlive the example: left going
+            # in the background it closed the next test's captured stdout when it ended. Slow,
+            # not stuck (a --world-size 1000 restore on a loaded machine) ends within this.
+            thread.join(HANG_S * 5)
+            return Outcome(None)
     finally:
         os.chdir(here)
     return outcome
