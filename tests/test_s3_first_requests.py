@@ -214,3 +214,37 @@ def test_a_checkpoint_replaced_after_it_was_chosen_is_never_copied_mixed(s3_url,
     else:
         assert r.exit_code == 1 and "none of 1 committed checkpoints verifies" in r.stderr, r.stderr
         assert not (dest / MARKER).exists()
+
+
+def test_a_header_larger_than_the_first_guess_is_read_whole_and_checked(s3_url, tmp_path):
+    """A shard whose header is larger than ``HEADER_GUESS`` (thousands of tensors) is read in a
+    second request, whole: verify and restore pass, and a byte flipped in the header past the
+    first read's end still fails both (the checked header is the streamed one)."""
+    import boto3
+    import torch
+
+    from ckptctl import Checkpointer
+    from ckptctl.format.shard import HEADER_GUESS
+
+    state = {f"layer_{i:05d}.attention.query_key_value.weight": torch.full((4,), float(i)) for i in range(3000)}
+    with Checkpointer(s3_url) as ck:
+        ck.save(5, {"model": state}).wait()
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    raw = boto3.client("s3")
+    key = next(o["Key"] for o in raw.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"] if "rank-" in o["Key"])
+    body = bytearray(raw.get_object(Bucket=bucket, Key=key)["Body"].read())
+    header_len = int.from_bytes(body[:8], "little")
+    assert header_len > HEADER_GUESS, header_len  # else this test checks nothing new
+    ckpt = f"{s3_url}/{step_dir(5)}"
+    assert cli("verify", ckpt).exit_code == 0
+    assert cli("restore", s3_url, str(tmp_path / "good")).exit_code == 0
+    assert cli("verify", str(tmp_path / "good" / step_dir(5))).exit_code == 0
+
+    at = HEADER_GUESS + (header_len - HEADER_GUESS) // 2  # inside the header, past the first read
+    body[at] ^= 0x20  # in JSON text: stays printable
+    raw.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    r = cli("verify", ckpt)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    r = cli("restore", s3_url, str(tmp_path / "bad"))
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert not (tmp_path / "bad" / step_dir(5) / MARKER).exists()
