@@ -137,3 +137,83 @@ def test_an_object_below_the_threshold_is_only_the_bytes_written_when_a_part_buf
         out = bytearray(len(data))
         r.read_into(0, memoryview(out))
     assert bytes(out) == data
+
+
+def test_an_object_of_known_size_is_uploaded_in_parts_of_one_size(tmp_path, s3_url, monkeypatch):
+    # Parts double every PART_GROWTH_EVERY parts so that an upload of unknown size fits in
+    # 10,000; past that point (8 GiB at 8 MiB parts) a writer held parts twice as large and a
+    # copy's pieces, read at the first part's size, no longer matched its parts: each was
+    # copied into the writer's own buffers. A copy and a save know each file's size
+    # (``expect``): every part is then one size, and every whole piece goes out as it was
+    # read. Growth every 2 parts here stands in for every 1,000 (the same code, 5 GiB less).
+    import torch
+
+    import ckptctl.storage.s3_transfer as s3_transfer
+    from ckptctl import Checkpointer
+    from ckptctl.format.layout import step_dir
+    from ckptctl.ops.transfer.copy import copy_checkpoint
+
+    monkeypatch.setattr(s3_transfer, "PART_GROWTH_EVERY", 2)
+    state = {"w": torch.randn(10 * MiB)}  # a 40 MiB shard: 8 parts of 5 MiB and a short one
+    with Checkpointer(str(tmp_path / "src")) as ck:
+        ck.save(1, state).wait()
+    src = _ReadsRecorded(str(tmp_path / "src" / step_dir(1)))
+    dst = open_storage(s3_url, part_size=PART, multipart_threshold=PART)
+    bodies: list[tuple[int, int]] = []
+
+    def seen(params: dict, **_kw: object) -> None:
+        bodies.append((id(params["Body"]), len(params["Body"])))
+
+    s3 = dst._client.s3  # type: ignore[attr-defined]
+    s3.meta.events.register("provide-client-params.s3.UploadPart", seen)
+    try:
+        copy_checkpoint(src, dst.sub("copied").sub(step_dir(1)))
+        with Checkpointer(f"{s3_url}/saved", storage=dst.sub("saved")) as ck:
+            ck.save(1, state).wait()
+    finally:
+        s3.meta.events.unregister("provide-client-params.s3.UploadPart", seen)
+    size = sum(os.path.getsize(e.path) for e in os.scandir(tmp_path / "src" / step_dir(1)) if e.name.startswith("rank-"))
+    assert len(bodies) == 2 * -(-size // PART), [n for _, n in bodies]  # the copy's and the save's
+    assert max(n for _, n in bodies) == PART, [n for _, n in bodies]
+    copied = bodies[: len(bodies) // 2]
+    assert all(body in src.filled for body, n in copied if n == PART), "a whole part was copied again"
+    for where in ("copied", "saved"):
+        loaded = {"w": torch.zeros(10 * MiB)}
+        with Checkpointer(f"{s3_url}/{where}", storage=dst.sub(where)) as ck:
+            assert ck.load_latest(loaded) == 1
+        assert torch.equal(loaded["w"], state["w"])
+
+
+def test_bytes_past_the_expected_size_go_on_in_growing_parts(s3_url, monkeypatch):
+    import ckptctl.storage.s3_transfer as s3_transfer
+
+    monkeypatch.setattr(s3_transfer, "PART_GROWTH_EVERY", 2)
+    store = open_storage(s3_url, part_size=PART, multipart_threshold=PART, max_inflight_parts=2)
+    sizes: list[int] = []
+    s3 = store._client.s3  # type: ignore[attr-defined]
+
+    def seen(params: dict, **_kw: object) -> None:
+        sizes.append(len(params["Body"]))
+
+    s3.meta.events.register("provide-client-params.s3.UploadPart", seen)
+    data = os.urandom(7 * PART + 99)
+    try:
+        with store.open_writer("more") as w:
+            w.expect(3 * PART)  # fewer than will come: still correct
+            w.write(data)
+    finally:
+        s3.meta.events.unregister("provide-client-params.s3.UploadPart", seen)
+    assert sizes[:3] == [PART] * 3 and sizes[3] >= PART and sum(sizes) == len(data), sizes
+    assert store.read("more") == data
+
+
+def test_uniform_part_size_fits_any_object_in_10000_parts():
+    from ckptctl.storage.s3_transfer import MAX_PART_SIZE, MAX_PARTS, uniform_part_size
+
+    base = 8 * MiB
+    assert uniform_part_size(base, 1) == base
+    assert uniform_part_size(base, MAX_PARTS * base) == base  # 78 GiB: 10,000 parts of 8 MiB
+    assert uniform_part_size(base, MAX_PARTS * base + 1) == 2 * base
+    for size in (100 << 30, 1 << 40, 5 << 40):
+        part = uniform_part_size(base, size)
+        assert part <= MAX_PART_SIZE and -(-size // part) <= MAX_PARTS and (part == base or -(-size // (part // 2)) > MAX_PARTS)

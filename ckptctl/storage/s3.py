@@ -74,10 +74,12 @@ class S3Storage(Storage):
     """Objects below ``s3://bucket/prefix``.
 
     ``multipart_threshold``: objects up to this size are one PUT; larger ones are uploaded in
-    parts. ``part_size``: the first part size (at least 5 MiB); it doubles every 1,000 parts,
-    so no size hint is needed to stay within S3's 10,000 parts. ``max_inflight_parts``: parts
-    uploaded at once per writer, which also bounds a writer's memory to about
-    ``(max_inflight_parts + 1) * part_size`` once past the threshold.
+    parts. ``part_size``: the part size (at least 5 MiB) of an object up to 10,000 parts whose
+    size the writer is told (``Writer.expect``: every save and copy), larger ones in parts
+    just large enough to fit S3's 10,000; a write of unknown size starts at it and doubles it
+    every 1,000 parts. ``max_inflight_parts``: parts uploaded at once per writer, which also
+    bounds a writer's memory to about ``(max_inflight_parts + 1)`` parts once past the
+    threshold.
     ``read_chunk_size`` / ``read_concurrency``: a read larger than one chunk is split into
     ranged GETs run in parallel, each filling its own slice of the caller's buffer; a caller
     streaming an object piece by piece (a copy, a verify) keeps ``read_concurrency`` pieces in

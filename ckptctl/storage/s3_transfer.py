@@ -37,6 +37,15 @@ def part_size_for(base: int, part_number: int) -> int:
     return min(MAX_PART_SIZE, base << ((part_number - 1) // PART_GROWTH_EVERY))
 
 
+def uniform_part_size(base: int, size: int) -> int:
+    """One part size for an object known to be ``size`` bytes: ``base`` while its parts fit in
+    ``MAX_PARTS`` (78 GiB at 8 MiB), else ``base`` doubled until they do."""
+    part = base
+    while part < MAX_PART_SIZE and -(-size // part) > MAX_PARTS:
+        part *= 2
+    return min(part, MAX_PART_SIZE)
+
+
 @dataclass(frozen=True)
 class TransferOptions:
     """How a storage splits writes into parts and reads into ranged GETs."""
@@ -93,6 +102,8 @@ class S3Writer(Writer):
         self._shown = shown
         self._threshold = opts.multipart_threshold
         self._base_part = opts.part_size
+        # Parts of one size (``expect``): the first ``_planned`` parts are ``_uniform`` bytes each.
+        self._uniform, self._planned = opts.part_size, 0
         self.spare_size = opts.part_size  # what ``spare`` lends: a copy reads pieces of this size
         self._inflight = opts.max_inflight_parts
         self._cur = bytearray()  # destined to be part number self._next_part
@@ -117,7 +128,7 @@ class S3Writer(Writer):
         pos = 0
         with self._aborting_on_failure():
             while pos < len(view):
-                size = part_size_for(self._base_part, self._next_part)
+                size = self._part_size(self._next_part)
                 if not self._cur and (self._created is not None or self._next_part > 1):
                     self._cur = _PART_BUFFERS.take(size)  # the first part of a small object grows instead
                 take = min(size - self._fill, len(view) - pos)
@@ -140,17 +151,35 @@ class S3Writer(Writer):
         in the background, instead of once the threshold's worth was written. A copy knows
         each file's size; its first part then leaves as soon as its bytes are in, not a
         CreateMultipartUpload (and the listing before it) later. Writing fewer bytes after
-        all is still correct (a multipart upload of one short part)."""
+        all is still correct (a multipart upload of one short part).
+
+        Before the first byte, ``size`` also fixes the part size for the whole object: every
+        part is the first one's size (``uniform_part_size``) instead of doubling every 1,000
+        parts as an upload of unknown size must. A writer's memory then stays
+        ``max_inflight_parts + 1`` parts of that size however large the object (past 8 GiB
+        doubling parts held 2x, past 24 GiB 4x), and a copy's pieces, read at ``spare_size``,
+        keep matching its parts to the end (each becomes its part without a copy). Bytes
+        past ``size`` go on in parts that grow again (``part_size_for``), at least as large."""
         self._require_open()
+        if self._total == 0 and self._next_part == 1 and size > 0:
+            self._uniform = uniform_part_size(self._base_part, size)
+            self._planned = -(-size // self._uniform)
+            self.spare_size = self._uniform
         if self._created is None and size > self._threshold:
             self._start_multipart()
+
+    def _part_size(self, number: int) -> int:
+        """The size of part ``number`` (1-based): see ``expect``."""
+        if number <= self._planned:
+            return self._uniform
+        return max(self._uniform, part_size_for(self._base_part, number))
 
     def spare(self, size: int) -> memoryview | None:
         """Room for the caller to read ``size`` bytes into and then ``hand_over``, when that
         many bytes make one of this upload's parts (its first part size): a part buffer whose
         upload is done when one is free (its memory already faulted in), else a new one. None
         for any other size: the caller reads into memory of its own, and ``hand_over`` copies."""
-        if size != self._base_part:
+        if size != self.spare_size:
             return None
         buf = _PART_BUFFERS.take(size)
         buf = buf if len(buf) == size else bytearray(size)
@@ -167,7 +196,7 @@ class S3Writer(Writer):
         buf = view.obj
         with self._lent_lock:
             lent = self._lent.pop(id(buf), None) is buf
-        size = part_size_for(self._base_part, self._next_part)
+        size = self._part_size(self._next_part)
         if not (lent and len(view) == len(buf) == size and self._created is not None and self._fill == 0):
             self.write(view)
             if lent:
@@ -359,7 +388,7 @@ class S3Writer(Writer):
                 if response.get(field):
                     part[field] = response[field]  # S3 requires it on completion
             self._parts[number] = part
-            if len(buf) == part_size_for(self._base_part, number):  # not a short last part
+            if len(buf) == self._part_size(number):  # not a short last part
                 _PART_BUFFERS.give(buf)  # botocore is done with it: a later part's bytes may go in
         finally:
             self._slots.release()
