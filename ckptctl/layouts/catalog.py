@@ -27,6 +27,7 @@ from ckptctl.errors import InvalidCheckpoint, StorageError
 from ckptctl.format.seal import MAX_SEAL_BYTES, SEAL, parse_seal
 from ckptctl.layouts.base import UNKNOWN, Checkpoint, Layout
 from ckptctl.layouts.classify import Named, marked, named_children, owner, rival
+from ckptctl.layouts.lookups import each
 from ckptctl.layouts.registry import (  # noqa: F401 (BUILTIN, FORMATS, layouts_named, layout_named: the catalog's vocabulary)
     BUILTIN, CHECKPOINTER_LAYOUTS, FORMATS, LAYOUTS, layout_called, layout_named, layouts_named)
 from ckptctl.storage.base import ObjectInfo, Storage
@@ -70,8 +71,9 @@ def _entry(root: Storage, found: Named, own: Layout | None = None, ckpt: Storage
 
 def list_checkpoints(root: Storage, *, layouts: Sequence[Layout] = LAYOUTS) -> list[Checkpoint]:
     """Every checkpoint directory (and step-named symlink) under ``root``, oldest first, with
-    its status from its layout's commit rule only (no data read). Raises only StorageError."""
-    return [_entry(root, f) for f in named_children(root, layouts)]
+    its status from its layout's commit rule only (no data read). Raises only StorageError.
+    The checkpoints are looked at several at once (``layouts.lookups``)."""
+    return each(lambda f: _entry(root, f), named_children(root, layouts))
 
 
 def other_tools_committed(root: Storage) -> list[Checkpoint]:

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from ckptctl.errors import CkptError, NoValidCheckpoint, UsageError
 from ckptctl.layouts import catalog
 from ckptctl.layouts.aliases import Alias, aliases
-from ckptctl.layouts.base import kind_of_checkpoint, numbered_by
+from ckptctl.layouts.base import Checkpoint, kind_of_checkpoint, numbered_by
+from ckptctl.layouts.lookups import each
 from ckptctl.layouts.native_read import total_size
 from ckptctl.storage.base import Storage
 
@@ -52,28 +53,29 @@ class Listed:
 
 
 def list_checkpoints(root: Storage, *, now: float | None = None) -> list[Listed]:
-    """Every checkpoint under ``root``, oldest first, with its size and age."""
+    """Every checkpoint under ``root``, oldest first, with its size and age (several looked at
+    at once: ``layouts.lookups``)."""
     now = time.time() if now is None else now
-    out = []
-    for e in catalog.list_checkpoints(root):
-        counts = "step" if e.owner is None else numbered_by(e.owner, e.name)
-        if e.storage is None:  # a link: nothing behind it is looked at
-            out.append(Listed(e.step, e.name, e.url, e.status, 0, 0.0, 0.0, e.reason, e.layout, numbered_by=counts))
-            continue
-        info = root.stat(e.name)
-        # A checkpoint that is one file (Lightning's *.ckpt): its own size and time.
-        size, newest = (info.size, info.mtime) if info is not None and info.kind == "file" else total_size(e.storage)
-        # A manifest's time, else a seal's commit time (not its own file's), else the newest inside.
-        created = catalog.commit_time(e, newest)
-        if not created and info is not None and info.mtime:
-            created = info.mtime  # nothing inside (an empty partial): its directory's time, never the epoch
-        content = reason = None
-        if e.status == "committed" and e.owner is not None:
-            kind = kind_of_checkpoint(e.owner, e.storage, e.manifest)
-            content, reason = kind.kind, kind.reason
-        out.append(Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout,
-                          content, reason, counts))
-    return out
+    return each(lambda e: _listed(root, e, now), catalog.list_checkpoints(root))
+
+
+def _listed(root: Storage, e: Checkpoint, now: float) -> Listed:
+    counts = "step" if e.owner is None else numbered_by(e.owner, e.name)
+    if e.storage is None:  # a link: nothing behind it is looked at
+        return Listed(e.step, e.name, e.url, e.status, 0, 0.0, 0.0, e.reason, e.layout, numbered_by=counts)
+    info = root.stat(e.name)
+    # A checkpoint that is one file (Lightning's *.ckpt): its own size and time.
+    size, newest = (info.size, info.mtime) if info is not None and info.kind == "file" else total_size(e.storage)
+    # A manifest's time, else a seal's commit time (not its own file's), else the newest inside.
+    created = catalog.commit_time(e, newest)
+    if not created and info is not None and info.mtime:
+        created = info.mtime  # nothing inside (an empty partial): its directory's time, never the epoch
+    content = reason = None
+    if e.status == "committed" and e.owner is not None:
+        kind = kind_of_checkpoint(e.owner, e.storage, e.manifest)
+        content, reason = kind.kind, kind.reason
+    return Listed(e.step, e.name, e.url, e.status, size, created, max(0.0, now - created), e.reason, e.layout,
+                  content, reason, counts)
 
 
 def aliases_under(root: Storage, rows: list[Listed]) -> list[Alias]:

@@ -24,6 +24,7 @@ from ckptctl.format.seal import SEAL
 from ckptctl.layouts.base import Checkpoint, Layout, kind_of_checkpoint, numbered_by
 from ckptctl.layouts.catalog import CHECKPOINTER_LAYOUTS, LAYOUTS, commit_time, list_checkpoints, recorded_metrics
 from ckptctl.layouts.checked import Level
+from ckptctl.layouts.lookups import each
 from ckptctl.layouts.protection import protected
 from ckptctl.layouts.removal import entry_snapshot
 from ckptctl.ops.retention.planned import PlanItem, PrunePlan, by_idle_time
@@ -68,7 +69,7 @@ def plan(
                   seal=seal, record=record, managed={layout.name: layout for layout in layouts})
     p.cache = VerifyCache.load(root, read_only=not record)  # record=False: a dry run writes nothing
     entries = list_checkpoints(root)
-    p.items = [survey(root, e, p.now, partial_after_s) for e in entries]
+    p.items = each(lambda e: survey(root, e, p.now, partial_after_s), entries)  # reads only: several at once
     _refuse_step_rules(p)
     _attach_metrics(root, entries, p.items)
     for item in p.items:
