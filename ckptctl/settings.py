@@ -9,7 +9,7 @@ the variable (the CLI turns it into exit 2), never a silent fallback to the defa
 - ``IO_THREADS`` (``CKPTCTL_IO_THREADS``): readers filling tensors on load and restore
 - ``COPY_THREADS`` (``CKPTCTL_COPY_THREADS``): files copied at once (cp, restore)
 - ``STREAM_THREADS`` (``CKPTCTL_STREAM_THREADS``): checksum threads of reshard and convert
-- ``LOOKUP_THREADS`` (``CKPTCTL_LOOKUP_THREADS``): checkpoints of a root looked at at once (ls, du, prune)
+- ``REQUEST_THREADS`` (``CKPTCTL_REQUEST_THREADS``): small requests in flight at once (ls, du, prune, rm)
 - ``WRITE_BEHIND`` (``CKPTCTL_WRITE_BEHIND_MIB``, 0 = off): the POSIX writer's write-behind window
 - ``TORCHRUN_TIMEOUT_S`` (``CKPTCTL_TORCHRUN_TIMEOUT``): how long a verb run by torchrun waits for a rank
 - ``CLOSE_STORE_TIMEOUT_S`` (``CKPTCTL_CLOSE_STORE_TIMEOUT``): how long ``Checkpointer.close`` tries an
@@ -69,11 +69,13 @@ COPY_THREADS = env_int("CKPTCTL_COPY_THREADS", 4)
 # there, and four match verify so that a reshard checks its source as fast as verify would.
 STREAM_THREADS = env_int("CKPTCTL_STREAM_THREADS", 4)
 
-# Checkpoints of a root looked at at once when a verb lists them all (ls, du, prune's survey):
-# each is a few small reads (its marker, its manifest, a listing of its files), and on object
-# storage or a network filesystem each read is a round trip of 15-50 ms: one after another,
-# a root of 1,000 checkpoints took minutes. Threads mostly wait, so many are cheap.
-LOOKUP_THREADS = env_int("CKPTCTL_LOOKUP_THREADS", 16)
+# Small requests in flight at once: a root's checkpoints looked at when a verb lists them all
+# (ls, du, prune's survey: each a few small reads, its marker, its manifest, a listing of its
+# files), a checkpoint's files deleted once its commit files are gone (a stat and a delete
+# each). On object storage or a network filesystem each is a round trip of 15-50 ms: one after
+# another, a root of 1,000 checkpoints took minutes to list and a 512-rank checkpoint one to
+# delete. Threads mostly wait, so many are cheap.
+REQUEST_THREADS = env_int("CKPTCTL_REQUEST_THREADS", 16)
 
 # --- piece sizes (not user settings: they trade memory against call overhead) ----------------
 

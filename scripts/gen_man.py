@@ -170,10 +170,12 @@ EXIT_STATUS: list[tuple[int, str]] = [
 ENVIRONMENT: list[tuple[str, str]] = [
     ("CKPTCTL_DEBUG", "Set to 1 to print a Python traceback instead of the one-line message"
      " for a failure, expected or not (as --debug does)."),
-    ("CKPTCTL_VERIFY_THREADS, CKPTCTL_IO_THREADS, CKPTCTL_COPY_THREADS, CKPTCTL_STREAM_THREADS",
+    ("CKPTCTL_VERIFY_THREADS, CKPTCTL_IO_THREADS, CKPTCTL_COPY_THREADS, CKPTCTL_STREAM_THREADS, CKPTCTL_REQUEST_THREADS",
      "Threads reading for verify and prune (default 4), filling tensors on load (8), copying"
-     " files for cp and restore (4), hashing for reshard and convert (4). A value that is not a"
-     " whole number from 1 to 1024 is a usage error (exit 2) naming the variable."),
+     " files for cp and restore (4), hashing for reshard and convert (4), sending small requests"
+     " (16: the checkpoints of a root looked at by ls, du and prune; a checkpoint's files deleted"
+     " once its commit files are gone). A value that is not a whole number from 1 to 1024 is a"
+     " usage error (exit 2) naming the variable."),
     ("CKPTCTL_WRITE_BEHIND_MIB", "Write-behind window of files written on POSIX filesystems, in MiB"
      " (default 32; 0 turns it off): each window is handed to the disk as soon as it is written and"
      " dropped from the page cache once on disk, so a save's pages do not pile up in memory."

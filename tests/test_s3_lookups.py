@@ -3,7 +3,7 @@
 Listing a root reads a few small things of each checkpoint (its marker and manifest, a listing
 of its files); on object storage each is a round trip of 15-50 ms, and one after another a
 root of 1,000 checkpoints took minutes to `ls`, `du` or plan a `prune`. ``layouts.lookups``
-keeps up to ``settings.LOOKUP_THREADS`` checkpoints in flight, in order. Shown here by the
+keeps up to ``settings.REQUEST_THREADS`` checkpoints in flight, in order. Shown here by the
 requests in flight at once (each held a moment, so that requests sent together overlap for
 sure), never by timing; and the answers are the same as one at a time.
 """
@@ -82,7 +82,7 @@ def test_a_root_wide_verb_looks_at_several_checkpoints_at_once(root, verb, monke
     assert most[0] >= 4, most
     import ckptctl.layouts.lookups as lookups
 
-    monkeypatch.setattr(lookups, "LOOKUP_THREADS", 1)  # one at a time: the same answer
+    monkeypatch.setattr(lookups, "REQUEST_THREADS", 1)  # one at a time: the same answer
     with most_in_flight(client) as most:
         one = cli(verb[0], root, *verb[1:])
     assert one.exit_code == 0, one.stderr

@@ -204,11 +204,12 @@ def remove(ckpt: Storage, *, expected: Mapping[str, tuple[int, float]] | None = 
     and the directory (when empty).
 
     With ``expected`` (key -> (size, mtime), as a prune plan saw them) only those files are
-    deleted, each only while unchanged: the URL of the first that changed is returned, and it
-    and the files after it stay. Returns None when everything asked for was deleted.
+    deleted, each only while unchanged (the marker and the manifest one at a time, then the
+    rest several at once: ``layouts.removal``): the URL of the first that changed is returned,
+    and it stays. Returns None when everything asked for was deleted.
     """
     if expected is not None:
-        return remove_unchanged(ckpt, removal_order(expected), expected)
+        return remove_unchanged(ckpt, removal_order(expected), expected, (MARKER, MANIFEST))
     uncommit(ckpt)
     for info in list(ckpt.list()):
         ckpt.delete(info.key)

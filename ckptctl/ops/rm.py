@@ -225,9 +225,9 @@ def _delete_one(root: _Root, item: RmItem) -> None:
             root.storage.delete(item.name)
             changed = None
         else:
-            changed = remove_entry(root.storage, item.name, item.snapshot, entry.owner.removal_order)
+            changed = remove_entry(root.storage, item.name, item.snapshot, entry.owner.removal_order, entry.owner.commit_files)
         item.result = "deleted" if changed is None else "failed"
         if changed is not None:
-            item.detail = f"{changed} changed since it was listed; it and the files after it are left in place"
+            item.detail = f"{changed} changed since it was listed; it and the files not yet deleted are left in place"
     except CkptError as e:  # report it and go on with the others
         item.result, item.detail = "failed", str(e)

@@ -144,7 +144,7 @@ def _delete(plan: PrunePlan, item: PlanItem) -> None:
     layout = plan.layout_of(item)
     assert layout is not None, "the plan deletes only what it manages"
     # The entry's own layout says which file un-commits it: that one goes first.
-    changed = remove_entry(plan.root, item.name, item.snapshot, layout.removal_order)
+    changed = remove_entry(plan.root, item.name, item.snapshot, layout.removal_order, layout.commit_files)
     if changed is not None:
         raise _Changed(f"{changed} changed while deleting; the rest (or it) is left in place")
 

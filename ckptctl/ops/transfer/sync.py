@@ -264,10 +264,10 @@ def _delete_extra(src: Storage, dst: Storage, sources: list[Checkpoint], cache: 
             if lock is not None:
                 lock.refresh()
             try:
-                changed = remove_entry(dst, e.name, snapshot, e.owner.removal_order)
+                changed = remove_entry(dst, e.name, snapshot, e.owner.removal_order, e.owner.commit_files)
                 if changed is not None:
                     item.action, item.bytes = "failed", 0
-                    item.detail = f"{changed} changed since it was listed; it and the files after it are left in place"
+                    item.detail = f"{changed} changed since it was listed; it and the files not yet deleted are left in place"
                 else:
                     cache.forget(e.name)
             except OperationalError:
