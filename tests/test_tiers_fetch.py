@@ -150,6 +150,24 @@ def test_a_step_not_yet_promoted_is_fetched_and_a_promoted_one_read_from_the_lat
         assert _files(os.path.join(root, COPIES)) == [], root  # none of 40; 30's went with it
 
 
+def test_with_replicas_a_step_not_yet_promoted_is_fetched_after_recovery(tmp_path) -> None:
+    """3 nodes with peer replicas and a later tier: node 2 holds neither rank 0's shard nor its
+    replica. Steps 10 and 20 promoted, then 20 removed from the later tier: every rank resumes
+    20, bitwise (before: 10), node 2 fetching ranks 0 and 1's shards beside its replica of
+    node 1's."""
+    roots = [str(tmp_path / f"node{k}") for k in range(3)]
+    later = str(tmp_path / "later")
+    tiers = {"remote": later, "every": 10}
+    _run(tmp_path, "run1", "replica_save", roots, **tiers, steps=[10, 20], promote_each=True)
+    assert _committed_at(later) == [10, 20]
+    shutil.rmtree(os.path.join(later, step_dir(20)))
+    results = _run(tmp_path, "run2", "replica_load", roots, **tiers)
+    for k in range(6):
+        assert (results[k]["step"], results[k]["bitwise_equal"]) == (20, True), (k, results[k])
+    assert _files(os.path.join(roots[2], COPIES, step_dir(20))) == sorted(
+        [_shard(0), _shard(1), _shard(2), _shard(3), "rank-00002.replica", "rank-00003.replica"])
+
+
 def test_a_bad_holder_copy_of_a_step_not_yet_promoted_falls_back_to_the_promoted_one(tmp_path) -> None:
     """2 nodes, no replicas, a later tier. Steps 10 and 20 saved and promoted; 20 then removed
     from the later tier, and a bit flipped in node 0's copy of rank 0's shard of it (the only
