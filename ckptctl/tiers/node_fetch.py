@@ -60,6 +60,7 @@ May import: ``tiers.layered``, ``tiers.replica_link``, ``tiers.replica_recovery`
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -80,6 +81,9 @@ from ckptctl.tiers.replica_store import replica_dir
 log = logging.getLogger("ckptctl")
 
 TAG = TAG_BASE + (1 << 20)  # above replica recovery's tags (two per candidate)
+# How long rank 0 waits for the later tiers' markers of a candidate (``Fetch.needed``; a read
+# takes milliseconds): far inside the broadcast's timeout, which every other rank waits in.
+CHECK_S = 30.0
 
 
 def whole_job(world_size: int) -> bool:
@@ -125,10 +129,7 @@ class Fetch:
         tier's), so the cost does not grow with the job."""
         if not self.later:
             return True
-        want = 0
-        if self.rank == 0:
-            checksum = source.marker.manifest_checksum if source is not None else self._checksum(self.root.sub(name))
-            want = int(checksum is not None and not any(self._checksum(r.sub(name)) == checksum for r in self.later))
+        want = int(self.rank == 0 and self._unserved(name, source))
         flag = torch.tensor([want], dtype=torch.uint8)
         try:
             dist.broadcast(flag, src=0, group=self.group)
@@ -136,6 +137,26 @@ class Fetch:
             log.warning("tiers: the ranks could not agree whether to fetch %s from the other nodes: %s", name, e)
             return False
         return bool(flag.item())
+
+    def _unserved(self, name: str, source: Committed | None) -> bool:
+        """Rank 0: whether the nodes should serve ``name`` (see ``needed``). The reads run on a
+        daemon thread bounded by ``CHECK_S``: every other rank waits in the broadcast meanwhile,
+        and a later tier that does not answer by then (botocore's retries can take minutes)
+        counts as not holding it, so the nodes serve it."""
+        answer: list[bool] = []
+
+        def check() -> None:
+            checksum = source.marker.manifest_checksum if source is not None else self._checksum(self.root.sub(name))
+            answer.append(checksum is not None and not any(self._checksum(r.sub(name)) == checksum for r in self.later))
+
+        t = threading.Thread(target=check, name="ckptctl-fetch-check", daemon=True)
+        t.start()
+        t.join(min(CHECK_S, self.timeout_s / 2))
+        if answer:
+            return answer[0]
+        log.warning("tiers: the later tiers did not say within %.0f s whether they hold %s; the nodes serve it",
+                    min(CHECK_S, self.timeout_s / 2), name)
+        return True
 
     def _checksum(self, ckpt: Storage) -> str | None:
         """The manifest checksum ``ckpt``'s marker commits, or None when it has none that
