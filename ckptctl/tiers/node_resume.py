@@ -8,8 +8,8 @@ through ``tiers.node_chain.NodeTiers``; the choice itself is ``resume``'s).
   for a resume: ``tiers.replica_store``'s subtree), once ``tiers.replica_recovery`` restored
   what the node lost (with replicas) and ``tiers.node_fetch`` brought what its ranks read from
   the other nodes (with no later tier, or when no later tier holds the step committed: not yet
-  promoted), then each later tier. Nothing is trusted for having
-  come from nearby: the loader checks every chunk against the manifest it read.
+  promoted), then each later tier. Nothing is trusted for having come from nearby: the loader
+  checks every chunk against the manifest it read.
 * **Damaged copies**: a shard file the load found damaged is set aside, so that the next
   attempt at the same step reads it from the next copy; every copy of a step is tried before
   an older step is (``docs/protocol.md``, "The recovery choice").
