@@ -68,7 +68,7 @@ def test_three_nodes_without_replicas_or_a_later_tier_resume_the_newest_step(tmp
         assert fetched == [_shard(k) for k in range(4) if k // 2 != node], (node, fetched)
         r = cli("verify", os.path.join(root, step_dir(20)), "--json")
         assert r.exit_code == 0, r.stdout + r.stderr
-        assert f"holds 2 of the 6 files" in r.json()["checkpoints"][0]["note"], r.stdout
+        assert "holds 2 of the 6 files" in r.json()["checkpoints"][0]["note"], r.stdout
     results = _run(tmp_path, "run3", "replica_load", roots, replicas=0, then_save=[40, 50])
     assert all(results[k]["step"] == 30 and results[k]["bitwise_equal"] for k in range(6)), results
     for root in roots:
@@ -142,6 +142,8 @@ def test_a_step_not_yet_promoted_is_fetched_and_a_promoted_one_read_from_the_lat
     for node, root in enumerate(roots):
         fetched = _files(os.path.join(root, COPIES, step_dir(30)))
         assert fetched == [_shard(k) for k in range(4) if k // 2 != node], (node, fetched)
+        own = [f for f in _files(os.path.join(root, step_dir(30))) if f.endswith(".safetensors")]
+        assert own == [_shard(2 * node), _shard(2 * node + 1)], (node, own)  # nothing fetched into the step
     assert 40 in _committed_at(later)
     results = _run(tmp_path, "run3", "replica_load", roots, **tiers, then_save=[50])
     for k in range(6):
