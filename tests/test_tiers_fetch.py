@@ -8,11 +8,17 @@ its ranks read from a node that holds it, checked against the manifest, into its
 other nodes' files (``<root>/.ckptctl-replicas/<step>/``), which node-local retention removes
 with the step; a copy that does not check out is never loaded, and every rank falls back
 alike. 3 torchrun "nodes" x 2 ranks on one host (``tier_node_workers.py``), real gloo.
+
+With a later tier (a directory root here), the same fetch serves a step the later tier does not
+hold committed (its promotion never finished): before, such a step was skipped on every rank and
+the job resumed the one before it. A step the later tier holds committed is read from there, as
+before: nothing is fetched for it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 from ckptctl.format.layout import step_dir
 from helpers import cli
@@ -62,7 +68,7 @@ def test_three_nodes_without_replicas_or_a_later_tier_resume_the_newest_step(tmp
         assert fetched == [_shard(k) for k in range(4) if k // 2 != node], (node, fetched)
         r = cli("verify", os.path.join(root, step_dir(20)), "--json")
         assert r.exit_code == 0, r.stdout + r.stderr
-        assert f"holds 2 of the 6 files" in r.json()["checkpoints"][0]["note"], r.stdout
+        assert "holds 2 of the 6 files" in r.json()["checkpoints"][0]["note"], r.stdout
     results = _run(tmp_path, "run3", "replica_load", roots, replicas=0, then_save=[40, 50])
     assert all(results[k]["step"] == 30 and results[k]["bitwise_equal"] for k in range(6)), results
     for root in roots:
@@ -109,6 +115,87 @@ def test_a_bad_copy_on_the_holding_node_is_never_loaded_and_every_rank_falls_bac
     assert _shard(0, 4) not in _files(os.path.join(roots[1], COPIES, step_dir(20)))
     log1 = open(os.path.join(tmp_path, "run2", "node1.log")).read()
     assert "does not check out" in log1, log1[-3000:]
+
+
+def _committed_at(root: str) -> list[int]:
+    return sorted(int(n.split("-")[1]) for n in _files(root) if os.path.exists(os.path.join(root, n, "COMMITTED")))
+
+
+def test_a_step_not_yet_promoted_is_fetched_and_a_promoted_one_read_from_the_later_tier(tmp_path) -> None:
+    """3 nodes, no replicas, a later tier (a directory root). Steps 10, 20, 30 saved, each
+    promoted; then step 30's promotion is undone half way (its marker and rank 0's shard gone
+    from the later tier: the job died inside the promotion window). A relaunch resumes 30 on
+    every rank, bitwise, the nodes fetching what they lack from each other (before: 20, the
+    newest step the later tier held, on every rank). Its step 40 is promoted at close; the next
+    relaunch resumes 40 reading what a node lacks from the later tier: no node fetched a copy
+    of it, and retention removed 30's fetched copies with the step."""
+    roots = [str(tmp_path / f"node{k}") for k in range(3)]
+    later = str(tmp_path / "later")
+    tiers = {"replicas": 0, "remote": later, "every": 10, "keep_remote": 3}
+    _run(tmp_path, "run1", "replica_save", roots, **tiers, steps=[10, 20, 30], promote_each=True)
+    assert _committed_at(later) == [10, 20, 30]
+    for f in ("COMMITTED", _shard(0)):
+        os.unlink(os.path.join(later, step_dir(30), f))
+    results = _run(tmp_path, "run2", "replica_load", roots, **tiers, then_save=[40])
+    for k in range(6):
+        assert (results[k]["step"], results[k]["bitwise_equal"]) == (30, True), (k, results[k])
+    for node, root in enumerate(roots):
+        fetched = _files(os.path.join(root, COPIES, step_dir(30)))
+        assert fetched == [_shard(k) for k in range(4) if k // 2 != node], (node, fetched)
+        own = [f for f in _files(os.path.join(root, step_dir(30))) if f.endswith(".safetensors")]
+        assert own == [_shard(2 * node), _shard(2 * node + 1)], (node, own)  # nothing fetched into the step
+    assert 40 in _committed_at(later)
+    results = _run(tmp_path, "run3", "replica_load", roots, **tiers, then_save=[50])
+    for k in range(6):
+        assert (results[k]["step"], results[k]["bitwise_equal"]) == (40, True), (k, results[k])
+    for root in roots:
+        assert _files(os.path.join(root, COPIES)) == [], root  # none of 40; 30's went with it
+
+
+def test_with_replicas_a_step_not_yet_promoted_is_fetched_after_recovery(tmp_path) -> None:
+    """3 nodes with peer replicas and a later tier: node 2 holds neither rank 0's shard nor its
+    replica. Steps 10 and 20 promoted, then 20 removed from the later tier: every rank resumes
+    20, bitwise (before: 10), node 2 fetching ranks 0 and 1's shards beside its replica of
+    node 1's."""
+    roots = [str(tmp_path / f"node{k}") for k in range(3)]
+    later = str(tmp_path / "later")
+    tiers = {"remote": later, "every": 10}
+    _run(tmp_path, "run1", "replica_save", roots, **tiers, steps=[10, 20], promote_each=True)
+    assert _committed_at(later) == [10, 20]
+    shutil.rmtree(os.path.join(later, step_dir(20)))
+    results = _run(tmp_path, "run2", "replica_load", roots, **tiers)
+    for k in range(6):
+        assert (results[k]["step"], results[k]["bitwise_equal"]) == (20, True), (k, results[k])
+    assert _files(os.path.join(roots[2], COPIES, step_dir(20))) == sorted(
+        [_shard(0), _shard(1), _shard(2), _shard(3), "rank-00002.replica", "rank-00003.replica"])
+
+
+def test_a_bad_holder_copy_of_a_step_not_yet_promoted_falls_back_to_the_promoted_one(tmp_path) -> None:
+    """2 nodes, no replicas, a later tier. Steps 10 and 20 saved and promoted; 20 then removed
+    from the later tier, and a bit flipped in node 0's copy of rank 0's shard of it (the only
+    holder). Node 1's fetched copy does not check out and is deleted, node 0's ranks find theirs
+    bad: every rank resumes 10, bitwise, read from the nodes and the later tier (promoted:
+    nothing fetched for it). Before: 10 as well, but no node ever fetched 20."""
+    roots = [str(tmp_path / f"node{k}") for k in range(2)]
+    later = str(tmp_path / "later")
+    tiers = {"replicas": 0, "remote": later, "every": 10}
+    _run(tmp_path, "run1", "replica_save", roots, **tiers, steps=[10, 20], promote_each=True)
+    assert _committed_at(later) == [10, 20]
+    shutil.rmtree(os.path.join(later, step_dir(20)))
+    flipped = os.path.join(roots[0], step_dir(20), _shard(0, 4))
+    with open(flipped, "r+b") as f:
+        f.seek(os.path.getsize(flipped) - 100)  # in the data of the last tensor rank 0 wrote
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    results = _run(tmp_path, "run2", "replica_load", roots, **tiers)
+    for k in range(4):
+        assert (results[k]["step"], results[k]["bitwise_equal"]) == (10, True), (k, results[k])
+    log1 = open(os.path.join(tmp_path, "run2", "node1.log")).read()
+    assert "does not check out" in log1, log1[-3000:]
+    assert _shard(0, 4) not in _files(os.path.join(roots[1], COPIES, step_dir(20)))
+    for root in roots:
+        assert _files(os.path.join(root, COPIES, step_dir(10))) == [], root
 
 
 def test_what_a_rank_reads_comes_from_the_placement_hints() -> None:

@@ -151,16 +151,17 @@ def test_two_nodes_commit_promote_prune_survive_a_kill_and_a_lost_node(tmp_path,
         r = cli("latest", s3_url)
         assert r.exit_code == 0 and r.stdout.strip().endswith(step_dir(30)), r.stdout + r.stderr
 
-        # --- 3. relaunch with S3 healthy. Step 50 is committed on both nodes only, and node 1's
-        # ranks need node 0's files of it (the replicated tensors' writers): skipped, together.
-        # Step 40 resumes (each rank's own node first, the rest from S3, where three of four
-        # files landed before the kill); the next promotion completes; both tiers prune.
+        # --- 3. relaunch with S3 healthy. Step 50 is committed on both nodes only (never
+        # promoted), and node 1's ranks need node 0's files of it (the replicated tensors'
+        # writers): S3 does not hold it committed, so the nodes fetch from each other what their
+        # ranks read and lack (tiers.node_fetch), and every rank resumes 50; the next promotion
+        # completes; both tiers prune.
         proxy.rule = lambda method, path: None
         job = Job("load", [{"local": r, "remote": s3_url, "then_save": [60]} for r in roots], str(tmp_path / "run3"), env=env)
         results = job.wait()
         _ok(results, job)
         for k in range(4):
-            assert results[k]["step"] == 40 and results[k]["bitwise_equal"] is True, \
+            assert results[k]["step"] == 50 and results[k]["bitwise_equal"] is True, \
                 (k, results[k], sorted(i.key for i in open_storage(s3_url).list()), job.logs())
         assert results[0]["flushed"]["complete"] is True and results[0]["flushed"]["step"] == 60
         assert _s3_committed(s3_url) == {30, 60}

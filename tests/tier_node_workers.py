@@ -140,14 +140,15 @@ def _write(out: str, name: str, doc: dict) -> None:
 
 def _replica_tiers(a: dict) -> list:
     """Node-local first tier with ``replicas`` (default 1), keeping ``keep_local`` (default 2);
-    S3 keeping 2, receiving the first checkpoint and then every ``every`` steps (default 1000),
-    unless ``remote`` is None."""
+    S3 (or any root) keeping ``keep_remote`` (default 2), receiving the first checkpoint and then
+    every ``every`` steps (default 1000), unless ``remote`` is None."""
     from ckptctl import KeepLast, Steps, Tier
 
     local = Tier(a["local"], retention=KeepLast(a.get("keep_local", 2)), node_local=True, replicas=a.get("replicas", 1))
     if a["remote"] is None:
         return [local]
-    return [local, Tier(a["remote"], retention=KeepLast(2), every=Steps(a.get("every", 1000)), retry_max_s=1.0)]
+    return [local, Tier(a["remote"], retention=KeepLast(a.get("keep_remote", 2)), every=Steps(a.get("every", 1000)),
+                        retry_max_s=1.0)]
 
 
 def _replica_state(step: int, rank: int, a: dict) -> dict:
@@ -178,7 +179,9 @@ def replica_save(rank: int, a: dict) -> dict:
     """Save ``steps``, timing each ``save()`` call (the stall) and recording each outcome;
     rank ``die_rank`` SIGKILLs itself once its save of ``die_step`` committed. Rank 0 reports
     each step's time to replicated and replica bytes, and its time to durable. ``pause_s``:
-    seconds of "training" after each save."""
+    seconds of "training" after each save; ``promote_each``: rank 0 waits, after each save, until
+    the later tier holds it (the next save, collective, waits with it), so that every step is
+    promoted rather than skipped for a newer one."""
     ck = _replica_checkpointer(a)
     saves = []
     for step in a["steps"]:
@@ -190,6 +193,9 @@ def replica_save(rank: int, a: dict) -> dict:
             saves.append({"step": step, "stall_s": stall, "done_s": time.monotonic() - t0})
         except Exception as e:  # the test reads which saves failed, and how fast
             saves.append({"step": step, "error": f"{type(e).__name__}: {e}", "done_s": time.monotonic() - t0})
+        while rank == 0 and a.get("promote_each") and len(ck.time_to_durable(step)) < 2 \
+                and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
         if rank == a.get("die_rank") and step == a.get("die_step"):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(a.get("pause_s", 0))  # training between saves (the bench)

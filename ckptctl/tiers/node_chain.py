@@ -20,8 +20,9 @@ What differs from ``tiers.chain`` (a first tier every rank shares):
   node's: ``tiers.node_candidates``) and the later tiers', newest first, each read through
   ``tiers.layered`` (own disk, then each later tier), checksummed by the loader; every rank
   moves on together when one lacks a file (docs/protocol.md, "The recovery choice"). With no
-  later tier, each node first fetches what its ranks read from the other nodes
-  (``tiers.node_fetch``), over the replicas' gloo group, or one of its own without replicas.
+  later tier, or for a step no later tier holds committed (not yet promoted), each node first
+  fetches what its ranks read from the other nodes (``tiers.node_fetch``), over the replicas'
+  gloo group, or one of its own without replicas.
 
 * **Peer replicas** (``replicas=1``): after each commit rank 0 also announces a round of
   ``tiers.replica``; recovery reads each file from the node's step, its replicas
@@ -122,9 +123,10 @@ class NodeTiers(Tiers):
         channel = self.channel = Channel(group_name, rank, world_size, self.health)
         nodes = channel.exchange("nodes", node_id(), timeout_s)  # collective: every rank builds its Checkpointer
         self.node_ranks = frozenset(k for k, n in enumerate(nodes) if n == nodes[rank])
-        # With no later tier, a resume fetches what each node's ranks read from the other nodes
-        # (tiers.node_fetch), over a gloo group made over every rank: the replicas' when there are.
-        fetch = len(self.specs) == 1 and len(set(nodes)) > 1 and whole_job(world_size)
+        # A resume fetches what each node's ranks read from the other nodes when no later tier
+        # holds the step committed (tiers.node_fetch: with none, or before its promotion), over
+        # a gloo group made over every rank: the replicas' when there are.
+        fetch = len(set(nodes)) > 1 and whole_job(world_size)
         if rank == 0 and len(self.specs) == 1 and len(set(nodes)) > 1 and not replicas:
             self._warn_alone(len(set(nodes)), fetch)
         leaders = {min(k for k, m in enumerate(nodes) if m == n) for n in set(nodes)}
@@ -133,8 +135,8 @@ class NodeTiers(Tiers):
         ring = ring_of(nodes) if replicas else None  # the same nodes on every rank: a bad topology raises on all
         self._replica_timeout_s = min(timeout_s, REPLICA_TIMEOUT_S)
         group = open_group(world_size, self._replica_timeout_s) if replicas or fetch else None
-        fetcher = Fetch(group, self.roots[0], rank, world_size, self.node_ranks, self._replica_timeout_s) \
-            if fetch and group is not None else None
+        fetcher = Fetch(group, self.roots[0], rank, world_size, self.node_ranks, self._replica_timeout_s,
+                        self.roots[1:]) if fetch and group is not None else None
         if fetcher is not None and ring is None:
             self._resume = NodeResume(self.roots, rank, fetch=fetcher)
         if ring is not None and group is not None:

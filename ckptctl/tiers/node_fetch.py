@@ -7,7 +7,20 @@ tensors saved once by rank 0, and every tensor every rank holds whole (DDP's par
 each written by *one* rank chosen by size (``save.shard_layout.assign_replicated``: spread
 over the ranks, not left to rank 0). With no later tier those files are on one node (and, with
 peer replicas, the next one): a relaunch on three nodes or more found no step every rank could
-read, and started over although the nodes together held every file.
+read, and started over although the nodes together held every file. With a later tier, the
+view reads them from it, but only once the step is promoted there: a step committed on the
+nodes and not yet promoted (the job died inside the promotion window, minutes for a large
+checkpoint) was skipped on every rank, and the job resumed one checkpoint older than it could.
+
+When a later tier holds the candidate committed, the same commit (its marker commits the
+manifest every rank took), nothing is fetched (``needed``): the view reads what a node lacks
+from there, as it always did, and no node's disk takes copies of a step that is durable
+elsewhere. Rank 0 alone reads the later tiers' markers (one small read each) and tells every
+rank, in one broadcast of a byte; without peer replicas, when rank 0's node does not hold the
+candidate committed, nothing is fetched either (the plan below would send nothing), and the
+commit is not broadcast at all. Otherwise (no later tier, or none holds it committed: not
+promoted, or a promotion still in flight, some of its files there without a marker), every
+file a node lacks comes from the other nodes.
 
 What a rank reads (``files_read``), for the job's own world size, from the manifest's
 placement hints: its own files and rank 0's; the file of each tensor one rank wrote whole
@@ -47,16 +60,18 @@ May import: ``tiers.layered``, ``tiers.replica_link``, ``tiers.replica_recovery`
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+import threading
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from ckptctl.errors import CkptError
+from ckptctl.errors import CkptError, NotFound
 from ckptctl.format.layout import MARKER
 from ckptctl.format.manifest import FileEntry, Manifest
-from ckptctl.layouts.native_read import Committed
+from ckptctl.format.marker import MAX_MARKER_BYTES, Marker
+from ckptctl.layouts.native_read import Committed, read_bounded
 from ckptctl.storage.base import Storage
 from ckptctl.tiers.layered import Layered
 from ckptctl.tiers.replica_link import send_files
@@ -66,6 +81,9 @@ from ckptctl.tiers.replica_store import replica_dir
 log = logging.getLogger("ckptctl")
 
 TAG = TAG_BASE + (1 << 20)  # above replica recovery's tags (two per candidate)
+# How long rank 0 waits for the later tiers' markers of a candidate (``Fetch.needed``; a read
+# takes milliseconds): far inside the broadcast's timeout, which every other rank waits in.
+CHECK_S = 30.0
 
 
 def whole_job(world_size: int) -> bool:
@@ -94,11 +112,63 @@ class Fetch:
     candidate (``node_ranks``: its node's)."""
 
     def __init__(self, group: "dist.ProcessGroup", root: Storage, rank: int, world_size: int,
-                 node_ranks: Collection[int], timeout_s: float) -> None:
+                 node_ranks: Collection[int], timeout_s: float, later: Sequence[Storage] = ()) -> None:
         self.group, self.root, self.rank, self.world_size = group, root, rank, world_size
         self.node_ranks = frozenset(node_ranks)
         self.timeout_s = timeout_s
+        self.later = list(later)  # the later tiers' roots
         self._calls = 0
+
+    def needed(self, name: str, source: Committed | None = None) -> bool:
+        """Collective over every rank when there are later tiers (else True at once): whether
+        ``name`` is worth fetching. False when a later tier holds it committed with the commit
+        ``source`` (the same on every rank), or, with no ``source`` given (no replicas), the
+        commit rank 0's node holds: the view reads what a node lacks from that tier. False
+        too, with no ``source``, when rank 0's node does not hold it committed: the plan would
+        send nothing (see ``_plan``). Only rank 0 reads (its node's marker, then each later
+        tier's), so the cost does not grow with the job."""
+        if not self.later:
+            return True
+        want = int(self.rank == 0 and self._unserved(name, source))
+        flag = torch.tensor([want], dtype=torch.uint8)
+        try:
+            dist.broadcast(flag, src=0, group=self.group)
+        except RuntimeError as e:  # a peer gone: nothing can be fetched, the view reads the later tiers
+            log.warning("tiers: the ranks could not agree whether to fetch %s from the other nodes: %s", name, e)
+            return False
+        return bool(flag.item())
+
+    def _unserved(self, name: str, source: Committed | None) -> bool:
+        """Rank 0: whether the nodes should serve ``name`` (see ``needed``). The reads run on a
+        daemon thread bounded by ``CHECK_S``: every other rank waits in the broadcast meanwhile,
+        and a later tier that does not answer by then (botocore's retries can take minutes)
+        counts as not holding it, so the nodes serve it."""
+        answer: list[bool] = []
+
+        def check() -> None:
+            checksum = source.marker.manifest_checksum if source is not None else self._checksum(self.root.sub(name))
+            answer.append(checksum is not None and not any(self._checksum(r.sub(name)) == checksum for r in self.later))
+
+        t = threading.Thread(target=check, name="ckptctl-fetch-check", daemon=True)
+        t.start()
+        t.join(min(CHECK_S, self.timeout_s / 2))
+        if answer:
+            return answer[0]
+        log.warning("tiers: the later tiers did not say within %.0f s whether they hold %s; the nodes serve it",
+                    min(CHECK_S, self.timeout_s / 2), name)
+        return True
+
+    def _checksum(self, ckpt: Storage) -> str | None:
+        """The manifest checksum ``ckpt``'s marker commits, or None when it has none that
+        reads (not committed there, or that tier cannot be read now: then it serves nothing)."""
+        try:
+            return Marker.from_json(read_bounded(ckpt, MARKER, MAX_MARKER_BYTES, "a marker may have"),
+                                    ckpt.url_of(MARKER)).manifest_checksum
+        except NotFound:
+            return None
+        except CkptError as e:
+            log.info("tiers: %s: %s", ckpt.url_of(MARKER), e)
+            return None
 
     def commit(self, name: str) -> Committed | None:
         """Collective: ``name``'s commit from the lowest node holding it (with replicas,

@@ -7,8 +7,9 @@ through ``tiers.node_chain.NodeTiers``; the choice itself is ``resume``'s).
   then the copies of other nodes' files this node holds (the partner's replica, files fetched
   for a resume: ``tiers.replica_store``'s subtree), once ``tiers.replica_recovery`` restored
   what the node lost (with replicas) and ``tiers.node_fetch`` brought what its ranks read from
-  the other nodes (with no later tier), then each later tier. Nothing is trusted for having
-  come from nearby: the loader checks every chunk against the manifest it read.
+  the other nodes (with no later tier, or when no later tier holds the step committed: not yet
+  promoted), then each later tier. Nothing is trusted for having come from nearby: the loader
+  checks every chunk against the manifest it read.
 * **Damaged copies**: a shard file the load found damaged is set aside, so that the next
   attempt at the same step reads it from the next copy; every copy of a step is tried before
   an older step is (``docs/protocol.md``, "The recovery choice").
@@ -41,7 +42,8 @@ def name_of(url: str) -> str:
 
 class NodeResume:
     """This rank's reads of the candidates across ``roots`` (the node-local tier first);
-    ``recovery`` and ``steps`` only with peer replicas, ``fetch`` only with no later tier."""
+    ``recovery`` and ``steps`` only with peer replicas, ``fetch`` only when the job spans
+    several nodes and its group is the whole job."""
 
     def __init__(self, roots: list[Storage], rank: int = 0, recovery: Recovery | None = None,
                  steps: NodeSteps | None = None, fetch: Fetch | None = None) -> None:
@@ -69,9 +71,12 @@ class NodeResume:
         if self._recovery is None and self._fetch is None:
             return Layered([root.sub(name) for root in self.roots], self._skips.get(name))
         if tier == 0:  # collective: every rank takes the same candidates in the same order
-            source = self._recovery.restore(name) if self._recovery is not None else None
-            if self._fetch is not None:
-                self._fetch.fetch(name, source if self._recovery is not None else self._fetch.commit(name))
+            if self._recovery is not None:
+                source = self._recovery.restore(name)
+                if self._fetch is not None and source is not None and self._fetch.needed(name, source):
+                    self._fetch.fetch(name, source)
+            elif self._fetch is not None and self._fetch.needed(name):
+                self._fetch.fetch(name, self._fetch.commit(name))
         layers = [self.roots[0].sub(name), replica_dir(self.roots[0], name), *(r.sub(name) for r in self.roots[1:])]
         return Layered(layers, self._skips.get(name))
 
