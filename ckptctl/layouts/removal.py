@@ -31,7 +31,8 @@ def remove_unchanged(ckpt: Storage, order: Iterable[str], expected: Mapping[str,
     ``commit_files``; None: every file): the files at the head of ``order`` that are among
     them, or the seal, go one at a time in that order; the rest then go several at once.
     Returns the URL of the first file (in ``order``) found changed, or None: it stays, and
-    once a change is seen no further delete starts (those in flight finish)."""
+    once a change (or a storage error, raised) is seen no further delete starts (those in
+    flight finish)."""
     keys = list(order)
     head = len(keys) if serial is None else next(
         (i for i, k in enumerate(keys) if k not in serial and k != SEAL), len(keys))
@@ -44,9 +45,15 @@ def remove_unchanged(ckpt: Storage, order: Iterable[str], expected: Mapping[str,
         seen = threading.Event()
 
         def one(i: int) -> None:
-            if not seen.is_set() and not _delete_if_unchanged(ckpt, rest[i], expected[rest[i]]):
-                changed.append(i)
-                seen.set()
+            if seen.is_set():
+                return
+            try:
+                if not _delete_if_unchanged(ckpt, rest[i], expected[rest[i]]):
+                    changed.append(i)
+                    seen.set()
+            except BaseException:
+                seen.set()  # a storage error stops the removal, as one at a time it did
+                raise
 
         with ThreadPoolExecutor(min(REQUEST_THREADS, len(rest)), thread_name_prefix="ckptctl-delete") as pool:
             for f in [pool.submit(one, i) for i in range(len(rest))]:
