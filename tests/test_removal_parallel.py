@@ -83,3 +83,33 @@ def test_prune_on_s3_deletes_the_marker_then_the_manifest_then_the_shards_severa
     assert order[:2] == [MARKER, MANIFEST] and len(shards) == RANKS, order
     assert most[0] >= 4, most  # before: one at a time
     assert [c["name"] for c in cli("ls", s3_url, "--json").json()["checkpoints"]] == [step_dir(2)]
+
+
+def test_a_delete_failing_for_good_stops_the_removal_with_exit_3_and_a_rerun_finishes_it(tmp_path, s3_server, s3_url, monkeypatch):
+    """A storage error among the deletes that go at once is raised (exit 3), not swallowed, the
+    file it hit stays, the checkpoint reads as partial (its commit files went first), and the
+    next prune removes the rest."""
+    from s3_fault_proxy import FaultProxy
+
+    local = _sharded(tmp_path, steps=(1, 2))
+    for s in (1, 2):
+        assert cli("cp", os.path.join(local, step_dir(s)), f"{s3_url}/{step_dir(s)}").exit_code == 0
+    victim = f"{step_dir(1)}/rank-00005-of-00016.safetensors"
+    proxy = FaultProxy(s3_server)
+    proxy.rule = lambda method, path: "500" if method == "DELETE" and path.split("?")[0].endswith(victim) else None
+    proxy.start()
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        r = cli("prune", s3_url, "--keep-last", "1", "--yes")
+    finally:
+        proxy.stop()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    assert r.exit_code == 3, r.stdout + r.stderr
+    assert proxy.injected
+    left = {i.key for i in open_storage(f"{s3_url}/{step_dir(1)}").list()}
+    assert "rank-00005-of-00016.safetensors" in left and MARKER not in left and MANIFEST not in left, left
+    assert [c["status"] for c in cli("ls", s3_url, "--json").json()["checkpoints"]] == ["partial", "committed"]
+    again = cli("prune", s3_url, "--keep-last", "1", "--yes", "--partial-after", "0s")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert [c["name"] for c in cli("ls", s3_url, "--json").json()["checkpoints"]] == [step_dir(2)]
