@@ -7,8 +7,6 @@ committed), and so is the promise that a file changed since the plan is never de
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import torch
 
@@ -18,6 +16,7 @@ from ckptctl.layouts.catalog import list_checkpoints
 from ckptctl.layouts.removal import entry_snapshot, remove_entry
 from ckptctl.storage import open_storage
 from helpers import cli
+from s3_in_flight import in_flight
 
 RANKS = 16
 
@@ -54,34 +53,13 @@ def test_prune_on_s3_deletes_the_marker_then_the_manifest_then_the_shards_severa
     for s in (1, 2):
         assert cli("cp", os.path.join(local, step_dir(s)), f"{s3_url}/{step_dir(s)}").exit_code == 0
     client = open_storage(s3_url)._client.s3  # type: ignore[attr-defined]
-    lock = threading.Lock()
-    order: list[str] = []
-    now, most = [0], [0]
-
-    def sent(params: dict, context: dict, **_kw: object) -> None:
-        with lock:
-            order.append(params["Key"].rsplit("/", 1)[-1])
-            context["ckptctl-test-counted"] = True
-            now[0] += 1
-            most[0] = max(most[0], now[0])
-        time.sleep(0.05)  # deletes asked for together overlap for sure
-
-    def answered(context: dict, **_kw: object) -> None:
-        if context.pop("ckptctl-test-counted", False):
-            with lock:
-                now[0] -= 1
-
-    client.meta.events.register("provide-client-params.s3.DeleteObject", sent)
-    client.meta.events.register("after-call.s3.DeleteObject", answered)
-    try:
+    with in_flight(client, "DeleteObject") as deletes:
         r = cli("prune", s3_url, "--keep-last", "1", "--yes")
-    finally:
-        client.meta.events.unregister("provide-client-params.s3.DeleteObject", sent)
-        client.meta.events.unregister("after-call.s3.DeleteObject", answered)
+    order = [p["Key"].rsplit("/", 1)[-1] for p in deletes.sent]
     assert r.exit_code == 0, r.stderr
     shards = sorted(k for k in order if k.startswith("rank-"))
     assert order[:2] == [MARKER, MANIFEST] and len(shards) == RANKS, order
-    assert most[0] >= 4, most  # before: one at a time
+    assert deletes.most >= 4, deletes.most  # before: one at a time
     assert [c["name"] for c in cli("ls", s3_url, "--json").json()["checkpoints"]] == [step_dir(2)]
 
 

@@ -11,10 +11,6 @@ in order, still every chunk checked before its bytes are kept.
 from __future__ import annotations
 
 import os
-import threading
-import time
-from contextlib import contextmanager
-from typing import Any, Iterator
 
 import pytest
 import torch
@@ -24,37 +20,9 @@ from ckptctl import Checkpointer
 from ckptctl.format.layout import step_dir
 from ckptctl.storage import open_storage
 from helpers import cli
+from s3_in_flight import in_flight
 
 PIECE = 1 << 20  # the scan's piece, shrunk so that an 8 MiB shard is 8 pieces
-
-
-@contextmanager
-def gets_in_flight(client: Any, key_part: str, hold_s: float) -> Iterator[list[int]]:
-    """The most GETs of keys containing ``key_part`` in flight at once inside the block (each
-    held ``hold_s`` before it is sent, so that GETs asked for together overlap for sure)."""
-    lock = threading.Lock()
-    now, most = [0], [0]
-
-    def sent(params: dict, context: dict, **_kw: object) -> None:
-        if key_part in params.get("Key", "") and "Range" in params:
-            context["ckptctl-test-counted"] = True
-            with lock:
-                now[0] += 1
-                most[0] = max(most[0], now[0])
-            time.sleep(hold_s)
-
-    def answered(context: dict, **_kw: object) -> None:
-        if context.get("ckptctl-test-counted"):
-            with lock:
-                now[0] -= 1
-
-    client.meta.events.register("provide-client-params.s3.GetObject", sent)
-    client.meta.events.register("after-call.s3.GetObject", answered)
-    try:
-        yield most
-    finally:
-        client.meta.events.unregister("provide-client-params.s3.GetObject", sent)
-        client.meta.events.unregister("after-call.s3.GetObject", answered)
 
 
 def _one_shard_on_s3(s3_url: str) -> tuple[str, dict]:
@@ -73,10 +41,10 @@ def test_restore_keeps_the_readers_concurrency_of_gets_in_flight_and_checks_ever
     dst = str(tmp_path / "local")
     from ckptctl.ops.transfer.copy import restore_latest
 
-    with gets_in_flight(client, "rank-", 0.1) as most:
+    with in_flight(client, "GetObject", hold_s=0.1, when=lambda p: "rank-" in p["Key"] and "Range" in p) as gets:
         restore_latest(src, open_storage(dst))
     # Before: one GET of the shard at a time whatever the reader could do.
-    assert most[0] == concurrency, most
+    assert gets.most == concurrency, gets.most
     assert cli("verify", os.path.join(dst, step_dir(3))).exit_code == 0
     loaded = {"w": torch.zeros(2 << 20)}
     with Checkpointer(dst) as ck:
