@@ -4,7 +4,8 @@ object storage or a network filesystem each is a round trip. ``each`` runs them 
 ``settings.REQUEST_THREADS`` threads and keeps the order, so a listing of a root costs a few
 round trips instead of a few per checkpoint.
 
-Only for reads: nothing that writes or deletes goes through here (their order is a promise).
+Only for reads. Deletes keep an order of their own (the commit files first, one at a time:
+``layouts.removal``), and writes never go several at once through here.
 """
 
 from __future__ import annotations
