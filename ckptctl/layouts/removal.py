@@ -40,7 +40,7 @@ def remove_unchanged(ckpt: Storage, order: Iterable[str], expected: Mapping[str,
         if not _delete_if_unchanged(ckpt, key, expected[key]):
             return ckpt.url_of(key)
     rest = keys[head:]
-    if len(rest) > 1:
+    if rest:
         changed: list[int] = []
         seen = threading.Event()
 
@@ -60,8 +60,6 @@ def remove_unchanged(ckpt: Storage, order: Iterable[str], expected: Mapping[str,
                 f.result()  # a storage error: raised once every delete started has ended
         if changed:
             return ckpt.url_of(rest[min(changed)])
-    elif rest and not _delete_if_unchanged(ckpt, rest[0], expected[rest[0]]):
-        return ckpt.url_of(rest[0])
     ckpt.remove_dir("")
     return None
 

@@ -104,7 +104,6 @@ class S3Writer(Writer):
         self._base_part = opts.part_size
         # Parts of one size (``expect``): the first ``_planned`` parts are ``_uniform`` bytes each.
         self._uniform, self._planned = opts.part_size, 0
-        self.spare_size = opts.part_size  # what ``spare`` lends: a copy reads pieces of this size
         self._inflight = opts.max_inflight_parts
         self._cur = bytearray()  # destined to be part number self._next_part
         self._fill = 0  # bytes of it written; the first part grows, later ones are full-size buffers
@@ -164,9 +163,13 @@ class S3Writer(Writer):
         if self._total == 0 and self._next_part == 1 and size > 0:
             self._uniform = uniform_part_size(self._base_part, size)
             self._planned = -(-size // self._uniform)
-            self.spare_size = self._uniform
         if self._created is None and size > self._threshold:
             self._start_multipart()
+
+    @property
+    def spare_size(self) -> int:
+        """What ``spare`` lends: a copy reads its pieces at this size (the object's part size)."""
+        return self._uniform
 
     def _part_size(self, number: int) -> int:
         """The size of part ``number`` (1-based): see ``expect``."""
